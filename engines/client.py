@@ -1,0 +1,61 @@
+"""The SGLang HTTP client: every request the gateway sends to an engine goes through here.
+
+One :class:`aiohttp.ClientSession` for the gateway's lifetime (keep-alive
+connection pool, TCP_NODELAY is aiohttp's default), explicit timeouts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import aiohttp
+import orjson
+
+log = logging.getLogger("laps.engines")
+
+
+class EngineClient:
+    """Talks to SGLang-compatible engines by base URL (``http://host:port``).
+
+    ``request_timeout_s`` bounds a whole generation; probes and aborts use a
+    short timeout of their own.
+    """
+
+    def __init__(self, request_timeout_s: float = 600.0, probe_timeout_s: float = 2.0) -> None:
+        self._request_timeout = aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=5)
+        self._probe_timeout = aiohttp.ClientTimeout(total=probe_timeout_s)
+        self.session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), json_serialize=lambda o: orjson.dumps(o).decode())
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    def post(self, base_url: str, path: str, body: dict) -> "aiohttp.client._RequestContextManager":
+        """``POST base_url + path`` with a JSON ``body``; use as ``async with``.
+
+        Raises (on enter): :class:`aiohttp.ClientError` or :class:`asyncio.TimeoutError`
+        when the engine cannot be reached.
+        """
+        return self.session.post(
+            base_url + path, data=orjson.dumps(body), headers={"Content-Type": "application/json"}, timeout=self._request_timeout
+        )
+
+    async def ready(self, base_url: str) -> bool:
+        """``GET /ready`` answered 200 within the probe timeout."""
+        try:
+            async with self.session.get(base_url + "/ready", timeout=self._probe_timeout) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return False
+
+    async def abort(self, base_url: str, rid: str) -> None:
+        """``POST /abort_request {"rid"}``: the engine frees the request's slot and KV. Never raises."""
+        try:
+            async with self.session.post(base_url + "/abort_request", json={"rid": rid}, timeout=self._probe_timeout) as resp:
+                log.info("aborted %s on %s: HTTP %d", rid, base_url, resp.status)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+            log.warning("abort of %s on %s failed: %r", rid, base_url, err)

@@ -1,0 +1,107 @@
+"""The app factory and the server's life: start engines, serve, shut down cleanly.
+
+Start-up order (aiohttp ``cleanup_ctx``, each part cleaned only if it started):
+engine client -> engine processes (unless given URLs) -> tokenizer -> health
+poller. Shutdown runs the same list backwards, so no engine outlives the
+gateway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from typing import AsyncIterator
+
+from aiohttp import web
+
+from engines.client import EngineClient
+from engines.manager import EngineManager
+from gateway import handlers
+from gateway.errors import error_middleware
+from gateway.metrics import GatewayMetrics
+from gateway.registry import EngineRegistry, EngineState
+from gateway.state import GATEWAY, Gateway
+from laps.config import Config
+from laps.tokenizer import load_tokenizer
+from policies.classifier import ThresholdClassifier
+from policies.least_loaded import LeastLoadedRouter
+
+log = logging.getLogger("laps.gateway")
+
+HEALTH_POLL_INTERVAL_S = 1.0
+MAX_BODY_BYTES = 64 * 1024 * 1024
+
+
+async def _poll_health(gw: Gateway) -> None:
+    while True:
+        await asyncio.sleep(HEALTH_POLL_INTERVAL_S)
+        for engine, ok in zip(list(gw.registry), await asyncio.gather(*(gw.client.ready(e.url) for e in gw.registry))):
+            if ok != engine.healthy:
+                log.warning("engine %s is now %s", engine.id, "healthy" if ok else "UNHEALTHY")
+            engine.healthy = ok
+            gw.metrics.engine_healthy.labels(engine.id).set(int(ok))
+
+
+def create_app(config: Config, engine_urls: dict[str, str] | None = None) -> web.Application:
+    """Build the gateway application for ``config``.
+
+    ``engine_urls`` (``{engine name: base URL}``) serves engines that are
+    already running; ``None`` launches the configured engines at start-up and
+    stops them at clean-up.
+    """
+    app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
+
+    async def lifecycle(app: web.Application) -> AsyncIterator[None]:
+        client = EngineClient(config.gateway.request_timeout_s)
+        await client.start()
+        manager = EngineManager(config) if engine_urls is None else None
+        try:
+            urls = engine_urls if manager is None else await manager.start(client.session)
+            tokenizer = await asyncio.get_running_loop().run_in_executor(None, load_tokenizer, config.model.path)
+            registry = EngineRegistry([EngineState(e.name, urls[e.name], config.pool(e)) for e in config.engines])
+            gw = Gateway(config, tokenizer, registry, client, ThresholdClassifier(config.scheduling.short_threshold_tokens), LeastLoadedRouter(), GatewayMetrics())
+            app[GATEWAY] = gw
+            poller = asyncio.create_task(_poll_health(gw))
+            log.info("serving %s with %d engines: %s", config.model.name, len(urls), ", ".join(f"{k}={v}" for k, v in urls.items()))
+            yield
+            poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await poller
+        finally:
+            if manager is not None:
+                await manager.stop()
+            await client.close()
+
+    app.cleanup_ctx.append(lifecycle)
+    app.router.add_post("/v1/chat/completions", handlers.chat_completions)
+    app.router.add_post("/v1/completions", handlers.completions)
+    app.router.add_get("/v1/models", handlers.list_models)
+    app.router.add_get("/health", handlers.health)
+    app.router.add_get("/metrics", handlers.metrics)
+    return app
+
+
+async def serve(config: Config) -> None:
+    """Run the gateway until SIGINT or SIGTERM, then shut everything down.
+
+    Raises:
+        RuntimeError: an engine failed to start (its log tail is in the message).
+        OSError: the gateway's port is taken.
+    """
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    runner = web.AppRunner(create_app(config), handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, config.gateway.host, config.gateway.port)
+        await site.start()
+        log.info("laps gateway listening on http://%s:%d (Ctrl-C to stop)", config.gateway.host, config.gateway.port)
+        print(f"laps: ready on http://{config.gateway.host}:{config.gateway.port}", flush=True)
+        await stop.wait()
+        log.info("shutting down")
+    finally:
+        await runner.cleanup()

@@ -1,0 +1,196 @@
+"""HTTP handlers: validate -> tokenize -> classify -> pick an engine -> relay.
+
+Every accepted request ends with the engine's answer or an explicit OpenAI
+error: before the response starts, as an HTTP error body; once a stream has
+started, as an in-stream ``data: {"error": ...}`` event followed by ``[DONE]``.
+When the client goes away, the engine is told to abort the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
+
+from gateway.errors import APIError
+from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.state import GATEWAY, Gateway
+from policies.types import RequestView
+
+log = logging.getLogger("laps.gateway")
+
+# Aborts outlive the cancelled handler that starts them; keep them referenced until done.
+_background: set[asyncio.Task] = set()
+
+
+class _ClientGone(Exception):
+    """The client closed the connection while the gateway was writing to it."""
+
+
+def _dumps(obj: Any) -> str:
+    return orjson.dumps(obj).decode()
+
+
+async def _json_body(request: web.Request) -> dict:
+    raw = await request.read()
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as err:
+        raise APIError(400, f"request body is not valid JSON: {err}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, f"request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _validate(model: type[BaseModel], body: dict) -> BaseModel:
+    try:
+        return model.model_validate(body)
+    except ValidationError as err:
+        first = err.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        raise APIError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param) from None
+
+
+def _check_model(gw: Gateway, model: str) -> None:
+    if model != gw.config.model.name:
+        raise APIError(404, f"The model `{model}` does not exist; this gateway serves `{gw.config.model.name}`.", param="model", code="model_not_found")
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/chat/completions`` (OpenAI), streaming or not."""
+    gw = request.app[GATEWAY]
+    arrival_s = time.monotonic()
+    body = await _json_body(request)
+    req = _validate(ChatCompletionRequest, body)
+    _check_model(gw, req.model)
+    prompt_ids = await asyncio.get_running_loop().run_in_executor(None, gw.tokenizer.encode_chat, req.chat())
+    return await _dispatch(request, gw, body, "/v1/chat/completions", len(prompt_ids), req.stream, arrival_s)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/completions`` (OpenAI), one prompt as text or token ids, streaming or not."""
+    gw = request.app[GATEWAY]
+    arrival_s = time.monotonic()
+    body = await _json_body(request)
+    req = _validate(CompletionRequest, body)
+    _check_model(gw, req.model)
+    if isinstance(req.prompt, str):
+        prompt_tokens = len(await asyncio.get_running_loop().run_in_executor(None, gw.tokenizer.encode, req.prompt))
+    else:
+        prompt_tokens = len(req.prompt)
+    body["prompt"] = req.prompt
+    return await _dispatch(request, gw, body, "/v1/completions", prompt_tokens, req.stream, arrival_s)
+
+
+async def _dispatch(request: web.Request, gw: Gateway, body: dict, path: str, prompt_tokens: int, stream: bool, arrival_s: float) -> web.StreamResponse:
+    rid = uuid.uuid4().hex
+    req_class = gw.classifier.classify(RequestView(rid, prompt_tokens, arrival_s=arrival_s))
+    engine_id = gw.router.select(gw.registry.views(), req_class)
+    if engine_id is None:
+        gw.metrics.requests.labels(req_class, "no_engine").inc()
+        raise APIError(503, "no healthy engine is available; retry later", type="service_unavailable", code="no_engine")
+    engine = gw.registry[engine_id]
+    body["rid"] = rid
+    headers = {"x-laps-class": req_class, "x-laps-engine": engine_id, "x-request-id": rid}
+    gw.registry.acquire(engine_id, prompt_tokens)
+    gw.metrics.in_flight.labels(engine_id).inc()
+    gw.metrics.prompt_tokens.labels(req_class).inc(prompt_tokens)
+    outcome = "error"
+    try:
+        if stream:
+            response, outcome = await _relay_stream(request, gw, engine.url, path, body, headers, req_class, arrival_s)
+        else:
+            response, outcome = await _relay_json(gw, engine.url, path, body, headers)
+        return response
+    except (_ClientGone, asyncio.CancelledError):
+        outcome = "client_gone"
+        gw.metrics.client_aborts.labels(req_class).inc()
+        task = asyncio.get_running_loop().create_task(gw.client.abort(engine.url, rid))
+        _background.add(task)
+        task.add_done_callback(_background.discard)
+        log.info("%s: client went away; aborting on %s", rid, engine_id)
+        raise
+    finally:
+        gw.registry.release(engine_id, prompt_tokens)
+        gw.metrics.in_flight.labels(engine_id).dec()
+        gw.metrics.requests.labels(req_class, outcome).inc()
+        if outcome == "ok":
+            gw.metrics.e2e.labels(req_class).observe(time.monotonic() - arrival_s)
+        log.info("%s %s class=%s engine=%s prompt_tokens=%d outcome=%s %.1f ms", rid, path, req_class, engine_id, prompt_tokens, outcome, 1e3 * (time.monotonic() - arrival_s))
+
+
+def _engine_error(engine_url: str, err: BaseException) -> APIError:
+    detail = str(err) or type(err).__name__
+    return APIError(502, f"engine at {engine_url} failed: {detail}", type="engine_error", code="engine_unavailable")
+
+
+async def _relay_json(gw: Gateway, engine_url: str, path: str, body: dict, headers: dict) -> tuple[web.Response, str]:
+    try:
+        async with gw.client.post(engine_url, path, body) as upstream:
+            payload = await upstream.read()
+            status = upstream.status
+    except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+        raise _engine_error(engine_url, err) from None
+    outcome = "ok" if status == 200 else f"http_{status}"
+    return web.Response(body=payload, status=status, content_type="application/json", headers=headers), outcome
+
+
+async def _relay_stream(request: web.Request, gw: Gateway, engine_url: str, path: str, body: dict, headers: dict, req_class: str, arrival_s: float) -> tuple[web.StreamResponse, str]:
+    response: web.StreamResponse | None = None
+    try:
+        async with gw.client.post(engine_url, path, body) as upstream:
+            if upstream.status != 200:
+                payload = await upstream.read()
+                return web.Response(body=payload, status=upstream.status, content_type="application/json", headers=headers), f"http_{upstream.status}"
+            response = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await response.prepare(request)
+            first = True
+            async for chunk in upstream.content.iter_any():
+                if first:
+                    gw.metrics.ttft.labels(req_class).observe(time.monotonic() - arrival_s)
+                    first = False
+                try:
+                    await response.write(chunk)
+                except ConnectionResetError:
+                    raise _ClientGone() from None
+    except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+        api_error = _engine_error(engine_url, err)
+        if response is None:
+            raise api_error from None
+        try:
+            await response.write(f"data: {_dumps(api_error.body())}\n\ndata: [DONE]\n\n".encode())
+        except ConnectionResetError:
+            raise _ClientGone() from None
+        await response.write_eof()
+        return response, "engine_error"
+    await response.write_eof()
+    return response, "ok"
+
+
+async def list_models(request: web.Request) -> web.Response:
+    """``GET /v1/models``: the one served model."""
+    gw = request.app[GATEWAY]
+    data = [{"id": gw.config.model.name, "object": "model", "created": 0, "owned_by": "laps"}]
+    return web.json_response({"object": "list", "data": data}, dumps=_dumps)
+
+
+async def health(request: web.Request) -> web.Response:
+    """``GET /health``: 200 when at least one engine is healthy, else 503; lists every engine."""
+    gw = request.app[GATEWAY]
+    engines = [{"id": e.id, "url": e.url, "pool": e.pool, "healthy": e.healthy, "in_flight": e.in_flight} for e in gw.registry]
+    ok = any(e["healthy"] for e in engines)
+    return web.json_response({"status": "ok" if ok else "unavailable", "engines": engines}, status=200 if ok else 503, dumps=_dumps)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """``GET /metrics``: Prometheus text format."""
+    gw = request.app[GATEWAY]
+    return web.Response(body=generate_latest(gw.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -1,0 +1,22 @@
+"""Prometheus metrics of the gateway (own registry: several gateways can live in one test process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# Buckets in seconds: short prefills finish in milliseconds, long ones and generations in seconds.
+_LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4, 12.8, 25.6, 51.2)
+
+
+class GatewayMetrics:
+    """The gateway's metrics, labelled by request class (``short``/``long``) or engine."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("laps_requests", "Requests finished, by class and outcome", ["cls", "outcome"], registry=self.registry)
+        self.ttft = Histogram("laps_time_to_first_token_seconds", "Time to first token seen by the gateway", ["cls"], buckets=_LATENCY_BUCKETS_S, registry=self.registry)
+        self.e2e = Histogram("laps_e2e_request_latency_seconds", "End-to-end request latency", ["cls"], buckets=_LATENCY_BUCKETS_S, registry=self.registry)
+        self.prompt_tokens = Counter("laps_prompt_tokens", "Templated prompt tokens routed, by class", ["cls"], registry=self.registry)
+        self.in_flight = Gauge("laps_engine_in_flight_requests", "Requests in flight per engine", ["engine"], registry=self.registry)
+        self.engine_healthy = Gauge("laps_engine_healthy", "1 if the engine answers /ready", ["engine"], registry=self.registry)
+        self.client_aborts = Counter("laps_client_disconnects", "Requests whose client went away before the end", ["cls"], registry=self.registry)

@@ -1,0 +1,53 @@
+"""The engine registry: the one owner of the fleet's health and gateway-side load.
+
+Policies never see this object, only the immutable :class:`EngineView`
+snapshots it hands out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from policies.types import EngineView, RequestClass
+
+
+@dataclass
+class EngineState:
+    """Mutable gateway-side state of one engine."""
+
+    id: str
+    url: str
+    pool: RequestClass
+    healthy: bool = True
+    in_flight: int = 0
+    in_flight_prompt_tokens: int = 0
+
+    def view(self) -> EngineView:
+        return EngineView(self.id, self.pool, self.healthy, self.in_flight, self.in_flight_prompt_tokens)
+
+
+class EngineRegistry:
+    """All engines by id, in configuration order."""
+
+    def __init__(self, engines: list[EngineState]) -> None:
+        self._engines = {e.id: e for e in engines}
+
+    def __iter__(self):
+        return iter(self._engines.values())
+
+    def __getitem__(self, engine_id: str) -> EngineState:
+        return self._engines[engine_id]
+
+    def views(self) -> list[EngineView]:
+        return [e.view() for e in self._engines.values()]
+
+    def acquire(self, engine_id: str, prompt_tokens: int) -> None:
+        """Count a request as in flight on ``engine_id`` until :meth:`release`."""
+        e = self._engines[engine_id]
+        e.in_flight += 1
+        e.in_flight_prompt_tokens += prompt_tokens
+
+    def release(self, engine_id: str, prompt_tokens: int) -> None:
+        e = self._engines[engine_id]
+        e.in_flight -= 1
+        e.in_flight_prompt_tokens -= prompt_tokens

@@ -1,0 +1,71 @@
+"""OpenAI request schemas: what the gateway checks before it tokenizes and routes.
+
+Unknown fields are kept and forwarded to the engine unchanged (SGLang accepts
+many extensions such as ``ignore_eos`` and ``rid``).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class TextPart(BaseModel):
+    """One ``{"type": "text", "text": ...}`` part of a message's content."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """One chat message; list content must be text parts (images are not served)."""
+
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class _SamplingFields(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str
+    stream: bool = False
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    n: int = Field(1, ge=1, le=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    stop: str | list[str] | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """``POST /v1/chat/completions`` body (the fields laps reads; the rest pass through)."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+
+    def chat(self) -> list[dict[str, str]]:
+        """The messages as ``{"role", "content"}`` dicts of plain text, for the chat template."""
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+class CompletionRequest(_SamplingFields):
+    """``POST /v1/completions`` body: one prompt, as text or as token ids."""
+
+    prompt: str | list[int] | list[str] = Field(min_length=1)
+
+    @field_validator("prompt")
+    @classmethod
+    def _single_prompt(cls, v):
+        if isinstance(v, list) and v and isinstance(v[0], str):
+            if len(v) != 1:
+                raise ValueError("laps serves one prompt per request; send a list of prompts as separate requests")
+            return v[0]
+        return v

@@ -1,0 +1,31 @@
+"""Everything a request handler needs, built once at start-up and reached through a typed app key."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from engines.client import EngineClient
+from gateway.metrics import GatewayMetrics
+from gateway.registry import EngineRegistry
+from laps.config import Config
+from laps.tokenizer import ChatTokenizer
+from policies.classifier import ThresholdClassifier
+from policies.least_loaded import LeastLoadedRouter
+
+
+@dataclass
+class Gateway:
+    """The gateway's long-lived parts: config, tokenizer, engines, policies, metrics."""
+
+    config: Config
+    tokenizer: ChatTokenizer
+    registry: EngineRegistry
+    client: EngineClient
+    classifier: ThresholdClassifier
+    router: LeastLoadedRouter
+    metrics: GatewayMetrics
+
+
+GATEWAY = web.AppKey("gateway", Gateway)

@@ -1,0 +1,130 @@
+"""The ``laps`` command: serve the gateway, generate load, or run the demo."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+from laps.config import DEFAULT_CONFIG_PATH, ConfigError, load_config
+
+EPILOG = """examples:
+  laps serve                                   # gateway + engines from ./config.yaml on 127.0.0.1:8000
+  laps loadgen --url http://127.0.0.1:8000 --dataset mixed --rate 2 --duration 60 --out runs/report.json
+  laps demo --duration 60                      # start, load, report, stop
+"""
+
+
+def _setup_logging(level: str, log_file: Path | None = None) -> None:
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    if log_file is not None:
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        handlers.append(logging.FileHandler(log_file))
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", handlers=handlers, force=True)
+
+
+def _run(coro) -> None:
+    try:
+        import uvloop
+    except ImportError:  # uvloop is a dependency, but the gateway also runs on the stock loop
+        asyncio.run(coro)
+    else:
+        uvloop.run(coro)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from gateway.app import serve
+
+    config = load_config(args.config)
+    overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    if overrides:
+        config = config.model_copy(update={"gateway": config.gateway.model_copy(update=overrides)})
+    _setup_logging(args.log_level, config.log_dir / "gateway.log")
+    try:
+        _run(serve(config))
+    except (RuntimeError, OSError) as err:
+        logging.getLogger("laps").error("%s", err)
+        return 1
+    return 0
+
+
+def _cmd_loadgen(args: argparse.Namespace) -> int:
+    from loadgen.cli import main as loadgen_main
+
+    _setup_logging(args.log_level)
+    return loadgen_main(args)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from laps.demo import run_demo
+
+    _setup_logging(args.log_level)
+    return run_demo(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``laps`` argument parser with its subcommands."""
+    from loadgen.cli import configure_parser as configure_loadgen
+
+    parser = argparse.ArgumentParser(
+        prog="laps",
+        description="laps: a length-aware LLM gateway. Short prefills never wait behind long ones.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity (default: info)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,loadgen,demo}")
+
+    serve = sub.add_parser(
+        "serve",
+        help="run the gateway and the engines of a config file",
+        description="Start every engine of the config, then serve the OpenAI API in front of them until Ctrl-C.",
+        epilog="example:\n  laps serve --config config.yaml --port 8000\n  curl http://127.0.0.1:8000/v1/models",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    serve.add_argument("--config", type=Path, default=DEFAULT_CONFIG_PATH, help="deployment YAML (default: %(default)s)")
+    serve.add_argument("--host", help="override gateway.host")
+    serve.add_argument("--port", type=int, help="override gateway.port")
+    serve.set_defaults(func=_cmd_serve)
+
+    lg = sub.add_parser(
+        "loadgen",
+        help="send open-loop Poisson load of real chats to a gateway and report TTFT/TPOT/E2E",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    configure_loadgen(lg)
+    lg.set_defaults(func=_cmd_loadgen)
+
+    demo = sub.add_parser(
+        "demo",
+        help="start the default deployment, run the mixed real-chat workload, report, stop",
+        description="Start the gateway and its engines, run the mixed real-chat workload against them, "
+        "print the report, write JSON and a TTFT plot, then shut everything down.",
+        epilog="example:\n  laps demo --duration 60 --out runs/demo/report.json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    demo.add_argument("--config", type=Path, default=DEFAULT_CONFIG_PATH, help="deployment YAML (default: %(default)s)")
+    demo.add_argument("--duration", type=float, default=60.0, help="seconds of load (default: %(default)s)")
+    demo.add_argument("--rate", type=float, default=3.0, help="conversation arrivals per second (default: %(default)s)")
+    demo.add_argument("--seed", type=int, default=0, help="workload seed (default: %(default)s)")
+    demo.add_argument("--out", type=Path, default=Path("runs/demo/report.json"), help="report JSON; the PNG goes next to it (default: %(default)s)")
+    demo.set_defaults(func=_cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``laps`` console script; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as err:
+        print(f"laps: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""``laps demo``: the default deployment under the mixed real-chat workload, end to end.
+
+Starts ``laps serve`` as a child process on a free port, waits until the
+gateway reports a healthy engine, runs ``laps loadgen`` against it, and stops
+the gateway (which stops its engines) whatever happens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+
+from engines.manager import free_port
+from laps.config import load_config
+
+log = logging.getLogger("laps.demo")
+
+READY_TIMEOUT_S = 120.0
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the gateway exited with code {proc.returncode} during start-up")
+        try:
+            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"the gateway was not healthy after {timeout_s:.0f} s")
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    """Run the demo described in the module docstring; returns the load generator's exit code."""
+    from laps.cli import build_parser
+
+    config = load_config(args.config)
+    port = free_port(config.gateway.host)
+    url = f"http://{config.gateway.host}:{port}"
+    gateway_log = config.log_dir / "gateway.log"
+    log.info("starting the gateway and %d engines on %s (logs in %s)", len(config.engines), url, config.log_dir)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "laps.cli", "serve", "--config", str(args.config), "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        _wait_healthy(url, proc, READY_TIMEOUT_S)
+        log.info("gateway ready; sending the mixed real-chat workload at %.1f conversations/s for %.0f s", args.rate, args.duration)
+        loadgen_args = build_parser().parse_args([
+            "--log-level", args.log_level, "loadgen",
+            "--url", url, "--dataset", "mixed", "--rate", str(args.rate), "--duration", str(args.duration),
+            "--slo-ttft-s", str(config.slo.ttft_s), "--seed", str(args.seed), "--out", str(args.out),
+        ])
+        return loadgen_args.func(loadgen_args)
+    except RuntimeError as err:
+        log.error("%s; see %s", err, gateway_log)
+        return 1
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        log.info("gateway and engines stopped")
