@@ -107,13 +107,14 @@ class Config(_Strict):
 
     @model_validator(mode="after")
     def _check_references(self) -> "Config":
-        names = [e.name for e in self.engines]
+        seen: set[str] = set()
         for i, engine in enumerate(self.engines):
             if engine.role not in self.roles:
                 allowed = ", ".join(sorted(self.roles))
                 raise ValueError(f"engines.{i}.role: {engine.role!r} is not a role defined under roles; allowed: {allowed}")
-            if names.count(engine.name) > 1:
+            if engine.name in seen:
                 raise ValueError(f"engines.{i}.name: {engine.name!r} is used by more than one engine")
+            seen.add(engine.name)
         return self
 
     def pool(self, engine: EngineConfig) -> str:

@@ -1,0 +1,58 @@
+"""A scriptable SGLang-compatible test double: records what it receives, signals explicitly, never sleeps."""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+from aiohttp import web
+
+
+class FakeEngine:
+    """Serves ``/ready``, ``/v1/chat/completions``, ``/v1/completions`` and ``/abort_request``.
+
+    ``hold_streams``: after the first chunk a stream waits for :attr:`release`.
+    ``break_streams``: after the first chunk the engine drops the connection.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.bodies: list[dict] = []
+        self.aborted: list[str] = []
+        self.abort_seen = asyncio.Event()
+        self.release = asyncio.Event()
+        self.hold_streams = False
+        self.break_streams = False
+        self.app = web.Application()
+        self.app.router.add_get("/ready", self._ready)
+        self.app.router.add_post("/v1/chat/completions", self._generate)
+        self.app.router.add_post("/v1/completions", self._generate)
+        self.app.router.add_post("/abort_request", self._abort)
+
+    async def _ready(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def _abort(self, request: web.Request) -> web.Response:
+        self.aborted.append((await request.json())["rid"])
+        self.abort_seen.set()
+        return web.Response()
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        chunk = {"id": body["rid"], "choices": [{"index": 0, "delta": {"content": f"hi from {self.name}"}, "finish_reason": None}]}
+        if not body.get("stream"):
+            usage = {"prompt_tokens": 7, "completion_tokens": 1, "total_tokens": 8}
+            return web.json_response({"id": body["rid"], "object": "chat.completion", "choices": [{"index": 0, "message": {"role": "assistant", "content": f"hi from {self.name}"}, "finish_reason": "stop"}], "usage": usage})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+        if self.break_streams:
+            request.transport.close()
+            return response
+        if self.hold_streams:
+            await self.release.wait()
+        last = {"id": body["rid"], "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+        await response.write(b"data: " + orjson.dumps(last) + b"\n\ndata: [DONE]\n\n")
+        await response.write_eof()
+        return response

@@ -1,0 +1,58 @@
+"""Configuration loading: the shipped default, and bad files failing with key path, value and what is allowed."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from laps.config import DEFAULT_CONFIG_PATH, ConfigError, load_config, parse_config
+
+
+def default_data() -> dict:
+    return yaml.safe_load(DEFAULT_CONFIG_PATH.read_text())
+
+
+def test_default_config_is_the_documented_deployment():
+    config = load_config()
+    assert (config.gateway.host, config.gateway.port) == ("127.0.0.1", 8000)
+    assert config.model.name == "Qwen2.5-7B-Instruct" and config.model.path is None
+    assert (config.sim.model, config.sim.gpu) == ("qwen2.5-7b", "h200")
+    assert config.slo.ttft_s == 0.4
+    assert config.scheduling.short_threshold_tokens == 256
+    assert [(e.kind, config.pool(e), e.gpus) for e in config.engines] == [("sim", "short", [0]), ("sim", "long", [1])]
+
+
+@pytest.mark.parametrize(
+    "edit, expected",
+    [
+        (lambda d: d["slo"].update(ttft_s=-1), ["slo.ttft_s", "greater than 0", "-1"]),
+        (lambda d: d["engines"][0].update(kind="gpu"), ["engines.0.kind", "'sim'", "'gpu'"]),
+        (lambda d: d["gateway"].update(prot=8000), ["gateway.prot", "Extra inputs are not permitted"]),
+        (lambda d: d["engines"][1].update(role="tiny"), ["engines.1.role", "'tiny'", "allowed: long-prefill, short-prefill"]),
+        (lambda d: d["roles"]["short-prefill"].update(pool="medium"), ["roles.short-prefill.pool", "'short' or 'long'", "'medium'"]),
+        (lambda d: d["engines"][1].update(name="sp0"), ["engines.1.name", "'sp0'", "more than one engine"]),
+        (lambda d: d["gateway"].update(port=70000), ["gateway.port", "less than or equal to 65535", "70000"]),
+        (lambda d: d.update(engines=[]), ["engines", "at least 1 item"]),
+    ],
+)
+def test_bad_config_names_key_value_and_allowed(edit, expected):
+    data = default_data()
+    edit(data)
+    with pytest.raises(ConfigError) as info:
+        parse_config(data, "bad.yaml")
+    message = str(info.value)
+    assert message.startswith("bad.yaml: invalid configuration")
+    for fragment in expected:
+        assert fragment in message
+
+
+def test_unreadable_and_non_yaml_files(tmp_path: Path):
+    with pytest.raises(ConfigError, match="cannot read configuration"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("engines: [\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    bad.write_text("- just\n- a list\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(bad)

@@ -1,0 +1,165 @@
+"""The gateway against fake engines: validation, classification, routing, relay, aborts, failures."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestServer
+
+from gateway.app import create_app
+from laps.config import load_config
+from tests.fake_engine import FakeEngine
+
+MODEL = "Qwen2.5-7B-Instruct"
+
+
+@pytest.fixture
+async def stack():
+    """Two fake engines (short pool sp0, long pool lp0) behind a real gateway app on port 0."""
+    fakes = {"sp0": FakeEngine("sp0"), "lp0": FakeEngine("lp0")}
+    servers = {name: TestServer(f.app) for name, f in fakes.items()}
+    for s in servers.values():
+        await s.start_server()
+    urls = {name: str(s.make_url("")).rstrip("/") for name, s in servers.items()}
+    gateway = TestServer(create_app(load_config(), engine_urls=urls), handler_cancellation=True)
+    await gateway.start_server()
+    async with aiohttp.ClientSession(str(gateway.make_url(""))) as session:
+        yield session, fakes, servers
+    await gateway.close()
+    for s in servers.values():
+        await s.close()
+
+
+def chat(content: str, **extra) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], **extra}
+
+
+async def test_short_chat_goes_to_short_pool_with_rid_and_class_header(stack):
+    session, fakes, _ = stack
+    async with session.post("/v1/chat/completions", json=chat("Hello!", max_tokens=5, ignore_eos=True)) as resp:
+        assert resp.status == 200
+        body = await resp.json()
+        assert resp.headers["x-laps-class"] == "short"
+        assert resp.headers["x-laps-engine"] == "sp0"
+        rid = resp.headers["x-request-id"]
+    assert body["choices"][0]["message"]["content"] == "hi from sp0"
+    forwarded = fakes["sp0"].bodies[0]
+    assert forwarded["rid"] == rid and forwarded["ignore_eos"] is True and forwarded["max_tokens"] == 5
+    assert fakes["lp0"].bodies == []
+
+
+async def test_long_prompt_goes_to_long_pool(stack):
+    session, fakes, _ = stack
+    # Each " word" is one Qwen2.5 token; with the template this is well past 256 tokens.
+    async with session.post("/v1/chat/completions", json=chat(" word" * 300)) as resp:
+        assert resp.status == 200
+        assert resp.headers["x-laps-class"] == "long"
+        assert resp.headers["x-laps-engine"] == "lp0"
+    assert len(fakes["lp0"].bodies) == 1
+
+
+async def test_completions_with_token_ids_classify_by_their_count(stack):
+    session, fakes, _ = stack
+    payload = {"model": MODEL, "prompt": list(range(1000, 1256))}
+    async with session.post("/v1/completions", json=payload) as resp:
+        assert resp.status == 200 and resp.headers["x-laps-class"] == "long"
+    payload["prompt"] = list(range(1000, 1255))
+    async with session.post("/v1/completions", json=payload) as resp:
+        assert resp.status == 200 and resp.headers["x-laps-class"] == "short"
+
+
+async def test_stream_is_relayed_to_done(stack):
+    session, _, _ = stack
+    async with session.post("/v1/chat/completions", json=chat("Hi", stream=True)) as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        text = (await resp.read()).decode()
+    events = [line for line in text.split("\n\n") if line]
+    assert events[0].startswith("data: {") and "hi from sp0" in events[0]
+    assert events[-1] == "data: [DONE]"
+
+
+@pytest.mark.parametrize(
+    "path, payload, status, param, fragment",
+    [
+        ("/v1/chat/completions", b"{not json", 400, None, "not valid JSON"),
+        ("/v1/chat/completions", b"[1, 2]", 400, None, "must be a JSON object"),
+        ("/v1/chat/completions", {"model": MODEL}, 400, "messages", "Field required"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages", "at least 1 item"),
+        ("/v1/chat/completions", {"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}, 404, "model", "gpt-9"),
+        ("/v1/chat/completions", chat("x", max_tokens=-3), 400, "max_tokens", "greater than or equal to 1"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role", "'user'"),
+        ("/v1/completions", {"model": MODEL}, 400, "prompt", "Field required"),
+        ("/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt", "one prompt per request"),
+    ],
+)
+async def test_malformed_requests_get_openai_error_bodies(stack, path, payload, status, param, fragment):
+    session, fakes, _ = stack
+    kwargs = {"data": payload, "headers": {"Content-Type": "application/json"}} if isinstance(payload, bytes) else {"json": payload}
+    async with session.post(path, **kwargs) as resp:
+        assert resp.status == status
+        error = (await resp.json())["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param
+    assert fragment in error["message"]
+    assert fakes["sp0"].bodies == [] and fakes["lp0"].bodies == []
+
+
+async def test_unknown_route_gets_openai_404(stack):
+    session, _, _ = stack
+    async with session.get("/v1/nothing") as resp:
+        assert resp.status == 404
+        assert (await resp.json())["error"]["type"] == "not_found_error"
+
+
+async def test_client_disconnect_mid_stream_aborts_on_engine(stack):
+    session, fakes, _ = stack
+    fakes["sp0"].hold_streams = True
+    resp = await session.post("/v1/chat/completions", json=chat("Hi", stream=True))
+    rid = resp.headers["x-request-id"]
+    first = await resp.content.readuntil(b"\n\n")
+    assert b"hi from sp0" in first
+    resp.close()  # the client goes away while the engine is still generating
+    await asyncio.wait_for(fakes["sp0"].abort_seen.wait(), timeout=5)
+    assert fakes["sp0"].aborted == [rid]
+    fakes["sp0"].release.set()
+
+
+async def test_dead_engine_gives_502_and_gateway_keeps_serving(stack):
+    session, _, servers = stack
+    await servers["sp0"].close()
+    async with session.post("/v1/chat/completions", json=chat("Hi")) as resp:
+        assert resp.status == 502
+        error = (await resp.json())["error"]
+    assert error["type"] == "engine_error" and "failed" in error["message"]
+    async with session.post("/v1/chat/completions", json=chat(" word" * 300)) as resp:
+        assert resp.status == 200 and resp.headers["x-laps-engine"] == "lp0"
+
+
+async def test_engine_dropping_mid_stream_ends_with_in_stream_error(stack):
+    session, fakes, _ = stack
+    fakes["sp0"].break_streams = True
+    async with session.post("/v1/chat/completions", json=chat("Hi", stream=True)) as resp:
+        assert resp.status == 200
+        text = (await resp.read()).decode()
+    events = [e for e in text.split("\n\n") if e]
+    assert "hi from sp0" in events[0]
+    assert events[-2].startswith('data: {"error":') and "engine_error" in events[-2]
+    assert events[-1] == "data: [DONE]"
+
+
+async def test_models_health_and_metrics(stack):
+    session, _, _ = stack
+    async with session.get("/v1/models") as resp:
+        assert [m["id"] for m in (await resp.json())["data"]] == [MODEL]
+    async with session.get("/health") as resp:
+        health = await resp.json()
+        assert resp.status == 200 and [e["id"] for e in health["engines"]] == ["sp0", "lp0"]
+    async with session.post("/v1/chat/completions", json=chat("Hi", stream=True)) as resp:
+        await resp.read()
+    async with session.get("/metrics") as resp:
+        text = await resp.text()
+    assert 'laps_requests_total{cls="short",outcome="ok"} 1.0' in text
+    assert 'laps_time_to_first_token_seconds_count{cls="short"} 1.0' in text
