@@ -1,0 +1,60 @@
+"""Exact token counts: the built-in Qwen2.5 ChatML tokenizer, and a HF model directory agreeing with it."""
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+from engines.tiny_model import write_tiny_qwen2_model
+from laps.tokenizer import HFChatTokenizer, load_tokenizer
+
+DATA = Path(__file__).resolve().parent.parent / "loadgen" / "data"
+
+# Qwen2.5-Instruct's default system turn, as Qwen2.5's own tokenizer encodes it.
+QWEN25_SYSTEM_IDS = [151644, 8948, 198, 2610, 525, 1207, 16948, 11, 3465, 553, 54364, 14817, 13, 1446, 525, 264, 10950, 17847, 13, 151645, 198]
+
+
+def real_chats(limit: int = 60) -> list[list[dict]]:
+    with gzip.open(DATA / "hh_rlhf_harmless_base_test_conversations.jsonl.gz", "rt") as f:
+        convs = [json.loads(line) for _, line in zip(range(limit), f)]
+    return [[{"role": m["role"], "content": m["content"]} for m in c["messages"]] for c in convs]
+
+
+def test_default_system_prompt_matches_qwen25_ids():
+    tok = load_tokenizer()
+    ids = tok.encode_chat([{"role": "user", "content": "hi"}])
+    assert ids[: len(QWEN25_SYSTEM_IDS)] == QWEN25_SYSTEM_IDS
+    # <|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n
+    assert ids[len(QWEN25_SYSTEM_IDS):] == [151644, 872, 198, 6023, 151645, 198, 151644, 77091, 198]
+
+
+def test_explicit_system_message_replaces_the_default():
+    tok = load_tokenizer()
+    text = tok.render_chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}])
+    assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_decode_round_trips_real_text():
+    tok = load_tokenizer()
+    for chat in real_chats(20):
+        text = chat[0]["content"]
+        assert tok.decode(tok.encode(text)) == text
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> Path:
+    return write_tiny_qwen2_model(tmp_path_factory.mktemp("tiny-qwen2"))
+
+
+def test_hf_model_directory_gives_identical_ids_on_real_multiturn_chats(hf_dir):
+    builtin, hf = load_tokenizer(), HFChatTokenizer(hf_dir)
+    for chat in real_chats():
+        assert hf.render_chat(chat) == builtin.render_chat(chat)
+        assert hf.encode_chat(chat) == builtin.encode_chat(chat)
+    assert {151645} <= hf.eos_token_ids
+
+
+def test_bad_model_directory_raises_value_error(tmp_path):
+    with pytest.raises(ValueError, match="cannot load a tokenizer"):
+        HFChatTokenizer(tmp_path)
