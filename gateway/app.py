@@ -27,6 +27,7 @@ from laps.config import Config
 from laps.tokenizer import load_tokenizer
 from policies.classifier import ThresholdClassifier
 from policies.least_loaded import LeastLoadedRouter
+from policies.prefix_index import PrefixIndex
 
 log = logging.getLogger("laps.gateway")
 
@@ -61,7 +62,8 @@ def create_app(config: Config, engine_urls: dict[str, str] | None = None) -> web
             urls = engine_urls if manager is None else await manager.start(client.session)
             tokenizer = await asyncio.get_running_loop().run_in_executor(None, load_tokenizer, config.model.path)
             registry = EngineRegistry([EngineState(e.name, urls[e.name], config.pool(e)) for e in config.engines])
-            gw = Gateway(config, tokenizer, registry, client, ThresholdClassifier(config.scheduling.short_threshold_tokens), LeastLoadedRouter(), GatewayMetrics())
+            classifier = ThresholdClassifier(config.scheduling.short_threshold_tokens)
+            gw = Gateway(config, tokenizer, registry, client, classifier, LeastLoadedRouter(), PrefixIndex(), GatewayMetrics())
             app[GATEWAY] = gw
             poller = asyncio.create_task(_poll_health(gw))
             log.info("serving %s with %d engines: %s", config.model.name, len(urls), ", ".join(f"{k}={v}" for k, v in urls.items()))

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ValidationError
 from gateway.errors import APIError
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.state import GATEWAY, Gateway
+from policies.prefix_index import block_keys
 from policies.types import RequestView
 
 log = logging.getLogger("laps.gateway")
@@ -72,7 +73,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = _validate(ChatCompletionRequest, body)
     _check_model(gw, req.model)
     prompt_ids = await asyncio.get_running_loop().run_in_executor(None, gw.tokenizer.encode_chat, req.chat())
-    return await _dispatch(request, gw, body, "/v1/chat/completions", len(prompt_ids), req.stream, arrival_s)
+    return await _dispatch(request, gw, body, "/v1/chat/completions", prompt_ids, req.stream, arrival_s)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -83,16 +84,20 @@ async def completions(request: web.Request) -> web.StreamResponse:
     req = _validate(CompletionRequest, body)
     _check_model(gw, req.model)
     if isinstance(req.prompt, str):
-        prompt_tokens = len(await asyncio.get_running_loop().run_in_executor(None, gw.tokenizer.encode, req.prompt))
+        prompt_ids = await asyncio.get_running_loop().run_in_executor(None, gw.tokenizer.encode, req.prompt)
     else:
-        prompt_tokens = len(req.prompt)
+        prompt_ids = req.prompt
     body["prompt"] = req.prompt
-    return await _dispatch(request, gw, body, "/v1/completions", prompt_tokens, req.stream, arrival_s)
+    return await _dispatch(request, gw, body, "/v1/completions", prompt_ids, req.stream, arrival_s)
 
 
-async def _dispatch(request: web.Request, gw: Gateway, body: dict, path: str, prompt_tokens: int, stream: bool, arrival_s: float) -> web.StreamResponse:
+async def _dispatch(request: web.Request, gw: Gateway, body: dict, path: str, prompt_ids: list[int], stream: bool, arrival_s: float) -> web.StreamResponse:
     rid = uuid.uuid4().hex
-    req_class = gw.classifier.classify(RequestView(rid, prompt_tokens, arrival_s=arrival_s))
+    prompt_tokens = len(prompt_ids)
+    keys = block_keys(prompt_ids, gw.prefix_index.block_tokens)
+    # H: the best prefix-cache hit any engine probably has; L = prompt - H decides the class.
+    cached_tokens = max(gw.prefix_index.cached_tokens(e.id, keys) for e in gw.registry)
+    req_class = gw.classifier.classify(RequestView(rid, prompt_tokens, cached_tokens, arrival_s))
     engine_id = gw.router.select(gw.registry.views(), req_class)
     if engine_id is None:
         gw.metrics.requests.labels(req_class, "no_engine").inc()
@@ -103,6 +108,8 @@ async def _dispatch(request: web.Request, gw: Gateway, body: dict, path: str, pr
     gw.registry.acquire(engine_id, prompt_tokens)
     gw.metrics.in_flight.labels(engine_id).inc()
     gw.metrics.prompt_tokens.labels(req_class).inc(prompt_tokens)
+    if cached_tokens:
+        gw.metrics.reprefills.labels(req_class).inc()
     outcome = "error"
     try:
         if stream:
@@ -124,7 +131,8 @@ async def _dispatch(request: web.Request, gw: Gateway, body: dict, path: str, pr
         gw.metrics.requests.labels(req_class, outcome).inc()
         if outcome == "ok":
             gw.metrics.e2e.labels(req_class).observe(time.monotonic() - arrival_s)
-        log.info("%s %s class=%s engine=%s prompt_tokens=%d outcome=%s %.1f ms", rid, path, req_class, engine_id, prompt_tokens, outcome, 1e3 * (time.monotonic() - arrival_s))
+            gw.prefix_index.insert(engine_id, keys)
+        log.info("%s %s class=%s engine=%s prompt_tokens=%d cached_est=%d outcome=%s %.1f ms", rid, path, req_class, engine_id, prompt_tokens, cached_tokens, outcome, 1e3 * (time.monotonic() - arrival_s))
 
 
 def _engine_error(engine_url: str, err: BaseException) -> APIError:

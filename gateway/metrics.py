@@ -19,4 +19,5 @@ class GatewayMetrics:
         self.prompt_tokens = Counter("laps_prompt_tokens", "Templated prompt tokens routed, by class", ["cls"], registry=self.registry)
         self.in_flight = Gauge("laps_engine_in_flight_requests", "Requests in flight per engine", ["engine"], registry=self.registry)
         self.engine_healthy = Gauge("laps_engine_healthy", "1 if the engine answers /ready", ["engine"], registry=self.registry)
+        self.reprefills = Counter("laps_reprefills", "Requests with an estimated prefix-cache hit (H > 0), by class", ["cls"], registry=self.registry)
         self.client_aborts = Counter("laps_client_disconnects", "Requests whose client went away before the end", ["cls"], registry=self.registry)

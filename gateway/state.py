@@ -13,11 +13,12 @@ from laps.config import Config
 from laps.tokenizer import ChatTokenizer
 from policies.classifier import ThresholdClassifier
 from policies.least_loaded import LeastLoadedRouter
+from policies.prefix_index import PrefixIndex
 
 
 @dataclass
 class Gateway:
-    """The gateway's long-lived parts: config, tokenizer, engines, policies, metrics."""
+    """The gateway's long-lived parts: config, tokenizer, engines, policies, prefix index, metrics."""
 
     config: Config
     tokenizer: ChatTokenizer
@@ -25,6 +26,7 @@ class Gateway:
     client: EngineClient
     classifier: ThresholdClassifier
     router: LeastLoadedRouter
+    prefix_index: PrefixIndex
     metrics: GatewayMetrics
 
 

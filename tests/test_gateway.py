@@ -163,3 +163,16 @@ async def test_models_health_and_metrics(stack):
         text = await resp.text()
     assert 'laps_requests_total{cls="short",outcome="ok"} 1.0' in text
     assert 'laps_time_to_first_token_seconds_count{cls="short"} 1.0' in text
+
+
+async def test_follow_up_turn_on_long_cached_history_is_short(stack):
+    session, fakes, _ = stack
+    history = [{"role": "user", "content": " word" * 400}]
+    async with session.post("/v1/chat/completions", json={"model": MODEL, "messages": history}) as resp:
+        assert resp.headers["x-laps-class"] == "long"
+    history += [{"role": "assistant", "content": "hi from lp0"}, {"role": "user", "content": "And now?"}]
+    async with session.post("/v1/chat/completions", json={"model": MODEL, "messages": history}) as resp:
+        # ~420 prompt tokens, but all but the last block or two are cached on lp0: L < 256.
+        assert resp.headers["x-laps-class"] == "short"
+    async with session.get("/metrics") as resp:
+        assert 'laps_reprefills_total{cls="short"} 1.0' in await resp.text()

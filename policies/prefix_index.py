@@ -1,0 +1,99 @@
+"""Per-engine estimate of which prompt prefixes sit in each engine's prefix cache.
+
+Prompts are cut into blocks of ``block_tokens`` token ids; block k's key is a
+chained hash of blocks 0..k, so equal keys mean equal prefixes (as in vLLM's
+and SGLang's paged prefix caches). Each engine keeps an LRU set of keys bounded
+by ``max_blocks`` (mirroring its KV capacity). For a request, H = the tokens of
+the longest run of leading blocks present for an engine; L = prompt - H.
+
+The estimate is corrected by what the engine reports (``cached_tokens``)
+after each prefill: a shorter hit than estimated means the engine evicted
+that block and, its cache being LRU, every block older than it
+(:meth:`PrefixIndex.observe`).
+
+Memory: one dict entry per block (~100 bytes with the key), so
+``max_blocks = byte_budget // BYTES_PER_BLOCK_ENTRY``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Sequence
+
+BYTES_PER_BLOCK_ENTRY = 100
+
+
+def block_keys(token_ids: Sequence[int], block_tokens: int) -> list[int]:
+    """Chained keys of the full blocks of ``token_ids`` (a trailing partial block has none).
+
+    ``keys[k]`` identifies ``token_ids[: (k + 1) * block_tokens]``.
+    """
+    keys: list[int] = []
+    prev = 0
+    for start in range(0, len(token_ids) - block_tokens + 1, block_tokens):
+        prev = hash((prev, tuple(token_ids[start : start + block_tokens])))
+        keys.append(prev)
+    return keys
+
+
+class PrefixIndex:
+    """LRU sets of block keys per engine; see the module docstring.
+
+    Args:
+        block_tokens: tokens per block (estimates are multiples of it).
+        max_blocks: blocks remembered per engine; the least recently used go first.
+    """
+
+    def __init__(self, block_tokens: int = 16, max_blocks: int = 65536) -> None:
+        if block_tokens < 1 or max_blocks < 1:
+            raise ValueError("block_tokens and max_blocks must be >= 1")
+        self.block_tokens = block_tokens
+        self.max_blocks = max_blocks
+        self._engines: dict[str, OrderedDict[int, None]] = {}
+
+    def cached_tokens(self, engine_id: str, keys: Sequence[int]) -> int:
+        """H: tokens of the longest leading run of ``keys`` present on ``engine_id``."""
+        blocks = self._engines.get(engine_id)
+        if not blocks:
+            return 0
+        n = 0
+        for key in keys:
+            if key not in blocks:
+                break
+            n += 1
+        return n * self.block_tokens
+
+    def insert(self, engine_id: str, keys: Sequence[int]) -> None:
+        """Record that ``engine_id`` now holds the prefix ``keys`` (most recently used)."""
+        blocks = self._engines.setdefault(engine_id, OrderedDict())
+        for key in keys:
+            blocks[key] = None
+            blocks.move_to_end(key)
+        while len(blocks) > self.max_blocks:
+            blocks.popitem(last=False)
+
+    def observe(self, engine_id: str, keys: Sequence[int], reported_cached_tokens: int) -> None:
+        """Take the engine's report of a finished prefill of ``keys``, then insert ``keys``.
+
+        When the engine reports fewer cached tokens than the index holds, it had
+        evicted block ``keys[reported // block_tokens]``; its cache is LRU, so every
+        block used less recently than that one is gone too and is forgotten here.
+        The whole prompt is then cached on the engine (it just computed it).
+        """
+        blocks = self._engines.get(engine_id)
+        first_missing = reported_cached_tokens // self.block_tokens
+        if blocks and first_missing < len(keys) and keys[first_missing] in blocks:
+            evicted = keys[first_missing]
+            while blocks:
+                key, _ = blocks.popitem(last=False)
+                if key == evicted:
+                    break
+        self.insert(engine_id, keys)
+
+    def forget_engine(self, engine_id: str) -> None:
+        """Drop everything known about ``engine_id`` (it restarted or left)."""
+        self._engines.pop(engine_id, None)
+
+    def blocks(self, engine_id: str) -> int:
+        """Number of blocks remembered for ``engine_id``."""
+        return len(self._engines.get(engine_id, ()))

@@ -1,0 +1,69 @@
+"""The per-engine prefix index: chained block keys, hits, LRU bound, correction by reported cached tokens."""
+
+import pytest
+
+from policies.prefix_index import PrefixIndex, block_keys
+
+
+def test_block_keys_are_chained_over_full_blocks():
+    a = block_keys(list(range(40)), 16)
+    b = block_keys(list(range(32)) + [99] * 8, 16)
+    c = block_keys([7] + list(range(1, 40)), 16)
+    assert len(a) == 2 and a == b  # the trailing partial block has no key
+    assert c[0] != a[0] and c[1] != a[1]  # a change in block 0 changes every later key
+
+
+def test_hit_is_the_longest_leading_run_of_blocks():
+    index = PrefixIndex(block_tokens=4, max_blocks=100)
+    turn1 = list(range(10))  # 2 full blocks
+    index.insert("e0", block_keys(turn1, 4))
+    turn2 = turn1 + list(range(100, 110))  # same history, new message: 5 full blocks
+    keys = block_keys(turn2, 4)
+    assert index.cached_tokens("e0", keys) == 8
+    assert index.cached_tokens("e1", keys) == 0
+    other = block_keys([5] + turn2[1:], 4)
+    assert index.cached_tokens("e0", other) == 0
+
+
+def test_lru_bound_evicts_least_recently_used_blocks():
+    index = PrefixIndex(block_tokens=2, max_blocks=4)
+    a, b = block_keys([1, 2, 3, 4], 2), block_keys([5, 6, 7, 8], 2)
+    index.insert("e", a)
+    index.insert("e", b)
+    index.insert("e", a[:1])  # refresh a's first block
+    index.insert("e", block_keys([9, 9], 2))  # one more: the oldest (a[1]) goes
+    assert index.blocks("e") == 4
+    assert index.cached_tokens("e", a) == 2
+    assert index.cached_tokens("e", b) == 4
+
+
+def test_observe_forgets_blocks_older_than_an_evicted_one_and_inserts_the_prompt():
+    index = PrefixIndex(block_tokens=2, max_blocks=100)
+    old = block_keys([1, 1, 2, 2], 2)
+    conv = block_keys([3, 3, 4, 4, 5, 5], 2)
+    newer = block_keys([6, 6], 2)
+    for keys in (old, conv, newer):
+        index.insert("e", keys)
+    turn2 = block_keys([3, 3, 4, 4, 5, 5, 7, 7], 2)
+    assert index.cached_tokens("e", turn2) == 6
+    index.observe("e", turn2, reported_cached_tokens=2)  # the engine had evicted conv[1]
+    assert index.cached_tokens("e", old) == 0  # older than the evicted block: gone
+    assert index.cached_tokens("e", newer) == 2  # newer: kept
+    assert index.cached_tokens("e", turn2) == 8  # the engine just computed the whole prompt
+
+
+def test_observe_with_a_correct_estimate_forgets_nothing():
+    index = PrefixIndex(block_tokens=2, max_blocks=100)
+    first = block_keys([1, 1, 2, 2], 2)
+    index.insert("e", first)
+    index.observe("e", block_keys([1, 1, 2, 2, 3, 3], 2), reported_cached_tokens=5)
+    assert index.blocks("e") == 3
+
+
+def test_forget_engine_and_bad_arguments():
+    index = PrefixIndex(block_tokens=2, max_blocks=10)
+    index.insert("e", block_keys([1, 2], 2))
+    index.forget_engine("e")
+    assert index.blocks("e") == 0
+    with pytest.raises(ValueError):
+        PrefixIndex(block_tokens=0)
