@@ -25,7 +25,7 @@ from gateway.registry import EngineRegistry, EngineState
 from gateway.state import GATEWAY, Gateway
 from laps.config import Config
 from laps.tokenizer import load_tokenizer
-from policies.classifier import ThresholdClassifier
+from policies.classifier import Classifier, CostModelClassifier, PrefillCostModel, ThresholdClassifier
 from policies.least_loaded import LeastLoadedRouter
 from policies.prefix_index import PrefixIndex
 
@@ -45,6 +45,14 @@ async def _poll_health(gw: Gateway) -> None:
             gw.metrics.engine_healthy.labels(engine.id).set(int(ok))
 
 
+def make_classifier(config: Config) -> Classifier:
+    """The fitted cost model's boundary when the config has one, else the fixed threshold."""
+    fit = config.scheduling.cost_model
+    if fit is None:
+        return ThresholdClassifier(config.scheduling.short_threshold_tokens)
+    return CostModelClassifier(PrefillCostModel(fit.alpha, fit.beta, fit.gamma_w, fit.gamma_r))
+
+
 def create_app(config: Config, engine_urls: dict[str, str] | None = None) -> web.Application:
     """Build the gateway application for ``config``.
 
@@ -62,8 +70,7 @@ def create_app(config: Config, engine_urls: dict[str, str] | None = None) -> web
             urls = engine_urls if manager is None else await manager.start(client.session)
             tokenizer = await asyncio.get_running_loop().run_in_executor(None, load_tokenizer, config.model.path)
             registry = EngineRegistry([EngineState(e.name, urls[e.name], config.pool(e)) for e in config.engines])
-            classifier = ThresholdClassifier(config.scheduling.short_threshold_tokens)
-            gw = Gateway(config, tokenizer, registry, client, classifier, LeastLoadedRouter(), PrefixIndex(), GatewayMetrics())
+            gw = Gateway(config, tokenizer, registry, client, make_classifier(config), LeastLoadedRouter(), PrefixIndex(config.scheduling.prefix_block_tokens), GatewayMetrics())
             app[GATEWAY] = gw
             poller = asyncio.create_task(_poll_health(gw))
             log.info("serving %s with %d engines: %s", config.model.name, len(urls), ", ".join(f"{k}={v}" for k, v in urls.items()))

@@ -11,7 +11,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.registry import EngineRegistry
 from laps.config import Config
 from laps.tokenizer import ChatTokenizer
-from policies.classifier import ThresholdClassifier
+from policies.classifier import Classifier
 from policies.least_loaded import LeastLoadedRouter
 from policies.prefix_index import PrefixIndex
 
@@ -24,7 +24,7 @@ class Gateway:
     tokenizer: ChatTokenizer
     registry: EngineRegistry
     client: EngineClient
-    classifier: ThresholdClassifier
+    classifier: Classifier
     router: LeastLoadedRouter
     prefix_index: PrefixIndex
     metrics: GatewayMetrics

@@ -52,14 +52,27 @@ class SLOConfig(_Strict):
     ttft_s: float = Field(0.4, gt=0)
 
 
+class CostModelConfig(_Strict):
+    """Fitted prefill cost model T(L,H) = α·L(L+2H) + β·L + γw·L + γr·H, seconds (DESIGN §2.3)."""
+
+    alpha: float = Field(gt=0)
+    beta: float = Field(ge=0)
+    gamma_w: float = Field(ge=0)
+    gamma_r: float = Field(ge=0)
+
+
 class SchedulingConfig(_Strict):
     """Length-aware scheduling parameters.
 
     ``short_threshold_tokens``: a request whose new (uncached) prompt tokens are
     fewer than this is a short prefill; the LAPS fallback boundary is 256.
+    ``cost_model``: when set, the boundary is L_m(H) of this fitted model instead.
+    ``prefix_block_tokens``: block size of the gateway's prefix-cache estimate.
     """
 
     short_threshold_tokens: int = Field(256, ge=1)
+    cost_model: CostModelConfig | None = None
+    prefix_block_tokens: int = Field(16, ge=1)
 
 
 class RoleConfig(_Strict):

@@ -1,10 +1,18 @@
-"""Short/long prefill classification."""
+"""Short/long prefill classification: a fixed threshold, or the fitted latency model's boundary."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Protocol
 
 from policies.types import RequestClass, RequestView
+
+
+class Classifier(Protocol):
+    """Decides a request's prefill class from its new and cached token counts."""
+
+    def classify(self, request: RequestView) -> RequestClass: ...
 
 
 @dataclass(frozen=True)
@@ -20,3 +28,50 @@ class ThresholdClassifier:
 
     def classify(self, request: RequestView) -> RequestClass:
         return "short" if request.new_tokens < self.threshold_tokens else "long"
+
+
+@dataclass(frozen=True)
+class PrefillCostModel:
+    """LAPS prefill latency model T(L, H) = α·L(L+2H) + β·L + γw·L + γr·H (DESIGN §2.3).
+
+    L: new tokens, H: cached context tokens; coefficients in seconds per token
+    (α per token², for attention). compute(L, H) = α·L(L+2H) + β·L,
+    memory(L, H) = γw·L + γr·H.
+    """
+
+    alpha: float
+    beta: float
+    gamma_w: float
+    gamma_r: float
+
+    def compute_s(self, new_tokens: float, cached_tokens: float) -> float:
+        return self.alpha * new_tokens * (new_tokens + 2 * cached_tokens) + self.beta * new_tokens
+
+    def memory_s(self, new_tokens: float, cached_tokens: float) -> float:
+        return self.gamma_w * new_tokens + self.gamma_r * cached_tokens
+
+    def boundary_tokens(self, cached_tokens: float) -> float:
+        """L_m(H): the L at which compute equals memory; below it a prefill is memory-bound.
+
+        Closed form (DESIGN §2.3), the positive root of α·L² + (2αH + β − γw)·L − γr·H = 0:
+        L_m(H) = max(0, (−b + sqrt(b² + 4·α·γr·H)) / 2α) with b = 2αH + β − γw;
+        for H = 0 this is (γw − β)/α when γw > β, else 0.
+
+        Raises:
+            ValueError: if α <= 0 (no quadratic term: the boundary is undefined).
+        """
+        if self.alpha <= 0:
+            raise ValueError("alpha must be > 0 for a compute/memory boundary")
+        b = 2 * self.alpha * cached_tokens + self.beta - self.gamma_w
+        root = (-b + math.sqrt(b * b + 4 * self.alpha * self.gamma_r * cached_tokens)) / (2 * self.alpha)
+        return max(0.0, root)
+
+
+@dataclass(frozen=True)
+class CostModelClassifier:
+    """Short iff L < L_m(H) of a fitted :class:`PrefillCostModel` (LAPS, DESIGN §2.3)."""
+
+    model: PrefillCostModel
+
+    def classify(self, request: RequestView) -> RequestClass:
+        return "short" if request.new_tokens < self.model.boundary_tokens(request.cached_tokens) else "long"
