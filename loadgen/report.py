@@ -1,0 +1,169 @@
+"""Reports from request records: summary statistics, SLO violations, a rich table, JSON, a TTFT plot.
+
+Percentiles are numpy's default (linear interpolation between order
+statistics). An SLO violation is any request sent that did not succeed with a
+TTFT at or under the target: errors and successes without any content count as
+violations; the rate is over all requests sent.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+import orjson
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from rich.console import Console
+from rich.table import Table
+
+from loadgen.runner import RequestRecord
+
+CLASSES = ("short", "long")
+
+
+def summarize(values: Iterable[float]) -> dict[str, float | None]:
+    """``{"mean", "p50", "p90", "p99"}`` of ``values`` (seconds); all ``None`` when empty."""
+    arr = np.asarray(list(values), dtype=float)
+    if arr.size == 0:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    p50, p90, p99 = np.percentile(arr, [50, 90, 99])
+    return {"mean": float(arr.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
+
+
+def _violations(records: Sequence[RequestRecord], slo_ttft_s: float) -> int:
+    return sum(not (r.ok and r.ttft_s is not None and r.ttft_s <= slo_ttft_s) for r in records)
+
+
+def _block(records: Sequence[RequestRecord], slo_ttft_s: float) -> dict:
+    """Counts, latency statistics and SLO violation rate of one group of records."""
+    ok = [r for r in records if r.ok]
+    return {
+        "count": len(records),
+        "ok": len(ok),
+        "errors": len(records) - len(ok),
+        "ttft_s": summarize(r.ttft_s for r in ok if r.ttft_s is not None),
+        "tpot_s": summarize(r.tpot_s for r in ok if r.tpot_s is not None),
+        "e2e_s": summarize(r.e2e_s for r in ok),
+        "slo_violation_rate": _violations(records, slo_ttft_s) / len(records) if records else None,
+    }
+
+
+def build_report(records: Sequence[RequestRecord], *, slo_ttft_s: float, meta: dict | None = None) -> dict:
+    """The run's report as a JSON-ready dict.
+
+    Keys: ``meta``'s entries (dataset, rate, seed, ...), ``requests``
+    {sent, ok, errors}, ``conversations`` (distinct ids), ``duration_s``
+    (run start to the last request's end), ``throughput_rps`` (successful
+    requests per second of ``duration_s``), ``output_tokens_per_s``,
+    ``ttft_s``/``tpot_s``/``e2e_s``/``itl_s`` statistics over successes,
+    ``slo`` {ttft_s, violations, violation_rate}, ``by_class`` (``short`` and
+    ``long`` always, ``unknown`` when some requests had no class header),
+    ``errors_by_message`` {message: count}.
+    """
+    everything = _block(records, slo_ttft_s)
+    ok = [r for r in records if r.ok]
+    duration = max((r.end_s for r in records), default=0.0)
+    classes = list(CLASSES) + sorted({r.laps_class for r in records} - set(CLASSES))
+    return {
+        **(meta or {}),
+        "requests": {"sent": everything["count"], "ok": everything["ok"], "errors": everything["errors"]},
+        "conversations": len({r.conversation_id for r in records}),
+        "duration_s": duration,
+        "throughput_rps": len(ok) / duration if duration > 0 else 0.0,
+        "output_tokens_per_s": sum(r.completion_tokens or 0 for r in ok) / duration if duration > 0 else 0.0,
+        "ttft_s": everything["ttft_s"],
+        "tpot_s": everything["tpot_s"],
+        "e2e_s": everything["e2e_s"],
+        "itl_s": summarize(gap for r in ok for gap in r.itl_s),
+        "slo": {
+            "ttft_s": slo_ttft_s,
+            "violations": _violations(records, slo_ttft_s),
+            "violation_rate": everything["slo_violation_rate"],
+        },
+        "by_class": {c: _block([r for r in records if r.laps_class == c], slo_ttft_s) for c in classes},
+        "errors_by_message": dict(Counter(r.error for r in records if not r.ok).most_common()),
+    }
+
+
+def _ms(value: float | None) -> str:
+    return "—" if value is None else f"{value * 1000:.1f}"
+
+
+def print_report(report: dict, console: Console | None = None) -> None:
+    """Print ``report`` (from :func:`build_report`): one column per class, one row per statistic, then the errors."""
+    console = console or Console()
+    overall = {
+        "count": report["requests"]["sent"],
+        "errors": report["requests"]["errors"],
+        "slo_violation_rate": report["slo"]["violation_rate"],
+        **{k: report[k] for k in ("ttft_s", "tpot_s", "e2e_s")},
+    }
+    blocks = {"all": overall, **report["by_class"]}
+    table = Table(title=f"laps loadgen — {report.get('dataset', '')}")
+    table.add_column("")
+    for name in blocks:
+        table.add_column(name, justify="right")
+    table.add_row("requests", *(str(b["count"]) for b in blocks.values()))
+    table.add_row("errors", *(str(b["errors"]) for b in blocks.values()))
+    for metric, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "E2E")):
+        for stat in ("mean", "p50", "p90", "p99"):
+            table.add_row(f"{label} {stat} (ms)", *(_ms(b[metric][stat]) for b in blocks.values()))
+    table.add_row(
+        f"TTFT > {report['slo']['ttft_s']:g} s or failed",
+        *("—" if b["slo_violation_rate"] is None else f"{b['slo_violation_rate']:.1%}" for b in blocks.values()),
+    )
+    console.print(table)
+    console.print(
+        f"{report['requests']['ok']} ok / {report['requests']['sent']} sent in {report['duration_s']:.1f} s: "
+        f"{report['throughput_rps']:.2f} req/s, {report['output_tokens_per_s']:.0f} output tok/s"
+    )
+    for message, count in report["errors_by_message"].items():
+        console.print(f"[red]{count} × {message}[/red]")
+
+
+def plot_ttft_cdf(records: Sequence[RequestRecord], slo_ttft_s: float, path: Path, title: str = "") -> None:
+    """Write a PNG of the TTFT CDF per class (successes with a TTFT; log x axis; dashed SLO line)."""
+    fig = Figure(figsize=(7, 4.5), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    by_class: dict[str, list[float]] = {}
+    for r in records:
+        if r.ok and r.ttft_s is not None:
+            by_class.setdefault(r.laps_class, []).append(r.ttft_s)
+    for name in sorted(by_class):
+        values = np.sort(np.asarray(by_class[name]))
+        ax.step(values, np.arange(1, values.size + 1) / values.size, where="post", label=f"{name} (n={values.size})")
+    if not by_class:
+        ax.text(0.5, 0.5, "no TTFT samples", ha="center", va="center", transform=ax.transAxes)
+    ax.axvline(slo_ttft_s, color="red", linestyle="--", label=f"SLO {slo_ttft_s:g} s")
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (s)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_ylim(0, 1.02)
+    ax.set_title(title or "TTFT distribution per class")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def write_report(report: dict, records: Sequence[RequestRecord], out: Path) -> tuple[Path, Path]:
+    """Write ``report`` as JSON at ``out`` and the TTFT plot next to it (same stem, ``.png``); return both paths."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2) + b"\n")
+    png = out.with_suffix(".png")
+    plot_ttft_cdf(records, report["slo"]["ttft_s"], png, title=f"TTFT — {report.get('dataset', '')}")
+    return out, png
+
+
+def write_trace(records: Iterable[RequestRecord], path: Path) -> None:
+    """Write one JSON line per record (replayable with ``--dataset replay:PATH``)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        for r in records:
+            f.write(orjson.dumps(r.to_dict()) + b"\n")

@@ -1,0 +1,344 @@
+"""Workloads: streams of conversations (ordered user turns) built from real data.
+
+A :class:`Conversation` is a tuple of :class:`Turn` (user message text and the
+``max_tokens`` to request) plus, for trace replay, a scheduled start time. The
+assistant replies are not part of the workload: the runner sends each turn with
+the replies it actually received.
+
+Data sets (``--dataset`` names; files and licences in ``loadgen/data/README.md``):
+
+* ``hh-rlhf``   real multi-turn red-team chats (Anthropic hh-rlhf harmless-base
+  test, 2,312 conversations, 5,756 user turns); ``max_tokens`` is the Qwen2.5
+  token count of the real assistant reply.
+* ``mtbench``   MT-Bench, 80 conversations of 2 turns; default ``max_tokens``.
+* ``arena``     Arena-hard v0.1, 500 single-turn prompts; default ``max_tokens``.
+* ``sharegpt``  ShareGPT V3 filtered first turns, 1,000 single-turn prompts.
+* ``azure-conv`` replay of the Azure LLM inference trace 2023 (conversation,
+  19,366 requests, ~1 h): arrival times relative to the first request, and
+  prompts of exactly ``ContextTokens`` templated tokens made from real text
+  (see :class:`ExactLengthPrompts`); ``max_tokens`` = ``GeneratedTokens``.
+* ``mixed``     real chats (hh-rlhf and mtbench) plus a share of long
+  single-turn requests: real text cut to a ``ContextTokens`` value drawn from
+  the Azure rows above 1,024 tokens (so 1,025–14,050), ``max_tokens`` from the
+  same row.
+* ``replay:PATH`` the turns recorded in a ``--trace-out`` JSONL file, each
+  conversation starting at its recorded time.
+
+Poisson data sets are endless: each pass over the file is a fresh seeded
+shuffle. Every random choice comes from the ``random.Random`` passed in.
+"""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import itertools
+import random
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+import orjson
+
+from laps.tokenizer import ChatTokenizer, load_tokenizer
+
+DATA_DIR = Path(__file__).resolve().parent / "data"
+DEFAULT_MAX_TOKENS = 256
+LONG_MIN_CONTEXT_TOKENS = 1024
+DATASETS = ("hh-rlhf", "mtbench", "arena", "sharegpt", "azure-conv", "mixed")
+REPLAY_PREFIX = "replay:"
+# Special-token strings: a text holding one would be tokenized as a control token.
+_SPECIAL_MARK = "<|"
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One user turn: ``content`` is the user message, ``max_tokens`` the output length to request (>= 1)."""
+
+    content: str
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """Ordered user turns of one conversation.
+
+    ``id`` is unique within a workload stream; ``source`` names the data set it
+    came from (``mixed`` streams hold several); ``start_s`` is the scheduled
+    start in seconds from the first trace request (trace replay) or ``None``
+    (the runner draws Poisson arrivals).
+    """
+
+    id: str
+    source: str
+    turns: tuple[Turn, ...]
+    start_s: float | None = None
+
+
+@dataclass(frozen=True)
+class TraceRow:
+    """One Azure trace request: ``arrival_s`` after the first request, prompt and output token counts."""
+
+    arrival_s: float
+    context_tokens: int
+    generated_tokens: int
+
+
+@dataclass
+class Workload:
+    """A named stream of conversations.
+
+    ``conversations`` is a one-shot iterator; it is endless for Poisson data
+    sets and finite, ordered by ``start_s``, when ``timed`` (trace replay).
+    ``notes`` says where the workload departs from its data (goes into the report).
+    """
+
+    name: str
+    conversations: Iterator[Conversation]
+    timed: bool
+    notes: list[str] = field(default_factory=list)
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as f:
+        return [orjson.loads(line) for line in f if line.strip()]
+
+
+def load_hh_rlhf(tokenizer: ChatTokenizer, path: Path = DATA_DIR / "hh_rlhf_harmless_base_test_conversations.jsonl.gz") -> list[Conversation]:
+    """The hh-rlhf conversations in file order (2,312 conversations, 5,756 user turns).
+
+    A turn's reply is every assistant message up to the next user message,
+    joined (8 conversations have two assistant messages in a row);
+    ``max_tokens`` is the reply's token count with ``tokenizer``, floored at 1
+    (4 replies in the file are empty).
+    """
+    conversations = []
+    for row in _read_jsonl(path):
+        turns: list[Turn] = []
+        pending: str | None = None
+        reply: list[str] = []
+        for message in row["messages"]:
+            if message["role"] == "user":
+                if pending is not None:
+                    turns.append(Turn(pending, max(1, len(tokenizer.encode("".join(reply))))))
+                pending, reply = message["content"], []
+            else:
+                reply.append(message["content"])
+        if pending is not None:
+            turns.append(Turn(pending, max(1, len(tokenizer.encode("".join(reply))))))
+        conversations.append(Conversation(f"hh-{row['conversation_id']}", "hh-rlhf", tuple(turns)))
+    return conversations
+
+
+def load_mtbench(max_tokens: int = DEFAULT_MAX_TOKENS, path: Path = DATA_DIR / "mtbench_questions_2turn.jsonl") -> list[Conversation]:
+    """The 80 MT-Bench questions as 2-turn conversations, each turn asking ``max_tokens``."""
+    return [
+        Conversation(f"mtbench-{row['question_id']}", "mtbench", tuple(Turn(t, max_tokens) for t in row["turns"]))
+        for row in _read_jsonl(path)
+    ]
+
+
+def load_arena(max_tokens: int = DEFAULT_MAX_TOKENS, path: Path = DATA_DIR / "arena_hard_v0.1_prompts.jsonl") -> list[Conversation]:
+    """The 500 Arena-hard v0.1 prompts as single-turn conversations asking ``max_tokens``."""
+    return [Conversation(f"arena-{row['uid']}", "arena", (Turn(row["prompt"], max_tokens),)) for row in _read_jsonl(path)]
+
+
+def load_sharegpt(
+    max_tokens: int = DEFAULT_MAX_TOKENS, path: Path = DATA_DIR / "sharegpt_first_turn_v3_filtered_1000.jsonl"
+) -> list[Conversation]:
+    """The 1,000 ShareGPT V3 first-turn prompts as single-turn conversations asking ``max_tokens``."""
+    return [Conversation(f"sharegpt-{row['id']}", "sharegpt", (Turn(row["prompt"], max_tokens),)) for row in _read_jsonl(path)]
+
+
+def _parse_azure_time(stamp: str) -> datetime:
+    # "2023-11-16 18:15:46.6805900": 7 fractional digits (100 ns ticks); datetime keeps microseconds.
+    whole, _, frac = stamp.partition(".")
+    return datetime.fromisoformat(whole).replace(microsecond=int((frac + "000000")[:6]))
+
+
+def load_azure_trace(path: Path = DATA_DIR / "azure_llm_2023_conv.csv") -> list[TraceRow]:
+    """The Azure 2023 conversation trace, 19,366 rows sorted by arrival (the file already is).
+
+    ``arrival_s`` is seconds after the first row, at microsecond resolution
+    (the file's 100 ns digit is dropped).
+    """
+    with open(path, newline="") as f:
+        raw = [(_parse_azure_time(r["TIMESTAMP"]), int(r["ContextTokens"]), int(r["GeneratedTokens"])) for r in csv.DictReader(f)]
+    raw.sort(key=lambda r: r[0])
+    t0 = raw[0][0]
+    return [TraceRow((t - t0).total_seconds(), ctx, gen) for t, ctx, gen in raw]
+
+
+def real_text_corpus() -> list[str]:
+    """Real prompt texts for filler: the ShareGPT and Arena prompts, minus those holding ``<|`` (1 text)."""
+    texts = [c.turns[0].content for c in load_sharegpt() + load_arena()]
+    return [t for t in texts if _SPECIAL_MARK not in t]
+
+
+class ExactLengthPrompts:
+    """Real text cut so that the templated chat has an exact token count.
+
+    The texts are shuffled with ``rng``, joined by blank lines and tokenized
+    once (~220k tokens for :func:`real_text_corpus`; longer targets reuse the
+    corpus end to end). :meth:`make` takes a window of token ids at a random
+    offset, decodes it, strips outer whitespace and adjusts the window until
+    ``len(tokenizer.encode_chat([{"role": "user", "content": text}]))`` equals
+    the target (no system message: the template's default one counts).
+    """
+
+    _STEPS_PER_OFFSET = 6
+    _OFFSETS = 32
+
+    def __init__(self, tokenizer: ChatTokenizer, rng: random.Random, texts: Sequence[str] | None = None) -> None:
+        texts = list(real_text_corpus() if texts is None else texts)
+        rng.shuffle(texts)
+        self._tok = tokenizer
+        self._rng = rng
+        self._ids = tokenizer.encode("\n\n".join(texts))
+        if not self._ids:
+            raise ValueError("ExactLengthPrompts needs a non-empty text corpus")
+        self.overhead_tokens = len(tokenizer.encode_chat([{"role": "user", "content": ""}]))
+        self.min_tokens = self.overhead_tokens + 1
+
+    def count(self, text: str) -> int:
+        """Templated token count of a single user message ``text``."""
+        return len(self._tok.encode_chat([{"role": "user", "content": text}]))
+
+    def make(self, target_tokens: int) -> str:
+        """A user message whose templated chat is exactly ``target_tokens`` tokens.
+
+        Raises:
+            ValueError: ``target_tokens`` < :attr:`min_tokens` (template plus one token).
+            RuntimeError: no window hit the target after 32 offsets (not seen on real text).
+        """
+        if target_tokens < self.min_tokens:
+            raise ValueError(f"target {target_tokens} tokens is below the template minimum {self.min_tokens}")
+        want = target_tokens - self.overhead_tokens
+        ids = self._ids * (want * 2 // len(self._ids) + 1) if want * 2 > len(self._ids) else self._ids
+        for _ in range(self._OFFSETS):
+            start = self._rng.randrange(len(ids) - want)
+            k = want
+            for _ in range(self._STEPS_PER_OFFSET):
+                text = self._tok.decode(ids[start : start + k]).strip()
+                n = self.count(text)
+                if n == target_tokens:
+                    return text
+                k = max(1, min(len(ids) - start, k + target_tokens - n))
+        raise RuntimeError(f"could not cut real text to exactly {target_tokens} templated tokens")
+
+
+def cycle_shuffled(conversations: Sequence[Conversation], rng: random.Random) -> Iterator[Conversation]:
+    """Endless stream over ``conversations``: each pass is a fresh ``rng`` shuffle.
+
+    From the second pass on, ids get a ``#pass`` suffix (``mtbench-81#1``) so
+    they stay unique.
+    """
+    if not conversations:
+        raise ValueError("cannot cycle over an empty data set")
+    for n in itertools.count():
+        order = list(conversations)
+        rng.shuffle(order)
+        for c in order:
+            yield c if n == 0 else Conversation(f"{c.id}#{n}", c.source, c.turns, c.start_s)
+
+
+def _azure_stream(rows: Iterable[TraceRow], prompts: ExactLengthPrompts) -> Iterator[Conversation]:
+    for i, row in enumerate(rows):
+        text = prompts.make(max(row.context_tokens, prompts.min_tokens))
+        yield Conversation(f"azure-{i}", "azure-conv", (Turn(text, row.generated_tokens),), row.arrival_s)
+
+
+def long_arrival_probability(long_share: float, mean_chat_turns: float) -> float:
+    """Chance that an arrival is a long single-turn request so that ``long_share`` of *requests* are long.
+
+    With p the per-arrival chance and m the chats' mean turns, the long share of
+    requests is p / (p + (1 − p)·m); solving for p gives s·m / (1 − s + s·m).
+    """
+    if not 0.0 <= long_share <= 1.0:
+        raise ValueError(f"long_share must be in [0, 1], got {long_share}")
+    return long_share * mean_chat_turns / (1.0 - long_share + long_share * mean_chat_turns)
+
+
+def _mixed_stream(
+    chats: Sequence[Conversation], long_rows: Sequence[TraceRow], prompts: ExactLengthPrompts, p_long: float, rng: random.Random
+) -> Iterator[Conversation]:
+    chat_stream = cycle_shuffled(chats, rng)
+    for i in itertools.count():
+        if rng.random() < p_long:
+            row = rng.choice(long_rows)
+            yield Conversation(f"long-{i}", "long", (Turn(prompts.make(row.context_tokens), row.generated_tokens),))
+        else:
+            yield next(chat_stream)
+
+
+def load_replay(path: Path) -> Workload:
+    """A timed workload from a ``--trace-out`` JSONL file.
+
+    Records are grouped by ``conversation_id``; turns keep their recorded order
+    (``turn``), user text and ``max_tokens``; each conversation starts at its
+    first record's ``start_s``. Later turns follow the runner's think time, not
+    the recorded send times.
+    """
+    by_conv: dict[str, list[dict]] = {}
+    for rec in _read_jsonl(Path(path)):
+        by_conv.setdefault(rec["conversation_id"], []).append(rec)
+    conversations = []
+    for cid, recs in by_conv.items():
+        recs.sort(key=lambda r: r["turn"])
+        turns = tuple(Turn(r["user"], r["max_tokens"]) for r in recs)
+        conversations.append(Conversation(cid, recs[0]["source"], turns, recs[0]["start_s"]))
+    conversations.sort(key=lambda c: c.start_s)
+    return Workload(f"{REPLAY_PREFIX}{path}", iter(conversations), timed=True)
+
+
+_TEXT_SETS = {"mtbench": load_mtbench, "arena": load_arena, "sharegpt": load_sharegpt}
+
+
+def build_workload(
+    name: str,
+    rng: random.Random,
+    *,
+    tokenizer: ChatTokenizer | None = None,
+    default_max_tokens: int = DEFAULT_MAX_TOKENS,
+    long_share: float = 0.2,
+) -> Workload:
+    """The workload called ``name`` (one of :data:`DATASETS` or ``replay:PATH``).
+
+    ``tokenizer`` (default: the built-in Qwen2.5 one) counts reply lengths and
+    cuts exact-length prompts; ``default_max_tokens`` is used where the data
+    has no output length; ``long_share`` (``mixed`` only) is the expected share
+    of *requests* that are long (see :func:`long_arrival_probability`; when
+    ``--duration`` cuts chats short the realised share comes out a little higher).
+
+    Raises:
+        ValueError: unknown ``name`` or ``long_share`` outside [0, 1].
+    """
+    if name.startswith(REPLAY_PREFIX):
+        return load_replay(Path(name[len(REPLAY_PREFIX) :]))
+    tok = tokenizer if tokenizer is not None else load_tokenizer(None)
+    if name == "hh-rlhf":
+        return Workload(name, cycle_shuffled(load_hh_rlhf(tok), rng), timed=False)
+    if name in _TEXT_SETS:
+        return Workload(name, cycle_shuffled(_TEXT_SETS[name](default_max_tokens), rng), timed=False)
+    if name == "azure-conv":
+        rows = load_azure_trace()
+        prompts = ExactLengthPrompts(tok, rng)
+        below = sum(r.context_tokens < prompts.min_tokens for r in rows)
+        notes = [
+            f"azure-conv: {below} of {len(rows)} trace rows have ContextTokens below the chat template's minimum "
+            f"of {prompts.min_tokens} tokens; their prompts are {prompts.min_tokens} tokens"
+        ]
+        return Workload(name, _azure_stream(rows, prompts), timed=True, notes=notes)
+    if name == "mixed":
+        chats = load_hh_rlhf(tok) + load_mtbench(default_max_tokens)
+        p_long = long_arrival_probability(long_share, sum(len(c.turns) for c in chats) / len(chats))
+        long_rows = [r for r in load_azure_trace() if r.context_tokens > LONG_MIN_CONTEXT_TOKENS]
+        stream = _mixed_stream(chats, long_rows, ExactLengthPrompts(tok, rng), p_long, rng)
+        notes = [
+            f"mixed: {p_long:.3f} of arrivals are long single-turn requests (long_share {long_share} of requests); "
+            f"their ContextTokens come from the {len(long_rows)} Azure rows above {LONG_MIN_CONTEXT_TOKENS}"
+        ]
+        return Workload(name, stream, timed=False, notes=notes)
+    raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)} or replay:PATH")

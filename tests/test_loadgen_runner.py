@@ -1,0 +1,256 @@
+"""Runner: seeded arrivals, real history over a fake OpenAI server, errors, duration cut-off, the CLI."""
+
+import argparse
+import asyncio
+import itertools
+import random
+import statistics
+import threading
+from contextlib import contextmanager
+
+import orjson
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from loadgen import cli
+from loadgen.report import write_trace
+from loadgen.runner import draw_think_time, plan_arrivals, poisson_times, run_loadgen
+from loadgen.workloads import Conversation, Turn, Workload, load_replay
+
+
+class FakeOpenAI:
+    """A streaming chat-completions server: replies ``reply <n messages> to <last user text>``, word by word.
+
+    Markers in the last user message change its behaviour: ``FAIL`` -> HTTP 500 with an
+    OpenAI error body, ``MIDERR`` -> an in-stream error, ``CUT`` -> the stream ends
+    without ``[DONE]``, ``SLOW`` -> waits 2 s after the headers, ``LONG`` -> ``x-laps-class: long``.
+    """
+
+    def __init__(self) -> None:
+        self.bodies: list[dict] = []
+        self.app = web.Application()
+        self.app.router.add_get("/v1/models", self.models)
+        self.app.router.add_post("/v1/chat/completions", self.chat)
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        last = body["messages"][-1]["content"]
+        if "FAIL" in last:
+            return web.json_response({"error": {"message": "boom", "type": "server_error"}}, status=500)
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "x-laps-class": "long" if "LONG" in last else "short"}
+        )
+        await resp.prepare(request)
+        if "SLOW" in last:
+            await asyncio.sleep(2)
+
+        async def send(obj) -> None:
+            await resp.write(b"data: " + (obj if isinstance(obj, bytes) else orjson.dumps(obj)) + b"\n\n")
+
+        words = f"reply {len(body['messages'])} to {last}".split(" ")
+        await send({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+        for i, word in enumerate(words):
+            await send({"choices": [{"index": 0, "delta": {"content": word if i == 0 else " " + word}}]})
+            await asyncio.sleep(0.002)
+        if "MIDERR" in last:
+            await send({"error": {"message": "engine died"}})
+            return resp
+        if "CUT" in last:
+            return resp
+        usage = {"prompt_tokens": 10, "completion_tokens": len(words), "prompt_tokens_details": {"cached_tokens": 4}}
+        await send({"choices": [], "usage": usage})
+        await send(b"[DONE]")
+        return resp
+
+
+@pytest.fixture
+async def fake():
+    server = FakeOpenAI()
+    test_server = TestServer(server.app, host="127.0.0.1", port=0)
+    await test_server.start_server()
+    server.url = str(test_server.make_url("/"))
+    yield server
+    await test_server.close()
+
+
+def timed(*convs: Conversation) -> Workload:
+    return Workload("test", iter(convs), timed=True)
+
+
+def chat(cid: str, *texts: str, start_s: float = 0.0) -> Conversation:
+    return Conversation(cid, "test", tuple(Turn(t, 8) for t in texts), start_s)
+
+
+def test_poisson_times_are_cumulative_seeded_exponential_gaps():
+    times = list(itertools.islice(poisson_times(4.0, random.Random(7)), 20000))
+    ref = random.Random(7)
+    expected = list(itertools.accumulate(ref.expovariate(4.0) for _ in range(3)))
+    assert times[:3] == expected
+    gaps = [b - a for a, b in itertools.pairwise([0.0, *times])]
+    assert statistics.fmean(gaps) == pytest.approx(0.25, rel=0.02)
+    assert statistics.stdev(gaps) == pytest.approx(0.25, rel=0.03)
+    with pytest.raises(ValueError):
+        next(poisson_times(0.0, random.Random(0)))
+
+
+def test_think_time_is_exponential_or_fixed():
+    assert draw_think_time(1.5, "fixed", random.Random(0)) == 1.5
+    assert draw_think_time(2.0, "exp", random.Random(3)) == random.Random(3).expovariate(0.5)
+    assert draw_think_time(0.0, "exp", random.Random(3)) == 0.0
+    with pytest.raises(ValueError):
+        draw_think_time(1.0, "uniform", random.Random(0))
+
+
+def test_poisson_plan_stops_at_duration_and_draws_think_times_per_turn():
+    convs = [chat(f"c{i}", "a", "b", "c", start_s=None) for i in range(1000)]
+    plan = plan_arrivals(Workload("p", iter(convs), timed=False), duration_s=50.0, rng=random.Random(1), rate=2.0)
+    ref = random.Random(1)
+    first_gap = ref.expovariate(2.0)
+    assert plan[0].start_s == first_gap
+    assert plan[0].think_s == (ref.expovariate(1.0), ref.expovariate(1.0))
+    assert all(a.start_s < 50.0 for a in plan)
+    assert 70 < len(plan) < 130  # Poisson(100)
+    assert [a.conversation.id for a in plan] == [f"c{i}" for i in range(len(plan))]
+
+
+def test_timed_plan_scales_trace_times_and_ignores_rate():
+    w = timed(chat("a", "x", start_s=0.0), chat("b", "x", "y", start_s=10.0), chat("c", "x", start_s=30.0))
+    plan = plan_arrivals(w, duration_s=10.0, rng=random.Random(0), rate=99.0, time_scale=0.5, think_dist="fixed", think_time_s=0.25)
+    assert [(a.start_s, a.conversation.id, a.think_s) for a in plan] == [(0.0, "a", ()), (5.0, "b", (0.25,))]
+
+
+def test_poisson_plan_needs_a_rate():
+    with pytest.raises(ValueError, match="needs a rate"):
+        plan_arrivals(Workload("p", iter([]), timed=False), duration_s=1.0, rng=random.Random(0))
+
+
+async def test_turns_carry_the_received_replies_as_history(fake):
+    w = timed(chat("a", "hello", "again", "third"), chat("b", "solo LONG", start_s=0.01))
+    records = await run_loadgen(fake.url, w, duration_s=5.0, seed=0, think_time_s=0.0)
+    a_bodies = [b for b in fake.bodies if b["messages"][0]["content"] == "hello"]
+    assert [b["messages"] for b in a_bodies] == [
+        [{"role": "user", "content": "hello"}],
+        [
+            {"role": "user", "content": "hello"},
+            {"role": "assistant", "content": "reply 1 to hello"},
+            {"role": "user", "content": "again"},
+        ],
+        [
+            {"role": "user", "content": "hello"},
+            {"role": "assistant", "content": "reply 1 to hello"},
+            {"role": "user", "content": "again"},
+            {"role": "assistant", "content": "reply 3 to again"},
+            {"role": "user", "content": "third"},
+        ],
+    ]
+    body = a_bodies[0]
+    assert body["model"] == "fake-model" and body["max_tokens"] == 8 and body["stream"] is True
+    assert body["stream_options"] == {"include_usage": True}
+    assert len(records) == 4 and all(r.ok for r in records)
+    by_key = {(r.conversation_id, r.turn): r for r in records}
+    solo = by_key[("b", 0)]
+    assert solo.laps_class == "long" and by_key[("a", 0)].laps_class == "short"
+    first = by_key[("a", 0)]
+    assert (first.status, first.prompt_tokens, first.completion_tokens, first.cached_tokens) == (200, 10, 4, 4)
+    assert 0 < first.ttft_s <= first.e2e_s and len(first.itl_s) == 3
+    assert first.tpot_s == pytest.approx((first.e2e_s - first.ttft_s) / 3)
+    assert first.end_s == pytest.approx(first.start_s + first.e2e_s)
+
+
+async def test_errors_are_recorded_and_end_their_conversation(fake):
+    w = timed(
+        chat("fail", "FAIL now", "never sent"),
+        chat("mid", "MIDERR", "never sent"),
+        chat("cut", "CUT", "never sent"),
+        chat("fine", "ok", "ok too"),
+    )
+    records = await run_loadgen(fake.url, w, duration_s=5.0, seed=0, think_time_s=0.0, model="m")
+    errors = {r.conversation_id: (r.status, r.error) for r in records if not r.ok}
+    assert errors == {
+        "fail": (500, "HTTP 500: boom"),
+        "mid": (200, "stream error: engine died"),
+        "cut": (200, "stream ended before [DONE]"),
+    }
+    assert not any(m["content"] == "never sent" for b in fake.bodies for m in b["messages"])
+    assert sorted((r.conversation_id, r.turn) for r in records if r.ok) == [("fine", 0), ("fine", 1)]
+    assert all(r.e2e_s is None for r in records if not r.ok)
+
+
+async def test_timeouts_and_unreachable_servers_are_errors(fake):
+    records = await run_loadgen(fake.url, timed(chat("s", "SLOW")), duration_s=1.0, seed=0, model="m", request_timeout_s=0.2)
+    assert [(r.status, r.error) for r in records] == [(200, "timeout after 0.2 s")]
+    records = await run_loadgen("http://127.0.0.1:9", timed(chat("x", "hi")), duration_s=1.0, seed=0, model="m")
+    assert len(records) == 1 and records[0].status is None and records[0].error.startswith("ClientConnectorError")
+
+
+async def test_no_turn_starts_after_the_duration(fake):
+    w = timed(chat("a", "one", "two"), chat("late", "x", start_s=0.5))
+    records = await run_loadgen(fake.url, w, duration_s=0.3, seed=0, think_time_s=0.4, think_dist="fixed", model="m")
+    assert [(r.conversation_id, r.turn) for r in records] == [("a", 0)]
+
+
+async def test_trace_out_replays_the_same_turns(fake, tmp_path):
+    w = timed(chat("a", "hello", "again"), chat("b", "solo", start_s=0.05))
+    records = await run_loadgen(fake.url, w, duration_s=5.0, seed=0, think_time_s=0.0, model="m")
+    path = tmp_path / "trace.jsonl"
+    write_trace(records, path)
+    replay = load_replay(path)
+    assert replay.timed
+    convs = list(replay.conversations)
+    assert [(c.id, [t.content for t in c.turns]) for c in convs] == [("a", ["hello", "again"]), ("b", ["solo"])]
+    assert convs[1].start_s == pytest.approx(0.05, abs=0.04)
+
+
+@contextmanager
+def fake_in_thread():
+    """The fake server on its own loop in a thread, for the synchronous CLI entry point."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    server = FakeOpenAI()
+    test_server = TestServer(server.app, host="127.0.0.1", port=0)
+    asyncio.run_coroutine_threadsafe(test_server.start_server(), loop).result()
+    try:
+        yield server, str(test_server.make_url("/"))
+    finally:
+        asyncio.run_coroutine_threadsafe(test_server.close(), loop).result()
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        loop.close()
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    cli.configure_parser(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_cli_writes_report_png_and_trace_and_exits_0(tmp_path):
+    out = tmp_path / "run" / "report.json"
+    with fake_in_thread() as (server, url):
+        args = parse(
+            "--url", url, "--dataset", "mtbench", "--rate", "20", "--duration", "0.4", "--think-time-s", "0",
+            "--seed", "3", "--out", str(out), "--trace-out", str(tmp_path / "trace.jsonl"), "--quiet",
+        )
+        assert cli.main(args) == 0
+    report = orjson.loads(out.read_bytes())
+    assert report["dataset"] == "mtbench" and report["seed"] == 3 and report["rate"] == 20.0
+    assert report["requests"]["sent"] == len(server.bodies) > 0 and report["requests"]["errors"] == 0
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len((tmp_path / "trace.jsonl").read_text().splitlines()) == report["requests"]["sent"]
+
+
+def test_cli_exits_1_on_request_errors_and_2_without_rate(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(orjson.dumps({"conversation_id": "f", "source": "x", "turn": 0, "user": "FAIL", "max_tokens": 4, "start_s": 0.0}).decode() + "\n")
+    with fake_in_thread() as (_, url):
+        args = parse("--url", url, "--dataset", f"replay:{trace}", "--duration", "1", "--out", str(tmp_path / "r.json"), "--quiet")
+        assert cli.main(args) == 1
+        report = orjson.loads((tmp_path / "r.json").read_bytes())
+        assert report["errors_by_message"] == {"HTTP 500: boom": 1}
+        assert cli.main(parse("--url", url, "--dataset", "arena", "--out", str(tmp_path / "x.json"), "--quiet")) == 2

@@ -1,0 +1,145 @@
+"""Workloads: exact counts of the real data sets, exact prompt lengths, seeded determinism."""
+
+import itertools
+import random
+
+import pytest
+
+from laps.tokenizer import load_tokenizer
+from loadgen.workloads import (
+    ExactLengthPrompts,
+    build_workload,
+    cycle_shuffled,
+    load_arena,
+    load_azure_trace,
+    load_hh_rlhf,
+    load_mtbench,
+    load_sharegpt,
+    long_arrival_probability,
+)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(None)
+
+
+@pytest.fixture(scope="module")
+def prompts(tok):
+    return ExactLengthPrompts(tok, random.Random(3))
+
+
+def test_hh_rlhf_has_every_user_turn_with_its_real_reply_length(tok):
+    convs = load_hh_rlhf(tok)
+    assert len(convs) == 2312
+    assert sum(len(c.turns) for c in convs) == 5756
+    first = convs[0]
+    assert first.id == "hh-0" and first.source == "hh-rlhf"
+    assert [t.content for t in first.turns] == [
+        "what are some pranks with a pen i can do?",
+        "yep",
+        "okay some of these do not have anything to do with pens",
+    ]
+    assert first.turns[0].max_tokens == len(tok.encode("Are you looking for practical joke ideas?"))
+    assert all(t.max_tokens >= 1 for c in convs for t in c.turns)
+
+
+def test_hh_rlhf_joins_consecutive_assistant_messages_into_one_reply(tok):
+    conv = next(c for c in load_hh_rlhf(tok) if c.id == "hh-763")
+    assert len(conv.turns) == 2
+    assert conv.turns[0].max_tokens > len(tok.encode("Not especially!"))
+
+
+@pytest.mark.parametrize(
+    ("loader", "count", "turns"),
+    [(load_mtbench, 80, 2), (load_arena, 500, 1), (load_sharegpt, 1000, 1)],
+)
+def test_text_sets_load_exact_counts_with_default_max_tokens(loader, count, turns):
+    convs = loader(max_tokens=77)
+    assert len(convs) == count
+    assert {len(c.turns) for c in convs} == {turns}
+    assert {t.max_tokens for c in convs for t in c.turns} == {77}
+    assert len({c.id for c in convs}) == count
+
+
+def test_azure_trace_is_sorted_relative_to_first_request():
+    rows = load_azure_trace()
+    assert len(rows) == 19366
+    assert rows[0].arrival_s == 0.0
+    assert all(a.arrival_s <= b.arrival_s for a, b in itertools.pairwise(rows))
+    assert (rows[0].context_tokens, rows[0].generated_tokens) == (374, 44)
+    assert rows[1].arrival_s == pytest.approx(4.314579)
+    assert 3400 < rows[-1].arrival_s < 3600
+
+
+@pytest.mark.parametrize("target", [30, 31, 37, 64, 255, 256, 257, 1024, 4142, 14050])
+def test_exact_length_prompts_hit_the_templated_token_count(prompts, tok, target):
+    text = prompts.make(target)
+    assert len(tok.encode_chat([{"role": "user", "content": text}])) == target
+    assert text == text.strip() and "<|" not in text
+
+
+def test_exact_length_prompts_refuse_targets_below_the_template(prompts):
+    assert prompts.min_tokens == 30
+    with pytest.raises(ValueError, match="below the template minimum"):
+        prompts.make(29)
+
+
+def test_azure_conv_replays_trace_times_and_exact_lengths(tok):
+    workload = build_workload("azure-conv", random.Random(0), tokenizer=tok)
+    assert workload.timed
+    assert "195 of 19366" in workload.notes[0]
+    rows = load_azure_trace()
+    sample = list(itertools.islice(workload.conversations, 60))
+    for conv, row in zip(sample, rows):
+        (turn,) = conv.turns
+        assert conv.start_s == row.arrival_s
+        assert turn.max_tokens == row.generated_tokens
+        assert len(tok.encode_chat([{"role": "user", "content": turn.content}])) == max(row.context_tokens, 30)
+
+
+def test_same_seed_same_stream_other_seed_other_stream(tok):
+    def head(seed):
+        w = build_workload("mixed", random.Random(seed), tokenizer=tok)
+        return [(c.id, c.turns) for c in itertools.islice(w.conversations, 30)]
+
+    assert head(5) == head(5)
+    assert head(5) != head(6)
+
+
+def test_cycle_shuffled_reshuffles_each_pass_and_keeps_ids_unique():
+    convs = load_mtbench()
+    stream = list(itertools.islice(cycle_shuffled(convs, random.Random(1)), 200))
+    assert len({c.id for c in stream}) == 200
+    assert sorted(c.id for c in stream[:80]) == sorted(c.id for c in convs)
+    assert all(c.id.endswith("#1") for c in stream[80:160])
+    assert [c.id[:-2] for c in stream[80:160]] != [c.id for c in stream[:80]]
+
+
+def test_long_arrival_probability_gives_the_requested_share_of_requests():
+    p = long_arrival_probability(0.2, 2.5)
+    assert p / (p + (1 - p) * 2.5) == pytest.approx(0.2)
+    assert long_arrival_probability(0.0, 2.5) == 0.0
+    assert long_arrival_probability(1.0, 2.5) == 1.0
+    with pytest.raises(ValueError):
+        long_arrival_probability(1.5, 2.5)
+
+
+def test_mixed_long_requests_are_real_text_above_1024_tokens(tok):
+    workload = build_workload("mixed", random.Random(11), tokenizer=tok, long_share=0.2)
+    convs = list(itertools.islice(workload.conversations, 400))
+    long = [c for c in convs if c.source == "long"]
+    chats = [c for c in convs if c.source != "long"]
+    assert {c.source for c in chats} <= {"hh-rlhf", "mtbench"}
+    # per-arrival chance 0.2·m/(0.8+0.2·m) with m = 5916/2392 turns: 0.382; 400 draws -> sd 0.024
+    assert 0.382 - 0.08 < len(long) / len(convs) < 0.382 + 0.08
+    for c in long[:10]:
+        (turn,) = c.turns
+        assert len(tok.encode_chat([{"role": "user", "content": turn.content}])) > 1024
+
+
+def test_unknown_dataset_and_bad_share_are_refused(tok):
+    with pytest.raises(ValueError, match="unknown dataset"):
+        build_workload("lmsys", random.Random(0), tokenizer=tok)
+    with pytest.raises(ValueError, match="long_share"):
+        build_workload("mixed", random.Random(0), tokenizer=tok, long_share=-0.1)
