@@ -19,6 +19,7 @@ from aiohttp import web
 from engines.client import EngineClient
 from engines.manager import EngineManager
 from gateway import handlers
+from gateway.dispatcher import Dispatcher
 from gateway.errors import error_middleware
 from gateway.metrics import GatewayMetrics
 from gateway.registry import EngineRegistry, EngineState
@@ -26,7 +27,7 @@ from gateway.state import GATEWAY, Gateway
 from laps.config import Config
 from laps.tokenizer import load_tokenizer
 from policies.classifier import Classifier, CostModelClassifier, PrefillCostModel, ThresholdClassifier
-from policies.least_loaded import LeastLoadedRouter
+from policies.scheduler import ImmediateScheduler
 from policies.prefix_index import PrefixIndex
 
 log = logging.getLogger("laps.gateway")
@@ -70,12 +71,14 @@ def create_app(config: Config, engine_urls: dict[str, str] | None = None) -> web
             urls = engine_urls if manager is None else await manager.start(client.session)
             tokenizer = await asyncio.get_running_loop().run_in_executor(None, load_tokenizer, config.model.path)
             registry = EngineRegistry([EngineState(e.name, urls[e.name], config.pool(e)) for e in config.engines])
-            gw = Gateway(config, tokenizer, registry, client, make_classifier(config), LeastLoadedRouter(), PrefixIndex(config.scheduling.prefix_block_tokens), GatewayMetrics())
+            dispatcher = Dispatcher(ImmediateScheduler(), registry)
+            gw = Gateway(config, tokenizer, registry, client, make_classifier(config), dispatcher, PrefixIndex(config.scheduling.prefix_block_tokens), GatewayMetrics())
             app[GATEWAY] = gw
             poller = asyncio.create_task(_poll_health(gw))
             log.info("serving %s with %d engines: %s", config.model.name, len(urls), ", ".join(f"{k}={v}" for k, v in urls.items()))
             yield
             poller.cancel()
+            dispatcher.close()
             with contextlib.suppress(asyncio.CancelledError):
                 await poller
         finally:

@@ -9,6 +9,7 @@ When the client goes away, the engine is told to abort the request.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -93,29 +94,34 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def _dispatch(request: web.Request, gw: Gateway, body: dict, path: str, prompt_ids: list[int], stream: bool, arrival_s: float) -> web.StreamResponse:
     rid = uuid.uuid4().hex
-    prompt_tokens = len(prompt_ids)
     keys = block_keys(prompt_ids, gw.prefix_index.block_tokens)
+    cached_by_engine = {e.id: gw.prefix_index.cached_tokens(e.id, keys) for e in gw.registry}
+    view = RequestView(rid, len(prompt_ids), max(cached_by_engine.values()), arrival_s, arrival_s + gw.config.slo.ttft_s, cached_by_engine=cached_by_engine)
     # H: the best prefix-cache hit any engine probably has; L = prompt - H decides the class.
-    cached_tokens = max(gw.prefix_index.cached_tokens(e.id, keys) for e in gw.registry)
-    req_class = gw.classifier.classify(RequestView(rid, prompt_tokens, cached_tokens, arrival_s))
-    engine_id = gw.router.select(gw.registry.views(), req_class)
-    if engine_id is None:
-        gw.metrics.requests.labels(req_class, "no_engine").inc()
-        raise APIError(503, "no healthy engine is available; retry later", type="service_unavailable", code="no_engine")
+    req_class = gw.classifier.classify(view)
+    view = dataclasses.replace(view, request_class=req_class)
+    engine_id = await gw.dispatcher.admit(view)
     engine = gw.registry[engine_id]
     body["rid"] = rid
-    headers = {"x-laps-class": req_class, "x-laps-engine": engine_id, "x-request-id": rid}
-    gw.registry.acquire(engine_id, prompt_tokens)
+    headers = {
+        "x-laps-class": req_class,
+        "x-laps-engine": engine_id,
+        "x-request-id": rid,
+        "x-laps-prompt-tokens": str(view.prompt_tokens),
+        "x-laps-cached-tokens-est": str(view.cached_tokens),
+    }
     gw.metrics.in_flight.labels(engine_id).inc()
-    gw.metrics.prompt_tokens.labels(req_class).inc(prompt_tokens)
-    if cached_tokens:
+    gw.metrics.prompt_tokens.labels(req_class).inc(view.prompt_tokens)
+    if view.cached_tokens:
         gw.metrics.reprefills.labels(req_class).inc()
     outcome = "error"
     try:
         if stream:
-            response, outcome = await _relay_stream(request, gw, engine.url, path, body, headers, req_class, arrival_s)
+            response, outcome, reported = await _relay_stream(request, gw, engine.url, path, body, headers, view, engine_id)
         else:
-            response, outcome = await _relay_json(gw, engine.url, path, body, headers)
+            response, outcome, reported = await _relay_json(gw, engine.url, path, body, headers, view, engine_id)
+        if outcome == "ok":
+            gw.prefix_index.observe(engine_id, keys, reported)
         return response
     except (_ClientGone, asyncio.CancelledError):
         outcome = "client_gone"
@@ -126,13 +132,12 @@ async def _dispatch(request: web.Request, gw: Gateway, body: dict, path: str, pr
         log.info("%s: client went away; aborting on %s", rid, engine_id)
         raise
     finally:
-        gw.registry.release(engine_id, prompt_tokens)
+        gw.dispatcher.complete(view, engine_id)
         gw.metrics.in_flight.labels(engine_id).dec()
         gw.metrics.requests.labels(req_class, outcome).inc()
         if outcome == "ok":
             gw.metrics.e2e.labels(req_class).observe(time.monotonic() - arrival_s)
-            gw.prefix_index.insert(engine_id, keys)
-        log.info("%s %s class=%s engine=%s prompt_tokens=%d cached_est=%d outcome=%s %.1f ms", rid, path, req_class, engine_id, prompt_tokens, cached_tokens, outcome, 1e3 * (time.monotonic() - arrival_s))
+        log.info("%s %s class=%s engine=%s prompt_tokens=%d cached_est=%d outcome=%s %.1f ms", rid, path, req_class, engine_id, view.prompt_tokens, view.cached_tokens, outcome, 1e3 * (time.monotonic() - arrival_s))
 
 
 def _engine_error(engine_url: str, err: BaseException) -> APIError:
@@ -140,30 +145,44 @@ def _engine_error(engine_url: str, err: BaseException) -> APIError:
     return APIError(502, f"engine at {engine_url} failed: {detail}", type="engine_error", code="engine_unavailable")
 
 
-async def _relay_json(gw: Gateway, engine_url: str, path: str, body: dict, headers: dict) -> tuple[web.Response, str]:
+def _reported_cached_tokens(payload: bytes) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens`` of an engine's JSON response, if present."""
+    try:
+        details = (orjson.loads(payload).get("usage") or {}).get("prompt_tokens_details") or {}
+    except (orjson.JSONDecodeError, AttributeError):
+        return None
+    cached = details.get("cached_tokens")
+    return cached if isinstance(cached, int) else None
+
+
+async def _relay_json(gw: Gateway, engine_url: str, path: str, body: dict, headers: dict, view: RequestView, engine_id: str) -> tuple[web.Response, str, int | None]:
     try:
         async with gw.client.post(engine_url, path, body) as upstream:
             payload = await upstream.read()
             status = upstream.status
     except (aiohttp.ClientError, asyncio.TimeoutError) as err:
         raise _engine_error(engine_url, err) from None
-    outcome = "ok" if status == 200 else f"http_{status}"
-    return web.Response(body=payload, status=status, content_type="application/json", headers=headers), outcome
+    if status != 200:
+        return web.Response(body=payload, status=status, content_type="application/json", headers=headers), f"http_{status}", None
+    reported = _reported_cached_tokens(payload)
+    gw.dispatcher.first_token(view.rid, engine_id, reported)
+    return web.Response(body=payload, status=status, content_type="application/json", headers=headers), "ok", reported
 
 
-async def _relay_stream(request: web.Request, gw: Gateway, engine_url: str, path: str, body: dict, headers: dict, req_class: str, arrival_s: float) -> tuple[web.StreamResponse, str]:
+async def _relay_stream(request: web.Request, gw: Gateway, engine_url: str, path: str, body: dict, headers: dict, view: RequestView, engine_id: str) -> tuple[web.StreamResponse, str, int | None]:
     response: web.StreamResponse | None = None
     try:
         async with gw.client.post(engine_url, path, body) as upstream:
             if upstream.status != 200:
                 payload = await upstream.read()
-                return web.Response(body=payload, status=upstream.status, content_type="application/json", headers=headers), f"http_{upstream.status}"
+                return web.Response(body=payload, status=upstream.status, content_type="application/json", headers=headers), f"http_{upstream.status}", None
             response = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await response.prepare(request)
             first = True
             async for chunk in upstream.content.iter_any():
                 if first:
-                    gw.metrics.ttft.labels(req_class).observe(time.monotonic() - arrival_s)
+                    gw.metrics.ttft.labels(view.request_class).observe(time.monotonic() - view.arrival_s)
+                    gw.dispatcher.first_token(view.rid, engine_id, None)
                     first = False
                 try:
                     await response.write(chunk)
@@ -178,9 +197,9 @@ async def _relay_stream(request: web.Request, gw: Gateway, engine_url: str, path
         except ConnectionResetError:
             raise _ClientGone() from None
         await response.write_eof()
-        return response, "engine_error"
+        return response, "engine_error", None
     await response.write_eof()
-    return response, "ok"
+    return response, "ok", None
 
 
 async def list_models(request: web.Request) -> web.Response:

@@ -7,25 +7,25 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from engines.client import EngineClient
+from gateway.dispatcher import Dispatcher
 from gateway.metrics import GatewayMetrics
 from gateway.registry import EngineRegistry
 from laps.config import Config
 from laps.tokenizer import ChatTokenizer
 from policies.classifier import Classifier
-from policies.least_loaded import LeastLoadedRouter
 from policies.prefix_index import PrefixIndex
 
 
 @dataclass
 class Gateway:
-    """The gateway's long-lived parts: config, tokenizer, engines, policies, prefix index, metrics."""
+    """The gateway's long-lived parts: config, tokenizer, engines, classifier, dispatcher, prefix index, metrics."""
 
     config: Config
     tokenizer: ChatTokenizer
     registry: EngineRegistry
     client: EngineClient
     classifier: Classifier
-    router: LeastLoadedRouter
+    dispatcher: Dispatcher
     prefix_index: PrefixIndex
     metrics: GatewayMetrics
 

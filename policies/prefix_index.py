@@ -72,8 +72,10 @@ class PrefixIndex:
         while len(blocks) > self.max_blocks:
             blocks.popitem(last=False)
 
-    def observe(self, engine_id: str, keys: Sequence[int], reported_cached_tokens: int) -> None:
+    def observe(self, engine_id: str, keys: Sequence[int], reported_cached_tokens: int | None) -> None:
         """Take the engine's report of a finished prefill of ``keys``, then insert ``keys``.
+
+        ``None``: the engine reported nothing (e.g. a stream without usage); only insert.
 
         When the engine reports fewer cached tokens than the index holds, it had
         evicted block ``keys[reported // block_tokens]``; its cache is LRU, so every
@@ -81,7 +83,7 @@ class PrefixIndex:
         The whole prompt is then cached on the engine (it just computed it).
         """
         blocks = self._engines.get(engine_id)
-        first_missing = reported_cached_tokens // self.block_tokens
+        first_missing = len(keys) if reported_cached_tokens is None else reported_cached_tokens // self.block_tokens
         if blocks and first_missing < len(keys) and keys[first_missing] in blocks:
             evicted = keys[first_missing]
             while blocks:

@@ -1,9 +1,10 @@
-"""Immutable views that policies read; the gateway (or the simulator) builds them."""
+"""Immutable views and decisions exchanged between the runner (gateway or simulator) and policies."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+import math
+from dataclasses import dataclass, field
+from typing import Literal, Mapping
 
 RequestClass = Literal["short", "long"]
 
@@ -12,16 +13,20 @@ RequestClass = Literal["short", "long"]
 class RequestView:
     """One request as a policy sees it.
 
-    ``prompt_tokens``: templated prompt length; ``cached_tokens``: leading
-    tokens estimated to be in the target engine's prefix cache (H); the new
-    tokens to prefill are ``L = prompt_tokens - cached_tokens``. Times are
-    seconds on the caller's clock.
+    ``prompt_tokens``: templated prompt length; ``cached_tokens``: H, the most
+    leading tokens any engine probably holds in its prefix cache (per engine in
+    ``cached_by_engine``); the new tokens to prefill are ``L = prompt_tokens -
+    cached_tokens``. ``request_class`` is set by the classifier before the
+    request reaches a scheduler. Times are seconds on the caller's clock.
     """
 
     rid: str
     prompt_tokens: int
     cached_tokens: int = 0
     arrival_s: float = 0.0
+    deadline_s: float = math.inf
+    request_class: RequestClass = "short"
+    cached_by_engine: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def new_tokens(self) -> int:
@@ -38,3 +43,25 @@ class EngineView:
     healthy: bool = True
     in_flight: int = 0
     in_flight_prompt_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Dispatch:
+    """Send ``rids`` to ``engine_id`` now, as one group (an AWD batch has several)."""
+
+    engine_id: str
+    rids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """What a scheduler wants done at ``now``.
+
+    ``dispatches``: groups to send now; ``rejected``: requests that cannot be
+    served (no healthy engine) and must fail; ``wake_at_s``: call ``decide``
+    again at this time even if nothing else happens (``None``: no timer).
+    """
+
+    dispatches: tuple[Dispatch, ...] = ()
+    rejected: tuple[str, ...] = ()
+    wake_at_s: float | None = None

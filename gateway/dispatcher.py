@@ -1,0 +1,89 @@
+"""Carries out a pure :class:`~policies.scheduler.Scheduler`'s decisions on the event loop.
+
+A handler awaits :meth:`Dispatcher.admit` until the scheduler dispatches its
+request (the engine id comes back) or rejects it (503). The dispatcher asks the
+scheduler to decide after every event (arrival, cancel, first token,
+completion) and at the time the scheduler last asked to be woken.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from gateway.errors import APIError
+from gateway.registry import EngineRegistry
+from policies.scheduler import Scheduler
+from policies.types import RequestView
+
+
+class Dispatcher:
+    """The live runner of one scheduler; ``clock`` is ``time.monotonic`` unless a test injects one."""
+
+    def __init__(self, scheduler: Scheduler, registry: EngineRegistry, clock=time.monotonic) -> None:
+        self.scheduler = scheduler
+        self._registry = registry
+        self._clock = clock
+        self._waiting: dict[str, tuple[RequestView, asyncio.Future[str]]] = {}
+        self._timer: asyncio.TimerHandle | None = None
+
+    @property
+    def queued(self) -> int:
+        """Requests submitted and not yet dispatched."""
+        return len(self._waiting)
+
+    async def admit(self, request: RequestView) -> str:
+        """Submit ``request``; return the id of the engine it is dispatched to.
+
+        The request counts as in flight on that engine from this moment; the
+        caller must call :meth:`complete` when it ends.
+
+        Raises:
+            APIError: 503 when the scheduler rejects it (no healthy engine).
+            asyncio.CancelledError: the caller went away; the request is withdrawn.
+        """
+        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._waiting[request.rid] = (request, future)
+        self.scheduler.submit(request, self._clock())
+        self._decide()
+        try:
+            return await future
+        except asyncio.CancelledError:
+            if self._waiting.pop(request.rid, None) is not None:
+                self.scheduler.cancel(request.rid, self._clock())
+                self._decide()
+            elif future.done() and not future.cancelled() and future.exception() is None:
+                self.complete(request, future.result())  # dispatched in the same instant
+            raise
+
+    def first_token(self, rid: str, engine_id: str, reported_cached_tokens: int | None) -> None:
+        """The engine produced the request's first token (its prefill is done)."""
+        self.scheduler.on_first_token(rid, engine_id, self._clock(), reported_cached_tokens)
+        self._decide()
+
+    def complete(self, request: RequestView, engine_id: str) -> None:
+        """The request ended on ``engine_id`` (answered, failed or aborted)."""
+        self._registry.release(engine_id, request.prompt_tokens)
+        self.scheduler.on_complete(request.rid, engine_id, self._clock())
+        self._decide()
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def _decide(self) -> None:
+        now = self._clock()
+        decision = self.scheduler.decide(self._registry.views(), now)
+        for group in decision.dispatches:
+            for rid in group.rids:
+                request, future = self._waiting.pop(rid)
+                self._registry.acquire(group.engine_id, request.prompt_tokens)
+                future.set_result(group.engine_id)
+        for rid in decision.rejected:
+            _, future = self._waiting.pop(rid)
+            future.set_exception(APIError(503, "no healthy engine is available; retry later", type="service_unavailable", code="no_engine"))
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if decision.wake_at_s is not None:
+            self._timer = asyncio.get_running_loop().call_later(max(0.0, decision.wake_at_s - now), self._decide)

@@ -1,0 +1,74 @@
+"""The scheduler contract, and the simplest scheduler: dispatch at once to the least-loaded engine.
+
+A runner (the live gateway, or the virtual-time simulator) drives a scheduler:
+
+1. ``submit(request, now)`` when a classified request arrives;
+2. ``decide(engines, now)`` after every event and at the last ``wake_at_s``;
+   the runner carries out the returned :class:`Decision`;
+3. ``cancel(rid, now)`` when a request not yet dispatched goes away;
+4. ``on_first_token`` / ``on_complete`` as dispatched requests progress.
+
+Schedulers are pure: no I/O, no asyncio, no clock but ``now``.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+from policies.least_loaded import LeastLoadedRouter
+from policies.types import Decision, Dispatch, EngineView, RequestView
+
+
+class Scheduler(Protocol):
+    """What every scheduling policy implements (see the module docstring for the call order)."""
+
+    def submit(self, request: RequestView, now: float) -> None: ...
+
+    def cancel(self, rid: str, now: float) -> None: ...
+
+    def decide(self, engines: Sequence[EngineView], now: float) -> Decision: ...
+
+    def on_first_token(self, rid: str, engine_id: str, now: float, reported_cached_tokens: int | None) -> None: ...
+
+    def on_complete(self, rid: str, engine_id: str, now: float) -> None: ...
+
+
+class ImmediateScheduler:
+    """Dispatch every request the moment it arrives to its pool's least-loaded engine.
+
+    No batching window: the baseline every length-aware scheduler is compared
+    with. Requests are rejected only when no engine at all is healthy.
+    """
+
+    NAME = "immediate"
+
+    def __init__(self, router: LeastLoadedRouter | None = None) -> None:
+        self._router = router or LeastLoadedRouter()
+        self._pending: dict[str, RequestView] = {}
+
+    def submit(self, request: RequestView, now: float) -> None:
+        self._pending[request.rid] = request
+
+    def cancel(self, rid: str, now: float) -> None:
+        self._pending.pop(rid, None)
+
+    def decide(self, engines: Sequence[EngineView], now: float) -> Decision:
+        dispatches, rejected = [], []
+        load = {e.id: e for e in engines}
+        for rid, request in self._pending.items():
+            engine_id = self._router.select(list(load.values()), request.request_class)
+            if engine_id is None:
+                rejected.append(rid)
+                continue
+            dispatches.append(Dispatch(engine_id, (rid,)))
+            e = load[engine_id]
+            # Count this dispatch so the next request in the same decision sees it.
+            load[engine_id] = EngineView(e.id, e.pool, e.healthy, e.in_flight + 1, e.in_flight_prompt_tokens + request.prompt_tokens)
+        self._pending.clear()
+        return Decision(tuple(dispatches), tuple(rejected))
+
+    def on_first_token(self, rid: str, engine_id: str, now: float, reported_cached_tokens: int | None) -> None:
+        """Nothing to learn: the immediate scheduler keeps no state about dispatched requests."""
+
+    def on_complete(self, rid: str, engine_id: str, now: float) -> None:
+        """Nothing to learn: the immediate scheduler keeps no state about dispatched requests."""

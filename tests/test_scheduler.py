@@ -1,0 +1,108 @@
+"""The immediate scheduler's choices, and the live dispatcher carrying out scripted decisions."""
+
+import asyncio
+
+import pytest
+
+from gateway.dispatcher import Dispatcher
+from gateway.errors import APIError
+from gateway.registry import EngineRegistry, EngineState
+from policies.least_loaded import LeastLoadedRouter
+from policies.scheduler import ImmediateScheduler
+from policies.types import Decision, Dispatch, EngineView, RequestView
+
+
+@pytest.mark.parametrize(
+    "engines, request_class, expected",
+    [
+        ([EngineView("a", "short", in_flight=2), EngineView("b", "short", in_flight=1)], "short", "b"),
+        ([EngineView("a", "short", in_flight=1, in_flight_prompt_tokens=90), EngineView("b", "short", in_flight=1, in_flight_prompt_tokens=80)], "short", "b"),
+        ([EngineView("a", "short"), EngineView("b", "short")], "short", "a"),
+        ([EngineView("s", "short"), EngineView("l", "long", in_flight=9)], "long", "l"),
+        ([EngineView("s", "short"), EngineView("l", "long", healthy=False)], "long", "s"),
+        ([EngineView("s", "short", healthy=False)], "short", None),
+    ],
+)
+def test_least_loaded_router(engines, request_class, expected):
+    assert LeastLoadedRouter().select(engines, request_class) == expected
+
+
+def test_immediate_scheduler_spreads_one_decision_over_engines():
+    scheduler = ImmediateScheduler()
+    for i in range(3):
+        scheduler.submit(RequestView(f"r{i}", 10, request_class="short"), now=0.0)
+    decision = scheduler.decide([EngineView("a", "short"), EngineView("b", "short")], now=0.0)
+    assert decision == Decision((Dispatch("a", ("r0",)), Dispatch("b", ("r1",)), Dispatch("a", ("r2",))))
+    assert scheduler.decide([EngineView("a", "short")], now=0.0) == Decision()
+
+
+def test_immediate_scheduler_rejects_without_healthy_engines_and_forgets_cancelled():
+    scheduler = ImmediateScheduler()
+    scheduler.submit(RequestView("gone", 10), now=0.0)
+    scheduler.submit(RequestView("r", 10), now=0.0)
+    scheduler.cancel("gone", now=0.1)
+    assert scheduler.decide([EngineView("a", "short", healthy=False)], now=0.2) == Decision(rejected=("r",))
+
+
+class ScriptedScheduler:
+    """Holds requests until ``release_at``, then sends them all to engine ``a``; records the calls it gets."""
+
+    def __init__(self, release_at: float) -> None:
+        self.release_at = release_at
+        self.pending: list[str] = []
+        self.calls: list[tuple] = []
+
+    def submit(self, request, now):
+        self.pending.append(request.rid)
+
+    def cancel(self, rid, now):
+        self.calls.append(("cancel", rid))
+        self.pending.remove(rid)
+
+    def decide(self, engines, now):
+        if now < self.release_at:
+            return Decision(wake_at_s=self.release_at)
+        rids, self.pending = tuple(self.pending), []
+        return Decision((Dispatch("a", rids),) if rids else ())
+
+    def on_first_token(self, rid, engine_id, now, reported):
+        self.calls.append(("first_token", rid, reported))
+
+    def on_complete(self, rid, engine_id, now):
+        self.calls.append(("complete", rid))
+
+
+async def test_dispatcher_wakes_at_the_scheduler_time_and_counts_load():
+    loop = asyncio.get_running_loop()
+    registry = EngineRegistry([EngineState("a", "http://a", "short")])
+    scheduler = ScriptedScheduler(release_at=loop.time() + 0.05)
+    dispatcher = Dispatcher(scheduler, registry, clock=loop.time)
+    requests = [RequestView(f"r{i}", 5) for i in range(2)]
+    engines = await asyncio.gather(*(dispatcher.admit(r) for r in requests))
+    assert engines == ["a", "a"]
+    assert loop.time() >= scheduler.release_at
+    assert (registry["a"].in_flight, registry["a"].in_flight_prompt_tokens) == (2, 10)
+    dispatcher.first_token("r0", "a", 3)
+    for r in requests:
+        dispatcher.complete(r, "a")
+    assert registry["a"].in_flight == 0
+    assert scheduler.calls == [("first_token", "r0", 3), ("complete", "r0"), ("complete", "r1")]
+
+
+async def test_dispatcher_withdraws_a_cancelled_request_and_fails_rejected_ones():
+    loop = asyncio.get_running_loop()
+    registry = EngineRegistry([EngineState("a", "http://a", "short")])
+    scheduler = ScriptedScheduler(release_at=loop.time() + 60)
+    dispatcher = Dispatcher(scheduler, registry, clock=loop.time)
+    task = asyncio.create_task(dispatcher.admit(RequestView("r", 5)))
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert scheduler.calls == [("cancel", "r")] and dispatcher.queued == 0
+    dispatcher.close()
+
+    rejecting = Dispatcher(ImmediateScheduler(), EngineRegistry([EngineState("a", "http://a", "short", healthy=False)]))
+    with pytest.raises(APIError) as info:
+        await rejecting.admit(RequestView("x", 5))
+    assert info.value.status == 503
