@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Protocol, Sequence
 
-from policies.least_loaded import LeastLoadedRouter
+from policies.pool_router import PoolRouter
 from policies.types import Decision, Dispatch, EngineView, RequestView
 
 
@@ -34,7 +34,7 @@ class Scheduler(Protocol):
 
 
 class ImmediateScheduler:
-    """Dispatch every request the moment it arrives to its pool's least-loaded engine.
+    """Dispatch every request the moment it arrives to its pool's best engine (:class:`PoolRouter`).
 
     No batching window: the baseline every length-aware scheduler is compared
     with. Requests are rejected only when no engine at all is healthy.
@@ -42,8 +42,8 @@ class ImmediateScheduler:
 
     NAME = "immediate"
 
-    def __init__(self, router: LeastLoadedRouter | None = None) -> None:
-        self._router = router or LeastLoadedRouter()
+    def __init__(self, router: PoolRouter | None = None) -> None:
+        self._router = router or PoolRouter()
         self._pending: dict[str, RequestView] = {}
 
     def submit(self, request: RequestView, now: float) -> None:
@@ -56,7 +56,7 @@ class ImmediateScheduler:
         dispatches, rejected = [], []
         load = {e.id: e for e in engines}
         for rid, request in self._pending.items():
-            engine_id = self._router.select(list(load.values()), request.request_class)
+            engine_id = self._router.select(list(load.values()), request.request_class, request.cached_by_engine)
             if engine_id is None:
                 rejected.append(rid)
                 continue

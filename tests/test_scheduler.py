@@ -7,7 +7,7 @@ import pytest
 from gateway.dispatcher import Dispatcher
 from gateway.errors import APIError
 from gateway.registry import EngineRegistry, EngineState
-from policies.least_loaded import LeastLoadedRouter
+from policies.pool_router import PoolRouter
 from policies.scheduler import ImmediateScheduler
 from policies.types import Decision, Dispatch, EngineView, RequestView
 
@@ -23,8 +23,17 @@ from policies.types import Decision, Dispatch, EngineView, RequestView
         ([EngineView("s", "short", healthy=False)], "short", None),
     ],
 )
-def test_least_loaded_router(engines, request_class, expected):
-    assert LeastLoadedRouter().select(engines, request_class) == expected
+def test_pool_router_without_hits_is_least_loaded(engines, request_class, expected):
+    assert PoolRouter().select(engines, request_class) == expected
+
+
+@pytest.mark.parametrize(
+    "in_flight_b, hit_b, expected",
+    [(0, 0, "a"), (1, 0, "a"), (1, 512, "b"), (2, 512, "a"), (2, 600, "b")],
+)
+def test_pool_router_trades_prefix_hit_against_load(in_flight_b, hit_b, expected):
+    engines = [EngineView("a", "short", in_flight=0), EngineView("b", "short", in_flight=in_flight_b)]
+    assert PoolRouter(tokens_per_request=256).select(engines, "short", {"b": hit_b}) == expected
 
 
 def test_immediate_scheduler_spreads_one_decision_over_engines():
