@@ -1,0 +1,130 @@
+"""LAPS AWD scheduling on scripted arrival sequences: exact dispatch times, batch compositions, adaptation."""
+
+import pytest
+from pydantic import ValidationError
+
+from policies.laps import LapsConfig, LapsScheduler
+from policies.types import Decision, Dispatch, EngineView, RequestView
+
+ENGINES = [EngineView("s", "short"), EngineView("l", "long")]
+SLO_S = 0.4
+
+
+def config(**overrides) -> LapsConfig:
+    base = dict(window_min_ms=0.5, window_max_ms=8.0, token_buckets=[64, 128, 256], initial_depth_tokens=128,
+                slack_ms=50.0, margin_ms=10.0, grouping="latency-first", rate_window_s=1.0, initial_service_ms=10.0)
+    return LapsConfig(**{**base, **overrides})
+
+
+def short(rid: str, new_tokens: int, at: float, deadline: float | None = None, **kw) -> RequestView:
+    return RequestView(rid, new_tokens, 0, at, at + SLO_S if deadline is None else deadline, "short", **kw)
+
+
+def long(rid: str, tokens: int, at: float) -> RequestView:
+    return RequestView(rid, tokens, 0, at, at + SLO_S, "long")
+
+
+def test_batch_dispatches_when_depth_reaches_target_and_depth_grows():
+    s = LapsScheduler(config())
+    s.submit(short("r0", 64, 0.0), 0.0)
+    assert s.decide(ENGINES, 0.0) == Decision(wake_at_s=0.008)  # W_GR is 1 s at 64 tok/s: W_max bounds it
+    s.submit(short("r1", 64, 0.002), 0.002)
+    assert s.decide(ENGINES, 0.002) == Decision((Dispatch("s", ("r0", "r1")),))
+    assert s.depth_tokens == 256 and s.triggers["depth"] == 1  # filled within W_max/2: one bucket up
+
+
+def test_window_expiry_dispatches_a_partial_batch_and_depth_shrinks():
+    s = LapsScheduler(config())
+    s.submit(short("r0", 40, 0.0), 0.0)
+    assert s.decide(ENGINES, 0.0).wake_at_s == 0.008
+    assert s.decide(ENGINES, 0.005) == Decision(wake_at_s=0.008)
+    assert s.decide(ENGINES, 0.008) == Decision((Dispatch("s", ("r0",)),))
+    assert s.depth_tokens == 64 and s.triggers["window"] == 1
+
+
+def test_tight_deadline_forces_immediate_dispatch_and_depth_steps_down():
+    s = LapsScheduler(config())
+    s.submit(short("r0", 10, 0.0, deadline=0.05), 0.0)  # slack 0.05 - 0.01 = 0.04 < σ = 0.05
+    assert s.decide(ENGINES, 0.0) == Decision((Dispatch("s", ("r0",)),))
+    assert s.depth_tokens == 64 and s.triggers["slack"] == 1
+
+
+def test_slack_wakeup_comes_before_the_window_when_the_deadline_is_near():
+    s = LapsScheduler(config(window_max_ms=100.0))
+    s.submit(short("r0", 10, 0.0, deadline=0.065), 0.0)  # slack 0.055: falls under σ at t = 0.005
+    assert s.decide(ENGINES, 0.0).wake_at_s == pytest.approx(0.005)
+
+
+def test_fill_time_at_the_arrival_rate_sets_the_window():
+    s = LapsScheduler(config(rate_window_s=0.01))
+    s.submit(short("r0", 96, 0.0), 0.0)  # rate 96 / 0.01 s = 9600 tok/s; (128 - 96) / 9600 = 3.33 ms
+    assert s.decide(ENGINES, 0.0).wake_at_s == pytest.approx(32 / 9600)
+
+
+def test_memory_first_groups_by_length_bucket():
+    s = LapsScheduler(config(grouping="memory-first", length_buckets=[16, 64, 256]))
+    for rid, n in (("a", 10), ("b", 200), ("c", 12), ("d", 50)):
+        s.submit(short(rid, n, 0.0), 0.0)
+    decision = s.decide(ENGINES, 0.008)
+    assert decision.dispatches == (Dispatch("s", ("a", "c")), Dispatch("s", ("d",)), Dispatch("s", ("b",)))
+
+
+def test_batch_is_cut_at_the_target_depth():
+    s = LapsScheduler(config())
+    for i in range(5):
+        s.submit(short(f"r{i}", 40, 0.0), 0.0)
+    first = s.decide(ENGINES, 0.0)
+    # depth 200 >= 128: take requests while they fit 128 tokens (3 × 40), then 2 × 40 = 80 remain under D = 256.
+    assert first.dispatches == (Dispatch("s", ("r0", "r1", "r2")),)
+    assert first.wake_at_s == 0.008
+
+
+def test_batch_goes_to_the_short_engine_with_the_best_prefix_hit():
+    engines = [EngineView("s0", "short"), EngineView("s1", "short"), EngineView("l", "long")]
+    s = LapsScheduler(config())
+    s.submit(short("r0", 100, 0.0, cached_by_engine={"s1": 300}), 0.0)
+    s.submit(short("r1", 100, 0.0), 0.0)
+    assert s.decide(engines, 0.0).dispatches == (Dispatch("s1", ("r0",)),)  # r1 waits: D grew to 256
+    busy = [EngineView("s0", "short"), EngineView("s1", "short", in_flight=1), EngineView("l", "long")]
+    assert s.decide(busy, 0.008).dispatches == (Dispatch("s0", ("r1",)),)
+
+
+def test_long_prefills_go_one_at_a_time_per_long_engine_never_to_the_short_pool():
+    s = LapsScheduler(config())
+    s.submit(long("L0", 3000, 0.0), 0.0)
+    s.submit(long("L1", 3000, 0.0), 0.0)
+    assert s.decide(ENGINES, 0.0) == Decision((Dispatch("l", ("L0",)),))
+    assert s.decide(ENGINES, 0.1) == Decision()
+    s.on_first_token("L0", "l", 0.2, None)
+    assert s.decide(ENGINES, 0.2) == Decision((Dispatch("l", ("L1",)),))
+
+
+def test_without_a_long_pool_the_single_engine_takes_long_prefills():
+    s = LapsScheduler(config())
+    s.submit(long("L0", 3000, 0.0), 0.0)
+    assert s.decide([EngineView("only", "short")], 0.0) == Decision((Dispatch("only", ("L0",)),))
+
+
+def test_service_estimate_is_an_ewma_of_dispatch_to_first_token():
+    s = LapsScheduler(config())
+    s.submit(short("r0", 10, 0.0, deadline=0.05), 0.0)
+    s.decide(ENGINES, 0.0)
+    s.on_first_token("r0", "s", 0.02, 0)
+    assert s.service_s == pytest.approx(0.8 * 0.010 + 0.2 * 0.020)
+
+
+def test_cancel_and_reject_without_healthy_engines():
+    s = LapsScheduler(config())
+    s.submit(short("gone", 10, 0.0), 0.0)
+    s.submit(short("r", 10, 0.0), 0.0)
+    s.submit(long("L", 3000, 0.0), 0.0)
+    s.cancel("gone", 0.001)
+    down = [EngineView("s", "short", healthy=False)]
+    assert s.decide(down, 0.002) == Decision(rejected=("L", "r"))
+
+
+def test_config_validation():
+    with pytest.raises(ValidationError, match="initial_depth_tokens"):
+        LapsConfig(token_buckets=[64, 128], initial_depth_tokens=100)
+    with pytest.raises(ValidationError, match="strictly increasing"):
+        LapsConfig(token_buckets=[128, 64], initial_depth_tokens=64)
