@@ -26,8 +26,7 @@ from gateway.registry import EngineRegistry, EngineState
 from gateway.state import GATEWAY, Gateway
 from laps.config import Config
 from laps.tokenizer import load_tokenizer
-from policies.classifier import Classifier, CostModelClassifier, PrefillCostModel, ThresholdClassifier
-from policies.scheduler import ImmediateScheduler
+from policies.registry import make_classifier, make_scheduler
 from policies.prefix_index import PrefixIndex
 
 log = logging.getLogger("laps.gateway")
@@ -44,14 +43,6 @@ async def _poll_health(gw: Gateway) -> None:
                 log.warning("engine %s is now %s", engine.id, "healthy" if ok else "UNHEALTHY")
             engine.healthy = ok
             gw.metrics.engine_healthy.labels(engine.id).set(int(ok))
-
-
-def make_classifier(config: Config) -> Classifier:
-    """The fitted cost model's boundary when the config has one, else the fixed threshold."""
-    fit = config.scheduling.cost_model
-    if fit is None:
-        return ThresholdClassifier(config.scheduling.short_threshold_tokens)
-    return CostModelClassifier(PrefillCostModel(fit.alpha, fit.beta, fit.gamma_w, fit.gamma_r))
 
 
 def create_app(config: Config, engine_urls: dict[str, str] | None = None) -> web.Application:
@@ -71,8 +62,8 @@ def create_app(config: Config, engine_urls: dict[str, str] | None = None) -> web
             urls = engine_urls if manager is None else await manager.start(client.session)
             tokenizer = await asyncio.get_running_loop().run_in_executor(None, load_tokenizer, config.model.path)
             registry = EngineRegistry([EngineState(e.name, urls[e.name], config.pool(e)) for e in config.engines])
-            dispatcher = Dispatcher(ImmediateScheduler(), registry)
-            gw = Gateway(config, tokenizer, registry, client, make_classifier(config), dispatcher, PrefixIndex(config.scheduling.prefix_block_tokens), GatewayMetrics())
+            dispatcher = Dispatcher(make_scheduler(config.scheduling), registry)
+            gw = Gateway(config, tokenizer, registry, client, make_classifier(config.scheduling), dispatcher, PrefixIndex(config.scheduling.prefix_block_tokens), GatewayMetrics())
             app[GATEWAY] = gw
             poller = asyncio.create_task(_poll_health(gw))
             log.info("serving %s with %d engines: %s", config.model.name, len(urls), ", ".join(f"{k}={v}" for k, v in urls.items()))

@@ -13,6 +13,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from policies.laps import LapsConfig
+
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "config.yaml"
 
 FlagValue = bool | int | float | str | list[int]
@@ -68,8 +70,13 @@ class SchedulingConfig(_Strict):
     fewer than this is a short prefill; the LAPS fallback boundary is 256.
     ``cost_model``: when set, the boundary is L_m(H) of this fitted model instead.
     ``prefix_block_tokens``: block size of the gateway's prefix-cache estimate.
+    ``policy``: the scheduler (``laps``: AWD windows and gated long prefills;
+    ``immediate``: dispatch at once to the least-loaded engine of the pool);
+    ``laps``: its parameters.
     """
 
+    policy: Literal["laps", "immediate"] = "laps"
+    laps: LapsConfig = LapsConfig()
     short_threshold_tokens: int = Field(256, ge=1)
     cost_model: CostModelConfig | None = None
     prefix_block_tokens: int = Field(16, ge=1)
