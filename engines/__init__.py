@@ -1,0 +1,1 @@
+"""Engine processes: the SGLang client side and the simulated SGLang-compatible engine."""
