@@ -140,6 +140,25 @@ async def _dispatch(request: web.Request, gw: Gateway, body: dict, path: str, pr
         log.info("%s %s class=%s engine=%s prompt_tokens=%d cached_est=%d outcome=%s %.1f ms", rid, path, req_class, engine_id, view.prompt_tokens, view.cached_tokens, outcome, 1e3 * (time.monotonic() - arrival_s))
 
 
+def _upstream_error(status: int, payload: bytes, headers: dict) -> web.Response:
+    """An engine's non-200 answer in OpenAI's error shape.
+
+    SGLang 0.5.23 answers OpenAI routes with a flat ``{"object": "error", "message",
+    "type", "param", "code"}``; clients expect ``{"error": {...}}``.
+    """
+    try:
+        body = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        body = None
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        error = body["error"]
+    elif isinstance(body, dict) and "message" in body:
+        error = {k: body.get(k) for k in ("message", "type", "param", "code")}
+    else:
+        error = {"message": payload.decode(errors="replace")[:1000] or f"engine answered HTTP {status}", "type": "engine_error", "param": None, "code": None}
+    return web.json_response({"error": error}, status=status, headers=headers, dumps=_dumps)
+
+
 def _engine_error(engine_url: str, err: BaseException) -> APIError:
     detail = str(err) or type(err).__name__
     return APIError(502, f"engine at {engine_url} failed: {detail}", type="engine_error", code="engine_unavailable")
@@ -163,7 +182,7 @@ async def _relay_json(gw: Gateway, engine_url: str, path: str, body: dict, heade
     except (aiohttp.ClientError, asyncio.TimeoutError) as err:
         raise _engine_error(engine_url, err) from None
     if status != 200:
-        return web.Response(body=payload, status=status, content_type="application/json", headers=headers), f"http_{status}", None
+        return _upstream_error(status, payload, headers), f"http_{status}", None
     reported = _reported_cached_tokens(payload)
     gw.dispatcher.first_token(view.rid, engine_id, reported)
     return web.Response(body=payload, status=status, content_type="application/json", headers=headers), "ok", reported
@@ -174,8 +193,7 @@ async def _relay_stream(request: web.Request, gw: Gateway, engine_url: str, path
     try:
         async with gw.client.post(engine_url, path, body) as upstream:
             if upstream.status != 200:
-                payload = await upstream.read()
-                return web.Response(body=payload, status=upstream.status, content_type="application/json", headers=headers), f"http_{upstream.status}", None
+                return _upstream_error(upstream.status, await upstream.read(), headers), f"http_{upstream.status}", None
             response = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await response.prepare(request)
             first = True

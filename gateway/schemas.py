@@ -27,11 +27,13 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] | None = None
 
     def text(self) -> str:
+        """The content as one string; text parts are joined with a space, as SGLang 0.5.23
+        flattens them for string-format chat templates (``process_content_for_template_format``)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text for p in self.content)
+        return " ".join(p.text for p in self.content)
 
 
 class _SamplingFields(BaseModel):

@@ -13,6 +13,7 @@ class FakeEngine:
 
     ``hold_streams``: after the first chunk a stream waits for :attr:`release`.
     ``break_streams``: after the first chunk the engine drops the connection.
+    ``error_reply``: ``(status, body)`` to answer every generation with.
     """
 
     def __init__(self, name: str) -> None:
@@ -23,6 +24,7 @@ class FakeEngine:
         self.release = asyncio.Event()
         self.hold_streams = False
         self.break_streams = False
+        self.error_reply: tuple[int, bytes] | None = None
         self.app = web.Application()
         self.app.router.add_get("/ready", self._ready)
         self.app.router.add_post("/v1/chat/completions", self._generate)
@@ -40,6 +42,8 @@ class FakeEngine:
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
+        if self.error_reply is not None:
+            return web.Response(status=self.error_reply[0], body=self.error_reply[1])
         chunk = {"id": body["rid"], "choices": [{"index": 0, "delta": {"content": f"hi from {self.name}"}, "finish_reason": None}]}
         if not body.get("stream"):
             usage = {"prompt_tokens": 7, "completion_tokens": 1, "total_tokens": 8}

@@ -176,3 +176,20 @@ async def test_follow_up_turn_on_long_cached_history_is_short(stack):
         assert resp.headers["x-laps-class"] == "short"
     async with session.get("/metrics") as resp:
         assert 'laps_reprefills_total{cls="short"} 1.0' in await resp.text()
+
+
+@pytest.mark.parametrize(
+    "payload, expected",
+    [
+        (b'{"object": "error", "message": "bad prompt", "type": "BadRequestError", "param": null, "code": 400}', {"message": "bad prompt", "type": "BadRequestError", "param": None, "code": 400}),
+        (b'{"error": {"message": "nested", "type": "x", "param": "p", "code": "c"}}', {"message": "nested", "type": "x", "param": "p", "code": "c"}),
+        (b"Internal Server Error", {"message": "Internal Server Error", "type": "engine_error", "param": None, "code": None}),
+    ],
+)
+async def test_engine_error_answers_reach_the_client_in_openai_shape(stack, payload, expected):
+    session, fakes, _ = stack
+    fakes["sp0"].error_reply = (400, payload)
+    for stream in (False, True):
+        async with session.post("/v1/chat/completions", json=chat("Hi", stream=stream)) as resp:
+            assert resp.status == 400
+            assert (await resp.json()) == {"error": expected}
