@@ -23,6 +23,7 @@ def _setup_logging(level: str, log_file: Path | None = None) -> None:
         log_file.parent.mkdir(parents=True, exist_ok=True)
         handlers.append(logging.FileHandler(log_file))
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", handlers=handlers, force=True)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per HTTP request is noise
 
 
 def _run(coro) -> None:

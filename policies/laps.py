@@ -9,7 +9,9 @@ Our reading of LAPS Algorithm 1 (DESIGN §2.4), per short-request group:
 * W_GR = max(0, D − depth) / max(r̂_s, ε): how long the batch needs to fill at the
   current short-token arrival rate r̂_s (an exponentially decaying rate);
 * the window closes at t0 + clip((t − t0) + min(W_SLA, W_GR), [W_min, W_max]),
-  t0 being the oldest queued arrival;
+  t0 being the oldest queued arrival; when the batch cannot fill within W_max
+  (t − t0 + W_GR > W_max) waiting buys no batching, so the window is W_min
+  (our addition: at low load the formula alone would hold every request W_max);
 * dispatch when depth >= D ("depth"), when the window closes ("window"), or when
   any request's slack DDL_i − t − Ŝ falls under σ ("slack");
 * after each dispatch D adapts: filled in under half of W_max → one bucket up;
@@ -173,7 +175,10 @@ class LapsScheduler:
         t0 = min(r.arrival_s for r in queue)
         w_sla = max(0.0, slack - c.margin_ms / 1e3)
         w_gr = max(0, self.depth_tokens - depth) / max(self._rate.at(now), _EPS_RATE)
-        window_s = min(max((now - t0) + min(w_sla, w_gr), c.window_min_ms / 1e3), c.window_max_ms / 1e3)
+        if (now - t0) + w_gr > c.window_max_ms / 1e3:
+            window_s = c.window_min_ms / 1e3
+        else:
+            window_s = min(max((now - t0) + min(w_sla, w_gr), c.window_min_ms / 1e3), c.window_max_ms / 1e3)
         if now >= t0 + window_s:
             return "window", now
         slack_due = now + slack - c.slack_ms / 1e3

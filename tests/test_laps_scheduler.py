@@ -1,5 +1,7 @@
 """LAPS AWD scheduling on scripted arrival sequences: exact dispatch times, batch compositions, adaptation."""
 
+import math
+
 import pytest
 from pydantic import ValidationError
 
@@ -25,21 +27,31 @@ def long(rid: str, tokens: int, at: float) -> RequestView:
 
 
 def test_batch_dispatches_when_depth_reaches_target_and_depth_grows():
-    s = LapsScheduler(config())
-    s.submit(short("r0", 64, 0.0), 0.0)
-    assert s.decide(ENGINES, 0.0) == Decision(wake_at_s=0.008)  # W_GR is 1 s at 64 tok/s: W_max bounds it
-    s.submit(short("r1", 64, 0.002), 0.002)
+    s = LapsScheduler(config(rate_window_s=0.01))
+    s.submit(short("r0", 96, 0.0), 0.0)  # rate 96 / 0.01 s = 9600 tok/s: 32 more tokens in 3.33 ms
+    assert s.decide(ENGINES, 0.0).wake_at_s == pytest.approx(32 / 9600)
+    s.submit(short("r1", 32, 0.002), 0.002)
     assert s.decide(ENGINES, 0.002) == Decision((Dispatch("s", ("r0", "r1")),))
     assert s.depth_tokens == 256 and s.triggers["depth"] == 1  # filled within W_max/2: one bucket up
 
 
 def test_window_expiry_dispatches_a_partial_batch_and_depth_shrinks():
+    s = LapsScheduler(config(rate_window_s=0.01))
+    s.submit(short("r0", 100, 0.0), 0.0)  # 10,000 tok/s: the 28 missing tokens are due in 2.8 ms
+    assert s.decide(ENGINES, 0.0).wake_at_s == pytest.approx(0.0028)
+    # Nothing came: the decayed rate pushes the expected fill to 6.5 ms, still within W_max ...
+    later = 0.0028 + 28 / (10_000 * math.exp(-0.28))
+    assert s.decide(ENGINES, 0.0028) == Decision(wake_at_s=pytest.approx(later))
+    # ... and then past W_max: the batch will not fill, so it goes as it is.
+    assert s.decide(ENGINES, later) == Decision((Dispatch("s", ("r0",)),))
+    assert s.depth_tokens == 64 and s.triggers["window"] == 1  # back to the largest bucket reached
+
+
+def test_unreachable_depth_means_the_minimum_window():
     s = LapsScheduler(config())
-    s.submit(short("r0", 40, 0.0), 0.0)
-    assert s.decide(ENGINES, 0.0).wake_at_s == 0.008
-    assert s.decide(ENGINES, 0.005) == Decision(wake_at_s=0.008)
-    assert s.decide(ENGINES, 0.008) == Decision((Dispatch("s", ("r0",)),))
-    assert s.depth_tokens == 64 and s.triggers["window"] == 1
+    s.submit(short("r0", 40, 0.0), 0.0)  # 40 tok/s: 88 more tokens would take 2.2 s > W_max
+    assert s.decide(ENGINES, 0.0) == Decision(wake_at_s=0.0005)
+    assert s.decide(ENGINES, 0.0005) == Decision((Dispatch("s", ("r0",)),))
 
 
 def test_tight_deadline_forces_immediate_dispatch_and_depth_steps_down():
@@ -50,8 +62,8 @@ def test_tight_deadline_forces_immediate_dispatch_and_depth_steps_down():
 
 
 def test_slack_wakeup_comes_before_the_window_when_the_deadline_is_near():
-    s = LapsScheduler(config(window_max_ms=100.0))
-    s.submit(short("r0", 10, 0.0, deadline=0.065), 0.0)  # slack 0.055: falls under σ at t = 0.005
+    s = LapsScheduler(config(window_max_ms=100.0, rate_window_s=0.001))
+    s.submit(short("r0", 10, 0.0, deadline=0.065), 0.0)  # fill in 11.8 ms, but slack 0.055 falls under σ at t = 0.005
     assert s.decide(ENGINES, 0.0).wake_at_s == pytest.approx(0.005)
 
 
@@ -76,7 +88,7 @@ def test_batch_is_cut_at_the_target_depth():
     first = s.decide(ENGINES, 0.0)
     # depth 200 >= 128: take requests while they fit 128 tokens (3 × 40), then 2 × 40 = 80 remain under D = 256.
     assert first.dispatches == (Dispatch("s", ("r0", "r1", "r2")),)
-    assert first.wake_at_s == 0.008
+    assert first.wake_at_s == 0.0005  # 176 more tokens at 200 tok/s: unreachable, minimum window
 
 
 def test_batch_goes_to_the_short_engine_with_the_best_prefix_hit():
