@@ -36,26 +36,30 @@ class PrefillCostModel:
 
     L: new tokens, H: cached context tokens; coefficients in seconds per token
     (α per token², for attention). compute(L, H) = α·L(L+2H) + β·L,
-    memory(L, H) = γw·L + γr·H.
+    memory(L, H) = m0 + γw·L + γr·H. ``memory_floor_s`` (m0) is our addition:
+    the weight read every forward pass pays (~3.5 ms for a 7B model on an
+    H200, DESIGN §1), which is what makes short prefills memory-bound on real
+    hardware; m0 = 0 gives the paper's model.
     """
 
     alpha: float
     beta: float
     gamma_w: float
     gamma_r: float
+    memory_floor_s: float = 0.0
 
     def compute_s(self, new_tokens: float, cached_tokens: float) -> float:
         return self.alpha * new_tokens * (new_tokens + 2 * cached_tokens) + self.beta * new_tokens
 
     def memory_s(self, new_tokens: float, cached_tokens: float) -> float:
-        return self.gamma_w * new_tokens + self.gamma_r * cached_tokens
+        return self.memory_floor_s + self.gamma_w * new_tokens + self.gamma_r * cached_tokens
 
     def boundary_tokens(self, cached_tokens: float) -> float:
         """L_m(H): the L at which compute equals memory; below it a prefill is memory-bound.
 
-        Closed form (DESIGN §2.3), the positive root of α·L² + (2αH + β − γw)·L − γr·H = 0:
-        L_m(H) = max(0, (−b + sqrt(b² + 4·α·γr·H)) / 2α) with b = 2αH + β − γw;
-        for H = 0 this is (γw − β)/α when γw > β, else 0.
+        Closed form (DESIGN §2.3), the positive root of α·L² + (2αH + β − γw)·L − (γr·H + m0) = 0:
+        L_m(H) = max(0, (−b + sqrt(b² + 4·α·(γr·H + m0))) / 2α) with b = 2αH + β − γw;
+        for H = 0 and m0 = 0 this is (γw − β)/α when γw > β, else 0.
 
         Raises:
             ValueError: if α <= 0 (no quadratic term: the boundary is undefined).
@@ -63,7 +67,8 @@ class PrefillCostModel:
         if self.alpha <= 0:
             raise ValueError("alpha must be > 0 for a compute/memory boundary")
         b = 2 * self.alpha * cached_tokens + self.beta - self.gamma_w
-        root = (-b + math.sqrt(b * b + 4 * self.alpha * self.gamma_r * cached_tokens)) / (2 * self.alpha)
+        c = self.gamma_r * cached_tokens + self.memory_floor_s
+        root = (-b + math.sqrt(b * b + 4 * self.alpha * c)) / (2 * self.alpha)
         return max(0.0, root)
 
 

@@ -17,7 +17,7 @@ def make_classifier(scheduling: SchedulingConfig) -> Classifier:
     fit = scheduling.cost_model
     if fit is None:
         return ThresholdClassifier(scheduling.short_threshold_tokens)
-    return CostModelClassifier(PrefillCostModel(fit.alpha, fit.beta, fit.gamma_w, fit.gamma_r))
+    return CostModelClassifier(PrefillCostModel(fit.alpha, fit.beta, fit.gamma_w, fit.gamma_r, fit.memory_floor_s))
 
 
 def make_scheduler(scheduling: SchedulingConfig) -> Scheduler:
