@@ -34,8 +34,8 @@ class CostFit:
     overhead_s: float
     rms_relative_error: float
 
-    def predict_s(self, new_tokens: np.ndarray, cached_tokens: np.ndarray) -> np.ndarray:
-        """Predicted seconds for arrays of L and H (same shape)."""
+    def predict_s(self, new_tokens, cached_tokens):
+        """Predicted seconds for L and H (numbers or arrays of one shape)."""
         return self.overhead_s + np.maximum(self.model.compute_s(new_tokens, cached_tokens), self.model.memory_s(new_tokens, cached_tokens))
 
 
