@@ -13,6 +13,7 @@ from laps.config import DEFAULT_CONFIG_PATH, ConfigError, load_config
 EPILOG = """examples:
   laps serve                                   # gateway + engines from ./config.yaml on 127.0.0.1:8000
   laps loadgen --url http://127.0.0.1:8000 --dataset mixed --rate 2 --duration 60 --out runs/report.json
+  laps calibrate --url http://127.0.0.1:30000 --out runs/cost_model.yaml
   laps demo --duration 60                      # start, load, report, stop
 """
 
@@ -58,6 +59,13 @@ def _cmd_loadgen(args: argparse.Namespace) -> int:
     return loadgen_main(args)
 
 
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from laps.calibrate import main as calibrate_main
+
+    _setup_logging(args.log_level)
+    return calibrate_main(args)
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from laps.demo import run_demo
 
@@ -67,6 +75,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``laps`` argument parser with its subcommands."""
+    from laps.calibrate import configure_parser as configure_calibrate
     from loadgen.cli import configure_parser as configure_loadgen
 
     parser = argparse.ArgumentParser(
@@ -76,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity (default: info)")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,loadgen,demo}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,loadgen,calibrate,demo}")
 
     serve = sub.add_parser(
         "serve",
@@ -97,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     configure_loadgen(lg)
     lg.set_defaults(func=_cmd_loadgen)
+
+    cal = sub.add_parser("calibrate", help="measure an engine's prefill times and fit the short/long boundary L_m(H)")
+    configure_calibrate(cal)
+    cal.set_defaults(func=_cmd_calibrate)
 
     demo = sub.add_parser(
         "demo",
