@@ -238,7 +238,6 @@ class LapsScheduler:
         return dispatches
 
     def _account(self, load: dict[str, EngineView], engine_id: str, batch: list[RequestView], short: bool, now: float) -> None:
-        e = load[engine_id]
-        load[engine_id] = EngineView(e.id, e.pool, e.healthy, e.in_flight + len(batch), e.in_flight_prompt_tokens + sum(r.prompt_tokens for r in batch))
+        load[engine_id] = load[engine_id].with_dispatched(len(batch), sum(r.prompt_tokens for r in batch))
         for r in batch:
             self._in_flight[r.rid] = _InFlight(engine_id, short, now)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from policies.types import EngineView, RequestClass
+from policies.types import EngineView, RequestClass, RequestView
 
 
 @dataclass(frozen=True)
@@ -18,14 +18,20 @@ class PoolRouter:
     hits this is least-loaded routing. Ties go to fewer in-flight prompt
     tokens, then to the earlier engine in ``engines`` (deterministic). When the
     pool has no healthy engine, any healthy engine serves (a class is never
-    refused for want of its pool). Returns ``None`` only when no engine is healthy.
+    refused for want of its pool). ``unified``: ignore pools, every engine
+    serves every class. Returns ``None`` only when no engine is healthy.
     """
 
     tokens_per_request: float = 256.0
+    unified: bool = False
+
+    def pick(self, request: RequestView, engines: Sequence[EngineView], now: float) -> str | None:
+        """The :class:`~policies.scheduler.Picker` interface: :meth:`select` for ``request``."""
+        return self.select(engines, request.request_class, request.cached_by_engine)
 
     def select(self, engines: Sequence[EngineView], request_class: RequestClass, hits: Mapping[str, int] | None = None) -> str | None:
         healthy = [e for e in engines if e.healthy]
-        candidates = [e for e in healthy if e.pool == request_class] or healthy
+        candidates = healthy if self.unified else [e for e in healthy if e.pool == request_class] or healthy
         if not candidates:
             return None
         hits = hits or {}

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from policies.classifier import Classifier, CostModelClassifier, PrefillCostModel, ThresholdClassifier
 from policies.laps import LapsScheduler
+from policies.pool_router import PoolRouter
+from policies.router_baselines import BucketPicker, CacheAwarePicker, RoundRobinPicker
 from policies.scheduler import ImmediateScheduler, Scheduler
 
 if TYPE_CHECKING:
@@ -20,8 +22,18 @@ def make_classifier(scheduling: SchedulingConfig) -> Classifier:
     return CostModelClassifier(PrefillCostModel(fit.alpha, fit.beta, fit.gamma_w, fit.gamma_r, fit.memory_floor_s))
 
 
+POLICIES: dict[str, Callable[[SchedulingConfig], Scheduler]] = {
+    "laps": lambda s: LapsScheduler(s.laps),
+    "pools": lambda s: ImmediateScheduler(PoolRouter()),
+    "least_load": lambda s: ImmediateScheduler(PoolRouter(unified=True)),
+    "round_robin": lambda s: ImmediateScheduler(RoundRobinPicker()),
+    "cache_aware": lambda s: ImmediateScheduler(CacheAwarePicker()),
+    "bucket": lambda s: ImmediateScheduler(BucketPicker()),
+}
+"""Scheduling policies by ``scheduling.policy`` name: ``laps``, the length-aware pools without a
+window, and the router baselines over all engines (``least_load`` is unified FCFS)."""
+
+
 def make_scheduler(scheduling: SchedulingConfig) -> Scheduler:
     """A fresh scheduler named by ``scheduling.policy``, with its configured parameters."""
-    if scheduling.policy == "laps":
-        return LapsScheduler(scheduling.laps)
-    return ImmediateScheduler()
+    return POLICIES[scheduling.policy](scheduling)

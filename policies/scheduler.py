@@ -33,17 +33,26 @@ class Scheduler(Protocol):
     def on_complete(self, rid: str, engine_id: str, now: float) -> None: ...
 
 
-class ImmediateScheduler:
-    """Dispatch every request the moment it arrives to its pool's best engine (:class:`PoolRouter`).
+class Picker(Protocol):
+    """Chooses one engine for one request (the routers of SGLang's router and similar gateways)."""
 
-    No batching window: the baseline every length-aware scheduler is compared
-    with. Requests are rejected only when no engine at all is healthy.
+    def pick(self, request: RequestView, engines: Sequence[EngineView], now: float) -> str | None:
+        """The engine id for ``request``, or ``None`` when no engine can take it."""
+
+
+class ImmediateScheduler:
+    """Dispatch every request the moment it arrives to the engine its ``picker`` chooses.
+
+    No batching window: the shape of every router baseline (round robin,
+    least load, cache aware, bucket), and with the default :class:`PoolRouter`
+    the plain length-aware split. Requests are rejected only when the picker
+    finds no engine (none healthy).
     """
 
     NAME = "immediate"
 
-    def __init__(self, router: PoolRouter | None = None) -> None:
-        self._router = router or PoolRouter()
+    def __init__(self, picker: Picker | None = None) -> None:
+        self.picker = picker or PoolRouter()
         self._pending: dict[str, RequestView] = {}
 
     def submit(self, request: RequestView, now: float) -> None:
@@ -56,14 +65,13 @@ class ImmediateScheduler:
         dispatches, rejected = [], []
         load = {e.id: e for e in engines}
         for rid, request in self._pending.items():
-            engine_id = self._router.select(list(load.values()), request.request_class, request.cached_by_engine)
+            engine_id = self.picker.pick(request, list(load.values()), now)
             if engine_id is None:
                 rejected.append(rid)
                 continue
             dispatches.append(Dispatch(engine_id, (rid,)))
-            e = load[engine_id]
             # Count this dispatch so the next request in the same decision sees it.
-            load[engine_id] = EngineView(e.id, e.pool, e.healthy, e.in_flight + 1, e.in_flight_prompt_tokens + request.prompt_tokens)
+            load[engine_id] = load[engine_id].with_dispatched(1, request.prompt_tokens)
         self._pending.clear()
         return Decision(tuple(dispatches), tuple(rejected))
 

@@ -44,6 +44,10 @@ class EngineView:
     in_flight: int = 0
     in_flight_prompt_tokens: int = 0
 
+    def with_dispatched(self, requests: int, prompt_tokens: int) -> "EngineView":
+        """This view after ``requests`` more requests (``prompt_tokens`` in all) were sent to it."""
+        return EngineView(self.id, self.pool, self.healthy, self.in_flight + requests, self.in_flight_prompt_tokens + prompt_tokens)
+
 
 @dataclass(frozen=True, slots=True)
 class Dispatch:
