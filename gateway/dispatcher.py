@@ -9,12 +9,15 @@ completion) and at the time the scheduler last asked to be woken.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 from gateway.errors import APIError
 from gateway.registry import EngineRegistry
 from policies.scheduler import Scheduler
 from policies.types import RequestView
+
+log = logging.getLogger("laps.gateway")
 
 
 class Dispatcher:
@@ -73,7 +76,15 @@ class Dispatcher:
 
     def _decide(self) -> None:
         now = self._clock()
-        decision = self.scheduler.decide(self._registry.views(), now)
+        try:
+            decision = self.scheduler.decide(self._registry.views(), now)
+        except Exception:
+            # A policy bug must not strand anyone: every waiting request fails explicitly.
+            log.exception("scheduler %s failed; failing %d waiting requests", type(self.scheduler).__name__, len(self._waiting))
+            for _, future in self._waiting.values():
+                future.set_exception(APIError(500, "the gateway's scheduler failed; see the gateway log", type="internal_error"))
+            self._waiting.clear()
+            return
         for group in decision.dispatches:
             for rid in group.rids:
                 request, future = self._waiting.pop(rid)

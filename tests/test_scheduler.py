@@ -115,3 +115,14 @@ async def test_dispatcher_withdraws_a_cancelled_request_and_fails_rejected_ones(
     with pytest.raises(APIError) as info:
         await rejecting.admit(RequestView("x", 5))
     assert info.value.status == 503
+
+
+async def test_a_failing_scheduler_fails_waiting_requests_explicitly():
+    class Broken(ScriptedScheduler):
+        def decide(self, engines, now):
+            raise RuntimeError("policy bug")
+
+    dispatcher = Dispatcher(Broken(release_at=0.0), EngineRegistry([EngineState("a", "http://a", "short")]))
+    with pytest.raises(APIError) as info:
+        await dispatcher.admit(RequestView("r", 5))
+    assert info.value.status == 500 and dispatcher.queued == 0
