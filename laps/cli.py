@@ -14,6 +14,7 @@ EPILOG = """examples:
   laps serve                                   # gateway + engines from ./config.yaml on 127.0.0.1:8000
   laps loadgen --url http://127.0.0.1:8000 --dataset mixed --rate 2 --duration 60 --out runs/report.json
   laps calibrate --url http://127.0.0.1:30000 --out runs/cost_model.yaml
+  laps simulate --dataset mixed --rate 2 --duration 600 --policy laps --out runs/sim.json   # virtual time
   laps demo --duration 60                      # start, load, report, stop
 """
 
@@ -59,6 +60,13 @@ def _cmd_loadgen(args: argparse.Namespace) -> int:
     return loadgen_main(args)
 
 
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from loadgen.cli import simulate_main
+
+    _setup_logging(args.log_level)
+    return simulate_main(args)
+
+
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     from laps.calibrate import main as calibrate_main
 
@@ -77,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``laps`` argument parser with its subcommands."""
     from laps.calibrate import configure_parser as configure_calibrate
     from loadgen.cli import configure_parser as configure_loadgen
+    from loadgen.cli import configure_simulate_parser
 
     parser = argparse.ArgumentParser(
         prog="laps",
@@ -85,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity (default: info)")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,loadgen,calibrate,demo}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,loadgen,simulate,calibrate,demo}")
 
     serve = sub.add_parser(
         "serve",
@@ -106,6 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     configure_loadgen(lg)
     lg.set_defaults(func=_cmd_loadgen)
+
+    sim = sub.add_parser(
+        "simulate",
+        help="run a workload through the config's gateway policies and engine models in virtual time",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    configure_simulate_parser(sim)
+    sim.set_defaults(func=_cmd_simulate)
 
     cal = sub.add_parser("calibrate", help="measure an engine's prefill times and fit the short/long boundary L_m(H)")
     configure_calibrate(cal)

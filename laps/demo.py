@@ -1,18 +1,21 @@
 """``laps demo``: the default deployment under the mixed real-chat workload, end to end.
 
-Starts ``laps serve`` as a child process on a free port, waits until the
-gateway reports a healthy engine, runs ``laps loadgen`` against it, and stops
-the gateway (which stops its engines) whatever happens.
+Starts ``laps serve`` as a child process on a free port (:func:`serving`),
+waits until the gateway reports a healthy engine, runs ``laps loadgen``
+against it, and stops the gateway (which stops its engines) whatever happens.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 
@@ -38,32 +41,27 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
     raise RuntimeError(f"the gateway was not healthy after {timeout_s:.0f} s")
 
 
-def run_demo(args: argparse.Namespace) -> int:
-    """Run the demo described in the module docstring; returns the load generator's exit code."""
-    from laps.cli import build_parser
+@contextlib.contextmanager
+def serving(config_path: Path) -> Iterator[str]:
+    """``laps serve --config config_path`` in a child process on a free port; yields its URL once healthy.
 
-    config = load_config(args.config)
+    The gateway (and so its engines) is stopped on exit, whatever happens.
+
+    Raises:
+        RuntimeError: the gateway exited or was not healthy within ``READY_TIMEOUT_S``.
+    """
+    config = load_config(config_path)
     port = free_port(config.gateway.host)
     url = f"http://{config.gateway.host}:{port}"
-    gateway_log = config.log_dir / "gateway.log"
     log.info("starting the gateway and %d engines on %s (logs in %s)", len(config.engines), url, config.log_dir)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "laps.cli", "serve", "--config", str(args.config), "--port", str(port)],
+        [sys.executable, "-m", "laps.cli", "serve", "--config", str(config_path), "--port", str(port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
     try:
         _wait_healthy(url, proc, READY_TIMEOUT_S)
-        log.info("gateway ready; sending the mixed real-chat workload at %.1f conversations/s for %.0f s", args.rate, args.duration)
-        loadgen_args = build_parser().parse_args([
-            "--log-level", args.log_level, "loadgen",
-            "--url", url, "--dataset", "mixed", "--rate", str(args.rate), "--duration", str(args.duration),
-            "--slo-ttft-s", str(config.slo.ttft_s), "--seed", str(args.seed), "--out", str(args.out),
-        ])
-        return loadgen_args.func(loadgen_args)
-    except RuntimeError as err:
-        log.error("%s; see %s", err, gateway_log)
-        return 1
+        yield url
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
@@ -73,3 +71,22 @@ def run_demo(args: argparse.Namespace) -> int:
                 proc.kill()
                 proc.wait()
         log.info("gateway and engines stopped")
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    """Run the demo described in the module docstring; returns the load generator's exit code."""
+    from laps.cli import build_parser
+
+    config = load_config(args.config)
+    try:
+        with serving(args.config) as url:
+            log.info("gateway ready; sending the mixed real-chat workload at %.1f conversations/s for %.0f s", args.rate, args.duration)
+            loadgen_args = build_parser().parse_args([
+                "--log-level", args.log_level, "loadgen",
+                "--url", url, "--dataset", "mixed", "--rate", str(args.rate), "--duration", str(args.duration),
+                "--slo-ttft-s", str(config.slo.ttft_s), "--seed", str(args.seed), "--out", str(args.out),
+            ])
+            return loadgen_args.func(loadgen_args)
+    except RuntimeError as err:
+        log.error("%s; see %s", err, config.log_dir / "gateway.log")
+        return 1

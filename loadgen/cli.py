@@ -1,4 +1,4 @@
-"""``laps loadgen``: flags, the run with its progress bar, and the report files."""
+"""``laps loadgen`` and ``laps simulate``: shared workload flags, the runs with their progress bars, the report files."""
 
 from __future__ import annotations
 
@@ -6,15 +6,19 @@ import argparse
 import asyncio
 import random
 import sys
+import time
 from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from laps.tokenizer import load_tokenizer
+from laps.config import DEFAULT_CONFIG_PATH, load_config
+from laps.tokenizer import ChatTokenizer, load_tokenizer
 from loadgen.report import build_report, print_report, write_report, write_trace
 from loadgen.runner import THINK_DISTRIBUTIONS, LoadgenError, RequestRecord, run_loadgen
-from loadgen.workloads import DATASETS, DEFAULT_MAX_TOKENS, build_workload
+from loadgen.virtual import simulate
+from loadgen.workloads import DATASETS, DEFAULT_MAX_TOKENS, Workload, build_workload
+from policies.registry import POLICIES
 
 DESCRIPTION = """\
 Open-loop load of real chats against an OpenAI-compatible server (the laps gateway, SGLang, ...).
@@ -35,22 +39,16 @@ chats with --long-share long requests of 1k-14k tokens), replay:PATH (a --trace-
 exit status: 0 when every request succeeded, 1 when any failed or the run could not start, 2 for bad arguments."""
 
 
-def configure_parser(parser: argparse.ArgumentParser) -> None:
-    """Add the load generator's flags (and its description and examples) to ``parser``."""
-    parser.description = DESCRIPTION
-    parser.epilog = EPILOG
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
+def add_workload_arguments(parser: argparse.ArgumentParser, default_out: Path) -> None:
+    """The flags ``laps loadgen`` and ``laps simulate`` share: what load to send and where the report goes."""
     parser.add_argument(
         "--dataset", default="mixed", metavar="NAME", help=f"one of {', '.join(DATASETS)} or replay:PATH (default: %(default)s)"
     )
     parser.add_argument("--rate", type=float, help="conversation arrivals per second (Poisson); required except for trace replay")
     parser.add_argument("--duration", type=float, default=60.0, help="seconds during which conversations and turns may start (default: %(default)s)")
-    parser.add_argument("--slo-ttft-s", type=float, default=0.4, help="TTFT service-level objective in seconds (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the workload and of the arrival process (default: %(default)s)")
-    parser.add_argument("--out", type=Path, default=Path("runs/loadgen.json"), help="report JSON; the PNG goes next to it (default: %(default)s)")
+    parser.add_argument("--out", type=Path, default=default_out, help="report JSON; the PNG goes next to it (default: %(default)s)")
     parser.add_argument("--trace-out", type=Path, help="also write every request record as JSONL (replay with --dataset replay:PATH)")
-    parser.add_argument("--model", help="model name to request (default: the first id from GET URL/v1/models)")
     parser.add_argument("--think-time-s", type=float, default=1.0, help="mean pause between an answer and the next turn (default: %(default)s)")
     parser.add_argument("--think-dist", choices=THINK_DISTRIBUTIONS, default="exp", help="think time: exponential or fixed (default: %(default)s)")
     parser.add_argument("--time-scale", type=float, default=1.0, help="multiply trace arrival times (0.5 = twice as fast; default: %(default)s)")
@@ -60,8 +58,55 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--ignore-eos", action="store_true", help="send ignore_eos=true so outputs run to max_tokens (SGLang extension)")
     parser.add_argument("--request-timeout-s", type=float, default=300.0, help="give up on one request after this long (default: %(default)s)")
-    parser.add_argument("--tokenizer", type=Path, help="HF model directory whose tokenizer counts tokens (default: built-in Qwen2.5)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar and no table (the JSON is still written)")
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    """Add the load generator's flags (and its description and examples) to ``parser``."""
+    parser.description = DESCRIPTION
+    parser.epilog = EPILOG
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--model", help="model name to request (default: the first id from GET URL/v1/models)")
+    parser.add_argument("--tokenizer", type=Path, help="HF model directory whose tokenizer counts tokens (default: built-in Qwen2.5)")
+    parser.add_argument("--slo-ttft-s", type=float, default=0.4, help="TTFT service-level objective in seconds (default: %(default)s)")
+    add_workload_arguments(parser, Path("runs/loadgen.json"))
+
+
+def load_workload(args: argparse.Namespace, tokenizer: ChatTokenizer) -> Workload:
+    """The workload the shared flags name, from ``random.Random(f"workload/{seed}")``.
+
+    Raises:
+        ValueError: as :func:`~loadgen.workloads.build_workload`.
+    """
+    return build_workload(args.dataset, random.Random(f"workload/{args.seed}"), tokenizer=tokenizer,
+                          default_max_tokens=args.max_tokens, long_share=args.long_share)
+
+
+def workload_meta(args: argparse.Namespace, workload: Workload) -> dict:
+    """The report's description of the load (``dataset``, ``rate``, ``seed``, durations, think times, notes)."""
+    return {
+        "dataset": args.dataset,
+        "rate": None if workload.timed else args.rate,
+        "time_scale": args.time_scale if workload.timed else None,
+        "seed": args.seed,
+        "configured_duration_s": args.duration,
+        "think_time_s": args.think_time_s,
+        "think_dist": args.think_dist,
+        "ignore_eos": args.ignore_eos,
+        "notes": workload.notes
+        + ([f"--rate {args.rate} ignored: {args.dataset} replays its own arrival times"] if workload.timed and args.rate else []),
+    }
+
+
+def write_outputs(args: argparse.Namespace, report: dict, records: list[RequestRecord], console: Console) -> None:
+    """Write the report JSON and PNG (and the trace with ``--trace-out``); print the table unless ``--quiet``."""
+    json_path, png_path = write_report(report, records, args.out)
+    if args.trace_out is not None:
+        write_trace(records, args.trace_out)
+    if not args.quiet:
+        print_report(report, Console())
+        console.print(f"wrote {json_path} and {png_path}" + (f" and {args.trace_out}" if args.trace_out else ""))
 
 
 async def run(args: argparse.Namespace) -> dict:
@@ -71,14 +116,7 @@ async def run(args: argparse.Namespace) -> dict:
         LoadgenError: the server could not be reached or lists no model.
         ValueError: inconsistent arguments (e.g. no ``--rate`` for a Poisson dataset).
     """
-    workload = await asyncio.to_thread(
-        build_workload,
-        args.dataset,
-        random.Random(f"workload/{args.seed}"),
-        tokenizer=load_tokenizer(args.tokenizer),
-        default_max_tokens=args.max_tokens,
-        long_share=args.long_share,
-    )
+    workload = await asyncio.to_thread(load_workload, args, load_tokenizer(args.tokenizer))
     console = Console(stderr=True)
     progress = Progress(
         TextColumn("{task.description}"),
@@ -120,25 +158,9 @@ async def run(args: argparse.Namespace) -> dict:
             )
         finally:
             ticker.cancel()
-    meta = {
-        "dataset": args.dataset,
-        "url": args.url,
-        "rate": None if workload.timed else args.rate,
-        "time_scale": args.time_scale if workload.timed else None,
-        "seed": args.seed,
-        "configured_duration_s": args.duration,
-        "think_time_s": args.think_time_s,
-        "think_dist": args.think_dist,
-        "notes": workload.notes
-        + ([f"--rate {args.rate} ignored: {args.dataset} replays its own arrival times"] if workload.timed and args.rate else []),
-    }
+    meta = {"mode": "live", "url": args.url, **workload_meta(args, workload)}
     report = build_report(records, slo_ttft_s=args.slo_ttft_s, meta=meta)
-    json_path, png_path = write_report(report, records, args.out)
-    if args.trace_out is not None:
-        write_trace(records, args.trace_out)
-    if not args.quiet:
-        print_report(report, Console())
-        console.print(f"wrote {json_path} and {png_path}" + (f" and {args.trace_out}" if args.trace_out else ""))
+    write_outputs(args, report, records, console)
     return report
 
 
@@ -151,5 +173,111 @@ def main(args: argparse.Namespace) -> int:
         return 1
     except ValueError as err:
         print(f"laps loadgen: {err}", file=sys.stderr)
+        return 2
+    return 0 if report["requests"]["errors"] == 0 else 1
+
+
+SIMULATE_DESCRIPTION = """\
+The whole deployment of --config in virtual time: the gateway's policies (classifier, prefix index,
+scheduler) in front of its engines, each an SGLang 0.5.23 engine model (its role's flags, the config's
+simulated model and GPU); no sockets, no processes. Same workloads, flags and report JSON as laps
+loadgen, with a progress bar in simulated seconds; the same seed gives the same report. --policy
+overrides scheduling.policy."""
+
+SIMULATE_EPILOG = """\
+examples:
+  laps simulate --config config.yaml --dataset mixed --rate 2 --duration 600 --policy laps --seed 0 --out runs/sim/laps.json
+  laps simulate --dataset hh-rlhf --rate 20 --duration 300 --policy round_robin --out runs/sim/rr.json
+  laps simulate --dataset replay:runs/mixed.jsonl --duration 60 --out runs/sim/replay.json
+
+exit status: 0 when every request succeeded, 1 when any failed, 2 for bad arguments or configuration."""
+
+
+def configure_simulate_parser(parser: argparse.ArgumentParser) -> None:
+    """Add ``laps simulate``'s flags (and its description and examples) to ``parser``."""
+    parser.description = SIMULATE_DESCRIPTION
+    parser.epilog = SIMULATE_EPILOG
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG_PATH, help="deployment YAML (default: %(default)s)")
+    parser.add_argument("--policy", choices=sorted(POLICIES), help="scheduling policy (default: the config's scheduling.policy)")
+    parser.add_argument("--slo-ttft-s", type=float, help="TTFT objective of the report (default: the config's slo.ttft_s)")
+    parser.add_argument("--serving-latency-ms", type=float, default=0.0,
+                        help="HTTP and tokenization latency per request, half on the way in, half on the way back "
+                             "(default: %(default)s)")
+    add_workload_arguments(parser, Path("runs/simulate.json"))
+
+
+def run_simulation(args: argparse.Namespace) -> dict:
+    """Simulate the run ``args`` describe (see :func:`configure_simulate_parser`), write the files, return the report.
+
+    Raises:
+        ConfigError: the configuration cannot be used.
+        ValueError: inconsistent arguments, or a role the engine model cannot run.
+    """
+    config = load_config(args.config)
+    if args.policy is not None:
+        config = config.model_copy(update={"scheduling": config.scheduling.model_copy(update={"policy": args.policy})})
+    tokenizer = load_tokenizer(config.model.path)
+    workload = load_workload(args, tokenizer)
+    console = Console(stderr=True)
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed:.0f}/{task.total:.0f} simulated s"),
+        TimeElapsedColumn(),
+        console=console,
+        disable=args.quiet or not console.is_terminal,
+    )
+    done = {"ok": 0, "errors": 0}
+    task = progress.add_task("starting", total=args.duration)
+
+    def on_record(rec: RequestRecord) -> None:
+        done["ok" if rec.ok else "errors"] += 1
+
+    def on_progress(sim_time: float) -> None:
+        progress.update(task, completed=min(args.duration, sim_time), description=f"{done['ok']} ok, {done['errors']} errors")
+
+    wall = time.perf_counter()
+    with progress:
+        records = simulate(
+            config,
+            workload,
+            duration_s=args.duration,
+            seed=args.seed,
+            rate=None if workload.timed else args.rate,
+            time_scale=args.time_scale,
+            think_time_s=args.think_time_s,
+            think_dist=args.think_dist,
+            request_timeout_s=args.request_timeout_s,
+            ignore_eos=args.ignore_eos,
+            serving_latency_s=args.serving_latency_ms / 1e3,
+            tokenizer=tokenizer,
+            on_record=on_record,
+            on_progress=on_progress,
+        )
+    wall = time.perf_counter() - wall
+    meta = {
+        "mode": "virtual",
+        "config": str(args.config),
+        "policy": config.scheduling.policy,
+        "engines": [{"name": e.name, "kind": e.kind, "role": e.role, "gpus": len(e.gpus) or 1} for e in config.engines],
+        "sim": {"model": config.sim.model, "gpu": config.sim.gpu},
+        "serving_latency_ms": args.serving_latency_ms,
+        **workload_meta(args, workload),
+    }
+    report = build_report(records, slo_ttft_s=args.slo_ttft_s or config.slo.ttft_s, meta=meta)
+    write_outputs(args, report, records, console)
+    if not args.quiet:
+        end = max((r.end_s for r in records), default=0.0)
+        console.print(f"simulated {end:.1f} s in {wall:.1f} s of wall time ({end / max(wall, 1e-9):.1f} simulated s per s)")
+    return report
+
+
+def simulate_main(args: argparse.Namespace) -> int:
+    """Run ``laps simulate``; exit status 0 if every request succeeded, 1 if any failed, 2 for bad arguments."""
+    try:
+        report = run_simulation(args)
+    except ValueError as err:
+        print(f"laps simulate: {err}", file=sys.stderr)
         return 2
     return 0 if report["requests"]["errors"] == 0 else 1

@@ -102,7 +102,8 @@ def print_report(report: dict, console: Console | None = None) -> None:
         **{k: report[k] for k in ("ttft_s", "tpot_s", "e2e_s")},
     }
     blocks = {"all": overall, **report["by_class"]}
-    table = Table(title=f"laps loadgen — {report.get('dataset', '')}")
+    command = "simulate" if report.get("mode") == "virtual" else "loadgen"
+    table = Table(title=f"laps {command} — {report.get('dataset', '')}")
     table.add_column("")
     for name in blocks:
         table.add_column(name, justify="right")

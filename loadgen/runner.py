@@ -169,7 +169,8 @@ async def discover_model(session: aiohttp.ClientSession, url: str) -> str:
     return data[0]["id"]
 
 
-def _error_text(body: bytes) -> str:
+def error_text(body: bytes) -> str:
+    """What a record says about an error response: its OpenAI ``error.message``, else the raw body (first 200 chars)."""
     try:
         message = orjson.loads(body)["error"]["message"]
     except (orjson.JSONDecodeError, KeyError, TypeError):
@@ -241,7 +242,7 @@ class _Run:
                 rec.status = resp.status
                 rec.laps_class = resp.headers.get("x-laps-class", "unknown")
                 if resp.status != 200:
-                    rec.error = f"HTTP {resp.status}: {_error_text(await resp.read())}"
+                    rec.error = f"HTTP {resp.status}: {error_text(await resp.read())}"
                 else:
                     await self._read_stream(resp, rec, pieces)
         except asyncio.TimeoutError:

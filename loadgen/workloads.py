@@ -273,6 +273,26 @@ def _mixed_stream(
             yield next(chat_stream)
 
 
+def short_and_long_prompts(tokenizer: ChatTokenizer, rng: random.Random, n_short: int, n_long: int,
+                           short_below: int = 64, long_above: int = LONG_MIN_CONTEXT_TOKENS) -> tuple[list[list[int]], list[list[int]]]:
+    """Templated single-turn prompts (token ids) for the short/long interference experiment.
+
+    Short: every first user turn of hh-rlhf, MT-Bench, Arena and ShareGPT whose
+    templated chat has fewer than ``short_below`` tokens, ``n_short`` of them
+    drawn with ``rng``. Long: ``n_long`` Azure 2023 trace rows with more than
+    ``long_above`` ContextTokens, drawn with ``rng``, each real text cut to
+    exactly that many templated tokens (:class:`ExactLengthPrompts`).
+    """
+    firsts = [c.turns[0].content for c in load_hh_rlhf(tokenizer) + load_mtbench() + load_arena() + load_sharegpt()]
+    shorts = [ids for ids in (tokenizer.encode_chat([{"role": "user", "content": t}]) for t in firsts if _SPECIAL_MARK not in t)
+              if len(ids) < short_below]
+    rows = [r for r in load_azure_trace() if r.context_tokens > long_above]
+    cutter = ExactLengthPrompts(tokenizer, rng)
+    longs = [tokenizer.encode_chat([{"role": "user", "content": cutter.make(rng.choice(rows).context_tokens)}])
+             for _ in range(n_long)]
+    return [rng.choice(shorts) for _ in range(n_short)], longs
+
+
 def load_replay(path: Path) -> Workload:
     """A timed workload from a ``--trace-out`` JSONL file.
 

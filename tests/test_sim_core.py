@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import statistics
 
 import pytest
@@ -47,7 +48,7 @@ def test_chunked_prefill_splits_a_long_prompt_into_ceil_chunks():
     core.add_request("long", prompt(5000), 1, ignore_eos=True)
     steps: list[StepResult] = []
     events, _ = run(core, steps=steps)
-    assert [s.batch for s in steps] == [((2048, 0),), ((2048, 2048),), ((904, 4096),)]
+    assert [s.prefill for s in steps] == [((2048, 0),), ((2048, 2048),), ((904, 4096),)]
     assert [ev.first_token for ev in events["long"]] == [True]
     assert events["long"][-1].finish_reason == "length"
 
@@ -57,16 +58,16 @@ def test_a_short_request_joins_the_batch_after_the_last_chunk():
     core.add_request("long", prompt(1500), 1, ignore_eos=True)
     core.add_request("short", prompt(100, 9000), 1, ignore_eos=True)
     first, second = core.step(0.0), core.step(1.0)
-    assert first.batch == ((1024, 0),)
-    assert second.batch == ((476, 1024), (100, 0))
+    assert first.prefill == ((1024, 0),)
+    assert second.prefill == ((476, 1024), (100, 0))
 
 
 def test_max_prefill_tokens_limits_a_batch_but_not_its_first_request():
     core = make_core(max_prefill_tokens=1000, chunked_prefill_size=None)
     core.add_request("a", prompt(1200), 1, ignore_eos=True)
     core.add_request("b", prompt(10, 5000), 1, ignore_eos=True)
-    assert core.step(0.0).batch == ((1200, 0),)
-    assert core.step(1.0).batch == ((10, 0),)
+    assert core.step(0.0).prefill == ((1200, 0),)
+    assert core.step(1.0).prefill == ((10, 0),)
 
 
 def test_max_running_requests_is_respected():
@@ -209,34 +210,6 @@ def test_default_policy_does_not_mix_prefill_and_decode_but_mixed_chunk_does():
         assert (step.num_prefill_seqs, step.num_decode_seqs) == ((1, 1) if mixed else (1, 0))
 
 
-def test_decode_retracts_when_the_pool_runs_out_and_everyone_still_finishes():
-    # Replies that outlive the 0.7 new-token-ratio estimate: three get admitted into 600 tokens
-    # (100 + 120 each, reserving 0.7 * 120 per running one) but need 3 * 220 to finish.
-    planner = ReplyPlanner(TOK)
-    rids = [rid for rid in (f"long-{i}" for i in range(2000)) if planner.natural_length(rid) >= 130][:4]
-    core = make_core(max_total_tokens=600, max_running_requests=8)
-    for i, rid in enumerate(rids):
-        core.add_request(rid, prompt(100, 1000 * (i + 1)), 120)
-    steps: list[StepResult] = []
-    now, events = 0.0, {}
-    while core.has_work():
-        result = core.step(now)
-        steps.append(result)
-        now += result.duration_s
-        stats = core.stats()
-        assert stats.num_used_tokens + stats.evictable_tokens <= 600
-        for ev in result.events:
-            events.setdefault(ev.rid, []).append(ev)
-    assert sorted(events) == sorted(rids)
-    for evs in events.values():
-        assert evs[-1].finish_reason == "length"
-        assert len(output_ids(evs)) == 120
-        assert sum(ev.first_token for ev in evs) == 1
-    # A retracted request is prefilled again with its reply so far.
-    assert any(s.num_prefill_seqs and any(new > 100 for new, _ in s.batch) for s in steps[1:])
-    assert core.stats().num_used_tokens == 0
-
-
 def test_max_new_tokens_zero_is_prefill_only():
     core = make_core()
     core.add_request("p", prompt(300), 0)
@@ -287,3 +260,50 @@ def test_stats_report_queue_and_usage():
     assert core.stats().num_waiting_uncached_tokens == 100 + 1  # c: all cached but its last token
     assert stats.num_used_tokens == 100
     assert stats.token_usage == pytest.approx(100 / 100_000)
+
+
+def test_aborting_a_request_that_failed_admission_leaves_other_locks_alone():
+    core = make_core(max_total_tokens=1000, max_running_requests=8)
+    core.add_request("a", prompt(300), 500, ignore_eos=True)
+    core.step(0.0)
+    # b shares a's first 200 tokens but does not fit next to a's 500-token reservation.
+    core.add_request("b", prompt(200) + prompt(300, 5000), 500, ignore_eos=True, now=0.1)
+    assert core.step(0.1).num_decode_seqs == 1
+    core.abort("b")
+    assert core.tree.protected_size == 300  # a's prompt stays pinned
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "lpm", "shortest-prefill-first", "hrrn", "lof", "random"])
+def test_pool_accounting_holds_under_random_load_and_aborts(policy):
+    rng = random.Random(policy)
+    core = make_core(max_total_tokens=3000, max_running_requests=6, chunked_prefill_size=256, schedule_policy=policy,
+                     schedule_conservativeness=0.3)
+    shared = prompt(120, 70_000)
+    now, n = 0.0, 0
+    for _ in range(400):
+        if rng.random() < 0.3:
+            base = shared if rng.random() < 0.5 else []
+            core.add_request(f"r{n}", base + prompt(rng.randint(5, 400), 1000 * n), rng.randint(1, 300), now=now)
+            n += 1
+        if rng.random() < 0.05 and core._reqs:
+            core.abort(rng.choice(sorted(core._reqs)))
+        result = core.step(now)
+        now += result.duration_s or 0.001
+        stats = core.stats()
+        assert stats.num_used_tokens + stats.evictable_tokens <= 3000
+        assert core.tree.protected_size == sum(len(node.key) for node in _locked_nodes(core.tree.root))
+    while core.has_work():
+        result = core.step(now)
+        assert not result.idle  # an engine with work always makes progress
+        now += result.duration_s
+    assert core.tree.protected_size == 0 and core.stats().num_used_tokens == 0
+
+
+def _locked_nodes(root):
+    stack, out = list(root.children.values()), []
+    while stack:
+        node = stack.pop()
+        if node.lock_ref:
+            out.append(node)
+        stack.extend(node.children.values())
+    return out

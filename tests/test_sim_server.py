@@ -9,7 +9,8 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from engines.sim.replies import ReplyPlanner
-from engines.sim.server import SimServerArgs, create_app, resolve_args
+from engines.sim.args import SimServerArgs
+from engines.sim.server import create_app
 from laps.tokenizer import load_tokenizer
 
 TOK = load_tokenizer()
@@ -254,10 +255,11 @@ async def test_flush_cache_and_metrics(client):
         assert name + "{" in text
 
 
-def test_resolve_args_defaults_and_refusals():
-    sim = resolve_args(SimServerArgs(model_path="Qwen/Qwen2.5-32B-Instruct", chunked_prefill_size=-1))
-    assert sim.sim_model == "qwen2.5-32b"
-    assert sim.config.chunked_prefill_size is None
-    assert sim.config.max_total_tokens == sim.latency.max_total_tokens(0.88)
-    with pytest.raises(ValueError, match="only fcfs"):
-        resolve_args(SimServerArgs(schedule_policy="lpm"))
+async def test_priority_is_an_integer_request_field(client):
+    body = {"messages": MESSAGES, "max_tokens": 2, "ignore_eos": True, "priority": 5}
+    assert (await client.post("/v1/chat/completions", json=body)).status == 200
+    resp = await client.post("/v1/chat/completions", json={**body, "priority": "high"})
+    assert resp.status == 400 and "priority" in (await resp.json())["message"]
+    data = await (await client.post("/generate", json={"input_ids": [1, 2], "priority": 3,
+                                                        "sampling_params": {"max_new_tokens": 1}})).json()
+    assert data["meta_info"]["completion_tokens"] == 1

@@ -2,28 +2,70 @@
 
 No asyncio, no clock, no I/O: the caller passes ``now`` (seconds on any clock)
 and runs the forward pass each :meth:`EngineCore.step` returns for
-``duration_s``; the real-time HTTP shell and a virtual-time simulator drive the
-same object. What it models (``managers/scheduler.py``, ``schedule_policy.py``):
+``duration_s``; the real-time HTTP shell (:mod:`engines.sim.server`) and the
+virtual-time simulator (:mod:`loadgen.virtual`) drive the same object. What it
+models, read from SGLang 0.5.23 (``managers/scheduler.py``
+``get_next_batch_to_run`` / ``_get_new_batch_prefill_raw`` /
+``update_running_batch``, ``managers/schedule_policy.py`` ``SchedulePolicy`` and
+``PrefillAdder``, ``mem_cache/prefill_budget.py``, ``managers/schedule_batch.py``
+``retract_decode``), at page size 1 without overlap scheduling:
 
-* a FCFS waiting queue; each step is either a prefill (extend) batch or, when no
-  request can be admitted, a decode step of every running request — SGLang's
-  default; with ``enable_mixed_chunk`` the running decodes ride along in the
-  prefill batch (``--enable-mixed-chunk``);
-* admission under ``max_prefill_tokens`` (the first request of a batch may
-  exceed it), ``chunked_prefill_size`` (a prompt longer than what is left is cut
-  into chunks; one chunked request at a time, continued first in the next step),
-  ``max_running_requests`` and the KV pool: a request needs its uncached tokens
-  plus ``min(max_new_tokens, 4096)`` free, where running requests reserve their
-  remaining ``min(max_new − produced, 4096) · new_token_ratio`` (ratio 0.7 decaying
-  to 0.098 over 600 decode steps, reset when a decode step has to retract);
-* a KV pool of ``max_total_tokens`` shared by running requests and a radix prefix
-  cache (:class:`~engines.sim.radix.RadixCache`): prompts are matched on all but
-  their last token (one token is always computed), every prefill chunk is
-  inserted, a finished request inserts prompt and reply; unlocked entries are
-  evicted least-recently-used when the pool is short;
-* decode retraction when the pool cannot hold one more token per running
-  request: fewest-produced-tokens first (ties: longest prompt), back to the head
-  of the queue, to be re-prefilled with its reply so far.
+* **One pass per step.** A prefill (extend) batch runs whenever one can be
+  formed; otherwise every running request decodes one token. With
+  ``enable_mixed_chunk`` the running decodes ride along in the prefill pass when
+  their next tokens fit.
+* **Waiting-queue order** (``--schedule-policy``), re-sorted in place (stable)
+  every pass: ``fcfs`` keeps arrival order, or with
+  ``--enable-priority-scheduling`` sorts by (priority, queue-entry time);
+  ``lof`` sorts by the largest ``max_new_tokens`` (priority first when enabled);
+  ``lpm`` by the longest cached prefix; ``shortest-prefill-first`` by the
+  fewest uncached tokens ``max(1, len(fill) − matched)`` then entry time;
+  ``hrrn`` by the highest response ratio with token aging,
+  (prefill tokens processed since the request queued) / (uncached prompt
+  tokens); ``random`` shuffles with a seeded RNG. The cache-aware ones (lpm, spf,
+  hrrn) match every waiting request against the cache each pass (stamping its
+  LRU time) and push back a request whose own hit is ≤ 32 tokens but which
+  shares ≥ 32 tokens with one earlier in the queue (in-batch prefix caching);
+  lpm and hrrn fall back to fcfs when more than 128 wait. With a cache-agnostic
+  order every 32nd pass touches the prefixes of the first 128 waiting requests
+  (head last), as SGLang's waiting-prefix refresh does.
+* **Admission** (``PrefillAdder``): a prefill-in-progress (chunked) request
+  continues first; then requests are taken in queue order while
+  ``len(running) + len(batch) < max_running_requests``. A request is matched
+  against the cache on all but its last token and needs
+  ``uncached + min(max_new − produced, 4096) + 1 < available + evictable −
+  offsets`` (its matched prefix pinned during the check), where the offsets
+  are each running request's ``min(max_new − produced, 4096) · ratio`` (ratio
+  1.0 for ``ignore_eos``) and each admitted request's ``extend + 1 +
+  min(max_new, 4096)`` (``extend + 1`` for a chunk); ``ratio`` starts at 0.7,
+  decays by (0.7 − 0.098)/600 per decode pass to 0.098, is reset when the
+  engine idles and re-estimated after a retraction. A request longer than what
+  is left of ``chunked_prefill_size`` is cut (a new chunked request; under
+  shortest-prefill-first only if none is in progress); without chunking a
+  request that does not fit ``max_prefill_tokens`` waits unless it is the
+  first of the batch. Admission stops at the first request that does not fit
+  ("no token": no further prefill until a running request leaves) or when the
+  chunk or input budget is spent.
+* **shortest-prefill-first** also caps the continuing chunk so the shortest
+  waiting requests (each shorter than what the long one has left) fit in the
+  same pass.
+* **Priority preemption** (``--enable-priority-scheduling`` without
+  ``--disable-priority-preemption``): when the request slots are full, running
+  requests whose priority is worse by more than
+  ``priority_scheduling_preemption_threshold`` are released, lowest priority and
+  newest first, if that frees enough room; they requeue.
+* **KV pool** of ``max_total_tokens`` shared by running requests and a radix
+  prefix cache (:class:`~engines.sim.radix.RadixCache`) evicted LRU: every
+  prefill (chunk) is inserted and stays pinned while its request runs; a
+  finished request inserts prompt and reply (whose last token has no KV).
+  ``cached_tokens`` is the hit at a request's first admission.
+* **Decode retraction** when the pool cannot hold one more token per running
+  request: requests are retracted in order of fewest produced tokens, ties the
+  longest prompt, at least one and until the rest fit, never the last (which is
+  aborted if even it does not fit); each release also evicts 20 cache tokens
+  per request still running; the retracted requeue at the back (entry time
+  now) and are prefilled again with their reply so far.
+* ``max_new_tokens`` is clipped on arrival to the context length and the pool.
 
 Replies are real token ids (:mod:`engines.sim.replies`); ``stop`` strings are
 matched on the decoded reply after every token.
@@ -31,12 +73,14 @@ matched on the decoded reply after every token.
 
 from __future__ import annotations
 
+import random
+import sys
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from engines.sim.latency import LatencyModel, SeqShape
 from engines.sim.radix import RadixCache, RadixNode
-from engines.sim.replies import IncrementalDetokenizer, ReplyPlan, ReplyPlanner, find_stop
+from engines.sim.replies import IncrementalDetokenizer, ReplyPlanner, find_stop
 from laps.tokenizer import ChatTokenizer
 
 CLIP_MAX_NEW_TOKENS = 4096  # SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION
@@ -44,21 +88,32 @@ INIT_NEW_TOKEN_RATIO = 0.7  # SGLANG_INIT_NEW_TOKEN_RATIO
 MIN_NEW_TOKEN_RATIO_FACTOR = 0.14  # SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR
 NEW_TOKEN_RATIO_DECAY_STEPS = 600  # SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS
 RETRACT_DECODE_STEPS = 20  # SGLANG_RETRACT_DECODE_STEPS
+IN_BATCH_PREFIX_CHECK_THRESHOLD = 32  # IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD
+IN_BATCH_PREFIX_DEPRIORITIZE_THRESHOLD = 32  # IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD
+WAITING_QUEUE_PREFIX_MATCH_MAX = 128
+WAITING_PREFIX_REFRESH_INTERVAL = 32
+
+SCHEDULE_POLICIES = ("fcfs", "lof", "random", "lpm", "hrrn", "shortest-prefill-first")
+"""The ``--schedule-policy`` values the engine model implements."""
+CACHE_AWARE_POLICIES = frozenset({"lpm", "hrrn", "shortest-prefill-first"})
+
+_CONTINUE, _NO_TOKEN, _OTHER = 0, 1, 2  # AddReqResult
 
 
 def default_max_running_requests(max_total_tokens: int, context_length: int) -> int:
-    """SGLang's default request-slot count: clip(max_total_tokens / context_length · 512, 2048, 4096)."""
-    return min(max(int(max_total_tokens / context_length * 512), 2048), 4096)
+    """SGLang's default request-slot count: min(clip(tokens / context · 512, 2048, 4096), tokens / 2)."""
+    return min(min(max(int(max_total_tokens / context_length * 512), 2048), 4096), max_total_tokens // 2)
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    """Scheduler limits, in tokens and requests (SGLang flag names).
+    """Scheduler settings (SGLang flag names, see the module doc); limits in tokens and requests.
 
     ``chunked_prefill_size`` None disables chunking (SGLang's ``-1``).
 
     Raises:
-        ValueError: on a non-positive limit.
+        ValueError: on a non-positive limit, or a schedule policy SGLang 0.5.23
+            rejects or this model does not implement (messages say which).
     """
 
     max_total_tokens: int
@@ -67,6 +122,13 @@ class EngineConfig:
     max_prefill_tokens: int = 16384
     context_length: int = 32768
     enable_mixed_chunk: bool = False
+    schedule_policy: str = "fcfs"
+    enable_priority_scheduling: bool = False
+    schedule_low_priority_values_first: bool = False
+    priority_scheduling_preemption_threshold: int = 10
+    disable_priority_preemption: bool = False
+    schedule_conservativeness: float = 1.0
+    random_seed: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_total_tokens", "max_running_requests", "max_prefill_tokens", "context_length"):
@@ -74,10 +136,18 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size < 1:
             raise ValueError(f"chunked_prefill_size must be >= 1 or None, got {self.chunked_prefill_size}")
+        policy = self.schedule_policy
+        if policy == "priority":
+            raise ValueError("Unknown schedule_policy: policy='priority' (SGLang 0.5.23's scheduler refuses it; "
+                             "use --enable-priority-scheduling with fcfs or lof)")
+        if policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"--schedule-policy {policy}: the simulated engine implements {', '.join(SCHEDULE_POLICIES)}")
+        if self.enable_priority_scheduling and policy not in ("fcfs", "lof"):
+            raise ValueError(f"To use priority scheduling, schedule_policy must be 'fcfs' or 'lof'. "
+                             f"'{policy}' is not supported.")
 
 
-@dataclass(frozen=True, slots=True)
-class RequestEvent:
+class RequestEvent(NamedTuple):
     """What happened to one request in one step (or on abort).
 
     ``new_token_ids``: tokens produced now (EOS included when sampled);
@@ -106,21 +176,32 @@ class RequestEvent:
 
 @dataclass(frozen=True, slots=True)
 class StepResult:
-    """One scheduled forward pass: its duration (s), its batch shapes and its events.
+    """One scheduled forward pass: its duration (s), its shapes and its events.
 
-    An idle step (nothing schedulable) has ``duration_s == 0`` and an empty batch.
+    ``prefill``: (new tokens, cached prefix) of each prefill (extend) sequence;
+    ``num_decode_seqs`` sequences decoded one token each over
+    ``decode_context_tokens`` cached tokens in total; ``graph``: the CUDA-graph
+    size that replayed the pass (None: eager). An idle step (nothing
+    schedulable) has ``duration_s == 0`` and no sequences; it may still carry an
+    abort event.
     """
 
     duration_s: float
-    batch: tuple[SeqShape, ...]
-    num_prefill_seqs: int
+    prefill: tuple[SeqShape, ...]
     num_decode_seqs: int
+    decode_context_tokens: int
+    graph: int | None
     events: tuple[RequestEvent, ...]
 
     @property
     def idle(self) -> bool:
         """True when no forward pass was scheduled."""
-        return not self.batch
+        return not self.prefill and not self.num_decode_seqs
+
+    @property
+    def num_prefill_seqs(self) -> int:
+        """Sequences in the prefill part of the pass."""
+        return len(self.prefill)
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,10 +211,12 @@ class CoreStats:
     ``num_used_tokens`` excludes evictable cache (SGLang's convention);
     ``num_total_tokens`` adds the waiting requests' prompt tokens;
     ``num_waiting_uncached_tokens`` uses each waiting request's prefix match from
-    its arrival or its last admission attempt (as SGLang does), plus what is left
-    of a chunked prefill; ``num_running_reqs`` counts a chunked prefill in flight;
+    its arrival or its last match (as SGLang does), plus what is left of a
+    chunked prefill; ``num_running_reqs`` counts a chunked prefill in flight;
     ``cache_hit_rate`` is that of the last prefill batch; ``gen_throughput`` and
-    ``utilization`` (busy fraction) are over the last 40 forward passes.
+    ``utilization`` (busy fraction) are over the last 40 forward passes;
+    ``num_retracted_reqs`` counts retractions so far; ``new_token_ratio`` is the
+    admission estimate of the share of ``max_new_tokens`` running requests will use.
     """
 
     num_running_reqs: int
@@ -150,35 +233,43 @@ class CoreStats:
     evictable_tokens: int
     total_prefill_uncached_tokens: int
     total_prefill_busy_s: float
+    num_retracted_reqs: int
+    new_token_ratio: float
 
 
 class _Req:
     __slots__ = (
-        "rid", "input_ids", "max_new_tokens", "ignore_eos", "stop", "arrival", "plan", "output_ids",
-        "kv_len", "node", "locked_len", "cached_tokens", "queue_time_s", "detok", "matched",
+        "rid", "input_ids", "output_ids", "max_new_tokens", "ignore_eos", "stop", "priority", "arrival", "entry_time",
+        "plan", "plan_reason", "detok", "kv_len", "node", "locked_len", "prefix_len", "matched", "cached_tokens",
+        "queue_time_s", "arrival_processed",
     )
 
     def __init__(self, rid: str, input_ids: tuple[int, ...], max_new_tokens: int, ignore_eos: bool,
-                 stop: tuple[str, ...], arrival: float, plan: ReplyPlan, detok: IncrementalDetokenizer | None) -> None:
+                 stop: tuple[str, ...], priority: int, arrival: float, plan: tuple[int, ...], plan_reason: str,
+                 detok: IncrementalDetokenizer | None) -> None:
         self.rid = rid
         self.input_ids = input_ids
+        self.output_ids: list[int] = []
         self.max_new_tokens = max_new_tokens
         self.ignore_eos = ignore_eos
         self.stop = stop
+        self.priority = priority
         self.arrival = arrival
+        self.entry_time = arrival  # wait_queue_entry_time: reset when requeued after a retraction
         self.plan = plan
-        self.output_ids: list[int] = []
+        self.plan_reason = plan_reason
+        self.detok = detok  # reply text so far, kept only when there are stop strings
         self.kv_len = 0  # tokens of fill_ids whose KV is computed
         self.node: RadixNode | None = None  # locked cache node covering fill_ids[:locked_len]
         self.locked_len = 0
+        self.prefix_len = 0  # cached prefix at the last admission match
+        self.matched = 0  # cached prefix found when last matched while waiting
         self.cached_tokens: int | None = None  # prefix hit at first admission
         self.queue_time_s: float | None = None
-        self.detok = detok  # reply text so far, kept only when there are stop strings
-        self.matched = 0  # cached prefix found when last matched while waiting
+        self.arrival_processed = 0  # HRRN: prefill tokens processed when it (re)entered the queue
 
-    @property
     def fill_ids(self) -> tuple[int, ...]:
-        return self.input_ids + tuple(self.output_ids)
+        return self.input_ids + tuple(self.output_ids) if self.output_ids else self.input_ids
 
     @property
     def fill_len(self) -> int:
@@ -203,12 +294,23 @@ class EngineCore:
         self._chunked: _Req | None = None
         self._reqs: dict[str, _Req] = {}
         self._private = 0  # KV tokens held by requests outside the tree
-        self._ratio = INIT_NEW_TOKEN_RATIO
-        self._min_ratio = INIT_NEW_TOKEN_RATIO * MIN_NEW_TOKEN_RATIO_FACTOR
-        self._ratio_decay = (self._ratio - self._min_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
+        self._running_ctx = 0  # Σ kv_len over running requests (a decode pass's cached context)
+        self._batch_is_full = False
+        init = min(INIT_NEW_TOKEN_RATIO * config.schedule_conservativeness, 1.0)
+        self._init_ratio = init
+        self._ratio = init
+        self._min_ratio = min(init * MIN_NEW_TOKEN_RATIO_FACTOR, 1.0)
+        self._ratio_decay = (init - self._min_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
+        self._priority_sign = 1 if config.schedule_low_priority_values_first else -1
+        self._preemption = config.enable_priority_scheduling and not config.disable_priority_preemption
+        self._rng = random.Random(config.random_seed)
+        self._refresh_calls = 0
+        self._processed_tokens = 0  # HRRN's prefill-token clock
+        self._now = 0.0
         self._last_hit_rate = 0.0
         self._total_prefill_uncached = 0
         self._total_prefill_busy_s = 0.0
+        self._num_retracted = 0
         self._recent: list[tuple[float, float, int]] = []  # (start, duration, decode tokens) of recent passes
 
     @property
@@ -219,8 +321,13 @@ class EngineCore:
     # ---- requests ---------------------------------------------------------------------------
 
     def add_request(self, rid: str, input_ids: Sequence[int], max_new_tokens: int | None, ignore_eos: bool = False,
-                    stop: Sequence[str] = (), now: float = 0.0) -> None:
+                    stop: Sequence[str] = (), now: float = 0.0, priority: int | None = None) -> None:
         """Queue a request. ``max_new_tokens`` None means up to the context length.
+
+        ``max_new_tokens`` is clipped as SGLang's ``init_req_max_new_tokens``
+        does: to ``min(context, max_total_tokens) − 1 − prompt`` and to
+        ``max_total_tokens − prompt − 2``. ``priority`` counts only with
+        priority scheduling (default: the lowest priority).
 
         Raises:
             ValueError: duplicate rid, empty prompt, negative max_new_tokens, or a
@@ -245,15 +352,20 @@ class EngineCore:
                     f"tokens. You requested a total of {max_new_tokens + n} tokens: {n} tokens from the input "
                     f"messages and {max_new_tokens} tokens for the completion. Please reduce the number of "
                     f"tokens in the input messages or the completion to fit within the limit.")
-        if n >= cfg.max_total_tokens:
-            raise ValueError(f"Input length ({n} tokens) exceeds the KV pool ({cfg.max_total_tokens} tokens).")
-        limit = cfg.context_length - n - 1
+        if n >= cfg.max_total_tokens - 1:
+            raise ValueError(f"Request prompt exceeds the KV memory budget: input_len={n}.")
+        max_req_len = min(cfg.context_length - 1, cfg.max_total_tokens - 1)
+        limit = max(0, min(max_req_len - n - 1, cfg.max_total_tokens - n - 2))
         max_new = limit if max_new_tokens is None else min(max_new_tokens, limit)
         plan = self._planner.plan(rid, max_new, ignore_eos)
         stops = tuple(s for s in stop if s)
         detok = IncrementalDetokenizer(self._tokenizer) if stops else None
-        req = _Req(rid, tuple(input_ids), max_new, ignore_eos, stops, now, plan, detok)
+        if priority is None and cfg.enable_priority_scheduling:
+            priority = sys.maxsize if cfg.schedule_low_priority_values_first else -sys.maxsize - 1
+        req = _Req(rid, tuple(input_ids), max_new, ignore_eos, stops, priority or 0, now, plan.token_ids,
+                   plan.finish_reason, detok)
         req.matched = self.tree.peek_prefix(req.input_ids[:-1])
+        req.arrival_processed = self._processed_tokens
         self._reqs[rid] = req
         self._waiting.append(req)
 
@@ -262,12 +374,14 @@ class EngineCore:
         req = self._reqs.get(rid)
         if req is None:
             return None
-        if req in self._waiting:
-            self._waiting.remove(req)
-        elif req is self._chunked:
+        if req is self._chunked:
             self._chunked = None
-        else:
+        elif req in self._running:
             self._running.remove(req)
+            self._running_ctx -= req.kv_len
+            self._batch_is_full = False
+        else:
+            self._waiting.remove(req)
         return self._finish(req, "abort", None, ())
 
     def abort_all(self) -> list[RequestEvent]:
@@ -291,148 +405,283 @@ class EngineCore:
 
     def step(self, now: float) -> StepResult:
         """Schedule and apply one forward pass starting at ``now``; its events happen at ``now + duration_s``."""
+        self._now = now
         if not self._running and self._chunked is None:
-            self._ratio = INIT_NEW_TOKEN_RATIO
-        prefill = self._schedule_prefill(now)
+            self._ratio = self._init_ratio  # SGLang resets the ratio whenever it idles
         events: list[RequestEvent] = []
+        prefill = self._get_new_batch_prefill()
         decodes: list[_Req] = []
         retracted = False
-        if (not prefill or self.config.enable_mixed_chunk) and self._running:
-            decodes, retracted = self._prepare_decode(events)
+        if prefill:
+            if self.config.enable_mixed_chunk and self._running and self._decode_fits(len(self._running)):
+                decodes = self._running
+        elif self._running:
+            retracted = self._update_running_batch(events)
+            decodes = self._running
         if not prefill and not decodes:
-            return StepResult(0.0, (), 0, 0, tuple(events))
-        batch = tuple([(ext, req.kv_len) for req, ext in prefill] + [(1, req.kv_len) for req in decodes])
-        duration = self.latency.predict(batch)
+            return StepResult(0.0, (), 0, 0, None, tuple(events))
+        shapes = tuple((ext, req.kv_len) for req, ext in prefill)
+        seqs, ctx = len(decodes), self._running_ctx if decodes else 0
+        tokens, pairs, kv = seqs, ctx + seqs, ctx + 2 * seqs
+        for new, cached in shapes:
+            tokens += new
+            pairs += new * cached + new * (new + 1) // 2
+            kv += 2 * new + cached
+        breakdown = self.latency.breakdown_totals(seqs + len(shapes), tokens, pairs, kv, decode=not shapes)
+        duration = breakdown.total_s
+        decoding = list(decodes)
         for req, ext in prefill:
             req.kv_len += ext
             self._cache_prefix(req)
             if req.kv_len < req.fill_len:
-                self._chunked = req
-                continue
-            if req is self._chunked:
-                self._chunked = None
+                continue  # a chunk; the request stays self._chunked
             self._running.append(req)
+            self._running_ctx += req.kv_len
             events.append(self._produce(req))
-        for req in decodes:
-            req.kv_len += 1
-            events.append(self._produce(req))
+        if decoding:
+            if not self._alloc(seqs):
+                raise RuntimeError("KV pool accounting error: a checked decode pass does not fit")
+            for req in decoding:
+                req.kv_len += 1
+            self._running_ctx += seqs
+            for req in decoding:
+                events.append(self._produce(req))
         if prefill:
             self._total_prefill_busy_s += duration
-        if decodes and not retracted:
+            self._processed_tokens += sum(ext for _, ext in prefill)
+        elif not retracted:
             self._ratio = max(self._ratio - self._ratio_decay, self._min_ratio)
-        self._recent.append((now, duration, len(decodes)))
-        del self._recent[:-40]
-        return StepResult(duration, batch, len(prefill), len(decodes), tuple(events))
+        self._recent.append((now, duration, seqs))
+        if len(self._recent) > 80:
+            del self._recent[:-40]
+        return StepResult(duration, shapes, seqs, ctx, breakdown.graph, tuple(events))
 
-    def _reserve(self, req: _Req) -> float:
-        left = min(max(req.max_new_tokens - len(req.output_ids), 0), CLIP_MAX_NEW_TOKENS)
-        return left * (1.0 if req.ignore_eos else self._ratio)
+    # ---- waiting-queue order ------------------------------------------------------------------
 
-    def _schedule_prefill(self, now: float) -> list[tuple[_Req, int]]:
+    def _calc_priority(self) -> None:
+        """Sort the waiting queue in place as SGLang's ``SchedulePolicy.calc_priority`` does."""
+        cfg, waiting = self.config, self._waiting
+        policy = cfg.schedule_policy
+        if policy in ("lpm", "hrrn") and len(waiting) > WAITING_QUEUE_PREFIX_MATCH_MAX:
+            policy = "fcfs"  # the expensive matching is switched off for long queues
+        sign = self._priority_sign
+        if policy in CACHE_AWARE_POLICIES:
+            pushed_back = self._match_waiting()
+            if policy == "lpm":
+                waiting.sort(key=lambda r: float("inf") if r.rid in pushed_back else -r.matched)
+            elif policy == "shortest-prefill-first":
+                waiting.sort(key=lambda r: (r.rid in pushed_back, max(1, r.fill_len - r.matched), r.entry_time))
+            else:
+                clock = self._processed_tokens
+
+                def hrrn_key(r: _Req) -> tuple[float, str]:
+                    if r.rid in pushed_back:
+                        return float("inf"), r.rid
+                    uncached = len(r.input_ids) - r.matched
+                    if uncached <= 0:
+                        return -float("inf"), r.rid
+                    return -max(0, clock - r.arrival_processed) / uncached, r.rid
+
+                waiting.sort(key=hrrn_key)
+            return
+        if cfg.schedule_policy == "fcfs" and cfg.enable_priority_scheduling:
+            waiting.sort(key=lambda r: (r.priority * sign, r.entry_time))
+        elif policy == "lof":
+            if cfg.enable_priority_scheduling:
+                waiting.sort(key=lambda r: (r.priority * sign, -r.max_new_tokens))
+            else:
+                waiting.sort(key=lambda r: -r.max_new_tokens)
+        elif policy == "random":
+            self._rng.shuffle(waiting)
+        self._refresh_waiting_prefixes()
+
+    def _match_waiting(self) -> set[str]:
+        """Match every waiting request against the cache; the rids pushed back by in-batch prefix caching."""
+        pushed_back: set[str] = set()
+        in_queue = RadixCache()
+        for r in self._waiting:
+            fill = r.fill_ids()
+            r.matched, _ = self.tree.match_prefix(fill[:-1])
+            if r.matched <= IN_BATCH_PREFIX_CHECK_THRESHOLD:
+                shared, _ = in_queue.match_prefix(fill)
+                if shared >= IN_BATCH_PREFIX_DEPRIORITIZE_THRESHOLD:
+                    pushed_back.add(r.rid)
+                else:
+                    in_queue.insert(fill)
+        return pushed_back
+
+    def _refresh_waiting_prefixes(self) -> None:
+        refresh = self._refresh_calls % WAITING_PREFIX_REFRESH_INTERVAL == 0
+        self._refresh_calls += 1
+        if refresh and self._waiting:
+            for r in reversed(self._waiting[:WAITING_QUEUE_PREFIX_MATCH_MAX]):
+                self.tree.touch_prefix(r.fill_ids())
+
+    # ---- prefill admission (PrefillAdder) -----------------------------------------------------
+
+    def _get_new_batch_prefill(self) -> list[tuple[_Req, int]]:
         cfg = self.config
-        if self._chunked is None and not self._waiting:
+        if not self._running or self._preemption:
+            self._batch_is_full = False
+        if (self._batch_is_full or not self._waiting) and self._chunked is None:
             return []
-        mixed = len(self._running) if cfg.enable_mixed_chunk else 0
-        rem_input = cfg.max_prefill_tokens - mixed
-        rem_chunk = None if cfg.chunked_prefill_size is None else cfg.chunked_prefill_size - mixed
-        rem_total = (cfg.max_total_tokens - self.tree.total_size - self._private + self.tree.evictable_size
-                     - sum(self._reserve(r) for r in self._running))
-        batch: list[tuple[_Req, int]] = []
+        if (len(self._running) >= cfg.max_running_requests and self._chunked is None
+                and not self._preemption):
+            self._batch_is_full = True
+            return []
+        self._calc_priority()
+        adder = _Adder(self)
         chunked = self._chunked
         if chunked is not None:
-            remaining = chunked.fill_len - chunked.kv_len
-            ext = remaining if rem_chunk is None else min(remaining, max(rem_chunk, 1))
-            if not self._alloc(ext):
-                return []
-            batch.append((chunked, ext))
-            rem_input -= ext
-            rem_chunk = None if rem_chunk is None else rem_chunk - ext
-            rem_total -= ext + self._reserve(chunked)
-            if ext < remaining:
-                return batch
-        slots = cfg.max_running_requests - len(self._running) - (1 if chunked is not None else 0)
+            limit = self._spf_chunk_limit(chunked, adder.rem_chunk or 0)
+            self._chunked = adder.add_chunked(chunked, limit)
+        preempted: list[_Req] = []
+        for req in list(self._waiting):
+            if adder.budget_state() == _OTHER:
+                break
+            if len(self._running) + len(adder.batch) >= cfg.max_running_requests:
+                self._batch_is_full = True
+            if self._batch_is_full:
+                if not self._preemption or not self._preempt_to_schedule(req, adder, preempted):
+                    break
+            req.prefix_len, node = self.tree.match_prefix(req.fill_ids()[:-1])
+            req.matched = req.prefix_len
+            res = adder.add_one(req, node, has_chunked=self._chunked is not None)
+            if res != _CONTINUE:
+                if res == _NO_TOKEN:
+                    self._batch_is_full = bool(adder.batch) or bool(self._running)
+                break
+        if not adder.batch:
+            self._requeue(preempted)
+            return []
+        admitted = {id(req) for req, _ in adder.batch}
+        self._waiting = [r for r in self._waiting if id(r) not in admitted]
+        self._requeue(preempted)
+        if adder.new_chunked is not None:
+            self._chunked = adder.new_chunked
         hit = new = 0
-        while self._waiting and slots > 0 and rem_input > 0 and (rem_chunk is None or rem_chunk > 0):
-            req = self._waiting[0]
-            fill = req.fill_ids
-            prefix_len, node = self.tree.match_prefix(fill[:-1])
-            req.matched = prefix_len
-            ext = len(fill) - prefix_len
-            # Reserve room for the reply too, except for a request alone on an idle engine (liveness).
-            reply = min(req.max_new_tokens - len(req.output_ids), CLIP_MAX_NEW_TOKENS)
-            if ext + (reply if batch or self._running else 0) >= rem_total:
-                break
-            if rem_chunk is not None and ext > rem_chunk:
-                ext = rem_chunk
-            elif ext > rem_input and batch:
-                break
-            self.tree.lock(node)
+        for req, ext in adder.batch:
             if not self._alloc(ext):
-                self.tree.unlock(node)
-                break
-            self._waiting.pop(0)
-            req.node, req.locked_len, req.kv_len = node, prefix_len, prefix_len
+                raise RuntimeError("KV pool accounting error: an admitted prefill does not fit")
             if req.cached_tokens is None:
-                req.cached_tokens = prefix_len
-                req.queue_time_s = max(0.0, now - req.arrival)
-            batch.append((req, ext))
-            hit += prefix_len
+                req.cached_tokens = req.prefix_len
+                req.queue_time_s = max(0.0, self._now - req.arrival)
+            if req is not chunked:
+                req.locked_len = req.kv_len = req.prefix_len
+                hit += req.prefix_len
             new += ext
-            slots -= 1
-            rem_input -= ext
-            rem_total -= ext + self._reserve(req)
-            if rem_chunk is not None:
-                rem_chunk -= ext
-            if ext < len(fill) - prefix_len:
-                break  # chunked: it continues first next step
         if hit + new:
             self._last_hit_rate = hit / (hit + new)
-        self._total_prefill_uncached += sum(ext for _, ext in batch)
-        return batch
+        self._total_prefill_uncached += new
+        return adder.batch
 
-    def _prepare_decode(self, events: list[RequestEvent]) -> tuple[list[_Req], bool]:
-        """Allocate one token per running request, retracting (or, alone, aborting) until they fit.
-
-        Returns the requests to decode and whether any was retracted.
-        """
-        retracted: list[_Req] = []
-        while self._running and not self._alloc(len(self._running)):
-            if len(self._running) == 1:
-                victim = self._running.pop()  # alone and still no room: the pool is too small for it
-                events.append(self._finish(victim, "abort", None, ()))
+    def _spf_chunk_limit(self, chunked: _Req, budget: int) -> int | None:
+        """shortest-prefill-first: cap the continuing chunk so shorter waiting prefills fit (None: no cap)."""
+        if self.config.schedule_policy != "shortest-prefill-first" or budget < 2:
+            return None
+        remaining = chunked.fill_len - chunked.kv_len
+        reserved = 0
+        for req in self._waiting:
+            work = max(1, req.fill_len - req.matched)
+            if work >= remaining or reserved + work > budget - 1:
                 break
-            order = sorted(self._running, key=lambda r: (len(r.output_ids), -len(r.input_ids)), reverse=True)
-            victim = order[-1]
-            self._running.remove(victim)
-            self._release(victim, insert=False)
-            victim.matched = self.tree.peek_prefix(victim.fill_ids[:-1])
+            reserved += work
+        return budget - reserved if reserved else None
+
+    def _preempt_to_schedule(self, req: _Req, adder: _Adder, preempted: list[_Req]) -> bool:
+        """Release running requests of sufficiently lower priority to make room for ``req`` (SGLang's rule)."""
+        sign = self._priority_sign
+        candidates = sorted(self._running, key=lambda r: (r.priority * -sign, -r.entry_time))
+        max_new = min(req.max_new_tokens, CLIP_MAX_NEW_TOKENS)
+        to_remove = req.fill_len - req.prefix_len + max_new - adder.remaining_total()
+        chosen: list[_Req] = []
+        for r in candidates:
+            if (req.priority - r.priority) * -sign <= self.config.priority_scheduling_preemption_threshold:
+                break
+            chosen.append(r)
+            to_remove -= adder.running_offset(r)
+            if to_remove <= 0:
+                break
+        if not chosen or to_remove > 0:
+            return False
+        chosen_ids = {id(r) for r in chosen}
+        keep = [r for r in self._running if id(r) not in chosen_ids]
+        count = len(self._running)
+        for r in self._running:
+            if id(r) in chosen_ids:
+                adder.total_offset -= adder.running_offset(r)
+                count -= 1
+                self._release_running(r, remaining=count)
+        self._running = keep
+        preempted.extend(chosen)
+        return True
+
+    def _requeue(self, reqs: list[_Req]) -> None:
+        """Put released requests at the back of the queue, as new arrivals (``_add_request_to_queue``)."""
+        for r in reqs:
+            r.entry_time = self._now
+            r.arrival_processed = self._processed_tokens
+            self._waiting.append(r)
+
+    # ---- decode (update_running_batch) ---------------------------------------------------------
+
+    def _update_running_batch(self, events: list[RequestEvent]) -> bool:
+        """Make room for one token per running request, retracting if needed; True when it retracted."""
+        if self._decode_fits(len(self._running)):
+            return False
+        order = sorted(self._running, key=lambda r: (len(r.output_ids), -len(r.input_ids)), reverse=True)
+        retracted: list[_Req] = []
+        first = True
+        while first or not self._decode_fits(len(order)):
+            if len(order) == 1:
+                break
+            first = False
+            victim = order.pop()
+            self._release_running(victim, remaining=len(order))
             retracted.append(victim)
-        if retracted:
-            retracted.sort(key=lambda r: r.arrival)
-            self._waiting[:0] = retracted
-            total_out = sum(len(r.output_ids) for r in self._running)
-            total_max = sum(r.max_new_tokens for r in self._running)
-            self._ratio = min(1.0, (total_out + RETRACT_DECODE_STEPS * len(self._running)) / (total_max + 1))
-        return list(self._running), bool(retracted)
+        if len(order) <= 1 and not self._decode_fits(len(order)):
+            last = order.pop()
+            self._running_ctx -= last.kv_len
+            events.append(self._finish(last, "abort", None, ()))
+        self._running = order
+        self._batch_is_full = False
+        self._num_retracted += len(retracted)
+        self._requeue(retracted)
+        total_out = sum(len(r.output_ids) for r in order)
+        total_max = sum(r.max_new_tokens for r in order)
+        self._ratio = min(1.0, (total_out + RETRACT_DECODE_STEPS * len(order)) / (total_max + 1))
+        return True
+
+    def _release_running(self, req: _Req, remaining: int) -> None:
+        """Retract or preempt ``req``: free its private KV (not cached), then evict 20 tokens per request left."""
+        self._running_ctx -= req.kv_len
+        self._release(req, insert=False)
+        req.prefix_len = 0
+        req.matched = self.tree.peek_prefix(req.fill_ids()[:-1])
+        self.tree.evict(remaining * RETRACT_DECODE_STEPS)
 
     # ---- KV accounting ----------------------------------------------------------------------
 
-    def _available(self) -> int:
-        return self.config.max_total_tokens - self.tree.total_size - self._private
+    def _room(self) -> int:
+        """Free plus evictable pool tokens."""
+        return self.config.max_total_tokens - self.tree.protected_size - self._private
+
+    def _decode_fits(self, n: int) -> bool:
+        return n <= self._room()
 
     def _alloc(self, n: int) -> bool:
         """Take ``n`` pool tokens for requests' private KV, evicting cache if needed."""
-        short = n - self._available()
+        short = n - (self.config.max_total_tokens - self.tree.total_size - self._private)
         if short > 0:
             self.tree.evict(short)
-            if n > self._available():
+            if n > self.config.max_total_tokens - self.tree.total_size - self._private:
                 return False
         self._private += n
         return True
 
     def _cache_prefix(self, req: _Req) -> None:
         """Insert the computed part of a prefill into the tree and move the request's lock to it."""
-        node, _ = self.tree.insert(req.fill_ids[: req.kv_len])
+        node, _ = self.tree.insert(req.fill_ids()[: req.kv_len])
         self._private -= req.kv_len - req.locked_len
         self.tree.lock(node)
         if req.node is not None:
@@ -442,7 +691,7 @@ class EngineCore:
     def _release(self, req: _Req, insert: bool) -> None:
         """Give back a request's KV: its computed tokens go to the cache (``insert``) or are freed."""
         if insert and req.kv_len > req.locked_len:
-            self.tree.insert(req.fill_ids[: req.kv_len])
+            self.tree.insert(req.fill_ids()[: req.kv_len])
         self._private -= req.kv_len - req.locked_len
         if req.node is not None:
             self.tree.unlock(req.node)
@@ -452,36 +701,40 @@ class EngineCore:
 
     def _produce(self, req: _Req) -> RequestEvent:
         """Sample the next planned token of ``req`` (or finish a max_new_tokens=0 request)."""
-        first = req.cached_tokens is not None and not req.output_ids
+        out = req.output_ids
+        first = not out
         if req.max_new_tokens == 0:
-            self._running.remove(req)
+            self._drop_running(req)
             return self._finish(req, "length", None, (), first=True)
-        tok = req.plan.token_ids[len(req.output_ids)]
-        req.output_ids.append(tok)
+        tok = req.plan[len(out)]
+        out.append(tok)
         new = (tok,)
-        n = len(req.output_ids)
-        if n == len(req.plan.token_ids) and req.plan.finish_reason == "stop":
-            self._running.remove(req)
-            return self._finish(req, "stop", tok, new, first)
+        n = len(out)
+        if n == len(req.plan):
+            self._drop_running(req)
+            return self._finish(req, req.plan_reason, tok if req.plan_reason == "stop" else None, new, first)
         if req.detok is not None:
             start = req.detok.add(new)
             found = find_stop(req.detok.text, req.stop, start)
             if found is not None:
-                self._running.remove(req)
+                self._drop_running(req)
                 return self._finish(req, "stop", found[1], new, first)
-        if n == len(req.plan.token_ids):
-            self._running.remove(req)
-            return self._finish(req, "length", None, new, first)
-        return RequestEvent(req.rid, new, n, len(req.input_ids), req.cached_tokens or 0, first_token=first,
-                            queue_time_s=req.queue_time_s if first else None)
+        if first:
+            return RequestEvent(req.rid, new, n, len(req.input_ids), req.cached_tokens or 0, True, None, None,
+                                req.queue_time_s)
+        return RequestEvent(req.rid, new, n, len(req.input_ids), req.cached_tokens or 0)
+
+    def _drop_running(self, req: _Req) -> None:
+        self._running.remove(req)
+        self._running_ctx -= req.kv_len
+        self._batch_is_full = False
 
     def _finish(self, req: _Req, reason: str, matched: int | str | None, new: tuple[int, ...],
                 first: bool = False) -> RequestEvent:
         self._release(req, insert=True)
         del self._reqs[req.rid]
         return RequestEvent(req.rid, new, len(req.output_ids), len(req.input_ids), req.cached_tokens or 0,
-                            first_token=first, finish_reason=reason, matched_stop=matched,
-                            queue_time_s=req.queue_time_s if first else None)
+                            first, reason, matched, req.queue_time_s if first else None)
 
     # ---- stats ------------------------------------------------------------------------------
 
@@ -492,9 +745,10 @@ class EngineCore:
         waiting_uncached = sum(r.fill_len - r.matched for r in self._waiting)
         if self._chunked is not None:
             waiting_uncached += self._chunked.fill_len - self._chunked.kv_len
-        busy = sum(d for _, d, _ in self._recent)
-        span = (self._recent[-1][0] + self._recent[-1][1] - self._recent[0][0]) if self._recent else 0.0
-        tokens = sum(t for _, _, t in self._recent)
+        recent = self._recent[-40:]
+        busy = sum(d for _, d, _ in recent)
+        span = (recent[-1][0] + recent[-1][1] - recent[0][0]) if recent else 0.0
+        tokens = sum(t for _, _, t in recent)
         running = len(self._running) + (1 if self._chunked is not None else 0)
         return CoreStats(
             num_running_reqs=running,
@@ -511,4 +765,92 @@ class EngineCore:
             evictable_tokens=self.tree.evictable_size,
             total_prefill_uncached_tokens=self._total_prefill_uncached,
             total_prefill_busy_s=self._total_prefill_busy_s,
+            num_retracted_reqs=self._num_retracted,
+            new_token_ratio=self._ratio,
         )
+
+
+class _Adder:
+    """One pass's prefill budgets (SGLang's ``PrefillAdder`` with a ``PrefillBudget`` at page size 1)."""
+
+    def __init__(self, core: EngineCore) -> None:
+        cfg = core.config
+        self.core = core
+        mixed = len(core._running) if cfg.enable_mixed_chunk else 0
+        self.rem_input = cfg.max_prefill_tokens - mixed
+        self.rem_chunk = None if cfg.chunked_prefill_size is None else cfg.chunked_prefill_size - mixed
+        self.total_offset = mixed + sum(self.running_offset(r) for r in core._running)
+        self.current_offset = mixed
+        self.batch: list[tuple[_Req, int]] = []
+        self.new_chunked: _Req | None = None
+
+    def running_offset(self, req: _Req) -> float:
+        """Decode room a running request may still need: min(max_new − produced, 4096) · ratio."""
+        ratio = 1.0 if req.ignore_eos else self.core._ratio
+        return min(req.max_new_tokens - len(req.output_ids), CLIP_MAX_NEW_TOKENS) * ratio
+
+    def remaining_total(self) -> float:
+        """Pool room left after every reservation (SGLang's ``rem_total_tokens``)."""
+        return self.core._room() - self.total_offset
+
+    def budget_state(self) -> int:
+        """Whether admission may go on: no room left, a spent input or chunk budget, or continue."""
+        room = self.core._room()
+        if not (room - self.total_offset > 0 and room - self.current_offset > 0):
+            return _NO_TOKEN
+        if self.rem_input <= 0 or (self.rem_chunk is not None and self.rem_chunk <= 0):
+            return _OTHER
+        return _CONTINUE
+
+    def _reserve(self, extend: int, max_new: int) -> None:
+        self.total_offset += extend + 1 + max_new
+        self.current_offset += extend + 1
+        self.rem_input -= extend
+        if self.rem_chunk is not None:
+            self.rem_chunk -= extend
+
+    def add_chunked(self, req: _Req, limit: int | None) -> _Req | None:
+        """Continue the chunked request; returns it while chunks remain after this one, else None."""
+        assert self.rem_chunk is not None
+        rem = min(self.rem_chunk, int(self.remaining_total()))
+        if rem <= 0:
+            rem = self.rem_chunk  # a continuing chunk must progress to release its KV
+        if limit is not None:
+            rem = min(rem, limit)
+        cand = req.fill_len - req.kv_len
+        truncated = cand > rem
+        ext = min(cand, rem)
+        self.batch.append((req, ext))
+        self._reserve(ext, 0 if truncated else min(req.max_new_tokens, CLIP_MAX_NEW_TOKENS))
+        return req if truncated else None
+
+    def add_one(self, req: _Req, node: RadixNode, has_chunked: bool) -> int:
+        """Try to admit ``req``, whose cached prefix (``req.prefix_len`` tokens) ends at ``node``.
+
+        On admission ``req`` takes a lock on ``node``; returns an AddReqResult code.
+        """
+        core = self.core
+        tree = core.tree
+        cand = req.fill_len - req.prefix_len
+        reserve_new = min(max(req.max_new_tokens - len(req.output_ids), 0), CLIP_MAX_NEW_TOKENS)
+        tree.lock(node)  # the matched prefix is not evictable room for itself
+        if not cand + reserve_new + 1 < self.remaining_total():
+            tree.unlock(node)
+            return _NO_TOKEN
+        if self.rem_chunk is None and self.batch and cand >= self.rem_input:
+            tree.unlock(node)
+            return _OTHER
+        ext, max_new = cand, min(req.max_new_tokens, CLIP_MAX_NEW_TOKENS)
+        if self.rem_chunk is not None and cand > self.rem_chunk:
+            if has_chunked and core.config.schedule_policy == "shortest-prefill-first":
+                tree.unlock(node)
+                return _OTHER  # only one unfinished chunked request can be tracked
+            ext, max_new = self.rem_chunk, 0
+            if ext <= 0:
+                tree.unlock(node)
+                return _OTHER
+            self.new_chunked = req
+        req.node = node
+        self.batch.append((req, ext))
+        self._reserve(ext, max_new)
+        return self.budget_state()

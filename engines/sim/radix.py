@@ -2,8 +2,17 @@
 
 Each node holds the KV of the tokens on its edge. Requests lock the path they
 use (``lock_ref`` counts users); unlocked leaves are evicted least-recently
-used first. Recency is a logical access counter, not a clock, so the tree is
-deterministic. Sizes are in tokens.
+used first, and a parent left without children joins the candidates (as in
+SGLang's ``RadixCache.evict``). Matching and inserting stamp every node on the
+path as used now. Recency is a logical access counter, not a clock, so the
+tree is deterministic. Sizes are in tokens; keys are tuples of token ids.
+
+Eviction does not scan the tree: every node that becomes an unlocked leaf, or
+is touched while it is one, is pushed on a heap keyed ``(last_access, seq)``;
+an entry is stale (skipped when popped) unless it is the node's latest push and
+the node is still an attached, unlocked leaf. The heap is rebuilt from the
+leaves when stale entries outnumber live nodes, so eviction costs
+O(k log n) for k evicted leaves.
 """
 
 from __future__ import annotations
@@ -12,27 +21,33 @@ import heapq
 import itertools
 from typing import Sequence
 
+Key = tuple[int, ...]
+
 
 class RadixNode:
     """One edge of the tree: ``key`` is its token ids; ``lock_ref`` > 0 pins it and its ancestors."""
 
-    __slots__ = ("children", "parent", "key", "lock_ref", "last_access")
+    __slots__ = ("children", "parent", "key", "lock_ref", "last_access", "heap_seq")
 
-    def __init__(self, key: tuple[int, ...], parent: RadixNode | None) -> None:
+    def __init__(self, key: Key, parent: RadixNode | None) -> None:
         self.children: dict[int, RadixNode] = {}
         self.parent = parent
         self.key = key
         self.lock_ref = 0
         self.last_access = 0
+        self.heap_seq = -1  # seq of this node's latest eviction-heap entry
 
 
 class RadixCache:
-    """Prefix cache over token-id sequences with lock references and LRU eviction of unlocked leaves."""
+    """Prefix cache over token-id tuples with lock references and LRU eviction of unlocked leaves."""
 
     def __init__(self) -> None:
         self.root = RadixNode((), None)
         self.root.lock_ref = 1  # the root is never evicted
         self._clock = 0
+        self._seq = itertools.count()
+        self._heap: list[tuple[int, int, RadixNode]] = []
+        self._nodes = 1
         self.total_size = 0
         self.protected_size = 0
 
@@ -45,14 +60,11 @@ class RadixCache:
         """Drop every entry (the caller guarantees nothing is locked)."""
         self.__init__()
 
-    def _touch(self) -> int:
-        self._clock += 1
-        return self._clock
-
     def peek_prefix(self, ids: Sequence[int]) -> int:
         """Length of the longest cached prefix of ``ids``, changing nothing (no split, no access time)."""
-        node, pos = self.root, 0
-        while pos < len(ids):
+        ids = tuple(ids)  # no copy when it already is one
+        node, pos, n_ids = self.root, 0, len(ids)
+        while pos < n_ids:
             child = node.children.get(ids[pos])
             if child is None:
                 break
@@ -69,9 +81,11 @@ class RadixCache:
         Splits an edge matched part-way so the returned node ends at the match;
         marks the path as used now.
         """
-        stamp = self._touch()
-        node, pos = self.root, 0
-        while pos < len(ids):
+        ids = tuple(ids)  # no copy when it already is one
+        self._clock += 1
+        stamp = self._clock
+        node, pos, n_ids = self.root, 0, len(ids)
+        while pos < n_ids:
             child = node.children.get(ids[pos])
             if child is None:
                 break
@@ -83,20 +97,43 @@ class RadixCache:
             pos += n
             if n < len(child.key):
                 break
+        self._touched(node)
         return pos, node
+
+    def touch_prefix(self, ids: Sequence[int]) -> None:
+        """Mark the cached prefix of ``ids`` as used now, without splitting (SGLang's waiting-prefix refresh)."""
+        ids = tuple(ids)  # no copy when it already is one
+        self._clock += 1
+        stamp = self._clock
+        node, pos, n_ids = self.root, 0, len(ids)
+        while pos < n_ids:
+            child = node.children.get(ids[pos])
+            if child is None:
+                break
+            n = _common_len(child.key, ids, pos)
+            child.last_access = stamp
+            node = child
+            pos += n
+            if n < len(child.key):
+                break
+        self._touched(node)
 
     def insert(self, ids: Sequence[int]) -> tuple[RadixNode, int]:
         """Cache ``ids``: (the node ending at its last token, tokens newly added to the tree)."""
-        stamp = self._touch()
-        node, pos, added = self.root, 0, 0
-        while pos < len(ids):
+        ids = tuple(ids)  # no copy when it already is one
+        self._clock += 1
+        stamp = self._clock
+        node, pos, n_ids = self.root, 0, len(ids)
+        while pos < n_ids:
             child = node.children.get(ids[pos])
             if child is None:
-                leaf = RadixNode(tuple(ids[pos:]), node)
+                leaf = RadixNode(ids[pos:], node)
                 leaf.last_access = stamp
                 node.children[ids[pos]] = leaf
-                added += len(leaf.key)
-                self.total_size += len(leaf.key)
+                added = n_ids - pos
+                self.total_size += added
+                self._nodes += 1
+                self._push(leaf)
                 return leaf, added
             n = _common_len(child.key, ids, pos)
             if n < len(child.key):
@@ -104,11 +141,13 @@ class RadixCache:
             child.last_access = stamp
             node = child
             pos += n
-        return node, added
+        self._touched(node)
+        return node, 0
 
     def lock(self, node: RadixNode) -> None:
         """Pin ``node`` and its ancestors against eviction."""
-        while node is not self.root:
+        root = self.root
+        while node is not root:
             if node.lock_ref == 0:
                 self.protected_size += len(node.key)
             node.lock_ref += 1
@@ -120,12 +159,15 @@ class RadixCache:
         Raises:
             RuntimeError: if a node on the path is not locked.
         """
-        while node is not self.root:
+        root = self.root
+        while node is not root:
             if node.lock_ref == 0:
                 raise RuntimeError("unlock of an unlocked radix node")
             node.lock_ref -= 1
             if node.lock_ref == 0:
                 self.protected_size -= len(node.key)
+                if not node.children:
+                    self._push(node)
             node = node.parent  # type: ignore[assignment]
 
     def evict(self, num_tokens: int) -> int:
@@ -133,30 +175,47 @@ class RadixCache:
 
         Returns the tokens freed (less than asked only when nothing else is evictable).
         """
-        order = itertools.count()  # tie-breaker: traversal order, deterministic
-        heap = [(n.last_access, next(order), n) for n in self._leaves() if n.lock_ref == 0]
-        heapq.heapify(heap)
         freed = 0
+        heap = self._heap
         while freed < num_tokens and heap:
-            _, _, leaf = heapq.heappop(heap)
+            _, seq, leaf = heapq.heappop(heap)
             parent = leaf.parent
-            assert parent is not None
+            if seq != leaf.heap_seq or parent is None or leaf.children or leaf.lock_ref:
+                continue  # stale entry
             del parent.children[leaf.key[0]]
+            leaf.parent = None
             freed += len(leaf.key)
             self.total_size -= len(leaf.key)
+            self._nodes -= 1
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(heap, (parent.last_access, next(order), parent))
+                self._push(parent)
         return freed
 
-    def _leaves(self) -> list[RadixNode]:
-        out, stack = [], [self.root]
+    def _touched(self, node: RadixNode) -> None:
+        """Re-key ``node`` in the eviction heap after its access time changed, if it is an unlocked leaf."""
+        if node is not self.root and not node.children and node.lock_ref == 0:
+            self._push(node)
+
+    def _push(self, node: RadixNode) -> None:
+        seq = next(self._seq)
+        node.heap_seq = seq
+        heapq.heappush(self._heap, (node.last_access, seq, node))
+        if len(self._heap) > 2 * self._nodes + 1024:
+            self._rebuild_heap()
+
+    def _rebuild_heap(self) -> None:
+        heap = []
+        stack = [self.root]
         while stack:
             node = stack.pop()
             if node.children:
                 stack.extend(node.children.values())
-            elif node is not self.root:
-                out.append(node)
-        return out
+            elif node is not self.root and node.lock_ref == 0:
+                seq = next(self._seq)
+                node.heap_seq = seq
+                heap.append((node.last_access, seq, node))
+        heapq.heapify(heap)
+        self._heap = heap
 
     def _split(self, child: RadixNode, n: int) -> RadixNode:
         """Cut ``child``'s edge after ``n`` tokens; return the new upper node."""
@@ -169,12 +228,20 @@ class RadixCache:
         child.key = child.key[n:]
         child.parent = upper
         upper.children[child.key[0]] = child
+        self._nodes += 1
         return upper
 
 
-def _common_len(key: tuple[int, ...], ids: Sequence[int], start: int) -> int:
+def _common_len(key: Key, ids: Key, start: int) -> int:
+    """Length of the common prefix of ``key`` and ``ids[start:]``; slices compare in C, halving on a mismatch."""
     n = min(len(key), len(ids) - start)
-    i = 0
-    while i < n and key[i] == ids[start + i]:
-        i += 1
-    return i
+    if key[:n] == ids[start : start + n]:
+        return n
+    lo, hi = 0, n  # key[:lo] matches, key[:hi] does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if key[lo:mid] == ids[start + lo : start + mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo

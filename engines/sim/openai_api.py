@@ -1,0 +1,213 @@
+"""The simulated engine's OpenAI endpoints: ``POST /v1/chat/completions`` and ``POST /v1/completions``.
+
+Responses are SGLang 0.5.23's (``openai/serving_chat.py``,
+``openai/serving_completions.py``): JSON or SSE chunks, ``usage`` with
+``prompt_tokens_details.cached_tokens`` under ``--enable-cache-report``, the
+SGLang extensions ``rid``, ``ignore_eos``, ``priority`` and ``matched_stop``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from aiohttp import web
+
+from engines.sim.protocol import (
+    ApiError,
+    ReplyText,
+    field,
+    json_response,
+    open_sse,
+    read_body,
+    request_id,
+    sse,
+    stop_list,
+    usage,
+)
+from engines.sim.realtime import ENGINE, SimEngine, Track
+from laps.tokenizer import ChatTokenizer
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # SGLang CompletionRequest default
+
+
+def _submit(engine: SimEngine, body: dict[str, Any], rid: str, ids: list[int], max_new: int | None,
+            ignore_eos: bool, stop: list[str]) -> Track:
+    priority = field(body, "priority", (int,))
+    try:
+        return engine.submit(rid, ids, max_new, ignore_eos, stop, priority)
+    except ValueError as err:
+        raise ApiError(str(err)) from err
+
+
+def _chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
+    if "messages" not in body:
+        raise ApiError("messages: Field required", "Bad Request")
+    raw = body["messages"]
+    if not isinstance(raw, list):
+        raise ApiError("messages: Input should be a valid list", "Bad Request")
+    if not raw:
+        raise ApiError("Messages cannot be empty.")
+    out = []
+    for m in raw:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ApiError("messages: each message needs a string 'role'", "Bad Request")
+        content = m.get("content")
+        if content is None:
+            content = ""
+        elif isinstance(content, list):
+            parts = [p.get("text", "") if isinstance(p, dict) else p for p in content
+                     if isinstance(p, str) or (isinstance(p, dict) and p.get("type") == "text")]
+            content = " ".join(parts)
+        elif not isinstance(content, str):
+            raise ApiError("messages: content should be a string or a list of text parts", "Bad Request")
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+def _max_new_tokens(value: int | None, engine: SimEngine) -> int | None:
+    """Check a requested reply length as SGLang does (None: up to the context length)."""
+    if value is None:
+        return None
+    if value < 0:
+        raise ApiError(f"max_new_tokens must be at least 0, got {value}.")
+    context = engine.sim.config.context_length
+    if value > context:
+        raise ApiError(f"max_completion_tokens is too large: {value}.This model supports at most {context} "
+                       f"completion tokens.")
+    return value
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/chat/completions``: OpenAI chat, streamed (SSE) or not."""
+    engine = request.app[ENGINE]
+    body = await read_body(request, openai=True)
+    messages = _chat_messages(body)
+    # SGLang takes `max_completion_tokens or max_tokens`, so 0 means "no limit" here.
+    max_new = _max_new_tokens(field(body, "max_completion_tokens", (int,)) or field(body, "max_tokens", (int,)),
+                              engine)
+    stop = stop_list(body)
+    ignore_eos = bool(field(body, "ignore_eos", (bool,), False))
+    stream = bool(field(body, "stream", (bool,), False))
+    include_usage = bool((field(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
+    model = field(body, "model", (str,), "default")
+    rid = request_id(body)
+    try:
+        ids = engine.tokenizer.encode_chat(messages)
+    except Exception as err:  # an HF chat template can raise anything on odd messages
+        raise ApiError(f"cannot apply the chat template: {err}") from err
+    track = _submit(engine, body, rid, ids, max_new, ignore_eos, stop)
+    created = int(time.time())
+    cache_report = engine.sim.args.enable_cache_report
+    reply = ReplyText(engine.tokenizer, stop)
+    try:
+        if not stream:
+            last = None
+            async for last in track.events():
+                text = reply.add(last)
+            assert last is not None
+            return json_response({
+                "id": rid, "object": "chat.completion", "created": created, "model": model,
+                "choices": [{
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text, "reasoning_content": None},
+                    "logprobs": None, "finish_reason": last.finish_reason, "matched_stop": last.matched_stop,
+                }],
+                "usage": usage(last, cache_report),
+                "metadata": {"weight_version": "default"},
+            })
+        resp = await open_sse(request)
+        head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+        sent = 0
+        started = False
+        async for ev in track.events():
+            if not started:
+                started = True
+                await resp.write(sse({**head, "choices": [{
+                    "index": 0, "delta": {"reasoning_content": None, "role": "assistant", "content": ""},
+                    "logprobs": None, "finish_reason": None, "matched_stop": None}]}))
+            text = reply.add(ev)
+            if len(text) > sent:
+                await resp.write(sse({**head, "choices": [{
+                    "index": 0, "delta": {"reasoning_content": None, "content": text[sent:]},
+                    "logprobs": None, "finish_reason": None, "matched_stop": None}]}))
+                sent = len(text)
+            if ev.finished:
+                await resp.write(sse({**head, "choices": [{
+                    "index": 0, "delta": {"reasoning_content": None},
+                    "logprobs": None, "finish_reason": ev.finish_reason, "matched_stop": ev.matched_stop}]}))
+                if include_usage:
+                    await resp.write(sse({**head, "choices": [], "usage": usage(ev, cache_report)}))
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+    finally:
+        engine.release(rid)
+
+
+def _completion_prompt(body: dict[str, Any], tokenizer: ChatTokenizer) -> list[int]:
+    if "prompt" not in body:
+        raise ApiError("prompt: Field required", "Bad Request")
+    prompt = body["prompt"]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ApiError("Prompt cannot be empty")
+        return tokenizer.encode(prompt)
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if not prompt:
+            raise ApiError("Prompt cannot be empty")
+        return list(prompt)
+    raise ApiError("prompt: a string or a list of token ids (batches are not simulated)", "Bad Request")
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/completions``: OpenAI text completion, streamed (SSE) or not."""
+    engine = request.app[ENGINE]
+    body = await read_body(request, openai=True)
+    ids = _completion_prompt(body, engine.tokenizer)
+    max_tokens = field(body, "max_tokens", (int,), COMPLETIONS_DEFAULT_MAX_TOKENS)
+    if max_tokens <= 0:
+        raise ApiError("max_tokens: Value error, max_tokens must be positive", "Bad Request")
+    max_new = _max_new_tokens(max_tokens, engine)
+    stop = stop_list(body)
+    ignore_eos = bool(field(body, "ignore_eos", (bool,), False))
+    stream = bool(field(body, "stream", (bool,), False))
+    include_usage = bool((field(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
+    model = field(body, "model", (str,), "default")
+    rid = request_id(body)
+    track = _submit(engine, body, rid, ids, max_new, ignore_eos, stop)
+    created = int(time.time())
+    cache_report = engine.sim.args.enable_cache_report
+    reply = ReplyText(engine.tokenizer, stop)
+    try:
+        if not stream:
+            last = None
+            async for last in track.events():
+                text = reply.add(last)
+            assert last is not None
+            return json_response({
+                "id": rid, "object": "text_completion", "created": created, "model": model,
+                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason,
+                             "matched_stop": last.matched_stop}],
+                "usage": usage(last, cache_report),
+                "metadata": {"weight_version": "default"},
+            })
+        resp = await open_sse(request)
+        head = {"id": rid, "object": "text_completion", "created": created, "model": model}
+        sent = 0
+        async for ev in track.events():
+            text = reply.add(ev)
+            if len(text) > sent or ev.finished:
+                await resp.write(sse({**head, "choices": [{
+                    "index": 0, "text": text[sent:], "logprobs": None, "finish_reason": ev.finish_reason,
+                    "matched_stop": ev.matched_stop}], "usage": None}))
+                sent = len(text)
+            if ev.finished and include_usage:
+                final_usage = {k: v for k, v in usage(ev, cache_report).items() if v is not None}
+                await resp.write(sse({**head, "choices": [], "usage": final_usage}))
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+    finally:
+        engine.release(rid)
+

@@ -1,0 +1,164 @@
+"""Request parsing and response shapes shared by the simulated engine's endpoints (SGLang 0.5.23's wire format).
+
+Shapes were read from SGLang 0.5.23's ``entrypoints/http_server.py``,
+``openai/serving_chat.py``, ``openai/serving_completions.py`` and
+``openai/protocol.py``: errors are SGLang's flat ``ErrorResponse``
+``{"object": "error", "message", "type", "param", "code"}``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from engines.sim.core import RequestEvent
+from engines.sim.replies import IncrementalDetokenizer
+from laps.tokenizer import ChatTokenizer
+
+
+class ApiError(Exception):
+    """A request error rendered as SGLang's flat OpenAI ``ErrorResponse``."""
+
+    def __init__(self, message: str, err_type: str = "BadRequestError", status: int = 400) -> None:
+        super().__init__(message)
+        self.message, self.err_type, self.status = message, err_type, status
+
+
+def json_response(obj: Any, status: int = 200) -> web.Response:
+    """``obj`` as a JSON response (orjson)."""
+    return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
+
+
+def error_body(err: ApiError) -> dict[str, Any]:
+    """SGLang's flat OpenAI error body: ``{"object": "error", "message", "type", "param", "code"}``."""
+    return {"object": "error", "message": err.message, "type": err.err_type, "param": None, "code": err.status}
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Render an :class:`ApiError` raised by a handler as its JSON error body."""
+    try:
+        return await handler(request)
+    except ApiError as err:
+        return json_response(error_body(err), err.status)
+
+
+async def read_body(request: web.Request, openai: bool) -> dict[str, Any]:
+    """The request's JSON object; OpenAI routes also require ``Content-Type: application/json``.
+
+    Raises:
+        ApiError: wrong content type, invalid JSON or not an object.
+    """
+    if openai and request.content_type != "application/json":
+        raise ApiError("Unsupported Media Type: Only 'application/json' is allowed", "Bad Request")
+    try:
+        body = orjson.loads(await request.read())
+    except orjson.JSONDecodeError as err:
+        raise ApiError(f"JSON decode error: {err}", "Bad Request") from err
+    if not isinstance(body, dict):
+        raise ApiError("Input should be a valid dictionary or object", "Bad Request")
+    return body
+
+
+def field(body: dict[str, Any], name: str, kinds: tuple[type, ...], default: Any = None) -> Any:
+    """``body[name]`` checked against ``kinds`` (a bool is never an int); ``default`` when absent or null.
+
+    Raises:
+        ApiError: the value has another type.
+    """
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        names = " or ".join(k.__name__ for k in kinds)
+        raise ApiError(f"{name}: Input should be a valid {names}", "Bad Request")
+    return value
+
+
+def stop_list(body: dict[str, Any]) -> list[str]:
+    """The ``stop`` strings of ``body`` (a string or a list of strings) as a list.
+
+    Raises:
+        ApiError: ``stop`` is neither.
+    """
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return stop
+    raise ApiError("stop: Input should be a valid string or list of strings", "Bad Request")
+
+
+def request_id(body: dict[str, Any]) -> str:
+    """The client's ``rid``, or a fresh random one."""
+    return field(body, "rid", (str,)) or uuid.uuid4().hex
+
+
+# ---- reply text --------------------------------------------------------------------------------
+
+
+class ReplyText:
+    """The reply text a client may see so far: stop strings cut, partial ones held back."""
+
+    def __init__(self, tokenizer: ChatTokenizer, stop: list[str]) -> None:
+        self._detok = IncrementalDetokenizer(tokenizer)
+        self._stop = stop
+        self.output_ids: list[int] = []
+
+    def add(self, ev: RequestEvent) -> str:
+        """Take ``ev``'s tokens; return the visible text (final once ``ev`` is finished)."""
+        self.output_ids.extend(ev.new_token_ids)
+        self._detok.add(ev.new_token_ids)
+        if ev.finished:
+            text = self._detok.flush()
+            if isinstance(ev.matched_stop, str):
+                text = text[: text.find(ev.matched_stop)]
+            return text
+        text = self._detok.text
+        hold = 0
+        for s in self._stop:
+            for k in range(min(len(s) - 1, len(text)), hold, -1):
+                if text.endswith(s[:k]):
+                    hold = k
+                    break
+        return text[: len(text) - hold]
+
+
+def finish_reason_dict(ev: RequestEvent) -> dict[str, Any] | None:
+    """``meta_info.finish_reason`` of the native API for ``ev`` (None while running)."""
+    if ev.finish_reason == "stop":
+        return {"type": "stop", "matched": ev.matched_stop}
+    if ev.finish_reason == "length":
+        return {"type": "length", "length": ev.completion_tokens}
+    if ev.finish_reason == "abort":
+        return {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+    return None
+
+
+def usage(ev: RequestEvent, cache_report: bool) -> dict[str, Any]:
+    """The OpenAI ``usage`` object; ``prompt_tokens_details.cached_tokens`` only with ``cache_report``."""
+    return {
+        "prompt_tokens": ev.prompt_tokens,
+        "total_tokens": ev.prompt_tokens + ev.completion_tokens,
+        "completion_tokens": ev.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": ev.cached_tokens} if cache_report else None,
+        "reasoning_tokens": 0,
+        "completion_tokens_details": None,
+    }
+
+
+def sse(obj: Any) -> bytes:
+    """One server-sent event carrying ``obj`` as JSON."""
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+async def open_sse(request: web.Request) -> web.StreamResponse:
+    """Start an SSE response."""
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    return resp

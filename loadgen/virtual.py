@@ -1,0 +1,399 @@
+"""Virtual-time simulation of a whole deployment: the gateway's policies in front of engine models, no sockets.
+
+What runs is what runs live, minus sockets and the wall clock:
+
+* the **load** of ``laps loadgen``: the same workload and arrival plan
+  (:func:`~loadgen.runner.plan_arrivals`, seeded alike, so the same seed gives
+  the same conversations, start times and think times); turn k+1 of a
+  conversation is sent a think time after turn k's answer, unless the
+  duration has passed, with a history that carries the reply the engine
+  produced (its tokens, decoded); a request that fails or times out ends its
+  conversation;
+* the **gateway's path** (``gateway/handlers.py``, ``gateway/dispatcher.py``):
+  tokenize with the chat template → prefix index H per engine → classify
+  (:func:`~policies.admission.classified_view`) → ``scheduler.submit`` and
+  ``decide`` after every arrival, cancel, first token and completion and at the
+  time the scheduler asks to be woken → dispatch (counted in the
+  :class:`~gateway.registry.EngineRegistry`) → first-token and completion hooks
+  → ``prefix_index.observe`` with the engine's reported cached tokens; the
+  classifier, prefix index and scheduler are built from the config by the
+  same registry functions the gateway uses;
+* each **engine** an :class:`~engines.sim.core.EngineCore` built from the
+  command line the engine manager would give it (its role's flags, parsed by
+  the simulated engine's own parser), stepped back to back as the live engine
+  loop steps it: the next pass starts the moment the previous one ends, before
+  the gateway sees that pass's tokens.
+
+The event loop is a heap of ``(time, seq, kind, payload)``; ``seq`` breaks ties
+in insertion order. Records are :class:`~loadgen.runner.RequestRecord` filled as
+the live runner fills them (TTFT at the first text token, ITL between text
+tokens, usage counts, class, errors as ``HTTP <status>: <message>``), so
+:func:`loadgen.report.build_report` gives the same JSON.
+
+HTTP hops, tokenization and gateway CPU time are not modelled, except as one
+optional constant, ``serving_latency_s``: half of it between the gateway's
+dispatch and the engine queueing the request, half between an engine event and
+the gateway and client seeing it (0 by default; ``bench/live_vs_virtual.py``
+measures it on the live stack at idle).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+
+from engines.manager import server_args
+from engines.sim.args import parse_server_args, resolve_args
+from engines.sim.core import EngineCore, RequestEvent, StepResult
+from gateway.registry import EngineRegistry, EngineState
+from laps.config import Config
+from laps.tokenizer import ChatTokenizer, load_tokenizer
+from loadgen.runner import Arrival, RequestRecord, error_text, plan_arrivals
+from loadgen.workloads import Workload
+from policies.admission import classified_view
+from policies.prefix_index import PrefixIndex
+from policies.registry import make_classifier, make_scheduler
+from policies.types import RequestView
+
+_TURN, _STEP, _WAKE, _TIMEOUT, _ENGINE_IN, _CLIENT_IN = range(6)
+NO_ENGINE_MESSAGE = "no healthy engine is available; retry later"  # the gateway dispatcher's 503
+
+
+def engine_cores(config: Config, tokenizer: ChatTokenizer) -> dict[str, EngineCore]:
+    """One engine model per configured engine, from the arguments the engine manager would start it with.
+
+    Every kind is modelled on ``config.sim``'s model and GPU, with its role's
+    SGLang flags and ``--tp-size`` = its GPU count.
+
+    Raises:
+        ValueError: a role's flags are not a valid (simulated) SGLang command line.
+    """
+    cores = {}
+    for engine in config.engines:
+        argv = [*server_args(config, engine, 0), "--sim-model", config.sim.model, "--sim-gpu", config.sim.gpu]
+        try:
+            sim = resolve_args(parse_server_args(argv))
+        except ValueError as err:
+            raise ValueError(f"engine {engine.name} (role {engine.role}): {err}") from None
+        cores[engine.name] = EngineCore(sim.config, sim.latency, tokenizer)
+    return cores
+
+
+class _Conversation:
+    __slots__ = ("arrival", "history", "turn")
+
+    def __init__(self, arrival: Arrival) -> None:
+        self.arrival = arrival
+        self.history: list[dict[str, str]] = []
+        self.turn = 0
+
+
+class _Request:
+    __slots__ = ("conv", "record", "view", "keys", "prompt_ids", "engine_id", "output_ids", "last_text_s", "done")
+
+    def __init__(self, conv: _Conversation, record: RequestRecord, view: RequestView, keys: list[int],
+                 prompt_ids: list[int]) -> None:
+        self.conv = conv
+        self.record = record
+        self.view = view
+        self.keys = keys
+        self.prompt_ids = prompt_ids
+        self.engine_id: str | None = None
+        self.output_ids: list[int] = []
+        self.last_text_s: float | None = None
+        self.done = False
+
+
+class _Engine:
+    __slots__ = ("id", "core", "busy")
+
+    def __init__(self, engine_id: str, core: EngineCore) -> None:
+        self.id = engine_id
+        self.core = core
+        self.busy = False
+
+
+class VirtualRun:
+    """One simulated run of ``config``'s deployment (see the module doc); single use.
+
+    ``ignore_eos`` sends ``ignore_eos`` with every request (``laps loadgen
+    --ignore-eos``); a request unanswered after ``request_timeout_s`` is
+    recorded as timed out and withdrawn (cancelled if queued at the gateway,
+    aborted on its engine), as the live client's timeout does;
+    ``serving_latency_s`` is the serving path's latency (module doc).
+
+    Raises:
+        ValueError: as :func:`engine_cores`; a negative ``serving_latency_s``.
+    """
+
+    def __init__(self, config: Config, tokenizer: ChatTokenizer, *, request_timeout_s: float = 300.0,
+                 ignore_eos: bool = False, serving_latency_s: float = 0.0) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.registry = EngineRegistry([EngineState(e.name, f"virtual://{e.name}", config.pool(e)) for e in config.engines])
+        self.scheduler = make_scheduler(config.scheduling)
+        self.classifier = make_classifier(config.scheduling)
+        self.prefix_index = PrefixIndex(config.scheduling.prefix_block_tokens)
+        self.engines = {name: _Engine(name, core) for name, core in engine_cores(config, tokenizer).items()}
+        self.request_timeout_s = request_timeout_s
+        self.ignore_eos = ignore_eos
+        if serving_latency_s < 0:
+            raise ValueError(f"serving latency must be >= 0, got {serving_latency_s}")
+        self._hop_s = serving_latency_s / 2
+        self.records: list[RequestRecord] = []
+        self.now = 0.0
+        self._special = tokenizer.eos_token_ids
+        self._engine_ids = [e.id for e in self.registry]
+        self._heap: list[tuple[float, int, int, Any]] = []
+        self._seq = itertools.count()
+        self._requests: dict[str, _Request] = {}
+        self._wake_gen = 0
+        self._to_kick: list[_Engine] = []
+        self._failures: list[tuple[_Request, int, str]] = []
+        self._duration_s = 0.0
+        self._on_record: Callable[[RequestRecord], None] | None = None
+
+    def run(self, plan: list[Arrival], duration_s: float, on_record: Callable[[RequestRecord], None] | None = None,
+            on_progress: Callable[[float], None] | None = None, progress_every_s: float = 1.0) -> list[RequestRecord]:
+        """Run every conversation of ``plan`` to its end; the records in completion order.
+
+        ``on_record`` is called as each request ends, ``on_progress(sim_time)``
+        about every ``progress_every_s`` simulated seconds.
+        """
+        self._duration_s = duration_s
+        self._on_record = on_record
+        for arrival in plan:
+            self._push(arrival.start_s, _TURN, _Conversation(arrival))
+        next_progress = 0.0
+        heap = self._heap
+        while heap:
+            t, _, kind, payload = heapq.heappop(heap)
+            self.now = t
+            if kind == _STEP:
+                self._on_step(*payload)
+            elif kind == _TURN:
+                self._on_turn(payload)
+            elif kind == _CLIENT_IN:
+                self._deliver(*payload)
+            elif kind == _ENGINE_IN:
+                self._engine_in(*payload)
+            elif kind == _WAKE:
+                if payload == self._wake_gen:
+                    self._decide()
+            else:
+                self._on_timeout(payload)
+            if self._to_kick:
+                self._kick()
+            if on_progress is not None and t >= next_progress:
+                on_progress(t)
+                next_progress = t + progress_every_s
+        return self.records
+
+    def _push(self, t: float, kind: int, payload: Any) -> None:
+        heapq.heappush(self._heap, (t, next(self._seq), kind, payload))
+
+    # ---- client side ---------------------------------------------------------------------------
+
+    def _on_turn(self, conv: _Conversation) -> None:
+        now = self.now
+        k = conv.turn
+        if k and now >= self._duration_s:
+            return  # no turn starts at or after the duration
+        c = conv.arrival.conversation
+        turn = c.turns[k]
+        conv.history.append({"role": "user", "content": turn.content})
+        rid = f"{c.id}/{k}"
+        record = RequestRecord(c.id, c.source, k, turn.content, turn.max_tokens, now)
+        prompt_ids = self.tokenizer.encode_chat(conv.history)
+        view, keys = classified_view(rid, prompt_ids, now, now + self.config.slo.ttft_s, self._engine_ids,
+                                     self.prefix_index, self.classifier)
+        record.laps_class = view.request_class
+        req = _Request(conv, record, view, keys, prompt_ids)
+        self._requests[rid] = req
+        self._push(now + self.request_timeout_s, _TIMEOUT, req)
+        self.scheduler.submit(view, now)
+        self._decide()
+
+    def _end(self, req: _Request) -> None:
+        """The request is over for its client: record it; on success the conversation goes on."""
+        req.done = True
+        self._requests.pop(req.view.rid, None)
+        rec = req.record
+        self.records.append(rec)
+        if self._on_record is not None:
+            self._on_record(rec)
+        conv = req.conv
+        if rec.ok and conv.turn + 1 < len(conv.arrival.conversation.turns):
+            reply = self.tokenizer.decode([t for t in req.output_ids if t not in self._special])
+            conv.history.append({"role": "assistant", "content": reply})
+            conv.turn += 1
+            self._push(self.now + conv.arrival.think_s[conv.turn - 1], _TURN, conv)
+
+    def _on_timeout(self, req: _Request) -> None:
+        if req.done:
+            return
+        rec = req.record
+        rec.error = f"timeout after {self.request_timeout_s:g} s"
+        rec.end_s = self.now
+        rid = req.view.rid
+        if req.engine_id is None:
+            self.scheduler.cancel(rid, self.now)
+            self._end(req)
+            self._decide()
+            return
+        self.engines[req.engine_id].core.abort(rid)  # the gateway aborts when its client goes away
+        self._end(req)
+        self._release(req)
+
+    # ---- gateway side (the dispatcher) ---------------------------------------------------------
+
+    def _decide(self) -> None:
+        now = self.now
+        decision = self.scheduler.decide(self.registry.views(), now)
+        for group in decision.dispatches:
+            for rid in group.rids:
+                self._dispatch(self._requests[rid], group.engine_id)
+        for rid in decision.rejected:
+            self._fail(self._requests[rid], 503, NO_ENGINE_MESSAGE)
+        self._wake_gen += 1
+        if decision.wake_at_s is not None:
+            self._push(max(now, decision.wake_at_s), _WAKE, self._wake_gen)
+        failures, self._failures = self._failures, []
+        for req, status, message in failures:
+            self._fail(req, status, message)
+            self._release(req)
+
+    def _dispatch(self, req: _Request, engine_id: str) -> None:
+        self.registry.acquire(engine_id, req.view.prompt_tokens)
+        req.engine_id = engine_id
+        if self._hop_s:
+            self._push(self.now + self._hop_s, _ENGINE_IN, (req, self.engines[engine_id]))
+        else:
+            self._engine_in(req, self.engines[engine_id])
+
+    def _engine_in(self, req: _Request, engine: _Engine) -> None:
+        """The request reaches its engine, which queues it or answers 400."""
+        if req.done:
+            return  # timed out on the way
+        view = req.view
+        try:
+            engine.core.add_request(view.rid, req.prompt_ids, req.record.max_tokens, self.ignore_eos, (), self.now)
+        except ValueError as err:  # the engine answers 400; the gateway relays it
+            if self._hop_s:
+                self._fail(req, 400, str(err))
+                self._release(req)
+            else:
+                self._failures.append((req, 400, str(err)))  # inside a decision: after it
+            return
+        req.record.status = 200  # the engine opens its event stream at once
+        if not engine.busy and engine not in self._to_kick:
+            self._to_kick.append(engine)
+
+    def _fail(self, req: _Request, status: int, message: str) -> None:
+        """The gateway answered ``status`` with an OpenAI error carrying ``message``."""
+        rec = req.record
+        rec.status = status
+        rec.error = f"HTTP {status}: {error_text(orjson.dumps({'error': {'message': message}}))}"
+        rec.end_s = self.now
+        self._end(req)
+
+    def _release(self, req: _Request) -> None:
+        """The gateway's ``Dispatcher.complete``: the request no longer counts on its engine."""
+        assert req.engine_id is not None
+        self.registry.release(req.engine_id, req.view.prompt_tokens)
+        self.scheduler.on_complete(req.view.rid, req.engine_id, self.now)
+        self._decide()
+
+    # ---- engines -------------------------------------------------------------------------------
+
+    def _kick(self) -> None:
+        kicks, self._to_kick = self._to_kick, []
+        for engine in kicks:
+            if not engine.busy:
+                self._step(engine)
+
+    def _step(self, engine: _Engine) -> None:
+        result = engine.core.step(self.now)
+        if result.idle:
+            engine.busy = False
+            self._send(engine.id, result.events)
+        else:
+            engine.busy = True
+            self._push(self.now + result.duration_s, _STEP, (engine, result))
+
+    def _on_step(self, engine: _Engine, result: StepResult) -> None:
+        engine.busy = False
+        if engine.core.has_work():
+            self._step(engine)  # the next pass starts before the gateway sees this one's tokens
+        self._send(engine.id, result.events)
+
+    def _send(self, engine_id: str, events: tuple[RequestEvent, ...]) -> None:
+        """An engine's events leave for the gateway and client."""
+        if not events:
+            return
+        if self._hop_s:
+            self._push(self.now + self._hop_s, _CLIENT_IN, (engine_id, events))
+        else:
+            self._deliver(engine_id, events)
+
+    def _deliver(self, engine_id: str, events: tuple[RequestEvent, ...]) -> None:
+        now = self.now
+        special = self._special
+        for ev in events:
+            req = self._requests.get(ev.rid)
+            if req is None or req.done:
+                continue  # timed out and withdrawn
+            rec = req.record
+            for token in ev.new_token_ids:
+                req.output_ids.append(token)
+                if token in special:
+                    continue  # EOS carries no text: the client sees no chunk content
+                if req.last_text_s is None:
+                    rec.ttft_s = now - rec.start_s
+                else:
+                    rec.itl_s.append(now - req.last_text_s)
+                req.last_text_s = now
+            if ev.first_token:
+                self.scheduler.on_first_token(ev.rid, engine_id, now, ev.cached_tokens)
+                self._decide()
+            if ev.finished:
+                self._complete(req, ev)
+
+    def _complete(self, req: _Request, ev: RequestEvent) -> None:
+        rec = req.record
+        rec.end_s = self.now
+        rec.prompt_tokens, rec.completion_tokens, rec.cached_tokens = ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens
+        rec.e2e_s = rec.end_s - rec.start_s
+        if rec.ttft_s is not None and ev.completion_tokens > 1:
+            rec.tpot_s = (rec.e2e_s - rec.ttft_s) / (ev.completion_tokens - 1)
+        assert req.engine_id is not None
+        self.prefix_index.observe(req.engine_id, req.keys, ev.cached_tokens)
+        self._end(req)
+        self._release(req)
+
+
+def simulate(config: Config, workload: Workload, *, duration_s: float, seed: int, rate: float | None = None,
+             time_scale: float = 1.0, think_time_s: float = 1.0, think_dist: str = "exp",
+             request_timeout_s: float = 300.0, ignore_eos: bool = False, serving_latency_s: float = 0.0,
+             tokenizer: ChatTokenizer | None = None, on_record: Callable[[RequestRecord], None] | None = None,
+             on_progress: Callable[[float], None] | None = None) -> list[RequestRecord]:
+    """Run ``workload`` against ``config``'s deployment in virtual time; one record per request sent.
+
+    Arguments mean what they mean for :func:`loadgen.runner.run_loadgen`;
+    arrivals come from ``random.Random(f"arrivals/{seed}")`` as there;
+    ``serving_latency_s`` as for :class:`VirtualRun`.
+    ``tokenizer`` defaults to the gateway's (``config.model.path``).
+
+    Raises:
+        ValueError: bad ``rate``/``time_scale``/``think_dist``, or an engine role the simulator cannot run.
+    """
+    plan = plan_arrivals(workload, duration_s=duration_s, rng=random.Random(f"arrivals/{seed}"), rate=rate,
+                         time_scale=time_scale, think_time_s=think_time_s, think_dist=think_dist)
+    run = VirtualRun(config, tokenizer or load_tokenizer(config.model.path), request_timeout_s=request_timeout_s,
+                     ignore_eos=ignore_eos, serving_latency_s=serving_latency_s)
+    return run.run(plan, duration_s, on_record=on_record, on_progress=on_progress)

@@ -1,0 +1,99 @@
+"""The virtual-time simulator (loadgen/virtual.py) and ``laps simulate``."""
+
+from __future__ import annotations
+
+import random
+
+import orjson
+import pytest
+
+from engines.manager import server_args
+from engines.sim.args import parse_server_args, resolve_args
+from engines.sim.replies import ReplyPlanner
+from laps.cli import main as laps_main
+from laps.config import DEFAULT_CONFIG_PATH, load_config, parse_config
+from laps.tokenizer import load_tokenizer
+from loadgen.report import build_report
+from loadgen.virtual import simulate
+from loadgen.workloads import Conversation, Turn, Workload, build_workload
+
+TOK = load_tokenizer()
+ROLES = {"chat": {"pool": "short", "flags": {"chunked-prefill-size": 2048}},
+         "docs": {"pool": "long", "flags": {"chunked-prefill-size": 8192}}}
+
+
+def one_engine_config(policy: str = "pools") -> object:
+    return parse_config({"roles": ROLES, "engines": [{"name": "e0", "role": "chat", "gpus": [0]}],
+                         "scheduling": {"policy": policy}})
+
+
+def scripted(*conversations: Conversation) -> Workload:
+    return Workload("scripted", iter(conversations), timed=True)
+
+
+def test_a_two_turn_conversation_runs_as_the_live_runner_would():
+    config = one_engine_config()
+    user1, user2 = "Tell me about the harbour.", "And the ferry?"
+    conv = Conversation("c0", "test", (Turn(user1, 64), Turn(user2, 8)), start_s=0.25)
+    records = simulate(config, scripted(conv), duration_s=10, seed=0, think_time_s=0.5, think_dist="fixed",
+                       tokenizer=TOK)
+    first, second = records
+    engine = resolve_args(parse_server_args(server_args(config, config.engines[0], 0)))
+    p1 = TOK.encode_chat([{"role": "user", "content": user1}])
+    # Turn 0 arrives at 0.25 s on an idle engine: its TTFT is one prefill pass of the 35-token prompt.
+    assert (first.start_s, first.prompt_tokens, first.cached_tokens, first.laps_class) == (0.25, 35, 0, "short")
+    assert first.ttft_s == pytest.approx(engine.latency.predict([(35, 0)]))
+    # The reply the engine planned for rid "c0/0": 7 text tokens and <|im_end|>.
+    plan = ReplyPlanner(TOK).plan("c0/0", 64, ignore_eos=False).token_ids
+    assert first.completion_tokens == len(plan) == 8
+    assert len(first.itl_s) == 6  # gaps between the 7 text tokens; <|im_end|> carries no text
+    assert first.tpot_s == pytest.approx((first.e2e_s - first.ttft_s) / 7)
+    # Turn 1 goes a fixed 0.5 s after turn 0's answer, with that answer in its history.
+    assert second.start_s == pytest.approx(first.end_s + 0.5)
+    history = [{"role": "user", "content": user1}, {"role": "assistant", "content": TOK.decode(plan[:-1])},
+               {"role": "user", "content": user2}]
+    assert second.prompt_tokens == len(TOK.encode_chat(history))
+    assert second.cached_tokens == len(p1) + 7  # prompt and reply, less <|im_end|>
+    assert second.completion_tokens == 8 and all(r.ok for r in records)
+
+
+def test_same_seed_same_report_and_another_seed_another():
+    config = load_config(DEFAULT_CONFIG_PATH)
+
+    def report(seed: int) -> dict:
+        workload = build_workload("mixed", random.Random(f"workload/{seed}"), tokenizer=TOK)
+        records = simulate(config, workload, duration_s=8, seed=seed, rate=2.0, tokenizer=TOK)
+        return build_report(records, slo_ttft_s=0.4)
+
+    first = report(1)
+    assert first["requests"]["sent"] > 10 and first["requests"]["errors"] == 0
+    assert orjson.dumps(first) == orjson.dumps(report(1))
+    assert orjson.dumps(first) != orjson.dumps(report(2))
+
+
+def test_timeouts_withdraw_requests_and_engine_errors_end_the_conversation():
+    config = one_engine_config()
+    conversations = (
+        Conversation("slow", "test", (Turn("Write a long story.", 5000), Turn("More.", 5)), start_s=0.0),
+        Conversation("huge", "test", (Turn("word " * 40_000, 5), Turn("again", 5)), start_s=0.1),
+    )
+    records = simulate(config, scripted(*conversations), duration_s=10, seed=0, ignore_eos=True,
+                       request_timeout_s=1.0, tokenizer=TOK)
+    by_id = {r.conversation_id: r for r in records}
+    assert len(records) == 2  # neither conversation reaches its second turn
+    assert by_id["slow"].error == "timeout after 1 s" and by_id["slow"].end_s == pytest.approx(1.0)
+    assert by_id["slow"].ttft_s is not None and by_id["slow"].status == 200
+    assert by_id["huge"].status == 400 and "longer than the model's context length" in by_id["huge"].error
+
+
+def test_laps_simulate_writes_the_loadgen_report_with_the_policy_override(tmp_path):
+    out = tmp_path / "sim.json"
+    code = laps_main(["simulate", "--config", str(DEFAULT_CONFIG_PATH), "--dataset", "mtbench", "--rate", "1",
+                      "--duration", "5", "--policy", "round_robin", "--seed", "3", "--out", str(out), "--quiet"])
+    assert code == 0
+    report = orjson.loads(out.read_bytes())
+    assert (report["mode"], report["policy"], report["dataset"], report["seed"]) == ("virtual", "round_robin", "mtbench", 3)
+    assert [e["name"] for e in report["engines"]] == ["sp0", "lp0"]
+    assert report["requests"]["sent"] >= 3 and set(report["by_class"]) >= {"short", "long"}
+    assert out.with_suffix(".png").exists()
+    assert laps_main(["simulate", "--dataset", "mtbench", "--duration", "5", "--out", str(out), "--quiet"]) == 2  # no rate
