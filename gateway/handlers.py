@@ -9,10 +9,11 @@ When the client goes away, the engine is told to abort the request.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
+import math
 import time
 import uuid
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -24,10 +25,13 @@ from pydantic import BaseModel, ValidationError
 from gateway.errors import APIError
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.state import GATEWAY, Gateway
+from policies.admission import classified_view
 from policies.prefix_index import block_keys
 from policies.types import RequestView
 
 log = logging.getLogger("laps.gateway")
+
+SLO_HEADER = "x-laps-slo-ttft-s"
 
 # Aborts outlive the cancelled handler that starts them; keep them referenced until done.
 _background: set[asyncio.Task] = set()
@@ -92,14 +96,81 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await _dispatch(request, gw, body, "/v1/completions", prompt_ids, req.stream, arrival_s)
 
 
+def _deadline_s(request: web.Request, gw: Gateway, arrival_s: float) -> float:
+    """Arrival + TTFT SLO; the ``x-laps-slo-ttft-s`` header overrides the SLO (``none``: no deadline)."""
+    value = request.headers.get(SLO_HEADER)
+    if value is None:
+        return arrival_s + gw.config.slo.ttft_s
+    if value.strip().lower() == "none":
+        return math.inf
+    try:
+        slo_s = float(value)
+    except ValueError:
+        slo_s = -1.0
+    if not slo_s > 0 or math.isinf(slo_s):
+        raise APIError(400, f"header {SLO_HEADER}: expected seconds > 0 or 'none', got {value!r}", param=SLO_HEADER)
+    return arrival_s + slo_s
+
+
+@dataclass
+class _Reply:
+    """What the gateway learns from an engine's answer: the text it produced and its reported cache hit."""
+
+    text: list[str] = field(default_factory=list)
+    cached_tokens: int | None = None
+
+    def take(self, obj: dict) -> None:
+        """Read one OpenAI response object or stream chunk."""
+        for choice in obj.get("choices") or ():
+            message = choice.get("delta") or choice.get("message") or {}
+            piece = message.get("content") if isinstance(message, dict) else None
+            piece = piece if piece is not None else choice.get("text")
+            if isinstance(piece, str):
+                self.text.append(piece)
+        details = (obj.get("usage") or {}).get("prompt_tokens_details") or {}
+        if isinstance(details.get("cached_tokens"), int):
+            self.cached_tokens = details["cached_tokens"]
+
+
+class _StreamTap:
+    """Splits the relayed SSE bytes into events, reads them into a :class:`_Reply`, and drops
+    the usage-only event when only the gateway asked for usage (``drop_usage``)."""
+
+    def __init__(self, reply: _Reply, drop_usage: bool) -> None:
+        self.reply = reply
+        self.drop_usage = drop_usage
+        self._pending = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        """The complete events in ``pending + chunk`` that go on to the client."""
+        data = self._pending + chunk
+        end = data.rfind(b"\n\n") + 2
+        self._pending = data[end:]
+        out = []
+        for event in data[:end].split(b"\n\n")[:-1]:
+            if event.startswith(b"data: {"):
+                try:
+                    obj = orjson.loads(event[6:])
+                except orjson.JSONDecodeError:
+                    obj = None
+                if isinstance(obj, dict):
+                    self.reply.take(obj)
+                    if self.drop_usage and obj.get("usage") and not obj.get("choices"):
+                        continue
+            out.append(event + b"\n\n")
+        return b"".join(out)
+
+    def flush(self) -> bytes:
+        """Bytes left after the last complete event (forwarded as they are)."""
+        rest, self._pending = self._pending, b""
+        return rest
+
+
 async def _dispatch(request: web.Request, gw: Gateway, body: dict, path: str, prompt_ids: list[int], stream: bool, arrival_s: float) -> web.StreamResponse:
     rid = uuid.uuid4().hex
-    keys = block_keys(prompt_ids, gw.prefix_index.block_tokens)
-    cached_by_engine = {e.id: gw.prefix_index.cached_tokens(e.id, keys) for e in gw.registry}
-    view = RequestView(rid, len(prompt_ids), max(cached_by_engine.values()), arrival_s, arrival_s + gw.config.slo.ttft_s, cached_by_engine=cached_by_engine)
-    # H: the best prefix-cache hit any engine probably has; L = prompt - H decides the class.
-    req_class = gw.classifier.classify(view)
-    view = dataclasses.replace(view, request_class=req_class)
+    deadline_s = _deadline_s(request, gw, arrival_s)
+    view, keys = classified_view(rid, prompt_ids, arrival_s, deadline_s, [e.id for e in gw.registry], gw.prefix_index, gw.classifier)
+    req_class = view.request_class
     engine_id = await gw.dispatcher.admit(view)
     engine = gw.registry[engine_id]
     body["rid"] = rid
@@ -108,20 +179,21 @@ async def _dispatch(request: web.Request, gw: Gateway, body: dict, path: str, pr
         "x-laps-engine": engine_id,
         "x-request-id": rid,
         "x-laps-prompt-tokens": str(view.prompt_tokens),
-        "x-laps-cached-tokens-est": str(view.cached_tokens),
+        "x-laps-cached-tokens-est": str(view.cached_by_engine.get(engine_id, 0)),
     }
     gw.metrics.in_flight.labels(engine_id).inc()
     gw.metrics.prompt_tokens.labels(req_class).inc(view.prompt_tokens)
     if view.cached_tokens:
         gw.metrics.reprefills.labels(req_class).inc()
     outcome = "error"
+    reply = _Reply()
     try:
         if stream:
-            response, outcome, reported = await _relay_stream(request, gw, engine.url, path, body, headers, view, engine_id)
+            response, outcome = await _relay_stream(request, gw, engine.url, path, body, headers, view, engine_id, reply)
         else:
-            response, outcome, reported = await _relay_json(gw, engine.url, path, body, headers, view, engine_id)
+            response, outcome = await _relay_json(gw, engine.url, path, body, headers, view, engine_id, reply)
         if outcome == "ok":
-            gw.prefix_index.observe(engine_id, keys, reported)
+            await _learn_from_reply(gw, engine_id, view, prompt_ids, reply)
         return response
     except (_ClientGone, asyncio.CancelledError):
         outcome = "client_gone"
@@ -137,7 +209,20 @@ async def _dispatch(request: web.Request, gw: Gateway, body: dict, path: str, pr
         gw.metrics.requests.labels(req_class, outcome).inc()
         if outcome == "ok":
             gw.metrics.e2e.labels(req_class).observe(time.monotonic() - arrival_s)
-        log.info("%s %s class=%s engine=%s prompt_tokens=%d cached_est=%d outcome=%s %.1f ms", rid, path, req_class, engine_id, view.prompt_tokens, view.cached_tokens, outcome, 1e3 * (time.monotonic() - arrival_s))
+        log.info("%s %s class=%s engine=%s prompt_tokens=%d cached_est=%d cached_reported=%s outcome=%s %.1f ms", rid, path, req_class, engine_id, view.prompt_tokens, view.cached_by_engine.get(engine_id, 0), reply.cached_tokens, outcome, 1e3 * (time.monotonic() - arrival_s))
+
+
+async def _learn_from_reply(gw: Gateway, engine_id: str, view: RequestView, prompt_ids: list[int], reply: _Reply) -> None:
+    """Correct the prefix index with the reported hit, then record prompt + reply as cached on the engine.
+
+    The engine's radix cache keeps the generated tokens too, so the next turn of
+    the conversation (whose history holds this reply) re-prefills only its new
+    message; the reply is re-encoded from its text, as the next turn's template will.
+    """
+    if reply.cached_tokens is not None:
+        gw.metrics.prefix_estimate_error.labels(view.request_class).observe(abs(view.cached_by_engine.get(engine_id, 0) - reply.cached_tokens))
+    reply_ids = await asyncio.get_running_loop().run_in_executor(None, gw.tokenizer.encode, "".join(reply.text)) if reply.text else []
+    gw.prefix_index.observe(engine_id, block_keys([*prompt_ids, *reply_ids], gw.prefix_index.block_tokens), reply.cached_tokens)
 
 
 def _upstream_error(status: int, payload: bytes, headers: dict) -> web.Response:
@@ -164,17 +249,7 @@ def _engine_error(engine_url: str, err: BaseException) -> APIError:
     return APIError(502, f"engine at {engine_url} failed: {detail}", type="engine_error", code="engine_unavailable")
 
 
-def _reported_cached_tokens(payload: bytes) -> int | None:
-    """``usage.prompt_tokens_details.cached_tokens`` of an engine's JSON response, if present."""
-    try:
-        details = (orjson.loads(payload).get("usage") or {}).get("prompt_tokens_details") or {}
-    except (orjson.JSONDecodeError, AttributeError):
-        return None
-    cached = details.get("cached_tokens")
-    return cached if isinstance(cached, int) else None
-
-
-async def _relay_json(gw: Gateway, engine_url: str, path: str, body: dict, headers: dict, view: RequestView, engine_id: str) -> tuple[web.Response, str, int | None]:
+async def _relay_json(gw: Gateway, engine_url: str, path: str, body: dict, headers: dict, view: RequestView, engine_id: str, reply: _Reply) -> tuple[web.Response, str]:
     try:
         async with gw.client.post(engine_url, path, body) as upstream:
             payload = await upstream.read()
@@ -182,18 +257,35 @@ async def _relay_json(gw: Gateway, engine_url: str, path: str, body: dict, heade
     except (aiohttp.ClientError, asyncio.TimeoutError) as err:
         raise _engine_error(engine_url, err) from None
     if status != 200:
-        return _upstream_error(status, payload, headers), f"http_{status}", None
-    reported = _reported_cached_tokens(payload)
-    gw.dispatcher.first_token(view.rid, engine_id, reported)
-    return web.Response(body=payload, status=status, content_type="application/json", headers=headers), "ok", reported
+        return _upstream_error(status, payload, headers), f"http_{status}"
+    try:
+        obj = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        obj = None
+    if isinstance(obj, dict):
+        reply.take(obj)
+    gw.dispatcher.first_token(view.rid, engine_id, reply.cached_tokens)
+    return web.Response(body=payload, status=status, content_type="application/json", headers=headers), "ok"
 
 
-async def _relay_stream(request: web.Request, gw: Gateway, engine_url: str, path: str, body: dict, headers: dict, view: RequestView, engine_id: str) -> tuple[web.StreamResponse, str, int | None]:
+async def _relay_stream(request: web.Request, gw: Gateway, engine_url: str, path: str, body: dict, headers: dict, view: RequestView, engine_id: str, reply: _Reply) -> tuple[web.StreamResponse, str]:
+    options = body.get("stream_options")
+    client_wants_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+    # Ask the engine for usage (its cached_tokens corrects the prefix index) whether or not the client did.
+    body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+    tap = _StreamTap(reply, drop_usage=not client_wants_usage)
     response: web.StreamResponse | None = None
+
+    async def send(data: bytes) -> None:
+        try:
+            await response.write(data)
+        except ConnectionResetError:
+            raise _ClientGone() from None
+
     try:
         async with gw.client.post(engine_url, path, body) as upstream:
             if upstream.status != 200:
-                return _upstream_error(upstream.status, await upstream.read(), headers), f"http_{upstream.status}", None
+                return _upstream_error(upstream.status, await upstream.read(), headers), f"http_{upstream.status}"
             response = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await response.prepare(request)
             first = True
@@ -202,22 +294,21 @@ async def _relay_stream(request: web.Request, gw: Gateway, engine_url: str, path
                     gw.metrics.ttft.labels(view.request_class).observe(time.monotonic() - view.arrival_s)
                     gw.dispatcher.first_token(view.rid, engine_id, None)
                     first = False
-                try:
-                    await response.write(chunk)
-                except ConnectionResetError:
-                    raise _ClientGone() from None
+                data = tap.feed(chunk)
+                if data:
+                    await send(data)
     except (aiohttp.ClientError, asyncio.TimeoutError) as err:
         api_error = _engine_error(engine_url, err)
         if response is None:
             raise api_error from None
-        try:
-            await response.write(f"data: {_dumps(api_error.body())}\n\ndata: [DONE]\n\n".encode())
-        except ConnectionResetError:
-            raise _ClientGone() from None
+        await send(tap.flush() + f"data: {_dumps(api_error.body())}\n\ndata: [DONE]\n\n".encode())
         await response.write_eof()
-        return response, "engine_error", None
+        return response, "engine_error"
+    rest = tap.flush()
+    if rest:
+        await send(rest)
     await response.write_eof()
-    return response, "ok", None
+    return response, "ok"
 
 
 async def list_models(request: web.Request) -> web.Response:

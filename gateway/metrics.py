@@ -20,4 +20,7 @@ class GatewayMetrics:
         self.in_flight = Gauge("laps_engine_in_flight_requests", "Requests in flight per engine", ["engine"], registry=self.registry)
         self.engine_healthy = Gauge("laps_engine_healthy", "1 if the engine answers /ready", ["engine"], registry=self.registry)
         self.reprefills = Counter("laps_reprefills", "Requests with an estimated prefix-cache hit (H > 0), by class", ["cls"], registry=self.registry)
+        self.prefix_estimate_error = Histogram(
+            "laps_prefix_estimate_error_tokens", "|estimated - engine-reported| cached prompt tokens, per request", ["cls"],
+            buckets=(0, 16, 64, 256, 1024, 4096, 16384), registry=self.registry)
         self.client_aborts = Counter("laps_client_disconnects", "Requests whose client went away before the end", ["cls"], registry=self.registry)

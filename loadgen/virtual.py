@@ -56,7 +56,7 @@ from laps.tokenizer import ChatTokenizer, load_tokenizer
 from loadgen.runner import Arrival, RequestRecord, error_text, plan_arrivals
 from loadgen.workloads import Workload
 from policies.admission import classified_view
-from policies.prefix_index import PrefixIndex
+from policies.prefix_index import PrefixIndex, block_keys
 from policies.registry import make_classifier, make_scheduler
 from policies.types import RequestView
 
@@ -372,7 +372,9 @@ class VirtualRun:
         if rec.ttft_s is not None and ev.completion_tokens > 1:
             rec.tpot_s = (rec.e2e_s - rec.ttft_s) / (ev.completion_tokens - 1)
         assert req.engine_id is not None
-        self.prefix_index.observe(req.engine_id, req.keys, ev.cached_tokens)
+        # As the live gateway does: the engine now caches the prompt and the reply (re-encoded from its text).
+        reply_ids = self.tokenizer.encode(self.tokenizer.decode([t for t in req.output_ids if t not in self._special]))
+        self.prefix_index.observe(req.engine_id, block_keys(req.prompt_ids + reply_ids, self.prefix_index.block_tokens), ev.cached_tokens)
         self._end(req)
         self._release(req)
 

@@ -14,6 +14,7 @@ class FakeEngine:
     ``hold_streams``: after the first chunk a stream waits for :attr:`release`.
     ``break_streams``: after the first chunk the engine drops the connection.
     ``error_reply``: ``(status, body)`` to answer every generation with.
+    ``reported_cached_tokens``: the ``cached_tokens`` its stream usage reports.
     """
 
     def __init__(self, name: str) -> None:
@@ -25,6 +26,7 @@ class FakeEngine:
         self.hold_streams = False
         self.break_streams = False
         self.error_reply: tuple[int, bytes] | None = None
+        self.reported_cached_tokens = 0
         self.app = web.Application()
         self.app.router.add_get("/ready", self._ready)
         self.app.router.add_post("/v1/chat/completions", self._generate)
@@ -57,6 +59,10 @@ class FakeEngine:
         if self.hold_streams:
             await self.release.wait()
         last = {"id": body["rid"], "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
-        await response.write(b"data: " + orjson.dumps(last) + b"\n\ndata: [DONE]\n\n")
+        await response.write(b"data: " + orjson.dumps(last) + b"\n\n")
+        if (body.get("stream_options") or {}).get("include_usage"):
+            usage = {"prompt_tokens": 7, "completion_tokens": 1, "total_tokens": 8, "prompt_tokens_details": {"cached_tokens": self.reported_cached_tokens}}
+            await response.write(b"data: " + orjson.dumps({"id": body["rid"], "choices": [], "usage": usage}) + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response

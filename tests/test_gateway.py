@@ -10,6 +10,7 @@ from aiohttp.test_utils import TestServer
 
 from gateway.app import create_app
 from laps.config import load_config
+from laps.tokenizer import load_tokenizer
 from tests.fake_engine import FakeEngine
 
 MODEL = "Qwen2.5-7B-Instruct"
@@ -193,3 +194,47 @@ async def test_engine_error_answers_reach_the_client_in_openai_shape(stack, payl
         async with session.post("/v1/chat/completions", json=chat("Hi", stream=stream)) as resp:
             assert resp.status == 400
             assert (await resp.json()) == {"error": expected}
+
+
+async def test_stream_usage_is_requested_from_the_engine_but_only_relayed_when_asked(stack):
+    session, fakes, _ = stack
+    async with session.post("/v1/chat/completions", json=chat("Hi", stream=True)) as resp:
+        text = (await resp.read()).decode()
+    assert fakes["sp0"].bodies[-1]["stream_options"] == {"include_usage": True}
+    assert '"usage"' not in text and text.endswith("data: [DONE]\n\n")
+    async with session.post("/v1/chat/completions", json=chat("Hi", stream=True, stream_options={"include_usage": True})) as resp:
+        text = (await resp.read()).decode()
+    assert '"usage":{' in text and text.endswith("data: [DONE]\n\n")
+
+
+async def test_reported_cached_tokens_feed_the_estimate_error_metric(stack):
+    session, fakes, _ = stack
+    fakes["sp0"].reported_cached_tokens = 40
+    async with session.post("/v1/chat/completions", json=chat("Hi", stream=True)) as resp:
+        await resp.read()
+    async with session.get("/metrics") as resp:
+        text = await resp.text()
+    assert 'laps_prefix_estimate_error_tokens_sum{cls="short"} 40.0' in text
+
+
+async def test_follow_up_estimate_covers_the_previous_reply(stack):
+    session, _, _ = stack
+    history = [{"role": "user", "content": "Tell me about the history of pens. " * 20}]
+    async with session.post("/v1/chat/completions", json={"model": MODEL, "messages": history}) as resp:
+        first_prompt = int(resp.headers["x-laps-prompt-tokens"])
+        reply = (await resp.json())["choices"][0]["message"]["content"]
+    history += [{"role": "assistant", "content": reply}, {"role": "user", "content": "More?"}]
+    async with session.post("/v1/chat/completions", json={"model": MODEL, "messages": history}) as resp:
+        estimate = int(resp.headers["x-laps-cached-tokens-est"])
+    # Cached: turn 1's prompt (ending "<|im_start|>assistant\n") and the reply's tokens, in whole 16-token blocks.
+    reply_tokens = len(load_tokenizer().encode(reply))
+    assert estimate == (first_prompt + reply_tokens) // 16 * 16 > first_prompt // 16 * 16
+
+
+@pytest.mark.parametrize("value, status", [("0.05", 200), ("none", 200), ("-1", 400), ("soon", 400), ("inf", 400)])
+async def test_slo_header_sets_or_removes_the_deadline(stack, value, status):
+    session, _, _ = stack
+    async with session.post("/v1/chat/completions", json=chat("Hi"), headers={"x-laps-slo-ttft-s": value}) as resp:
+        assert resp.status == status
+        if status == 400:
+            assert (await resp.json())["error"]["param"] == "x-laps-slo-ttft-s"

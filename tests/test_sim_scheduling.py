@@ -235,14 +235,14 @@ def test_prefix_hits_after_a_two_turn_conversation():
     reply = [t for ev in clock.events["conv-0/0"] for t in ev.new_token_ids]
     assert len(reply) == 20 and reply[-1] == 151645  # 19 text tokens and <|im_end|>
     assert clock.events["conv-0/0"][-1].cached_tokens == 0
-    index.observe("e0", block_keys(p1, 16), 0)
     text = TOK.decode(reply[:-1])
+    index.observe("e0", block_keys(p1 + TOK.encode(text), 16), 0)  # as the gateway records a finished turn
     p2 = TOK.encode_chat(user1 + [{"role": "assistant", "content": text}, {"role": "user", "content": "And the ferry?"}])
     # The cache holds prompt and reply but the last token: 35 + 19 = 54, and the re-tokenized
     # history reproduces those 54 ids; <|im_end|> (sampled last, never fed back) is not cached.
     assert p2[:54] == p1 + reply[:-1]
-    # The gateway's index knows turn 1's prompt only: two full 16-token blocks.
-    assert index.cached_tokens("e0", block_keys(p2, 16)) == 32
+    # The gateway's index knows turn 1's prompt and re-encoded reply: three full 16-token blocks of the 54.
+    assert index.cached_tokens("e0", block_keys(p2, 16)) == 48
     core.add_request("conv-0/1", p2, 1, ignore_eos=True, now=clock.now)
     # Another conversation shares the 24-token system prompt and user header.
     core.add_request("conv-1/0", TOK.encode_chat([{"role": "user", "content": "What is the ferry timetable?"}]), 1,
