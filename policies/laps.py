@@ -22,9 +22,16 @@ Our reading of LAPS Algorithm 1 (DESIGN §2.4), per short-request group:
 Grouping ("memory first"): one queue per length bucket (8/16/32/…/256 new
 tokens) so a batch's sequences pad to similar lengths; "latency first": one queue.
 
-Long prefills go to the long pool at once, at most ``max_long_prefills_per_engine``
-in prefill per engine (the rest wait for a first token), so long prefills run
-one or few at a time. Where the LAPS paper's details are not public, the rules
+Long prefills go to the long pool as soon as the engine's long prefills still
+in progress (dispatched, no first token yet) leave room: their new tokens plus
+the request's stay within ``max_long_prefill_tokens`` on a long-pool engine, or
+``temporal_long_prefill_tokens`` on an engine that also takes short prefills
+(temporal mode: by default one long prefill at a time, so a short batch never
+queues behind several); one request is always let through, so long prefills run one or few at a time in large chunks and
+queue in the gateway, not behind each other inside the engine. A queued long
+request whose own slack DDL − t − Ŝ_long falls under σ goes at once, gate or
+not (Ŝ_long: the EWMA of long dispatch-to-first-token times), so the gate
+protects short prefills without starving long ones. Where the LAPS paper's details are not public, the rules
 above are ours; tests pin them down on scripted arrival sequences.
 """
 
@@ -60,8 +67,10 @@ class LapsConfig(BaseModel):
     length_buckets: list[int] = Field(default_factory=lambda: [8, 16, 32, 64, 128, 256], min_length=1)
     rate_window_s: float = Field(1.0, gt=0, description="time constant of the arrival-rate estimate")
     initial_service_ms: float = Field(10.0, gt=0, description="Ŝ before the first observation")
+    initial_long_service_ms: float = Field(100.0, gt=0, description="Ŝ_long before the first observation")
     service_smoothing: float = Field(0.2, gt=0, le=1, description="EWMA weight of a new Ŝ observation")
-    max_long_prefills_per_engine: int = Field(1, ge=1)
+    max_long_prefill_tokens: int = Field(16384, ge=1, description="new tokens of long prefills in progress per long-pool engine")
+    temporal_long_prefill_tokens: int = Field(1, ge=1, description="the same on an engine that also serves short prefills (1: one at a time)")
 
     @model_validator(mode="after")
     def _check(self) -> "LapsConfig":
@@ -95,6 +104,7 @@ class _InFlight:
     engine_id: str
     short: bool
     dispatched_s: float
+    new_tokens: int
     prefilling: bool = True
 
 
@@ -110,6 +120,7 @@ class LapsScheduler:
         self._long: list[RequestView] = []
         self.depth_tokens = self.config.initial_depth_tokens
         self.service_s = self.config.initial_service_ms / 1e3
+        self.long_service_s = self.config.initial_long_service_ms / 1e3
         self._rate = _DecayingRate(self.config.rate_window_s)
         self._in_flight: dict[str, _InFlight] = {}
         self.triggers: dict[Trigger, int] = {"depth": 0, "window": 0, "slack": 0}
@@ -135,9 +146,11 @@ class LapsScheduler:
         if flight is None or not flight.prefilling:
             return
         flight.prefilling = False
+        a = self.config.service_smoothing
         if flight.short:
-            a = self.config.service_smoothing
             self.service_s = (1 - a) * self.service_s + a * (now - flight.dispatched_s)
+        else:
+            self.long_service_s = (1 - a) * self.long_service_s + a * (now - flight.dispatched_s)
 
     def on_complete(self, rid: str, engine_id: str, now: float) -> None:
         self._in_flight.pop(rid, None)
@@ -151,8 +164,7 @@ class LapsScheduler:
             self._long.clear()
             self._queues.clear()
             return Decision(rejected=rejected)
-        dispatches = self._dispatch_long(load, now)
-        wake: float | None = None
+        dispatches, wake = self._dispatch_long(load, now)
         for group in sorted(self._queues):
             queue = self._queues[group]
             while queue:
@@ -217,27 +229,32 @@ class LapsScheduler:
             i = max(0, i - 1)
         self.depth_tokens = buckets[i]
 
-    def _dispatch_long(self, load: dict[str, EngineView], now: float) -> list[Dispatch]:
+    def _dispatch_long(self, load: dict[str, EngineView], now: float) -> tuple[list[Dispatch], float | None]:
+        """Long requests the gate (or their slack) lets go now; and when the first held one runs out of slack."""
         dispatches = []
-        limit = self.config.max_long_prefills_per_engine
         # Without a healthy long pool (e.g. one engine in temporal mode), any engine takes long prefills.
         pool = "long" if any(e.healthy and e.pool == "long" for e in load.values()) else None
+        limit = self.config.max_long_prefill_tokens if pool == "long" else self.config.temporal_long_prefill_tokens
+        prefilling: dict[str, int] = defaultdict(int)
+        for f in self._in_flight.values():
+            if f.prefilling and not f.short:
+                prefilling[f.engine_id] += f.new_tokens
         while self._long:
-            prefilling = defaultdict(int)
-            for f in self._in_flight.values():
-                if f.prefilling and not f.short:
-                    prefilling[f.engine_id] += 1
-            open_engines = [e for e in load.values() if prefilling[e.id] < limit and pool in (None, e.pool)]
             request = self._long[0]
-            engine_id = self._router.select(open_engines, "long", request.cached_by_engine)
+            candidates = [e for e in load.values() if pool in (None, e.pool)]
+            slack_due_s = request.deadline_s - self.long_service_s - self.config.slack_ms / 1e3
+            if now < slack_due_s:
+                candidates = [e for e in candidates if prefilling[e.id] == 0 or prefilling[e.id] + request.new_tokens <= limit]
+            engine_id = self._router.select(candidates, "long", request.cached_by_engine)
             if engine_id is None:
-                break
+                return dispatches, (slack_due_s if now < slack_due_s else None)
             self._long.pop(0)
+            prefilling[engine_id] += request.new_tokens
             self._account(load, engine_id, [request], short=False, now=now)
             dispatches.append(Dispatch(engine_id, (request.rid,)))
-        return dispatches
+        return dispatches, None
 
     def _account(self, load: dict[str, EngineView], engine_id: str, batch: list[RequestView], short: bool, now: float) -> None:
         load[engine_id] = load[engine_id].with_dispatched(len(batch), sum(r.prompt_tokens for r in batch))
         for r in batch:
-            self._in_flight[r.rid] = _InFlight(engine_id, short, now)
+            self._in_flight[r.rid] = _InFlight(engine_id, short, now, r.new_tokens)

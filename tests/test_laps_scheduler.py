@@ -101,20 +101,38 @@ def test_batch_goes_to_the_short_engine_with_the_best_prefix_hit():
     assert s.decide(busy, 0.008).dispatches == (Dispatch("s0", ("r1",)),)
 
 
-def test_long_prefills_go_one_at_a_time_per_long_engine_never_to_the_short_pool():
-    s = LapsScheduler(config())
-    s.submit(long("L0", 3000, 0.0), 0.0)
-    s.submit(long("L1", 3000, 0.0), 0.0)
-    assert s.decide(ENGINES, 0.0) == Decision((Dispatch("l", ("L0",)),))
-    assert s.decide(ENGINES, 0.1) == Decision()
-    s.on_first_token("L0", "l", 0.2, None)
-    assert s.decide(ENGINES, 0.2) == Decision((Dispatch("l", ("L1",)),))
+def test_long_prefills_are_gated_by_tokens_in_progress_and_never_go_to_the_short_pool():
+    s = LapsScheduler(config(max_long_prefill_tokens=8000))
+    for rid, n in (("L0", 3000), ("L1", 4000), ("L2", 3000), ("L3", 9000)):
+        s.submit(long(rid, n, 0.0), 0.0)
+    # 3000 + 4000 fit in 8000; L2 would make 10000 and waits (and L3 behind it, in order) until its
+    # slack runs out at deadline 0.4 - Ŝ_long 0.1 - σ 0.05 = 0.25.
+    assert s.decide(ENGINES, 0.0) == Decision((Dispatch("l", ("L0",)), Dispatch("l", ("L1",))), wake_at_s=pytest.approx(0.25))
+    assert s.decide(ENGINES, 0.1) == Decision(wake_at_s=pytest.approx(0.25))
+    s.on_first_token("L0", "l", 0.2, None)  # Ŝ_long = 0.8 · 0.1 + 0.2 · 0.2 = 0.12
+    assert s.long_service_s == pytest.approx(0.12)
+    # L2 fits now (4000 + 3000); L3 does not, and its slack runs out at 0.4 - 0.12 - 0.05 = 0.23.
+    assert s.decide(ENGINES, 0.2) == Decision((Dispatch("l", ("L2",)),), wake_at_s=pytest.approx(0.23))
+    assert s.decide(ENGINES, 0.231) == Decision((Dispatch("l", ("L3",)),))  # over the gate, on its slack
 
 
-def test_without_a_long_pool_the_single_engine_takes_long_prefills():
+def test_with_nothing_long_in_progress_one_request_over_the_gate_goes_alone():
+    s = LapsScheduler(config(max_long_prefill_tokens=8000))
+    s.submit(long("big", 9000, 0.0), 0.0)
+    s.submit(long("next", 10, 0.0), 0.0)
+    assert s.decide(ENGINES, 0.0) == Decision((Dispatch("l", ("big",)),), wake_at_s=pytest.approx(0.25))
+    s.on_complete("big", "l", 0.1)  # ended (say, failed) before its first token: its tokens are released too
+    assert s.decide(ENGINES, 0.1) == Decision((Dispatch("l", ("next",)),))
+
+
+def test_without_a_long_pool_the_single_engine_takes_long_prefills_one_at_a_time():
     s = LapsScheduler(config())
-    s.submit(long("L0", 3000, 0.0), 0.0)
-    assert s.decide([EngineView("only", "short")], 0.0) == Decision((Dispatch("only", ("L0",)),))
+    s.submit(long("L0", 300, 0.0), 0.0)
+    s.submit(long("L1", 300, 0.0), 0.0)
+    only = [EngineView("only", "short")]
+    assert s.decide(only, 0.0).dispatches == (Dispatch("only", ("L0",)),)  # temporal mode: L1 waits
+    s.on_first_token("L0", "only", 0.05, None)
+    assert s.decide(only, 0.05).dispatches == (Dispatch("only", ("L1",)),)
 
 
 def test_service_estimate_is_an_ewma_of_dispatch_to_first_token():
