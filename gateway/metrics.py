@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+from typing import Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 # Buckets in seconds: short prefills finish in milliseconds, long ones and generations in seconds.
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4, 12.8, 25.6, 51.2)
 
 
 class GatewayMetrics:
-    """The gateway's metrics, labelled by request class (``short``/``long``) or engine."""
+    """The gateway's metrics, labelled by request class (``short``/``long``) or engine.
+
+    :meth:`watch_scheduler` adds the running scheduler's own state (queues, AWD depth, ...).
+    """
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -24,3 +31,18 @@ class GatewayMetrics:
             "laps_prefix_estimate_error_tokens", "|estimated - engine-reported| cached prompt tokens, per request", ["cls"],
             buckets=(0, 16, 64, 256, 1024, 4096, 16384), registry=self.registry)
         self.client_aborts = Counter("laps_client_disconnects", "Requests whose client went away before the end", ["cls"], registry=self.registry)
+
+
+    def watch_scheduler(self, stats: Callable[[], dict[str, float]]) -> None:
+        """Export ``stats()`` (a scheduler's :meth:`stats`) on every scrape."""
+        self.registry.register(SchedulerCollector(stats))
+
+class SchedulerCollector(Collector):
+    """Exports a scheduler's :meth:`~policies.scheduler.Scheduler.stats` at scrape time as ``laps_scheduler_<name>``."""
+
+    def __init__(self, stats: Callable[[], dict[str, float]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        for name, value in self._stats().items():
+            yield GaugeMetricFamily(f"laps_scheduler_{name}", f"scheduler state: {name.replace('_', ' ')}", value=value)

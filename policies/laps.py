@@ -124,6 +124,7 @@ class LapsScheduler:
         self._rate = _DecayingRate(self.config.rate_window_s)
         self._in_flight: dict[str, _InFlight] = {}
         self.triggers: dict[Trigger, int] = {"depth": 0, "window": 0, "slack": 0}
+        self.requests_batched = 0
 
     # -- events -------------------------------------------------------------------------------
 
@@ -154,6 +155,19 @@ class LapsScheduler:
 
     def on_complete(self, rid: str, engine_id: str, now: float) -> None:
         self._in_flight.pop(rid, None)
+
+    def stats(self) -> dict[str, float]:
+        """Queue depths, the adaptive depth D and service estimates, dispatch counts by trigger."""
+        return {
+            "queued_short_requests": sum(len(q) for q in self._queues.values()),
+            "queued_long_requests": len(self._long),
+            "awd_depth_tokens": self.depth_tokens,
+            "awd_service_estimate_seconds": self.service_s,
+            "long_service_estimate_seconds": self.long_service_s,
+            "short_batches_dispatched": sum(self.triggers.values()),
+            "short_requests_batched": self.requests_batched,
+            **{f"short_batches_by_{trigger}": n for trigger, n in self.triggers.items()},
+        }
 
     # -- decisions ----------------------------------------------------------------------------
 
@@ -215,6 +229,7 @@ class LapsScheduler:
         waited_s = now - min(r.arrival_s for r in batch)
         self._adapt_depth(trigger, tokens, waited_s)
         self.triggers[trigger] += 1
+        self.requests_batched += len(batch)
         self._account(load, engine_id, batch, short=True, now=now)
         return Dispatch(engine_id, tuple(r.rid for r in batch))
 

@@ -32,6 +32,10 @@ class Scheduler(Protocol):
 
     def on_complete(self, rid: str, engine_id: str, now: float) -> None: ...
 
+    def stats(self) -> dict[str, float]:
+        """The policy's current state for metrics (``{name: value}``; exported as ``laps_scheduler_<name>``)."""
+        ...
+
 
 class Picker(Protocol):
     """Chooses one engine for one request (the routers of SGLang's router and similar gateways)."""
@@ -80,3 +84,6 @@ class ImmediateScheduler:
 
     def on_complete(self, rid: str, engine_id: str, now: float) -> None:
         """Nothing to learn: the immediate scheduler keeps no state about dispatched requests."""
+
+    def stats(self) -> dict[str, float]:
+        return {"queued_requests": len(self._pending)}

@@ -158,3 +158,14 @@ def test_config_validation():
         LapsConfig(token_buckets=[64, 128], initial_depth_tokens=100)
     with pytest.raises(ValidationError, match="strictly increasing"):
         LapsConfig(token_buckets=[128, 64], initial_depth_tokens=64)
+
+
+def test_stats_report_queues_depth_and_triggers():
+    s = LapsScheduler(config())
+    s.submit(short("a", 10, 0.0, deadline=0.05), 0.0)
+    s.submit(short("b", 10, 0.0), 0.0)
+    s.submit(long("L", 3000, 0.0), 0.0)
+    s.decide([EngineView("s", "short")], 0.0)  # slack trigger takes a and b together; L goes too (temporal)
+    stats = s.stats()
+    assert stats["short_batches_by_slack"] == 1 and stats["short_requests_batched"] == 2
+    assert (stats["queued_short_requests"], stats["queued_long_requests"], stats["awd_depth_tokens"]) == (0, 0, 64)
