@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install demo test clean
+.PHONY: install demo test sglang-env clean
 
 install: $(VENV)/.installed
 
@@ -16,7 +16,12 @@ $(VENV)/.installed: pyproject.toml
 demo: install
 	$(BIN)/laps demo --duration 60
 
-test: install
+# The real-SGLang tests' environment (~10 GB, cached under ~/.cache/laps): built here, outside
+# pytest's output capture, so that a first run shows what it is doing.
+sglang-env: install
+	$(BIN)/python -m tests.sglang_env
+
+test: install sglang-env
 	$(BIN)/pytest -q
 
 clean:

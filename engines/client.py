@@ -44,6 +44,18 @@ class EngineClient:
             base_url + path, data=orjson.dumps(body), headers={"Content-Type": "application/json"}, timeout=self._request_timeout
         )
 
+    async def get(self, base_url: str, path: str) -> bytes:
+        """``GET base_url + path`` within the probe timeout; the response body.
+
+        Raises:
+            aiohttp.ClientError: the engine cannot be reached, or it answered
+                other than 200 (:class:`aiohttp.ClientResponseError`).
+            asyncio.TimeoutError: no answer within the probe timeout.
+        """
+        async with self.session.get(base_url + path, timeout=self._probe_timeout) as resp:
+            resp.raise_for_status()
+            return await resp.read()
+
     async def ready(self, base_url: str) -> bool:
         """``GET /ready`` answered 200 within the probe timeout."""
         try:

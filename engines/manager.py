@@ -1,7 +1,9 @@
-"""Engine processes: launch each configured engine, wait until ready, stop them all.
+"""Engine processes: the command line of every engine kind, launch, wait until ready, restart with a role, stop.
 
+:func:`engine_command` is the one place that builds command lines (real
+SGLang or the simulated engine; ``external`` engines have none).
 One :class:`EngineProcess` wraps one engine subprocess (start, wait_ready,
-alive, terminate, kill, wait); :class:`EngineManager` owns the fleet. Each
+alive, stop); :class:`EngineManager` owns the fleet. Each
 engine logs to its own file under ``config.log_dir``. Children get
 ``PR_SET_PDEATHSIG`` so that even a gateway killed with SIGKILL leaves no
 orphan engines behind.
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import logging
+import os
 import signal
 import socket
 import sys
@@ -63,29 +66,70 @@ def flag_args(flags: dict[str, FlagValue]) -> list[str]:
     return args
 
 
-def engine_command(config: Config, engine: EngineConfig, port: int) -> list[str]:
-    """The command line that starts ``engine`` on ``port`` with its role's flags."""
+def server_args(config: Config, engine: EngineConfig, port: int, role: str | None = None) -> list[str]:
+    """The SGLang server arguments of ``engine`` with ``role``'s flags (default: its configured role).
+
+    These are common to ``sglang`` and ``sim`` engines and spelled as SGLang
+    0.5.23 spells them: model path and served name, host 127.0.0.1, ``port``,
+    ``--tp-size`` (the number of the engine's GPUs, at least 1), metrics and
+    cache reports on, then the role's flags.
+    """
     model_path = str(config.model.path) if config.model.path else config.model.name
-    base = [
-        sys.executable, "-m", "engines.sim",
+    return [
         "--model-path", model_path,
         "--served-model-name", config.model.name,
         "--host", "127.0.0.1",
         "--port", str(port),
-        "--sim-model", config.sim.model,
-        "--sim-gpu", config.sim.gpu,
+        "--tp-size", str(max(1, len(engine.gpus))),
         "--enable-metrics",
         "--enable-cache-report",
+        *flag_args(config.roles[role or engine.role].flags),
     ]
-    return base + flag_args(config.roles[engine.role].flags)
+
+
+def engine_command(config: Config, engine: EngineConfig, port: int, role: str | None = None) -> list[str]:
+    """The command line that starts ``engine`` on ``port`` with ``role``'s flags (default: its configured role).
+
+    ``sglang``: ``python -m sglang.launch_server`` (``sglang.python``), the
+    :func:`server_args`, then ``sglang.extra_args``. ``sim``: ``python -m
+    engines.sim`` with this interpreter, the :func:`server_args`, then the
+    simulated model and GPU.
+
+    Raises:
+        ValueError: ``engine`` is ``external`` (laps starts no process for it).
+    """
+    args = server_args(config, engine, port, role)
+    if engine.kind == "sglang":
+        return [str(config.sglang.python or sys.executable), "-m", "sglang.launch_server", *args, *config.sglang.extra_args]
+    if engine.kind == "sim":
+        return [sys.executable, "-m", "engines.sim", *args, "--sim-model", config.sim.model, "--sim-gpu", config.sim.gpu]
+    raise ValueError(f"engine {engine.name} is external (at {engine.url}): laps starts no process for it")
+
+
+def engine_env(config: Config, engine: EngineConfig) -> dict[str, str]:
+    """Variables added to the gateway's environment for ``engine``'s process.
+
+    ``sglang.env`` for SGLang engines, then ``CUDA_VISIBLE_DEVICES`` from the
+    engine's GPUs when it has any (it wins over ``sglang.env``).
+    """
+    env = dict(config.sglang.env) if engine.kind == "sglang" else {}
+    if engine.gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in engine.gpus)
+    return env
 
 
 @dataclass
 class EngineProcess:
-    """One engine subprocess and where it serves."""
+    """One engine subprocess, where it serves and the role it runs.
+
+    The process leads its own process group, so stopping it also stops the
+    helper processes it spawned (SGLang runs a scheduler and a detokenizer).
+    """
 
     config: EngineConfig
+    role: str
     command: list[str]
+    env: dict[str, str]
     port: int
     log_path: Path
     process: asyncio.subprocess.Process | None = field(default=None, repr=False)
@@ -95,15 +139,16 @@ class EngineProcess:
         return f"http://127.0.0.1:{self.port}"
 
     async def start(self) -> None:
-        """Spawn the process, stdout and stderr appended to :attr:`log_path`."""
+        """Spawn the process with :attr:`env` added, stdout and stderr appended to :attr:`log_path`."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as logf:
-            logf.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {' '.join(self.command)}\n".encode())
+            logf.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} starting as {self.role}: {' '.join(self.command)}\n".encode())
             logf.flush()
             self.process = await asyncio.create_subprocess_exec(
-                *self.command, stdout=logf, stderr=asyncio.subprocess.STDOUT, preexec_fn=_die_with_parent
+                *self.command, stdout=logf, stderr=asyncio.subprocess.STDOUT, env={**os.environ, **self.env},
+                start_new_session=True, preexec_fn=_die_with_parent,
             )
-        log.info("engine %s: started pid %d on port %d, log %s", self.config.name, self.process.pid, self.port, self.log_path)
+        log.info("engine %s: started pid %d on port %d as %s, log %s", self.config.name, self.process.pid, self.port, self.role, self.log_path)
 
     def alive(self) -> bool:
         return self.process is not None and self.process.returncode is None
@@ -118,7 +163,8 @@ class EngineProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if not self.alive():
-                raise RuntimeError(f"engine {self.config.name} exited with code {self.process.returncode} before it was ready:\n{self.log_tail()}")
+                code = self.process.returncode if self.process is not None else "(stopped)"
+                raise RuntimeError(f"engine {self.config.name} exited with code {code} before it was ready:\n{self.log_tail()}")
             try:
                 async with session.get(f"{self.url}/ready", timeout=aiohttp.ClientTimeout(total=2)) as resp:
                     if resp.status == 200:
@@ -135,47 +181,87 @@ class EngineProcess:
             return "(no log)"
 
     async def stop(self, timeout_s: float = 10.0) -> None:
-        """SIGTERM, wait up to ``timeout_s``, then SIGKILL; always reaps the process."""
-        if self.process is None or self.process.returncode is not None:
+        """SIGTERM to the process group, wait up to ``timeout_s``, then SIGKILL; always reaps the process.
+
+        Whatever is left of the group once the engine has exited is killed
+        too. A second call does nothing.
+        """
+        process, self.process = self.process, None
+        if process is None:
             return
-        self.process.terminate()
-        try:
-            await asyncio.wait_for(self.process.wait(), timeout_s)
-        except asyncio.TimeoutError:
-            log.warning("engine %s: no exit %.0f s after SIGTERM, killing", self.config.name, timeout_s)
-            self.process.kill()
-            await self.process.wait()
-        log.info("engine %s: stopped (exit code %s)", self.config.name, self.process.returncode)
+        if process.returncode is None:
+            _signal_group(process.pid, signal.SIGTERM)
+            try:
+                await asyncio.wait_for(process.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                log.warning("engine %s: no exit %.0f s after SIGTERM, killing", self.config.name, timeout_s)
+                _signal_group(process.pid, signal.SIGKILL)
+                await process.wait()
+            log.info("engine %s: stopped (exit code %s)", self.config.name, process.returncode)
+        _signal_group(process.pid, signal.SIGKILL)
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:  # the group is empty: nothing left to signal
+        pass
 
 
 class EngineManager:
-    """Starts every engine of a :class:`Config`, waits for all to be ready, stops them all."""
+    """Owns the engine processes of a :class:`Config`: start them all, restart one with a role, stop them all.
 
-    def __init__(self, config: Config, ready_timeout_s: float = 120.0) -> None:
+    ``external`` engines get no process: they are only listed with their URL.
+    """
+
+    def __init__(self, config: Config, ready_timeout_s: float = 300.0) -> None:
         self.config = config
         self.ready_timeout_s = ready_timeout_s
-        self.engines: list[EngineProcess] = []
+        self.engines: dict[str, EngineProcess] = {}
 
     async def start(self, session: aiohttp.ClientSession) -> dict[str, str]:
-        """Launch all engines concurrently; returns ``{engine name: base URL}`` once all are ready.
+        """Launch all local engines concurrently; once all are ready, return every engine's base URL by name.
 
         Raises:
             RuntimeError: an engine failed to become ready (all engines are stopped first).
         """
         for engine in self.config.engines:
+            if engine.kind == "external":
+                continue
             port = engine.port or free_port()
-            self.engines.append(
-                EngineProcess(engine, engine_command(self.config, engine, port), port, self.config.log_dir / f"engine-{engine.name}.log")
+            self.engines[engine.name] = EngineProcess(
+                engine, engine.role, engine_command(self.config, engine, port), engine_env(self.config, engine), port,
+                self.config.log_dir / f"engine-{engine.name}.log",
             )
         try:
-            for e in self.engines:
+            for e in self.engines.values():
                 await e.start()
-            await asyncio.gather(*(e.wait_ready(session, self.ready_timeout_s) for e in self.engines))
+            await asyncio.gather(*(e.wait_ready(session, self.ready_timeout_s) for e in self.engines.values()))
         except BaseException:
             await self.stop()
             raise
-        return {e.config.name: e.url for e in self.engines}
+        return {e.name: self.engines[e.name].url if e.name in self.engines else e.url for e in self.config.engines}
+
+    async def restart(self, name: str, role: str, session: aiohttp.ClientSession) -> None:
+        """Stop engine ``name``, start it again on the same port with ``role``'s flags, wait until it is ready.
+
+        The caller stops routing to the engine first: requests still running
+        on it when it stops fail.
+
+        Raises:
+            KeyError: ``name`` is not an engine laps runs (unknown or external).
+            ValueError: ``role`` is not defined under ``roles``.
+            RuntimeError: the restarted engine did not become ready.
+        """
+        if role not in self.config.roles:
+            raise ValueError(f"role {role!r} is not defined under roles; allowed: {', '.join(sorted(self.config.roles))}")
+        e = self.engines[name]
+        await e.stop()
+        e.role = role
+        e.command = engine_command(self.config, e.config, e.port, role)
+        await e.start()
+        await e.wait_ready(session, self.ready_timeout_s)
 
     async def stop(self) -> None:
         """Stop all engines concurrently (SIGTERM, then SIGKILL after a timeout)."""
-        await asyncio.gather(*(e.stop() for e in self.engines))
+        await asyncio.gather(*(e.stop() for e in self.engines.values()))

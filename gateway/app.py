@@ -49,8 +49,9 @@ def create_app(config: Config, engine_urls: dict[str, str] | None = None) -> web
     """Build the gateway application for ``config``.
 
     ``engine_urls`` (``{engine name: base URL}``) serves engines that are
-    already running; ``None`` launches the configured engines at start-up and
-    stops them at clean-up.
+    already running; ``None`` launches the configured engines at start-up
+    (``external`` ones are only addressed at their ``url``) and stops them at
+    clean-up.
     """
     app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
 
@@ -63,7 +64,7 @@ def create_app(config: Config, engine_urls: dict[str, str] | None = None) -> web
             tokenizer = await asyncio.get_running_loop().run_in_executor(None, load_tokenizer, config.model.path)
             registry = EngineRegistry([EngineState(e.name, urls[e.name], config.pool(e)) for e in config.engines])
             dispatcher = Dispatcher(make_scheduler(config.scheduling), registry)
-            gw = Gateway(config, tokenizer, registry, client, make_classifier(config.scheduling), dispatcher, PrefixIndex(config.scheduling.prefix_block_tokens), GatewayMetrics())
+            gw = Gateway(config, tokenizer, registry, client, make_classifier(config.scheduling), dispatcher, PrefixIndex(config.scheduling.prefix_block_tokens), GatewayMetrics(), manager)
             app[GATEWAY] = gw
             poller = asyncio.create_task(_poll_health(gw))
             log.info("serving %s with %d engines: %s", config.model.name, len(urls), ", ".join(f"{k}={v}" for k, v in urls.items()))
@@ -86,6 +87,11 @@ def create_app(config: Config, engine_urls: dict[str, str] | None = None) -> web
     return app
 
 
+def app_runner(config: Config) -> web.AppRunner:
+    """The runner of :func:`create_app` (``config``): handlers are cancelled when their client goes away."""
+    return web.AppRunner(create_app(config), handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+
+
 async def serve(config: Config) -> None:
     """Run the gateway until SIGINT or SIGTERM, then shut everything down.
 
@@ -97,7 +103,7 @@ async def serve(config: Config) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    runner = web.AppRunner(create_app(config), handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+    runner = app_runner(config)
     await runner.setup()
     try:
         site = web.TCPSite(runner, config.gateway.host, config.gateway.port)

@@ -13,17 +13,23 @@ from policies.types import EngineView, RequestClass
 
 @dataclass
 class EngineState:
-    """Mutable gateway-side state of one engine."""
+    """Mutable gateway-side state of one engine.
+
+    ``healthy`` follows the engine's ``/ready``; ``draining`` is set while the
+    engine is being emptied for a restart. Policies see an engine as healthy
+    only when it is healthy and not draining, so no new work goes to it.
+    """
 
     id: str
     url: str
     pool: RequestClass
     healthy: bool = True
+    draining: bool = False
     in_flight: int = 0
     in_flight_prompt_tokens: int = 0
 
     def view(self) -> EngineView:
-        return EngineView(self.id, self.pool, self.healthy, self.in_flight, self.in_flight_prompt_tokens)
+        return EngineView(self.id, self.pool, self.healthy and not self.draining, self.in_flight, self.in_flight_prompt_tokens)
 
 
 class EngineRegistry:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from engines.client import EngineClient
+from engines.manager import EngineManager
 from gateway.dispatcher import Dispatcher
 from gateway.metrics import GatewayMetrics
 from gateway.registry import EngineRegistry
@@ -18,7 +19,11 @@ from policies.prefix_index import PrefixIndex
 
 @dataclass
 class Gateway:
-    """The gateway's long-lived parts: config, tokenizer, engines, classifier, dispatcher, prefix index, metrics."""
+    """The gateway's long-lived parts: config, tokenizer, engines, classifier, dispatcher, prefix index, metrics.
+
+    ``manager`` runs the engine processes; ``None`` when the gateway was given
+    the URLs of engines that run on their own.
+    """
 
     config: Config
     tokenizer: ChatTokenizer
@@ -28,6 +33,7 @@ class Gateway:
     dispatcher: Dispatcher
     prefix_index: PrefixIndex
     metrics: GatewayMetrics
+    manager: EngineManager | None = None
 
 
 GATEWAY = web.AppKey("gateway", Gateway)

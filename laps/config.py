@@ -55,12 +55,14 @@ class SLOConfig(_Strict):
 
 
 class CostModelConfig(_Strict):
-    """Fitted prefill cost model T(L,H) = α·L(L+2H) + β·L + γw·L + γr·H, seconds (DESIGN §2.3)."""
+    """Fitted prefill cost model (DESIGN §2.3 plus the per-pass memory floor m0), seconds;
+    see :class:`policies.classifier.PrefillCostModel`. ``laps calibrate`` writes it."""
 
     alpha: float = Field(gt=0)
     beta: float = Field(ge=0)
     gamma_w: float = Field(ge=0)
     gamma_r: float = Field(ge=0)
+    memory_floor_s: float = Field(0.0, ge=0)
 
 
 class SchedulingConfig(_Strict):
@@ -70,12 +72,13 @@ class SchedulingConfig(_Strict):
     fewer than this is a short prefill; the LAPS fallback boundary is 256.
     ``cost_model``: when set, the boundary is L_m(H) of this fitted model instead.
     ``prefix_block_tokens``: block size of the gateway's prefix-cache estimate.
-    ``policy``: the scheduler (``laps``: AWD windows and gated long prefills;
-    ``immediate``: dispatch at once to the least-loaded engine of the pool);
-    ``laps``: its parameters.
+    ``policy``: the scheduler (see :data:`policies.registry.POLICIES`): ``laps``
+    (AWD windows, gated long prefills), ``pools`` (short/long pools, no
+    window), or a baseline over all engines: ``least_load`` (unified FCFS),
+    ``round_robin``, ``cache_aware``, ``bucket``; ``laps``: its parameters.
     """
 
-    policy: Literal["laps", "immediate"] = "laps"
+    policy: Literal["laps", "pools", "least_load", "round_robin", "cache_aware", "bucket"] = "laps"
     laps: LapsConfig = LapsConfig()
     short_threshold_tokens: int = Field(256, ge=1)
     cost_model: CostModelConfig | None = None
@@ -99,18 +102,47 @@ class SimConfig(_Strict):
     gpu: Literal["h200", "h100", "a100"] = "h200"
 
 
-class EngineConfig(_Strict):
-    """One engine process.
+class SGLangConfig(_Strict):
+    """How ``kind: sglang`` engines are launched (``python -m sglang.launch_server``).
 
-    ``kind: sim`` runs the simulated SGLang-compatible engine. ``port: null``
-    picks a free loopback port at start.
+    ``python``: the interpreter that has ``sglang`` 0.5.23 installed; ``null``
+    means the gateway's own. ``extra_args``: arguments appended to every SGLang
+    command line, after the role's flags, so they override them (e.g.
+    ``--device cpu --load-format dummy ...`` to test on a machine without a
+    GPU). ``env``: environment variables added to every SGLang process's
+    environment.
+    """
+
+    python: Path | None = None
+    extra_args: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)
+
+
+class NodeConfig(_Strict):
+    """The machine laps runs on: ``gpus`` is its GPU count (valid GPU ids are ``0 .. gpus-1``)."""
+
+    gpus: int = Field(8, ge=0)
+
+
+class EngineConfig(_Strict):
+    """One engine.
+
+    ``kind``: ``sglang`` runs a real SGLang server (see :class:`SGLangConfig`),
+    ``sim`` the simulated SGLang-compatible engine; both are started by laps on
+    127.0.0.1 with the role's flags, ``--tp-size`` = the number of ``gpus``,
+    and ``CUDA_VISIBLE_DEVICES`` = ``gpus`` (none: inherited). ``port: null``
+    picks a free loopback port at start. ``external`` is an engine that runs
+    elsewhere, at ``url`` (``http://host:port``): laps starts, stops and
+    restarts nothing there, and it takes neither ``gpus`` nor ``port``; its
+    role only names its pool.
     """
 
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
-    kind: Literal["sim"] = "sim"
+    kind: Literal["sglang", "sim", "external"] = "sim"
     role: str
     gpus: list[int] = Field(default_factory=list)
     port: int | None = Field(None, ge=1, le=65535)
+    url: str | None = Field(None, pattern=r"^https?://[^/\s]+$")
 
 
 class Config(_Strict):
@@ -121,6 +153,8 @@ class Config(_Strict):
     slo: SLOConfig = SLOConfig()
     scheduling: SchedulingConfig = SchedulingConfig()
     sim: SimConfig = SimConfig()
+    sglang: SGLangConfig = SGLangConfig()
+    node: NodeConfig = NodeConfig()
     roles: dict[str, RoleConfig]
     engines: list[EngineConfig] = Field(min_length=1)
     log_dir: Path = Path("runs/logs")
@@ -128,6 +162,7 @@ class Config(_Strict):
     @model_validator(mode="after")
     def _check_references(self) -> "Config":
         seen: set[str] = set()
+        gpu_owner: dict[int, str] = {}
         for i, engine in enumerate(self.engines):
             if engine.role not in self.roles:
                 allowed = ", ".join(sorted(self.roles))
@@ -135,11 +170,30 @@ class Config(_Strict):
             if engine.name in seen:
                 raise ValueError(f"engines.{i}.name: {engine.name!r} is used by more than one engine")
             seen.add(engine.name)
+            _check_kind(i, engine)
+            for gpu in engine.gpus:
+                if not 0 <= gpu < self.node.gpus:
+                    raise ValueError(f"engines.{i}.gpus: GPU {gpu} does not exist; node.gpus is {self.node.gpus}, so ids are 0..{self.node.gpus - 1}")
+                if gpu in gpu_owner:
+                    raise ValueError(f"engines.{i}.gpus: GPU {gpu} is already given to engine {gpu_owner[gpu]!r}; a GPU serves one engine")
+                gpu_owner[gpu] = engine.name
         return self
 
     def pool(self, engine: EngineConfig) -> str:
         """The request class (``"short"`` or ``"long"``) that ``engine``'s role serves."""
         return self.roles[engine.role].pool
+
+
+def _check_kind(i: int, engine: EngineConfig) -> None:
+    if engine.kind != "external":
+        if engine.url is not None:
+            raise ValueError(f"engines.{i}.url: only kind external takes a url; laps starts kind {engine.kind} engines itself on 127.0.0.1 (set port instead)")
+        return
+    if engine.url is None:
+        raise ValueError(f"engines.{i}.url: kind external needs the engine's url (http://host:port)")
+    for key in ("gpus", "port"):
+        if getattr(engine, key):
+            raise ValueError(f"engines.{i}.{key}: kind external takes no {key}; the engine runs elsewhere, at its url")
 
 
 def _format_error(source: str, err: ValidationError) -> str:

@@ -1,0 +1,112 @@
+"""A cached Python environment with real SGLang, for the tests that run it on CPU.
+
+:func:`sglang_python` returns the interpreter of a virtual environment holding
+``sglang==0.5.23`` (and the CUDA build of torch it pins, which runs on CPU
+too), building it on first use with ``uv`` (a test dependency): about 35 s
+and 10 GB on a machine with a fast link to PyPI, where ``pip`` takes 4–8
+minutes. The environment lives under ``$XDG_CACHE_HOME/laps`` (default
+``~/.cache/laps``) in a directory named by the pinned SGLang version and the
+Python version, so all clones on a machine share it. A lock file keeps
+concurrent test runs from building it twice, and a marker written last tells
+a complete environment from an interrupted build, which is built again.
+``LAPS_SGLANG_PYTHON=/path/to/bin/python`` uses an existing interpreter instead.
+
+``python -m tests.sglang_env`` builds it and prints its interpreter (``make
+test`` runs this first, so that the build's progress shows).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+SGLANG_VERSION = "0.5.23"
+OVERRIDE_ENV = "LAPS_SGLANG_PYTHON"
+# Real SGLang on a machine without a GPU: random weights, a small KV pool (else it takes most of
+# RAM), a fixed memory fraction (derived from a large chunked-prefill size it turns negative on
+# CPU), no prefill CUDA graphs (a role may ask for them); after the role's flags, so these win.
+CPU_SERVER_ARGS = [
+    "--device", "cpu", "--load-format", "dummy", "--max-total-tokens", "65536", "--mem-fraction-static", "0.5",
+    "--cuda-graph-backend-prefill", "disabled",
+]
+# On PYTHONPATH of SGLang on CPU: the one vLLM kernel it imports there (see engines/cpu_shims/README.md).
+CPU_SHIMS_DIR = Path(__file__).resolve().parent.parent / "engines" / "cpu_shims"
+_PARSE_SCRIPT = Path(__file__).resolve().parent / "sglang_parse_args.py"
+_COMPLETE_MARKER = ".laps-complete"
+
+
+def env_dir() -> Path:
+    """Where the environment for this SGLang version and this Python version lives."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "laps" / f"sglang-{SGLANG_VERSION}-py{sys.version_info.major}.{sys.version_info.minor}"
+
+
+def sglang_python() -> Path:
+    """The interpreter of the SGLang environment, built first if there is none yet.
+
+    Raises:
+        RuntimeError: the build failed; the message has the tail of its log.
+    """
+    override = os.environ.get(OVERRIDE_ENV)
+    if override:
+        return Path(override)
+    directory = env_dir()
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    with open(directory.with_name(directory.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not (directory / _COMPLETE_MARKER).exists():
+            _build(directory)
+    return directory / "bin" / "python"
+
+
+def _build(directory: Path) -> None:
+    from uv import find_uv_bin
+
+    uv = find_uv_bin()
+    log_path = directory.with_name(directory.name + ".log")
+    python = directory / "bin" / "python"
+    steps = [
+        [uv, "venv", "--quiet", "--python", sys.executable, str(directory)],
+        [uv, "pip", "install", "--python", str(python), f"sglang=={SGLANG_VERSION}"],
+        [str(python), "-c", "import sglang.srt.server_args"],  # the install is usable
+    ]
+    print(f"building the SGLang {SGLANG_VERSION} test environment in {directory} (log: {log_path})", file=sys.stderr, flush=True)
+    shutil.rmtree(directory, ignore_errors=True)
+    with open(log_path, "w") as log:
+        for step in steps:
+            print(f"  $ {' '.join(step)}", file=sys.stderr, flush=True)
+            log.write(f"$ {' '.join(step)}\n")
+            log.flush()
+            done = subprocess.run(step, stdout=log, stderr=subprocess.STDOUT, preexec_fn=lambda: os.nice(10))
+            if done.returncode != 0:
+                tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
+                raise RuntimeError(f"building the SGLang environment failed (exit {done.returncode}) at: {' '.join(step)}\n{tail}")
+    (directory / _COMPLETE_MARKER).write_text(f"sglang=={SGLANG_VERSION}\n")
+
+
+def parse_errors(python: Path, argvs: list[list[str]]) -> list[str | None]:
+    """Parse each argument list with SGLang's own ``prepare_server_args``, run by ``python``.
+
+    Returns, per argument list, ``None`` when SGLang accepts it, else SGLang's
+    error message (an unknown flag or a bad value). All lists are checked in one
+    process (importing SGLang takes seconds).
+
+    Raises:
+        RuntimeError: the checking process itself failed.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "errors.json"
+        done = subprocess.run([str(python), str(_PARSE_SCRIPT), str(out)], input=json.dumps(argvs), capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            raise RuntimeError(f"{_PARSE_SCRIPT.name} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+        return json.loads(out.read_text())
+
+
+if __name__ == "__main__":
+    print(sglang_python())

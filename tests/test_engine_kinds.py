@@ -1,0 +1,127 @@
+"""Engine kinds: command lines and environments per kind, external engines served without a process,
+and every shipped role's command line accepted by SGLang 0.5.23's own parser."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import aiohttp
+import pytest
+import yaml
+from aiohttp.test_utils import TestServer
+
+from engines.manager import EngineManager, engine_command, engine_env, server_args
+from gateway.app import create_app
+from gateway.state import GATEWAY
+from laps.config import DEFAULT_CONFIG_PATH, Config, parse_config
+from tests import sglang_env
+from tests.fake_engine import FakeEngine
+
+MODEL = "Qwen2.5-7B-Instruct"
+
+
+def shipped_data() -> dict:
+    return yaml.safe_load(DEFAULT_CONFIG_PATH.read_text())
+
+
+def config_with(engines: list[dict], **top) -> Config:
+    data = shipped_data()
+    data.update(engines=engines, **top)
+    return parse_config(data)
+
+
+def test_sglang_command_line_has_gpus_role_flags_and_extra_args():
+    config = config_with(
+        [{"name": "sp0", "kind": "sglang", "role": "short-prefill", "gpus": [2, 3]}],
+        sglang={"python": "/opt/sgl/bin/python", "extra_args": ["--log-level", "warning"], "env": {"SGLANG_X": "1", "CUDA_VISIBLE_DEVICES": "7"}},
+    )
+    engine = config.engines[0]
+    command = engine_command(config, engine, 30001)
+    assert command[:3] == ["/opt/sgl/bin/python", "-m", "sglang.launch_server"]
+    assert command[3:] == [
+        "--model-path", MODEL, "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", "30001", "--tp-size", "2",
+        "--enable-metrics", "--enable-cache-report", "--chunked-prefill-size", "2048", "--max-running-requests", "256",
+        "--cuda-graph-backend-prefill", "breakable", "--cuda-graph-bs-prefill", "64", "128", "256", "512", "1024", "2048",
+        "--log-level", "warning",
+    ]
+    assert engine_env(config, engine) == {"SGLANG_X": "1", "CUDA_VISIBLE_DEVICES": "2,3"}  # the engine's GPUs win
+
+
+def test_sim_command_line_shares_the_sglang_arguments():
+    config = config_with([{"name": "lp0", "kind": "sim", "role": "short-prefill"}], sglang={"extra_args": ["--device", "cpu"]})
+    engine = config.engines[0]
+    command = engine_command(config, engine, 30002, role="long-prefill")
+    assert command[:3] == [sys.executable, "-m", "engines.sim"]
+    assert command[3:-4] == server_args(config, engine, 30002, role="long-prefill")
+    assert command[-4:] == ["--sim-model", "qwen2.5-7b", "--sim-gpu", "h200"]
+    assert "16384" in command and "--device" not in command and "--tp-size" in command
+    assert engine_env(config, engine) == {}
+
+
+def test_external_engine_has_no_command():
+    config = config_with([{"name": "far", "kind": "external", "role": "long-prefill", "url": "http://10.0.0.7:30000"}])
+    with pytest.raises(ValueError, match="external"):
+        engine_command(config, config.engines[0], 30003)
+
+
+async def test_external_engines_are_served_without_a_process(tmp_path: Path):
+    fakes = {"sp0": FakeEngine("sp0"), "lp0": FakeEngine("lp0")}
+    servers = {name: TestServer(f.app) for name, f in fakes.items()}
+    for s in servers.values():
+        await s.start_server()
+    engines = [
+        {"name": name, "kind": "external", "role": role, "url": str(servers[name].make_url("")).rstrip("/")}
+        for name, role in (("sp0", "short-prefill"), ("lp0", "long-prefill"))
+    ]
+    app = create_app(config_with(engines, log_dir=str(tmp_path)))
+    gateway = TestServer(app, handler_cancellation=True)
+    await gateway.start_server()
+    try:
+        assert app[GATEWAY].manager.engines == {}
+        async with aiohttp.ClientSession(str(gateway.make_url(""))) as session:
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "Hello!"}]}
+            async with session.post("/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200 and resp.headers["x-laps-engine"] == "sp0"
+        assert len(fakes["sp0"].bodies) == 1
+    finally:
+        await gateway.close()
+        for s in servers.values():
+            await s.close()
+
+
+async def test_manager_lists_external_engines_and_refuses_to_restart_them():
+    config = config_with([{"name": "far", "kind": "external", "role": "long-prefill", "url": "http://10.0.0.7:30000"}])
+    manager = EngineManager(config)
+    async with aiohttp.ClientSession() as session:
+        assert await manager.start(session) == {"far": "http://10.0.0.7:30000"}
+        with pytest.raises(KeyError):
+            await manager.restart("far", "short-prefill", session)
+        with pytest.raises(ValueError, match="'medium' is not defined"):
+            await manager.restart("far", "medium", session)
+    await manager.stop()
+
+
+def test_shipped_short_roles_capture_the_awd_token_buckets():
+    config = parse_config(shipped_data())
+    for role in ("short-prefill", "mixed"):
+        assert config.roles[role].flags["cuda-graph-bs-prefill"] == config.scheduling.laps.token_buckets
+    assert config.roles["long-prefill"].flags["cuda-graph-backend-prefill"] == "disabled"
+
+
+@pytest.mark.sglang
+def test_every_shipped_command_line_parses_in_sglang(sglang_python: Path):
+    """Each role of config.yaml, on each kind laps launches, as SGLang 0.5.23 parses it (the sim: its SGLang part)."""
+    config = parse_config(shipped_data())
+    cases: dict[str, list[str]] = {}
+    for role in config.roles:
+        for kind in ("sglang", "sim"):
+            engine = config_with([{"name": "e", "kind": kind, "role": role, "gpus": [0, 1]}]).engines[0]
+            argv = engine_command(config, engine, 30000)[3:] if kind == "sglang" else server_args(config, engine, 30000)
+            cases[f"{kind}/{role}"] = argv
+        cpu = config_with([{"name": "e", "kind": "sglang", "role": role}], sglang={"extra_args": sglang_env.CPU_SERVER_ARGS})
+        cases[f"sglang-cpu-test/{role}"] = engine_command(cpu, cpu.engines[0], 30000)[3:]
+    cases["a bad flag is caught"] = ["--model-path", MODEL, "--no-such-flag", "1"]
+    errors = dict(zip(cases, sglang_env.parse_errors(sglang_python, list(cases.values()))))
+    assert "unrecognized arguments: --no-such-flag" in errors.pop("a bad flag is caught")
+    assert errors == {name: None for name in errors}

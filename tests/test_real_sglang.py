@@ -1,0 +1,261 @@
+"""The gateway in front of real SGLang 0.5.23 on CPU, and the same tests against the simulated engine.
+
+The deployment: engine ``e0`` is the engine under test, of the parametrised
+kind (``sglang``: real SGLang with random weights on a tiny Qwen2 model that
+has the real Qwen2.5 vocabulary and ChatML template; ``sim``: the simulated
+engine on the same model directory), launched by the gateway's engine manager
+as ``laps serve`` would; a simulated ``standby`` engine takes the traffic
+while ``e0`` restarts in the role-switch test. The short-request threshold is
+raised so that every request is short: ``e0`` serves all of them unless it is
+draining. Clients are the official ``openai`` package (and ``httpx`` where a
+stream must be cut). The role switch runs last: it changes ``e0``.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import httpx
+import openai
+import pytest
+
+from engines.manager import free_port
+from gateway.engine_load import EngineLoad, fetch_engine_load
+from gateway.role_switch import switch_role
+from laps.config import load_config, parse_config
+from loadgen.workloads import DATA_DIR, load_arena, load_mtbench, load_sharegpt
+from tests import sglang_env
+from tests.live_gateway import LiveGateway
+
+MODEL = "tiny-qwen2.5"
+T = TypeVar("T")
+
+
+@dataclass
+class Deployment:
+    """A running gateway with engine ``e0`` of ``kind`` and a simulated standby, and an openai client for it."""
+
+    kind: str
+    live: LiveGateway
+    client: openai.OpenAI
+    engine_url: str  # e0's
+
+    def load(self) -> EngineLoad:
+        """e0's own load report, read and parsed by the gateway's load tracking."""
+        return self.live.run(fetch_engine_load(self.live.gateway.client, self.engine_url))
+
+
+@pytest.fixture(scope="module", params=[pytest.param("sglang", marks=pytest.mark.sglang), "sim"])
+def deployment(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path):
+    kind = request.param
+    shipped = load_config()
+    data = {
+        "model": {"name": MODEL, "path": str(tiny_model_dir)},
+        "gateway": {"port": free_port()},
+        "scheduling": {"short_threshold_tokens": 1_000_000},
+        "roles": {name: role.model_dump() for name, role in shipped.roles.items()},
+        "engines": [{"name": "e0", "kind": kind, "role": "short-prefill"}, {"name": "standby", "kind": "sim", "role": "long-prefill"}],
+        "log_dir": str(tmp_path_factory.mktemp(f"{kind}-logs")),
+    }
+    if kind == "sglang":
+        python = request.getfixturevalue("sglang_python")
+        data["sglang"] = {"python": str(python), "extra_args": sglang_env.CPU_SERVER_ARGS, "env": {"PYTHONPATH": str(sglang_env.CPU_SHIMS_DIR)}}
+    with LiveGateway(parse_config(data)) as live:
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        yield Deployment(kind, live, client, live.gateway.registry["e0"].url)
+        client.close()
+
+
+def eventually(probe: Callable[[], T], done: Callable[[T], bool], timeout_s: float = 20.0) -> T:
+    """Call ``probe`` until ``done`` holds for its value (returned); fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = probe()
+        if done(value):
+            return value
+        assert time.monotonic() < deadline, f"still {value!r} after {timeout_s} s"
+        time.sleep(0.1)
+
+
+def real_chats() -> list[tuple[str, list[dict]]]:
+    """15 real chats from loadgen's data sets: multi-turn hh-rlhf histories with their real replies,
+    MT-Bench under a system prompt, and Arena-hard and ShareGPT prompts (the first two and the two
+    longest of each: code, markdown, non-Latin text, up to ~2,100 tokens)."""
+    def clean(messages: list[dict]) -> bool:  # a special-token string in a text would be a control token
+        return not any("<|" in m["content"] for m in messages)
+
+    chats: list[tuple[str, list[dict]]] = []
+    with gzip.open(DATA_DIR / "hh_rlhf_harmless_base_test_conversations.jsonl.gz", "rt") as f:
+        for line in f:
+            row = json.loads(line)
+            last_user = max(i for i, m in enumerate(row["messages"]) if m["role"] == "user")
+            history = row["messages"][: last_user + 1]
+            if sum(m["role"] == "user" for m in history) >= 3 and clean(history):
+                chats.append((f"hh-rlhf {row['conversation_id']}", history))
+            if len(chats) == 5:
+                break
+    for c in load_mtbench()[:2]:
+        chats.append((c.id, [{"role": "system", "content": "You are a careful judge."}, {"role": "user", "content": c.turns[0].content}]))
+    for conversations in (load_arena(), load_sharegpt()):
+        prompts = [c for c in conversations if clean([{"content": c.turns[0].content}])]
+        longest = sorted(prompts, key=lambda c: len(c.turns[0].content))[-2:]
+        chats += [(c.id, [{"role": "user", "content": c.turns[0].content}]) for c in prompts[:2] + longest]
+    return chats
+
+
+def test_chat_streaming_and_not(deployment: Deployment):
+    client = deployment.client
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=8, extra_body={"ignore_eos": True}
+    )
+    done = raw.parse()
+    assert raw.headers["x-laps-engine"] == "e0"
+    assert done.choices[0].finish_reason == "length" and done.usage.completion_tokens == 8
+    assert done.choices[0].message.role == "assistant" and done.choices[0].message.content
+    # 21 default-system tokens + <|im_start|>user\n + 7 text tokens + <|im_end|>\n + <|im_start|>assistant\n
+    assert done.usage.prompt_tokens == int(raw.headers["x-laps-prompt-tokens"]) == 36
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=6, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    ))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    assert chunks[-1].usage.completion_tokens == 6
+
+
+def test_completions_streaming_and_not(deployment: Deployment):
+    client = deployment.client
+    done = client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=5, extra_body={"ignore_eos": True})
+    assert done.usage.completion_tokens == 5 and done.usage.prompt_tokens == 4 and done.choices[0].text
+    chunks = list(client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices)
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_gateway_prompt_tokens_equal_engine_usage_on_real_chats(deployment: Deployment):
+    chats = real_chats()
+    assert len(chats) == 15 and any(sum(m["role"] == "assistant" for m in messages) >= 2 for _, messages in chats)
+    counts = {}
+    for name, messages in chats:
+        raw = deployment.client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=1)
+        counts[name] = (int(raw.headers["x-laps-prompt-tokens"]), raw.parse().usage.prompt_tokens)
+    assert {name: gw for name, (gw, _) in counts.items()} == {name: engine for name, (_, engine) in counts.items()}
+    assert max(engine for _, engine in counts.values()) > 2048  # one prompt takes two prefill chunks on short-prefill
+
+
+def test_second_turn_hit_reported_by_engine_matches_gateway_estimate(deployment: Deployment):
+    """Turn 1 asks for one token, so the engine then holds exactly turn 1's prompt in its cache,
+    which is all the gateway's prefix index learns (it indexes prompts, not generated tokens)."""
+    block = deployment.live.config.scheduling.prefix_block_tokens
+    history = [{"role": "user", "content": "Write a haiku about the sea, then explain each line of it in detail."}]
+    turns = []
+    for follow_up in ("Now one about mountains.", None):
+        raw = deployment.client.chat.completions.with_raw_response.create(model=MODEL, messages=history, max_tokens=1)
+        done = raw.parse()
+        turns.append((done.usage.prompt_tokens, done.usage.prompt_tokens_details.cached_tokens, int(raw.headers["x-laps-cached-tokens-est"])))
+        if follow_up:
+            history += [{"role": "assistant", "content": done.choices[0].message.content}, {"role": "user", "content": follow_up}]
+    (prompt_1, _, _), (_, reported, estimate) = turns
+    assert reported >= prompt_1 - 1, turns  # turn 1's prompt (the engine may recompute its last token)
+    assert all(abs(r - e) < block for _, r, e in turns), turns
+
+
+def test_client_disconnect_mid_stream_aborts_on_the_engine(deployment: Deployment):
+    before = deployment.load()
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Write a long story."}], "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{deployment.live.url}/v1/chat/completions", json=body, timeout=60) as resp:
+        assert resp.headers["x-laps-engine"] == "e0"
+        lines = resp.iter_lines()  # held: dropping a half-read iterator closes the connection
+        next(lines)
+        running = eventually(deployment.load, lambda load: load.running_requests == 1)
+        assert running.used_tokens > 0
+    after = eventually(deployment.load, lambda load: load.aborted_requests_total > before.aborted_requests_total and load.running_requests == 0)
+    assert after.aborted_requests_total == before.aborted_requests_total + 1
+
+
+def test_load_tracking_counts_a_request_as_the_engine_reports_it(deployment: Deployment):
+    before = deployment.load()
+    done = deployment.client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Name three rivers."}], max_tokens=5, extra_body={"ignore_eos": True}
+    )
+    after = eventually(deployment.load, lambda load: load.requests_total == before.requests_total + 1)
+    assert after.prompt_tokens_total - before.prompt_tokens_total == done.usage.prompt_tokens
+    assert after.cached_tokens_total - before.cached_tokens_total == done.usage.prompt_tokens_details.cached_tokens
+    assert after.generation_tokens_total - before.generation_tokens_total == 5
+    assert (after.running_requests, after.waiting_requests, after.waiting_uncached_tokens) == (0, 0, 0)
+    assert 0 < after.cache_hit_rate <= 1 and after.max_total_tokens > 0
+    if deployment.kind == "sglang":
+        assert after.max_total_tokens == 65536  # --max-total-tokens of the CPU arguments
+
+
+def test_role_switch_under_load_loses_no_request(deployment: Deployment):
+    """e0 moves from short-prefill to long-prefill while two clients keep sending: a request running
+    on e0 when the switch starts finishes there, the standby serves meanwhile, e0 serves again after."""
+    client, gw = deployment.client, deployment.live.gateway
+    served: list[str] = []  # engine of each answered request, in order
+    errors: list[BaseException] = []
+    sent = 0
+    stop = threading.Event()
+    lock = threading.Lock()
+
+    def keep_sending() -> None:
+        nonlocal sent
+        while not stop.is_set():
+            with lock:
+                sent += 1
+            try:
+                raw = client.chat.completions.with_raw_response.create(
+                    model=MODEL, messages=[{"role": "user", "content": "Say something."}], max_tokens=4, extra_body={"ignore_eos": True}
+                )
+                assert raw.parse().usage.completion_tokens == 4
+                with lock:
+                    served.append(raw.headers["x-laps-engine"])
+            except BaseException as err:  # every failure is a lost request
+                errors.append(err)
+            time.sleep(0.2)
+
+    long_request: dict = {}
+    streaming = threading.Event()
+
+    def long_stream() -> None:
+        try:
+            chunks = client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "Write an essay."}], max_tokens=200, stream=True,
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+            )
+            with chunks:
+                long_request["engine"] = chunks.response.headers["x-laps-engine"]
+                streaming.set()
+                long_request["chunks"] = list(chunks)
+        except BaseException as err:
+            errors.append(err)
+
+    long_thread = threading.Thread(target=long_stream, daemon=True)
+    long_thread.start()
+    assert streaming.wait(60), errors
+    senders = [threading.Thread(target=keep_sending, daemon=True) for _ in range(2)]
+    for t in senders:
+        t.start()
+    try:
+        deployment.live.run(switch_role(gw, "e0", "long-prefill", drain_timeout_s=120), timeout_s=360)
+        with lock:
+            switched_at = len(served)
+        eventually(lambda: served[switched_at:].count("e0"), lambda n: n >= 3, timeout_s=30)
+    finally:
+        stop.set()
+        for t in (*senders, long_thread):
+            t.join(60)
+
+    assert errors == [] and len(served) == sent
+    assert long_request["engine"] == "e0" and long_request["chunks"][-1].usage.completion_tokens == 200
+    assert "standby" in served[:switched_at]
+    assert gw.registry["e0"].pool == "long" and not gw.registry["e0"].draining
+    info = httpx.get(f"{deployment.engine_url}/server_info", timeout=10).json()
+    assert info["chunked_prefill_size"] == load_config().roles["long-prefill"].flags["chunked-prefill-size"]
