@@ -65,6 +65,7 @@ def create_app(config: Config, engine_urls: dict[str, str] | None = None) -> web
             registry = EngineRegistry([EngineState(e.name, urls[e.name], config.pool(e)) for e in config.engines])
             dispatcher = Dispatcher(make_scheduler(config.scheduling), registry)
             gw = Gateway(config, tokenizer, registry, client, make_classifier(config.scheduling), dispatcher, PrefixIndex(config.scheduling.prefix_block_tokens), GatewayMetrics(), manager)
+            gw.metrics.watch_scheduler(dispatcher.scheduler.stats)
             app[GATEWAY] = gw
             poller = asyncio.create_task(_poll_health(gw))
             log.info("serving %s with %d engines: %s", config.model.name, len(urls), ", ".join(f"{k}={v}" for k, v in urls.items()))
