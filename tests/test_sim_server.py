@@ -263,3 +263,22 @@ async def test_priority_is_an_integer_request_field(client):
     data = await (await client.post("/generate", json={"input_ids": [1, 2], "priority": 3,
                                                         "sampling_params": {"max_new_tokens": 1}})).json()
     assert data["meta_info"]["completion_tokens"] == 1
+
+
+async def test_a_crashed_engine_loop_ends_open_requests_and_turns_unready():
+    from engines.sim.realtime import SimEngine
+    from engines.sim.server import SimServerArgs, resolve_args
+    from laps.tokenizer import load_tokenizer
+
+    engine = SimEngine(resolve_args(SimServerArgs()), load_tokenizer())
+
+    def broken_step(now):
+        raise RuntimeError("model bug")
+
+    engine.core.step = broken_step
+    await engine.start()
+    track = engine.submit("r1", [1, 2, 3], 5, False, [])
+    events = [ev async for ev in track.events()]
+    assert [ev.finish_reason for ev in events] == ["abort"]
+    assert engine.ready is False
+    await engine.stop()

@@ -103,12 +103,24 @@ class SimEngine:
     async def start(self) -> None:
         """Start the forward-pass loop."""
         self._task = asyncio.create_task(self._run(), name="sim-engine-loop")
+        self._task.add_done_callback(self._loop_ended)
         self.ready = True
+
+    def _loop_ended(self, task: asyncio.Task[None]) -> None:
+        """A crashed loop leaves no request hanging: all end with ``abort`` and /ready turns 503."""
+        if task.cancelled() or task.exception() is None:
+            return
+        log.error("engine loop crashed; ending %d requests with abort", len(self._tracks), exc_info=task.exception())
+        self.ready = False
+        for rid, track in self._tracks.items():
+            if not track.done:
+                track.done = True
+                track.queue.put_nowait(RequestEvent(rid, (), 0, 0, 0, finish_reason="abort"))
 
     async def stop(self) -> None:
         """Stop the loop; unfinished requests end with ``abort``."""
         self.ready = False
-        if self._task is not None:
+        if self._task is not None and not self._task.done():  # a crashed loop was reported by _loop_ended
             self._task.cancel()
             try:
                 await self._task
