@@ -4,8 +4,8 @@
     python bench/policy_compare.py --engines 8 --dataset hh-rlhf --out runs/policy_compare/n8_chat.json
 
 Deployments (simulated Qwen2.5-7B engines on H200s, TTFT SLO 0.4 s):
-* ``laps`` and ``pools``: half the engines short-prefill, half long-prefill
-  (one engine: the ``mixed`` role, temporal mode);
+* ``laps`` and ``pools``: ``--short-engines`` engines short-prefill (default
+  half), the rest long-prefill (one engine: the ``mixed`` role, temporal mode);
 * the router baselines ``least_load`` (unified FCFS), ``round_robin``,
   ``cache_aware``, ``bucket``: every engine runs SGLang's defaults (``fcfs``);
 * ``sglang-spf`` and ``sglang-hrrn``: least-load routing to engines running
@@ -68,7 +68,7 @@ SINGLE_ENGINE = ("laps", "least_load", "sglang-spf", "sglang-hrrn")
 RATES_PER_ENGINE = (5, 10, 20, 30, 40, 60, 80)
 
 
-def deployment(n_engines: int, policy: str) -> Config:
+def deployment(n_engines: int, policy: str, short_engines: int | None = None) -> Config:
     """The simulated deployment ``policy`` runs on (see the module docstring)."""
     scheduling_policy, role = POLICIES[policy]
     if role is not None:
@@ -76,7 +76,8 @@ def deployment(n_engines: int, policy: str) -> Config:
     elif n_engines == 1:
         roles = ["mixed"]
     else:
-        roles = ["short-prefill"] * (n_engines // 2) + ["long-prefill"] * (n_engines - n_engines // 2)
+        n_short = n_engines // 2 if short_engines is None else short_engines
+        roles = ["short-prefill"] * n_short + ["long-prefill"] * (n_engines - n_short)
     return parse_config({
         "model": {"name": "Qwen2.5-7B-Instruct"},
         "slo": {"ttft_s": SLO_TTFT_S},
@@ -87,14 +88,16 @@ def deployment(n_engines: int, policy: str) -> Config:
     }, f"policy_compare[{policy}]")
 
 
-def run_point(policy: str, n_engines: int, dataset: str, conv_rate: float, duration_s: float, seed: int) -> dict:
+def run_point(policy: str, n_engines: int, dataset: str, conv_rate: float, duration_s: float, seed: int, short_engines: int | None) -> dict:
     """Simulate one (policy, rate) point; the row for the JSON."""
     tokenizer = load_tokenizer()
     workload = build_workload(dataset, random.Random(f"workload/{seed}"), tokenizer=tokenizer)
-    records = simulate(deployment(n_engines, policy), workload, duration_s=duration_s, seed=seed, rate=conv_rate, tokenizer=tokenizer)
+    config = deployment(n_engines, policy, short_engines)
+    records = simulate(config, workload, duration_s=duration_s, seed=seed, rate=conv_rate, tokenizer=tokenizer)
     report = build_report(records, slo_ttft_s=SLO_TTFT_S)
+    split = [config.pool(e) for e in config.engines]
     return {
-        "policy": policy,
+        "policy": policy if POLICIES[policy][1] is not None or n_engines == 1 else f"{policy} {split.count('short')}s/{split.count('long')}l",
         "conv_rate": conv_rate,
         "rate_rps": report["throughput_rps"],
         "requests": report["requests"]["sent"],
@@ -136,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=30.0, help="simulated seconds per point (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--policies", nargs="+", choices=list(POLICIES), help="default: all that differ at this size")
+    parser.add_argument("--short-engines", type=int, help="short-prefill engines for laps and pools (default: half)")
     parser.add_argument("--out", type=Path, required=True, help="JSON output; the PNG goes next to it")
     args = parser.parse_args(argv)
     policies = args.policies or (list(SINGLE_ENGINE) if args.engines == 1 else list(POLICIES))
@@ -144,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         task = progress.add_task("simulating", total=len(policies) * len(RATES_PER_ENGINE))
         for policy in policies:
             for per_engine in RATES_PER_ENGINE:
-                row = run_point(policy, args.engines, args.dataset, per_engine * args.engines, args.duration, args.seed)
+                row = run_point(policy, args.engines, args.dataset, per_engine * args.engines, args.duration, args.seed, args.short_engines)
                 rows.append(row)
                 progress.advance(task)
                 if row["slo_violation_rate"] > 0.5:  # saturated: higher rates only fail more
