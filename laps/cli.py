@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import logging
 import sys
 from pathlib import Path
@@ -53,32 +54,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_loadgen(args: argparse.Namespace) -> int:
-    from loadgen.cli import main as loadgen_main
+def _delegate(module: str, function: str = "main"):
+    """A subcommand that sets up logging and runs ``module.function(args)``, imported only when used."""
 
-    _setup_logging(args.log_level)
-    return loadgen_main(args)
+    def command(args: argparse.Namespace) -> int:
+        _setup_logging(args.log_level)
+        return getattr(importlib.import_module(module), function)(args)
 
-
-def _cmd_simulate(args: argparse.Namespace) -> int:
-    from loadgen.cli import simulate_main
-
-    _setup_logging(args.log_level)
-    return simulate_main(args)
-
-
-def _cmd_calibrate(args: argparse.Namespace) -> int:
-    from laps.calibrate import main as calibrate_main
-
-    _setup_logging(args.log_level)
-    return calibrate_main(args)
-
-
-def _cmd_demo(args: argparse.Namespace) -> int:
-    from laps.demo import run_demo
-
-    _setup_logging(args.log_level)
-    return run_demo(args)
+    return command
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -114,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     configure_loadgen(lg)
-    lg.set_defaults(func=_cmd_loadgen)
+    lg.set_defaults(func=_delegate("loadgen.cli"))
 
     sim = sub.add_parser(
         "simulate",
@@ -122,11 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     configure_simulate_parser(sim)
-    sim.set_defaults(func=_cmd_simulate)
+    sim.set_defaults(func=_delegate("loadgen.cli", "simulate_main"))
 
     cal = sub.add_parser("calibrate", help="measure an engine's prefill times and fit the short/long boundary L_m(H)")
     configure_calibrate(cal)
-    cal.set_defaults(func=_cmd_calibrate)
+    cal.set_defaults(func=_delegate("laps.calibrate"))
 
     demo = sub.add_parser(
         "demo",
@@ -141,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--rate", type=float, default=3.0, help="conversation arrivals per second (default: %(default)s)")
     demo.add_argument("--seed", type=int, default=0, help="workload seed (default: %(default)s)")
     demo.add_argument("--out", type=Path, default=Path("runs/demo/report.json"), help="report JSON; the PNG goes next to it (default: %(default)s)")
-    demo.set_defaults(func=_cmd_demo)
+    demo.set_defaults(func=_delegate("laps.demo", "run_demo"))
     return parser
 
 

@@ -8,9 +8,10 @@ import random
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from laps.config import DEFAULT_CONFIG_PATH, load_config
 from laps.tokenizer import ChatTokenizer, load_tokenizer
@@ -99,6 +100,29 @@ def workload_meta(args: argparse.Namespace, workload: Workload) -> dict:
     }
 
 
+def _progress_bar(args: argparse.Namespace, console: Console, unit: str) -> tuple[Progress, TaskID, Callable[[RequestRecord], None]]:
+    """A progress bar over ``args.duration`` (in ``unit``) and the record callback that counts ok/errors on it.
+
+    Disabled with ``--quiet`` or when ``console`` is not a terminal.
+    """
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn(f"{{task.completed:.0f}}/{{task.total:.0f}} {unit}"),
+        TimeElapsedColumn(),
+        console=console,
+        disable=args.quiet or not console.is_terminal,
+    )
+    task = progress.add_task("starting", total=args.duration)
+    done = {"ok": 0, "errors": 0}
+
+    def on_record(rec: RequestRecord) -> None:
+        done["ok" if rec.ok else "errors"] += 1
+        progress.update(task, description=f"{done['ok']} ok, {done['errors']} errors")
+
+    return progress, task, on_record
+
+
 def write_outputs(args: argparse.Namespace, report: dict, records: list[RequestRecord], console: Console) -> None:
     """Write the report JSON and PNG (and the trace with ``--trace-out``); print the table unless ``--quiet``."""
     json_path, png_path = write_report(report, records, args.out)
@@ -118,19 +142,7 @@ async def run(args: argparse.Namespace) -> dict:
     """
     workload = await asyncio.to_thread(load_workload, args, load_tokenizer(args.tokenizer))
     console = Console(stderr=True)
-    progress = Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        disable=args.quiet or not console.is_terminal,
-    )
-    done = {"ok": 0, "errors": 0}
-    task = progress.add_task("starting", total=args.duration)
-
-    def on_record(rec: RequestRecord) -> None:
-        done["ok" if rec.ok else "errors"] += 1
-        progress.update(task, description=f"{done['ok']} ok, {done['errors']} errors")
+    progress, task, on_record = _progress_bar(args, console, "elapsed s")
 
     async def tick() -> None:
         loop = asyncio.get_running_loop()
@@ -220,22 +232,10 @@ def run_simulation(args: argparse.Namespace) -> dict:
     tokenizer = load_tokenizer(config.model.path)
     workload = load_workload(args, tokenizer)
     console = Console(stderr=True)
-    progress = Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        TextColumn("{task.completed:.0f}/{task.total:.0f} simulated s"),
-        TimeElapsedColumn(),
-        console=console,
-        disable=args.quiet or not console.is_terminal,
-    )
-    done = {"ok": 0, "errors": 0}
-    task = progress.add_task("starting", total=args.duration)
-
-    def on_record(rec: RequestRecord) -> None:
-        done["ok" if rec.ok else "errors"] += 1
+    progress, task, on_record = _progress_bar(args, console, "simulated s")
 
     def on_progress(sim_time: float) -> None:
-        progress.update(task, completed=min(args.duration, sim_time), description=f"{done['ok']} ok, {done['errors']} errors")
+        progress.update(task, completed=min(args.duration, sim_time))
 
     wall = time.perf_counter()
     with progress:
@@ -269,7 +269,7 @@ def run_simulation(args: argparse.Namespace) -> dict:
     write_outputs(args, report, records, console)
     if not args.quiet:
         end = max((r.end_s for r in records), default=0.0)
-        console.print(f"simulated {end:.1f} s in {wall:.1f} s of wall time ({end / max(wall, 1e-9):.1f} simulated s per s)")
+        console.print(f"simulated {end:.1f} s in {wall:.2f} s of wall time ({end / max(wall, 1e-9):.1f} simulated s per s)")
     return report
 
 
