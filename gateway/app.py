@@ -71,6 +71,7 @@ def create_app(config: Config, engine_urls: dict[str, str] | None = None) -> web
             log.info("serving %s with %d engines: %s", config.model.name, len(urls), ", ".join(f"{k}={v}" for k, v in urls.items()))
             yield
             poller.cancel()
+            await handlers.settle_background()
             dispatcher.close()
             with contextlib.suppress(asyncio.CancelledError):
                 await poller

@@ -33,8 +33,21 @@ log = logging.getLogger("laps.gateway")
 
 SLO_HEADER = "x-laps-slo-ttft-s"
 
-# Aborts outlive the cancelled handler that starts them; keep them referenced until done.
+# Aborts and prefix-index updates outlive the handler that starts them; keep them referenced until done.
 _background: set[asyncio.Task] = set()
+
+
+def _in_background(coro) -> None:
+    """Run ``coro`` to its end even if the handler that started it is cancelled."""
+    task = asyncio.get_running_loop().create_task(coro)
+    _background.add(task)
+    task.add_done_callback(_background.discard)
+
+
+async def settle_background() -> None:
+    """Wait until the background work started so far (aborts, prefix-index updates) is done."""
+    while _background:
+        await asyncio.gather(*list(_background), return_exceptions=True)
 
 
 class _ClientGone(Exception):
@@ -193,14 +206,13 @@ async def _dispatch(request: web.Request, gw: Gateway, body: dict, path: str, pr
         else:
             response, outcome = await _relay_json(gw, engine.url, path, body, headers, view, engine_id, reply)
         if outcome == "ok":
-            await _learn_from_reply(gw, engine_id, view, prompt_ids, reply)
+            # The client has its whole answer; learning from it must not hold (or be cancelled with) the handler.
+            _in_background(_learn_from_reply(gw, engine_id, view, prompt_ids, reply))
         return response
     except (_ClientGone, asyncio.CancelledError):
         outcome = "client_gone"
         gw.metrics.client_aborts.labels(req_class).inc()
-        task = asyncio.get_running_loop().create_task(gw.client.abort(engine.url, rid))
-        _background.add(task)
-        task.add_done_callback(_background.discard)
+        _in_background(gw.client.abort(engine.url, rid))
         log.info("%s: client went away; aborting on %s", rid, engine_id)
         raise
     finally:
@@ -302,13 +314,21 @@ async def _relay_stream(request: web.Request, gw: Gateway, engine_url: str, path
         if response is None:
             raise api_error from None
         await send(tap.flush() + f"data: {_dumps(api_error.body())}\n\ndata: [DONE]\n\n".encode())
-        await response.write_eof()
+        await _close(response)
         return response, "engine_error"
     rest = tap.flush()
     if rest:
         await send(rest)
-    await response.write_eof()
+    await _close(response)
     return response, "ok"
+
+
+async def _close(response: web.StreamResponse) -> None:
+    """End the stream; a client that already left after the last event has everything it needs."""
+    try:
+        await response.write_eof()
+    except ConnectionResetError:
+        pass
 
 
 async def list_models(request: web.Request) -> web.Response:

@@ -9,6 +9,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from gateway.app import create_app
+from gateway.handlers import settle_background
 from laps.config import load_config
 from laps.tokenizer import load_tokenizer
 from tests.fake_engine import FakeEngine
@@ -172,6 +173,7 @@ async def test_follow_up_turn_on_long_cached_history_is_short(stack):
     history = [{"role": "user", "content": " word" * 400}]
     async with session.post("/v1/chat/completions", json={"model": MODEL, "messages": history}) as resp:
         assert resp.headers["x-laps-class"] == "long"
+    await settle_background()
     history += [{"role": "assistant", "content": "hi from lp0"}, {"role": "user", "content": "And now?"}]
     async with session.post("/v1/chat/completions", json={"model": MODEL, "messages": history}) as resp:
         # ~420 prompt tokens, but all but the last block or two are cached on lp0: L < 256.
@@ -213,6 +215,7 @@ async def test_reported_cached_tokens_feed_the_estimate_error_metric(stack):
     fakes["sp0"].reported_cached_tokens = 40
     async with session.post("/v1/chat/completions", json=chat("Hi", stream=True)) as resp:
         await resp.read()
+    await settle_background()
     async with session.get("/metrics") as resp:
         text = await resp.text()
     assert 'laps_prefix_estimate_error_tokens_sum{cls="short"} 40.0' in text
@@ -224,6 +227,7 @@ async def test_follow_up_estimate_covers_the_previous_reply(stack):
     async with session.post("/v1/chat/completions", json={"model": MODEL, "messages": history}) as resp:
         first_prompt = int(resp.headers["x-laps-prompt-tokens"])
         reply = (await resp.json())["choices"][0]["message"]["content"]
+    await settle_background()  # the gateway records the finished turn after answering
     history += [{"role": "assistant", "content": reply}, {"role": "user", "content": "More?"}]
     async with session.post("/v1/chat/completions", json={"model": MODEL, "messages": history}) as resp:
         estimate = int(resp.headers["x-laps-cached-tokens-est"])
@@ -239,3 +243,19 @@ async def test_slo_header_sets_or_removes_the_deadline(stack, value, status):
         assert resp.status == status
         if status == 400:
             assert (await resp.json())["error"]["param"] == "x-laps-slo-ttft-s"
+
+
+async def test_a_stream_read_to_the_end_then_closed_is_ok_and_not_aborted(stack):
+    session, fakes, _ = stack
+    url = str(session._base_url)
+    for _ in range(5):
+        async with aiohttp.ClientSession(url, connector=aiohttp.TCPConnector(force_close=True)) as closing:
+            async with closing.post("/v1/chat/completions", json=chat("Hi " * 300, stream=True)) as resp:
+                assert (await resp.read()).endswith(b"data: [DONE]\n\n")
+    await asyncio.sleep(0.05)
+    await settle_background()
+    async with session.get("/metrics") as resp:
+        text = await resp.text()
+    # The first goes long; the repeats are re-prefills of a cached prompt, so short.
+    assert 'laps_requests_total{cls="long",outcome="ok"} 1.0' in text and 'laps_requests_total{cls="short",outcome="ok"} 4.0' in text
+    assert "client_gone" not in text and fakes["lp0"].aborted == fakes["sp0"].aborted == []
