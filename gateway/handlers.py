@@ -75,7 +75,8 @@ def _validate(model: type[BaseModel], body: dict) -> BaseModel:
     except ValidationError as err:
         first = err.errors()[0]
         param = ".".join(str(p) for p in first["loc"]) or None
-        raise APIError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param) from None
+        message = first["msg"].removeprefix("Value error, ")
+        raise APIError(400, f"{param}: {message}" if param else message, param=param) from None
 
 
 def _check_model(gw: Gateway, model: str) -> None:
@@ -105,6 +106,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
         prompt_ids = await asyncio.get_running_loop().run_in_executor(None, gw.tokenizer.encode, req.prompt)
     else:
         prompt_ids = req.prompt
+        bad = next((t for t in prompt_ids if not 0 <= t < gw.tokenizer.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"prompt: token id {bad} is outside the vocabulary (0 .. {gw.tokenizer.vocab_size - 1})", param="prompt")
     body["prompt"] = req.prompt
     return await _dispatch(request, gw, body, "/v1/completions", prompt_ids, req.stream, arrival_s)
 

@@ -1,7 +1,9 @@
 """OpenAI request schemas: what the gateway checks before it tokenizes and routes.
 
 Unknown fields are kept and forwarded to the engine unchanged (SGLang accepts
-many extensions such as ``ignore_eos`` and ``rid``).
+many extensions such as ``ignore_eos`` and ``rid``). Known fields are strict:
+``"max_tokens": "10"`` or ``"stream": "yes"`` is an error here rather than
+coerced here and refused by the engine.
 """
 
 from __future__ import annotations
@@ -12,9 +14,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class TextPart(BaseModel):
-    """One ``{"type": "text", "text": ...}`` part of a message's content."""
+    """One ``{"type": "text", "text": ...}`` part of a message's content (images and audio are not served)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     type: Literal["text"]
     text: str
 
@@ -22,9 +24,18 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     """One chat message; list content must be text parts (images are not served)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, v):
+        if v is None or isinstance(v, str):
+            return v
+        if isinstance(v, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in v):
+            return v
+        raise ValueError('content must be a string or a list of text parts {"type": "text", "text": "..."}; laps serves text only')
 
     def text(self) -> str:
         """The content as one string; text parts are joined with a space, as SGLang 0.5.23
@@ -37,7 +48,7 @@ class ChatMessage(BaseModel):
 
 
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     model: str
     stream: bool = False
     max_tokens: int | None = Field(None, ge=1)
@@ -61,13 +72,17 @@ class ChatCompletionRequest(_SamplingFields):
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions`` body: one prompt, as text or as token ids."""
 
-    prompt: str | list[int] | list[str] = Field(min_length=1)
+    prompt: str | list[int]
 
-    @field_validator("prompt")
+    @field_validator("prompt", mode="before")
     @classmethod
     def _single_prompt(cls, v):
-        if isinstance(v, list) and v and isinstance(v[0], str):
+        if isinstance(v, list) and v and all(isinstance(p, str) for p in v):
             if len(v) != 1:
                 raise ValueError("laps serves one prompt per request; send a list of prompts as separate requests")
-            return v[0]
-        return v
+            v = v[0]
+        if isinstance(v, str) or (isinstance(v, list) and all(type(t) is int for t in v)):
+            if not v:
+                raise ValueError("prompt is empty")
+            return v
+        raise ValueError("prompt must be a string, a list of token ids, or a list of one string")

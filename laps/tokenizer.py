@@ -37,6 +37,7 @@ class ChatTokenizer(Protocol):
 
     name: str
     eos_token_ids: frozenset[int]
+    vocab_size: int
 
     def encode(self, text: str) -> list[int]:
         """Token ids of plain ``text`` (special-token strings in it map to their ids)."""

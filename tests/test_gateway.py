@@ -259,3 +259,26 @@ async def test_a_stream_read_to_the_end_then_closed_is_ok_and_not_aborted(stack)
     # The first goes long; the repeats are re-prefills of a cached prompt, so short.
     assert 'laps_requests_total{cls="long",outcome="ok"} 1.0' in text and 'laps_requests_total{cls="short",outcome="ok"} 4.0' in text
     assert "client_gone" not in text and fakes["lp0"].aborted == fakes["sp0"].aborted == []
+
+
+@pytest.mark.parametrize(
+    "path, payload, param, fragment",
+    [
+        ("/v1/chat/completions", chat("x", max_tokens="10"), "max_tokens", "valid integer"),
+        ("/v1/chat/completions", chat("x", stream="yes"), "stream", "valid boolean"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": 5}]}, "messages.0.content", "text only"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages.0.content", "text parts"),
+        ("/v1/completions", {"model": MODEL, "prompt": [5, -1]}, "prompt", "token id -1 is outside the vocabulary"),
+        ("/v1/completions", {"model": MODEL, "prompt": [999999999]}, "prompt", "outside the vocabulary"),
+        ("/v1/completions", {"model": MODEL, "prompt": [[1, 2]]}, "prompt", "a list of token ids"),
+        ("/v1/completions", {"model": MODEL, "prompt": ""}, "prompt", "prompt is empty"),
+    ],
+)
+async def test_wrong_types_are_refused_by_the_gateway_naming_the_field(stack, path, payload, param, fragment):
+    session, fakes, _ = stack
+    async with session.post(path, json=payload) as resp:
+        assert resp.status == 400
+        error = (await resp.json())["error"]
+    assert (error["param"], error["type"]) == (param, "invalid_request_error")
+    assert fragment in error["message"] and "Value error" not in error["message"]
+    assert fakes["sp0"].bodies == [] and fakes["lp0"].bodies == []
