@@ -41,6 +41,9 @@ async def _poll_health(gw: Gateway) -> None:
         for engine, ok in zip(list(gw.registry), await asyncio.gather(*(gw.client.ready(e.url) for e in gw.registry))):
             if ok != engine.healthy:
                 log.warning("engine %s is now %s", engine.id, "healthy" if ok else "UNHEALTHY")
+                process = gw.manager.engines.get(engine.id) if gw.manager is not None else None
+                if not ok and process is not None and process.process is not None and not process.alive():
+                    log.error("engine %s: process exited with code %s; its log: %s", engine.id, process.process.returncode, process.log_path)
             engine.healthy = ok
             gw.metrics.engine_healthy.labels(engine.id).set(int(ok))
 

@@ -14,11 +14,12 @@ log = logging.getLogger("laps.gateway")
 
 
 class APIError(Exception):
-    """An error to return to the client as an OpenAI error body with HTTP ``status``."""
+    """An error to return to the client as an OpenAI error body with HTTP ``status`` (and ``headers``)."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.headers: dict[str, str] = {}
         self.message = message
         self.type = type
         self.param = param
@@ -28,7 +29,7 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status, dumps=lambda o: orjson.dumps(o).decode())
+        return web.json_response(self.body(), status=self.status, headers=self.headers, dumps=lambda o: orjson.dumps(o).decode())
 
 
 @web.middleware

@@ -213,6 +213,9 @@ async def _dispatch(request: web.Request, gw: Gateway, body: dict, path: str, pr
             # The client has its whole answer; learning from it must not hold (or be cancelled with) the handler.
             _in_background(_learn_from_reply(gw, engine_id, view, prompt_ids, reply))
         return response
+    except APIError as err:
+        err.headers.update(headers)  # which class and engine failed, as on every answer
+        raise
     except (_ClientGone, asyncio.CancelledError):
         outcome = "client_gone"
         gw.metrics.client_aborts.labels(req_class).inc()

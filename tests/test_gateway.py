@@ -135,6 +135,7 @@ async def test_dead_engine_gives_502_and_gateway_keeps_serving(stack):
     async with session.post("/v1/chat/completions", json=chat("Hi")) as resp:
         assert resp.status == 502
         error = (await resp.json())["error"]
+        assert (resp.headers["x-laps-engine"], resp.headers["x-laps-class"]) == ("sp0", "short")
     assert error["type"] == "engine_error" and "failed" in error["message"]
     async with session.post("/v1/chat/completions", json=chat(" word" * 300)) as resp:
         assert resp.status == 200 and resp.headers["x-laps-engine"] == "lp0"
