@@ -31,7 +31,8 @@ log = logging.getLogger("laps.engines")
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def die_with_parent() -> None:
+    """``preexec_fn`` for child processes: the kernel sends them SIGTERM when their parent dies (Linux)."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:  # not Linux: fall back to the manager's own shutdown
@@ -146,7 +147,7 @@ class EngineProcess:
             logf.flush()
             self.process = await asyncio.create_subprocess_exec(
                 *self.command, stdout=logf, stderr=asyncio.subprocess.STDOUT, env={**os.environ, **self.env},
-                start_new_session=True, preexec_fn=_die_with_parent,
+                start_new_session=True, preexec_fn=die_with_parent,
             )
         log.info("engine %s: started pid %d on port %d as %s, log %s", self.config.name, self.process.pid, self.port, self.role, self.log_path)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from engines.manager import free_port
+from engines.manager import die_with_parent, free_port
 from laps.config import load_config
 
 log = logging.getLogger("laps.demo")
@@ -58,6 +58,7 @@ def serving(config_path: Path) -> Iterator[str]:
         [sys.executable, "-m", "laps.cli", "serve", "--config", str(config_path), "--port", str(port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        preexec_fn=die_with_parent,
     )
     try:
         _wait_healthy(url, proc, READY_TIMEOUT_S)

@@ -342,13 +342,18 @@ async def run_loadgen(
         if model is None:
             model = await discover_model(session, url)
         run = _Run(session, url, model, duration_s, request_timeout_s, extra_body or {}, on_record)
-        tasks = []
-        for arrival in plan:
-            delay = arrival.start_s - run.now()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(run.conversation(arrival)))
-        await asyncio.gather(*tasks)
+        tasks: list[asyncio.Task] = []
+        try:
+            for arrival in plan:
+                delay = arrival.start_s - run.now()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(run.conversation(arrival)))
+            await asyncio.gather(*tasks)
+        finally:  # cancelled (Ctrl-C): no conversation outlives the run or its session
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
         return run.records
     finally:
         if own_session:
