@@ -24,7 +24,7 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-# Shapes of the CPU test model (see ../shared/sglang-cpu.md): small enough to start in seconds.
+# Shapes of the CPU test model (see docs/sglang-cpu.md): small enough to start in seconds.
 TINY_QWEN2_SHAPE = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128}
 
 

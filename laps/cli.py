@@ -12,7 +12,7 @@ from pathlib import Path
 from laps.config import DEFAULT_CONFIG_PATH, ConfigError, load_config
 
 EPILOG = """examples:
-  laps serve                                   # gateway + engines from ./config.yaml on 127.0.0.1:8000
+  laps serve                                   # gateway + engines of the repository's config.yaml (--config for another)
   laps loadgen --url http://127.0.0.1:8000 --dataset mixed --rate 2 --duration 60 --out runs/report.json
   laps calibrate --url http://127.0.0.1:30000 --out runs/cost_model.yaml
   laps simulate --dataset mixed --rate 2 --duration 600 --policy laps --out runs/sim.json   # virtual time

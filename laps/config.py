@@ -8,7 +8,7 @@ failure raises :class:`ConfigError` whose message names the file, the key path
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -196,6 +196,26 @@ def _check_kind(i: int, engine: EngineConfig) -> None:
             raise ValueError(f"engines.{i}.{key}: kind external takes no {key}; the engine runs elsewhere, at its url")
 
 
+def _allowed_keys(loc: tuple) -> list[str]:
+    """The keys the model at ``loc`` (the parent of an unknown key) accepts; [] when it is not a model."""
+    model: type[BaseModel] = Config
+    dict_key_next = False
+    for part in loc:
+        if dict_key_next or isinstance(part, int):  # a mapping's key or a list index: same item model
+            dict_key_next = False
+            continue
+        field = model.model_fields.get(part)
+        if field is None:
+            return []
+        annotation = field.annotation
+        models = [a for a in (annotation, *get_args(annotation)) if isinstance(a, type) and issubclass(a, BaseModel)]
+        if not models:
+            return []
+        model = models[0]
+        dict_key_next = get_origin(annotation) is dict
+    return sorted(model.model_fields)
+
+
 def _format_error(source: str, err: ValidationError) -> str:
     lines = [f"{source}: invalid configuration"]
     for e in err.errors():
@@ -203,6 +223,9 @@ def _format_error(source: str, err: ValidationError) -> str:
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "value_error":
             lines.append(f"  {msg}")
+        elif e["type"] == "extra_forbidden":
+            allowed = _allowed_keys(e["loc"][:-1])
+            lines.append(f"  {loc}: unknown key" + (f"; allowed: {', '.join(allowed)}" if allowed else ""))
         else:
             lines.append(f"  {loc}: {msg} (got {e['input']!r})")
     return "\n".join(lines)
@@ -236,5 +259,7 @@ def load_config(path: str | Path | None = None) -> Config:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+        mark = getattr(err, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        raise ConfigError(f"{path}: not valid YAML{where}: {getattr(err, 'problem', None) or err}") from None
     return parse_config(data, str(path))
