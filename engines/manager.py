@@ -107,6 +107,20 @@ def engine_command(config: Config, engine: EngineConfig, port: int, role: str | 
     raise ValueError(f"engine {engine.name} is external (at {engine.url}): laps starts no process for it")
 
 
+def check_sim_flags(config: Config, engine: EngineConfig) -> None:
+    """Parse a simulated engine's command line here, so a bad role flag fails before any process starts.
+
+    Raises:
+        RuntimeError: naming ``roles.<role>.flags`` and the engine model's complaint.
+    """
+    from engines.sim.args import parse_server_args
+
+    try:
+        parse_server_args(engine_command(config, engine, port=1)[3:])
+    except ValueError as err:
+        raise RuntimeError(f"roles.{engine.role}.flags (engine {engine.name}): {err}") from None
+
+
 def engine_env(config: Config, engine: EngineConfig) -> dict[str, str]:
     """Variables added to the gateway's environment for ``engine``'s process.
 
@@ -224,11 +238,14 @@ class EngineManager:
         """Launch all local engines concurrently; once all are ready, return every engine's base URL by name.
 
         Raises:
-            RuntimeError: an engine failed to become ready (all engines are stopped first).
+            RuntimeError: an engine failed to become ready (all engines are stopped first),
+                or a simulated engine's role has a flag the engine model does not take.
         """
         for engine in self.config.engines:
             if engine.kind == "external":
                 continue
+            if engine.kind == "sim":
+                check_sim_flags(self.config, engine)
             port = engine.port or free_port()
             self.engines[engine.name] = EngineProcess(
                 engine, engine.role, engine_command(self.config, engine, port), engine_env(self.config, engine), port,

@@ -125,3 +125,19 @@ def test_every_shipped_command_line_parses_in_sglang(sglang_python: Path):
     errors = dict(zip(cases, sglang_env.parse_errors(sglang_python, list(cases.values()))))
     assert "unrecognized arguments: --no-such-flag" in errors.pop("a bad flag is caught")
     assert errors == {name: None for name in errors}
+
+
+def test_a_sim_role_flag_the_engine_model_does_not_take_fails_before_any_process_starts():
+    import asyncio
+
+    import yaml
+
+    from engines.manager import EngineManager
+    from laps.config import DEFAULT_CONFIG_PATH, parse_config
+
+    data = yaml.safe_load(DEFAULT_CONFIG_PATH.read_text())
+    data["roles"]["short-prefill"]["flags"]["chunked-prefill-sise"] = 512
+    manager = EngineManager(parse_config(data))
+    with pytest.raises(RuntimeError, match=r"roles.short-prefill.flags \(engine sp0\): unrecognized arguments: --chunked-prefill-sise 512"):
+        asyncio.run(manager.start(session=None))
+    assert manager.engines == {}
