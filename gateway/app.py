@@ -14,12 +14,14 @@ import logging
 import signal
 from typing import AsyncIterator
 
+import aiohttp
 from aiohttp import web
 
 from engines.client import EngineClient
 from engines.manager import EngineManager
 from gateway import handlers
 from gateway.dispatcher import Dispatcher
+from gateway.engine_load import fetch_engine_load
 from gateway.errors import error_middleware
 from gateway.metrics import GatewayMetrics
 from gateway.registry import EngineRegistry, EngineState
@@ -48,6 +50,17 @@ async def _poll_health(gw: Gateway) -> None:
             gw.metrics.engine_healthy.labels(engine.id).set(int(ok))
 
 
+async def _mirror_kv_capacity(client: EngineClient, registry: EngineRegistry, prefix_index: PrefixIndex) -> None:
+    """Cap each engine's prefix estimate at its KV pool (``/v1/loads``); an engine that does not say keeps the byte budget."""
+    for engine in registry:
+        try:
+            load = await fetch_engine_load(client, engine.url)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError) as err:
+            log.warning("engine %s: no KV capacity from /v1/loads (%r); its prefix estimate uses the byte budget only", engine.id, err)
+            continue
+        prefix_index.set_capacity(engine.id, load.max_total_tokens)
+
+
 def create_app(config: Config, engine_urls: dict[str, str] | None = None) -> web.Application:
     """Build the gateway application for ``config``.
 
@@ -67,7 +80,9 @@ def create_app(config: Config, engine_urls: dict[str, str] | None = None) -> web
             tokenizer = await asyncio.get_running_loop().run_in_executor(None, load_tokenizer, config.model.path)
             registry = EngineRegistry([EngineState(e.name, urls[e.name], config.pool(e)) for e in config.engines])
             dispatcher = Dispatcher(make_scheduler(config.scheduling), registry)
-            gw = Gateway(config, tokenizer, registry, client, make_classifier(config.scheduling), dispatcher, PrefixIndex(config.scheduling.prefix_block_tokens), GatewayMetrics(), manager)
+            prefix_index = PrefixIndex.from_byte_budget(config.scheduling.prefix_block_tokens, config.scheduling.prefix_index_bytes, len(config.engines))
+            await _mirror_kv_capacity(client, registry, prefix_index)
+            gw = Gateway(config, tokenizer, registry, client, make_classifier(config.scheduling), dispatcher, prefix_index, GatewayMetrics(), manager)
             gw.metrics.watch_scheduler(dispatcher.scheduler.stats)
             app[GATEWAY] = gw
             poller = asyncio.create_task(_poll_health(gw))

@@ -71,7 +71,9 @@ class SchedulingConfig(_Strict):
     ``short_threshold_tokens``: a request whose new (uncached) prompt tokens are
     fewer than this is a short prefill; the LAPS fallback boundary is 256.
     ``cost_model``: when set, the boundary is L_m(H) of this fitted model instead.
-    ``prefix_block_tokens``: block size of the gateway's prefix-cache estimate.
+    ``prefix_block_tokens``: block size of the gateway's prefix-cache estimate;
+    ``prefix_index_bytes``: its memory budget over all engines (each engine's
+    share is further capped at that engine's KV pool).
     ``policy``: the scheduler (see :data:`policies.registry.POLICIES`): ``laps``
     (AWD windows, gated long prefills), ``pools`` (short/long pools, no
     window), or a baseline over all engines: ``least_load`` (unified FCFS),
@@ -83,6 +85,7 @@ class SchedulingConfig(_Strict):
     short_threshold_tokens: int = Field(256, ge=1)
     cost_model: CostModelConfig | None = None
     prefix_block_tokens: int = Field(16, ge=1)
+    prefix_index_bytes: int = Field(64 * 2**20, ge=1024)
 
 
 class RoleConfig(_Strict):

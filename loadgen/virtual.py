@@ -138,8 +138,10 @@ class VirtualRun:
         self.registry = EngineRegistry([EngineState(e.name, f"virtual://{e.name}", config.pool(e)) for e in config.engines])
         self.scheduler = make_scheduler(config.scheduling)
         self.classifier = make_classifier(config.scheduling)
-        self.prefix_index = PrefixIndex(config.scheduling.prefix_block_tokens)
+        self.prefix_index = PrefixIndex.from_byte_budget(config.scheduling.prefix_block_tokens, config.scheduling.prefix_index_bytes, len(config.engines))
         self.engines = {name: _Engine(name, core) for name, core in engine_cores(config, tokenizer).items()}
+        for name, engine in self.engines.items():  # as the live gateway does from /v1/loads
+            self.prefix_index.set_capacity(name, engine.core.config.max_total_tokens)
         self.request_timeout_s = request_timeout_s
         self.ignore_eos = ignore_eos
         if serving_latency_s < 0:

@@ -11,8 +11,11 @@ after each prefill: a shorter hit than estimated means the engine evicted
 that block and, its cache being LRU, every block older than it
 (:meth:`PrefixIndex.observe`).
 
-Memory: one dict entry per block (~100 bytes with the key), so
-``max_blocks = byte_budget // BYTES_PER_BLOCK_ENTRY``.
+Memory: one dict entry per block (~100 bytes with the key);
+:meth:`PrefixIndex.from_byte_budget` splits a byte budget evenly over the
+engines. Each engine's set is further capped at its own KV pool
+(:meth:`PrefixIndex.set_capacity`, from the engine's ``max_total_tokens``):
+the engine cannot cache more than that, so neither should the estimate.
 """
 
 from __future__ import annotations
@@ -50,6 +53,36 @@ class PrefixIndex:
         self.block_tokens = block_tokens
         self.max_blocks = max_blocks
         self._engines: dict[str, OrderedDict[int, None]] = {}
+        self._capacity: dict[str, int] = {}
+
+    @classmethod
+    def from_byte_budget(cls, block_tokens: int, budget_bytes: int, engines: int) -> "PrefixIndex":
+        """An index whose engines together stay within ``budget_bytes`` (~BYTES_PER_BLOCK_ENTRY per block).
+
+        Raises:
+            ValueError: when the budget does not hold one block per engine.
+        """
+        max_blocks = budget_bytes // (BYTES_PER_BLOCK_ENTRY * max(engines, 1))
+        if max_blocks < 1:
+            raise ValueError(f"a prefix index budget of {budget_bytes} bytes is too small for {engines} engines")
+        return cls(block_tokens, max_blocks)
+
+    def set_capacity(self, engine_id: str, kv_tokens: int) -> None:
+        """Cap ``engine_id``'s blocks at its KV pool of ``kv_tokens`` tokens (evicting LRU blocks now if over)."""
+        self._capacity[engine_id] = max(1, kv_tokens // self.block_tokens)
+        self._trim(engine_id)
+
+    def capacity(self, engine_id: str) -> int:
+        """Blocks ``engine_id`` may hold: the smaller of the byte-budget share and its KV pool."""
+        return min(self.max_blocks, self._capacity.get(engine_id, self.max_blocks))
+
+    def _trim(self, engine_id: str) -> None:
+        blocks = self._engines.get(engine_id)
+        if blocks is None:
+            return
+        cap = self.capacity(engine_id)
+        while len(blocks) > cap:
+            blocks.popitem(last=False)
 
     def cached_tokens(self, engine_id: str, keys: Sequence[int]) -> int:
         """H: tokens of the longest leading run of ``keys`` present on ``engine_id``."""
@@ -69,8 +102,7 @@ class PrefixIndex:
         for key in keys:
             blocks[key] = None
             blocks.move_to_end(key)
-        while len(blocks) > self.max_blocks:
-            blocks.popitem(last=False)
+        self._trim(engine_id)
 
     def observe(self, engine_id: str, keys: Sequence[int], reported_cached_tokens: int | None) -> None:
         """Take the engine's report of a finished prefill of ``keys``, then insert ``keys``.
@@ -93,7 +125,7 @@ class PrefixIndex:
         self.insert(engine_id, keys)
 
     def forget_engine(self, engine_id: str) -> None:
-        """Drop everything known about ``engine_id`` (it restarted or left)."""
+        """Drop everything known about ``engine_id`` (it restarted or left); its capacity stays."""
         self._engines.pop(engine_id, None)
 
     def blocks(self, engine_id: str) -> int:

@@ -67,3 +67,18 @@ def test_forget_engine_and_bad_arguments():
     assert index.blocks("e") == 0
     with pytest.raises(ValueError):
         PrefixIndex(block_tokens=0)
+
+
+def test_byte_budget_is_split_over_engines_and_kv_capacity_caps_each():
+    from policies.prefix_index import BYTES_PER_BLOCK_ENTRY
+
+    index = PrefixIndex.from_byte_budget(block_tokens=4, budget_bytes=40 * BYTES_PER_BLOCK_ENTRY, engines=2)
+    assert index.max_blocks == 20
+    index.insert("a", block_keys(list(range(200)), 4))  # 50 blocks offered, 20 kept (the newest)
+    assert index.blocks("a") == 20
+    index.set_capacity("a", kv_tokens=32)  # the engine's KV pool holds 8 blocks: trim now
+    assert index.blocks("a") == index.capacity("a") == 8
+    assert index.capacity("b") == 20
+    assert index.cached_tokens("a", block_keys(list(range(200)), 4)) == 0  # the oldest (leading) blocks went first
+    with pytest.raises(ValueError, match="too small"):
+        PrefixIndex.from_byte_budget(4, 10, 2)
