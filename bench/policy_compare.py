@@ -36,18 +36,16 @@ from rich.console import Console  # noqa: E402
 from rich.progress import Progress  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from laps.config import Config, parse_config  # noqa: E402
+from laps.config import Config, load_config, parse_config  # noqa: E402
 from laps.tokenizer import load_tokenizer  # noqa: E402
 from loadgen.report import build_report  # noqa: E402
 from loadgen.virtual import simulate  # noqa: E402
 from loadgen.workloads import build_workload  # noqa: E402
 
 SLO_TTFT_S = 0.4
-GRAPH_BUCKETS = [64, 128, 256, 512, 1024, 2048]
+# The shipped roles (short-prefill, long-prefill, mixed) plus plain SGLang engines for the baselines.
 ROLES = {
-    "short-prefill": {"pool": "short", "flags": {"chunked-prefill-size": 2048, "max-running-requests": 256, "cuda-graph-backend-prefill": "breakable", "cuda-graph-bs-prefill": GRAPH_BUCKETS}},
-    "long-prefill": {"pool": "long", "flags": {"chunked-prefill-size": 16384, "max-running-requests": 64, "cuda-graph-backend-prefill": "disabled"}},
-    "mixed": {"pool": "short", "flags": {"chunked-prefill-size": 4096, "max-running-requests": 128, "cuda-graph-backend-prefill": "breakable", "cuda-graph-bs-prefill": GRAPH_BUCKETS}},
+    **{name: role.model_dump() for name, role in load_config().roles.items()},
     "sglang-default": {"pool": "short", "flags": {}},
     "sglang-spf": {"pool": "short", "flags": {"schedule-policy": "shortest-prefill-first"}},
     "sglang-hrrn": {"pool": "short", "flags": {"schedule-policy": "hrrn"}},
