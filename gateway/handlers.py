@@ -86,31 +86,35 @@ def _check_model(gw: Gateway, model: str) -> None:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     """``POST /v1/chat/completions`` (OpenAI), streaming or not."""
-    gw = request.app[GATEWAY]
-    arrival_s = time.monotonic()
-    body = await _json_body(request)
-    req = _validate(ChatCompletionRequest, body)
-    _check_model(gw, req.model)
-    prompt_ids = await asyncio.get_running_loop().run_in_executor(None, gw.tokenizer.encode_chat, req.chat())
-    return await _dispatch(request, gw, body, "/v1/chat/completions", prompt_ids, req.stream, arrival_s)
+    return await _serve(request, ChatCompletionRequest, "/v1/chat/completions")
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     """``POST /v1/completions`` (OpenAI), one prompt as text or token ids, streaming or not."""
+    return await _serve(request, CompletionRequest, "/v1/completions")
+
+
+async def _serve(request: web.Request, schema: type[ChatCompletionRequest] | type[CompletionRequest], path: str) -> web.StreamResponse:
     gw = request.app[GATEWAY]
     arrival_s = time.monotonic()
     body = await _json_body(request)
-    req = _validate(CompletionRequest, body)
+    req = _validate(schema, body)
     _check_model(gw, req.model)
+    return await _dispatch(request, gw, body, path, await _prompt_ids(gw, req, body), req.stream, arrival_s)
+
+
+async def _prompt_ids(gw: Gateway, req: ChatCompletionRequest | CompletionRequest, body: dict) -> list[int]:
+    """The prompt's token ids as the engine will count them (tokenizing off the event loop)."""
+    loop = asyncio.get_running_loop()
+    if isinstance(req, ChatCompletionRequest):
+        return await loop.run_in_executor(None, gw.tokenizer.encode_chat, req.chat())
+    body["prompt"] = req.prompt  # a list of one string goes on as that string
     if isinstance(req.prompt, str):
-        prompt_ids = await asyncio.get_running_loop().run_in_executor(None, gw.tokenizer.encode, req.prompt)
-    else:
-        prompt_ids = req.prompt
-        bad = next((t for t in prompt_ids if not 0 <= t < gw.tokenizer.vocab_size), None)
-        if bad is not None:
-            raise APIError(400, f"prompt: token id {bad} is outside the vocabulary (0 .. {gw.tokenizer.vocab_size - 1})", param="prompt")
-    body["prompt"] = req.prompt
-    return await _dispatch(request, gw, body, "/v1/completions", prompt_ids, req.stream, arrival_s)
+        return await loop.run_in_executor(None, gw.tokenizer.encode, req.prompt)
+    bad = next((t for t in req.prompt if not 0 <= t < gw.tokenizer.vocab_size), None)
+    if bad is not None:
+        raise APIError(400, f"prompt: token id {bad} is outside the vocabulary (0 .. {gw.tokenizer.vocab_size - 1})", param="prompt")
+    return req.prompt
 
 
 def _deadline_s(request: web.Request, gw: Gateway, arrival_s: float) -> float:
