@@ -148,6 +148,7 @@ class EngineProcess:
     port: int
     log_path: Path
     process: asyncio.subprocess.Process | None = field(default=None, repr=False)
+    restarting: bool = False  # stopped on purpose by :meth:`EngineManager.restart`: not a crash
 
     @property
     def url(self) -> str:
@@ -274,11 +275,15 @@ class EngineManager:
         if role not in self.config.roles:
             raise ValueError(f"role {role!r} is not defined under roles; allowed: {', '.join(sorted(self.config.roles))}")
         e = self.engines[name]
-        await e.stop()
-        e.role = role
-        e.command = engine_command(self.config, e.config, e.port, role)
-        await e.start()
-        await e.wait_ready(session, self.ready_timeout_s)
+        e.restarting = True
+        try:
+            await e.stop()
+            e.role = role
+            e.command = engine_command(self.config, e.config, e.port, role)
+            await e.start()
+            await e.wait_ready(session, self.ready_timeout_s)
+        finally:
+            e.restarting = False
 
     async def stop(self) -> None:
         """Stop all engines concurrently (SIGTERM, then SIGKILL after a timeout)."""

@@ -26,6 +26,7 @@ from gateway.errors import error_middleware
 from gateway.metrics import GatewayMetrics
 from gateway.registry import EngineRegistry, EngineState
 from gateway.state import GATEWAY, Gateway
+from gateway.supervisor import EngineSupervisor
 from laps.config import Config
 from laps.tokenizer import load_tokenizer
 from policies.registry import make_classifier, make_scheduler
@@ -37,17 +38,15 @@ HEALTH_POLL_INTERVAL_S = 1.0
 MAX_BODY_BYTES = 64 * 1024 * 1024
 
 
-async def _poll_health(gw: Gateway) -> None:
+async def _poll_health(gw: Gateway, supervisor: EngineSupervisor) -> None:
     while True:
         await asyncio.sleep(HEALTH_POLL_INTERVAL_S)
         for engine, ok in zip(list(gw.registry), await asyncio.gather(*(gw.client.ready(e.url) for e in gw.registry))):
             if ok != engine.healthy:
                 log.warning("engine %s is now %s", engine.id, "healthy" if ok else "UNHEALTHY")
-                process = gw.manager.engines.get(engine.id) if gw.manager is not None else None
-                if not ok and process is not None and process.process is not None and not process.alive():
-                    log.error("engine %s: process exited with code %s; its log: %s", engine.id, process.process.returncode, process.log_path)
             engine.healthy = ok
             gw.metrics.engine_healthy.labels(engine.id).set(int(ok))
+        supervisor.check()
 
 
 async def _mirror_kv_capacity(client: EngineClient, registry: EngineRegistry, prefix_index: PrefixIndex) -> None:
@@ -85,10 +84,12 @@ def create_app(config: Config, engine_urls: dict[str, str] | None = None) -> web
             gw = Gateway(config, tokenizer, registry, client, make_classifier(config.scheduling), dispatcher, prefix_index, GatewayMetrics(), manager)
             gw.metrics.watch_scheduler(dispatcher.scheduler.stats)
             app[GATEWAY] = gw
-            poller = asyncio.create_task(_poll_health(gw))
+            supervisor = EngineSupervisor(gw)
+            poller = asyncio.create_task(_poll_health(gw, supervisor))
             log.info("serving %s with %d engines: %s", config.model.name, len(urls), ", ".join(f"{k}={v}" for k, v in urls.items()))
             yield
             poller.cancel()
+            await supervisor.close()
             await handlers.settle_background()
             dispatcher.close()
             with contextlib.suppress(asyncio.CancelledError):

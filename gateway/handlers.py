@@ -191,7 +191,18 @@ async def _dispatch(request: web.Request, gw: Gateway, body: dict, path: str, pr
     rid = uuid.uuid4().hex
     deadline_s = _deadline_s(request, gw, arrival_s)
     view, keys = classified_view(rid, prompt_ids, arrival_s, deadline_s, [e.id for e in gw.registry], gw.prefix_index, gw.classifier)
-    req_class = view.request_class
+    try:
+        return await _attempt(request, gw, body, path, prompt_ids, stream, view, keys)
+    except EngineUnavailable as err:
+        # Nothing reached the client: mark the engine down (the health poller brings it back) and try another once.
+        gw.registry[err.engine_id].healthy = False
+        log.warning("%s: engine %s unreachable (%s); retrying on another engine", rid, err.engine_id, err.message)
+        return await _attempt(request, gw, body, path, prompt_ids, stream, view, keys)
+
+
+async def _attempt(request: web.Request, gw: Gateway, body: dict, path: str, prompt_ids: list[int], stream: bool, view: RequestView, keys: list[int]) -> web.StreamResponse:
+    """Admit ``view`` to an engine and relay its answer (one try; see :func:`_dispatch`)."""
+    rid, req_class, arrival_s = view.rid, view.request_class, view.arrival_s
     engine_id = await gw.dispatcher.admit(view)
     engine = gw.registry[engine_id]
     body["rid"] = rid
@@ -267,9 +278,12 @@ def _upstream_error(status: int, payload: bytes, headers: dict) -> web.Response:
     return web.json_response({"error": error}, status=status, headers=headers, dumps=_dumps)
 
 
-def _engine_error(engine_url: str, err: BaseException) -> APIError:
-    detail = str(err) or type(err).__name__
-    return APIError(502, f"engine at {engine_url} failed: {detail}", type="engine_error", code="engine_unavailable")
+class EngineUnavailable(APIError):
+    """An engine could not be reached or dropped the connection (HTTP 502); ``engine_id`` names it."""
+
+    def __init__(self, engine_id: str, engine_url: str, err: BaseException) -> None:
+        super().__init__(502, f"engine {engine_id} at {engine_url} failed: {str(err) or type(err).__name__}", type="engine_error", code="engine_unavailable")
+        self.engine_id = engine_id
 
 
 async def _relay_json(gw: Gateway, engine_url: str, path: str, body: dict, headers: dict, view: RequestView, engine_id: str, reply: _Reply) -> tuple[web.Response, str]:
@@ -278,7 +292,7 @@ async def _relay_json(gw: Gateway, engine_url: str, path: str, body: dict, heade
             payload = await upstream.read()
             status = upstream.status
     except (aiohttp.ClientError, asyncio.TimeoutError) as err:
-        raise _engine_error(engine_url, err) from None
+        raise EngineUnavailable(engine_id, engine_url, err) from None
     if status != 200:
         return _upstream_error(status, payload, headers), f"http_{status}"
     try:
@@ -321,7 +335,7 @@ async def _relay_stream(request: web.Request, gw: Gateway, engine_url: str, path
                 if data:
                     await send(data)
     except (aiohttp.ClientError, asyncio.TimeoutError) as err:
-        api_error = _engine_error(engine_url, err)
+        api_error = EngineUnavailable(engine_id, engine_url, err)
         if response is None:
             raise api_error from None
         await send(tap.flush() + f"data: {_dumps(api_error.body())}\n\ndata: [DONE]\n\n".encode())

@@ -121,3 +121,22 @@ def test_client_disconnect_mid_stream_aborts_on_the_engine(deployment):
         assert time.monotonic() < deadline, "the engine never saw the abort"
         time.sleep(0.05)
     assert aborted_total(engines["sp0"]) == before + 1
+
+
+def test_a_killed_engine_is_restarted_and_serves_again(deployment, client):
+    url, engines, _ = deployment
+    port = engines["lp0"].rsplit(":", 1)[1]
+    pids = subprocess.run(["pgrep", "-f", f"engines.sim .*--port {port}"], capture_output=True, text=True).stdout.split()
+    assert len(pids) == 1
+    os.kill(int(pids[0]), signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    states = []
+    while time.monotonic() < deadline:
+        lp0 = next(e for e in httpx.get(f"{url}/health", timeout=2).json()["engines"] if e["id"] == "lp0")
+        states.append(lp0["healthy"])
+        if states[-1] and False in states:
+            break
+        time.sleep(0.2)
+    assert False in states and states[-1], "lp0 was not seen down and then back"
+    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=[{"role": "user", "content": " word" * 2000}], max_tokens=2)
+    assert raw.headers["x-laps-engine"] == "lp0"

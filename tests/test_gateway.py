@@ -129,16 +129,29 @@ async def test_client_disconnect_mid_stream_aborts_on_engine(stack):
     fakes["sp0"].release.set()
 
 
-async def test_dead_engine_gives_502_and_gateway_keeps_serving(stack):
-    session, _, servers = stack
+async def test_request_on_a_dead_engine_is_retried_on_another_once(stack):
+    session, fakes, servers = stack
     await servers["sp0"].close()
+    async with session.post("/v1/chat/completions", json=chat("Hi")) as resp:
+        # sp0 refused the connection before anything was sent: sp0 is marked down, lp0 answers.
+        assert resp.status == 200 and resp.headers["x-laps-engine"] == "lp0"
+    async with session.get("/health") as resp:
+        assert {e["id"]: e["healthy"] for e in (await resp.json())["engines"]} == {"sp0": False, "lp0": True}
+    await servers["lp0"].close()
+    async with session.post("/v1/chat/completions", json=chat(" word" * 300)) as resp:
+        # lp0 fails too and is marked down: nothing healthy is left to retry on.
+        assert resp.status == 503 and (await resp.json())["error"]["code"] == "no_engine"
+
+
+async def test_when_the_retry_fails_too_the_client_gets_a_502_naming_the_engine(stack):
+    session, _, servers = stack
+    for server in servers.values():
+        await server.close()
     async with session.post("/v1/chat/completions", json=chat("Hi")) as resp:
         assert resp.status == 502
         error = (await resp.json())["error"]
-        assert (resp.headers["x-laps-engine"], resp.headers["x-laps-class"]) == ("sp0", "short")
-    assert error["type"] == "engine_error" and "failed" in error["message"]
-    async with session.post("/v1/chat/completions", json=chat(" word" * 300)) as resp:
-        assert resp.status == 200 and resp.headers["x-laps-engine"] == "lp0"
+        assert (resp.headers["x-laps-engine"], resp.headers["x-laps-class"]) == ("lp0", "short")
+    assert error["type"] == "engine_error" and error["code"] == "engine_unavailable" and "lp0" in error["message"]
 
 
 async def test_engine_dropping_mid_stream_ends_with_in_stream_error(stack):
