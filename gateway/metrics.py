@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 # Buckets in seconds: short prefills finish in milliseconds, long ones and generations in seconds.
@@ -38,11 +38,16 @@ class GatewayMetrics:
         self.registry.register(SchedulerCollector(stats))
 
 class SchedulerCollector(Collector):
-    """Exports a scheduler's :meth:`~policies.scheduler.Scheduler.stats` at scrape time as ``laps_scheduler_<name>``."""
+    """Exports a scheduler's :meth:`~policies.scheduler.Scheduler.stats` at scrape time as ``laps_scheduler_<name>``
+    (a counter when the name ends in ``_total``, else a gauge)."""
 
     def __init__(self, stats: Callable[[], dict[str, float]]) -> None:
         self._stats = stats
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         for name, value in self._stats().items():
-            yield GaugeMetricFamily(f"laps_scheduler_{name}", f"scheduler state: {name.replace('_', ' ')}", value=value)
+            if name.endswith("_total"):  # counts since start
+                base = name.removesuffix("_total")
+                yield CounterMetricFamily(f"laps_scheduler_{base}", f"scheduler: {base.replace('_', ' ')}", value=value)
+            else:
+                yield GaugeMetricFamily(f"laps_scheduler_{name}", f"scheduler state: {name.replace('_', ' ')}", value=value)

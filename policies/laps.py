@@ -169,16 +169,16 @@ class LapsScheduler:
         self._in_flight.pop(rid, None)
 
     def stats(self) -> dict[str, float]:
-        """Queue depths, the adaptive depth D and service estimates, dispatch counts by trigger."""
+        """Queue depths, the adaptive depth D and service estimates (gauges); batch counts by trigger (``_total``: counters)."""
         return {
             "queued_short_requests": sum(len(q) for q in self._queues.values()),
             "queued_long_requests": len(self._long),
             "awd_depth_tokens": self.depth_tokens,
             "awd_service_estimate_seconds": self.service_s,
             "long_service_estimate_seconds": self.long_service_s,
-            "short_batches_dispatched": sum(self.triggers.values()),
-            "short_requests_batched": self.requests_batched,
-            **{f"short_batches_by_{trigger}": n for trigger, n in self.triggers.items()},
+            "short_batches_total": sum(self.triggers.values()),
+            "short_requests_batched_total": self.requests_batched,
+            **{f"short_batches_by_{trigger}_total": n for trigger, n in self.triggers.items()},
         }
 
     # -- decisions ----------------------------------------------------------------------------

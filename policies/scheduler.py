@@ -33,7 +33,8 @@ class Scheduler(Protocol):
     def on_complete(self, rid: str, engine_id: str, now: float) -> None: ...
 
     def stats(self) -> dict[str, float]:
-        """The policy's current state for metrics (``{name: value}``; exported as ``laps_scheduler_<name>``)."""
+        """The policy's current state for metrics (``{name: value}``; exported as ``laps_scheduler_<name>``,
+        a counter when the name ends in ``_total``)."""
         ...
 
 

@@ -180,6 +180,7 @@ async def test_models_health_and_metrics(stack):
     assert 'laps_requests_total{cls="short",outcome="ok"} 1.0' in text
     assert 'laps_time_to_first_token_seconds_count{cls="short"} 1.0' in text
     assert "laps_scheduler_awd_depth_tokens " in text and "laps_scheduler_queued_long_requests 0.0" in text
+    assert "# TYPE laps_scheduler_short_batches_total counter" in text and "laps_scheduler_short_batches_total 1.0" in text
 
 
 async def test_follow_up_turn_on_long_cached_history_is_short(stack):

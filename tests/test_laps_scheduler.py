@@ -167,5 +167,5 @@ def test_stats_report_queues_depth_and_triggers():
     s.submit(long("L", 3000, 0.0), 0.0)
     s.decide([EngineView("s", "short")], 0.0)  # slack trigger takes a and b together; L goes too (temporal)
     stats = s.stats()
-    assert stats["short_batches_by_slack"] == 1 and stats["short_requests_batched"] == 2
+    assert stats["short_batches_by_slack_total"] == 1 and stats["short_requests_batched_total"] == 2
     assert (stats["queued_short_requests"], stats["queued_long_requests"], stats["awd_depth_tokens"]) == (0, 0, 64)
