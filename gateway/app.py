@@ -20,6 +20,7 @@ from aiohttp import web
 from engines.client import EngineClient
 from engines.manager import EngineManager
 from gateway import handlers
+from gateway.admin import SWITCHES, add_admin_routes
 from gateway.dispatcher import Dispatcher
 from gateway.engine_load import fetch_engine_load
 from gateway.errors import error_middleware
@@ -89,6 +90,9 @@ def create_app(config: Config, engine_urls: dict[str, str] | None = None) -> web
             log.info("serving %s with %d engines: %s", config.model.name, len(urls), ", ".join(f"{k}={v}" for k, v in urls.items()))
             yield
             poller.cancel()
+            for switch in app[SWITCHES].values():  # admin role switches still draining or restarting
+                switch.cancel()
+            await asyncio.gather(*app[SWITCHES].values(), return_exceptions=True)
             await supervisor.close()
             await handlers.settle_background()
             dispatcher.close()
@@ -105,6 +109,7 @@ def create_app(config: Config, engine_urls: dict[str, str] | None = None) -> web
     app.router.add_get("/v1/models", handlers.list_models)
     app.router.add_get("/health", handlers.health)
     app.router.add_get("/metrics", handlers.metrics)
+    add_admin_routes(app)
     return app
 
 

@@ -41,11 +41,13 @@ class ModelConfig(_Strict):
 
 
 class GatewayConfig(_Strict):
-    """Where the gateway listens and how long it waits for an engine."""
+    """Where the gateway listens, how long it waits for an engine, and the admin API's key
+    (``admin_key``; ``None`` turns the admin API off)."""
 
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     request_timeout_s: float = Field(600.0, gt=0)
+    admin_key: str | None = Field(None, min_length=8)
 
 
 class SLOConfig(_Strict):

@@ -1,0 +1,99 @@
+"""The admin API: list engines and move one to another role by hand.
+
+``GET /admin/engines`` and ``POST /admin/engines/{id}/role`` (body
+``{"role": NAME, "drain_timeout_s": S}``) need ``Authorization: Bearer
+<gateway.admin_key>``; without a configured key the admin API is off (403).
+A role switch drains and restarts the engine (minutes for real SGLang), so
+the POST answers 202 at once and ``GET /admin/engines`` shows ``switching``
+until it is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+
+import orjson
+from aiohttp import web
+
+from gateway.errors import APIError
+from gateway.role_switch import switch_role
+from gateway.state import GATEWAY, Gateway
+
+log = logging.getLogger("laps.gateway")
+
+SWITCHES = web.AppKey("role_switches", dict)
+"""Role switches in progress: ``{engine id: asyncio.Task}``."""
+
+
+def _authorize(request: web.Request) -> Gateway:
+    gw = request.app[GATEWAY]
+    key = gw.config.gateway.admin_key
+    if key is None:
+        raise APIError(403, "the admin API is off: set gateway.admin_key in the config", type="permission_error")
+    given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+    if not hmac.compare_digest(given.encode(), key.encode()):
+        raise APIError(401, "missing or wrong admin key (Authorization: Bearer <gateway.admin_key>)", type="authentication_error")
+    return gw
+
+
+def _role(gw: Gateway, engine_id: str) -> str:
+    process = gw.manager.engines.get(engine_id) if gw.manager is not None else None
+    return process.role if process is not None else next(e.role for e in gw.config.engines if e.name == engine_id)
+
+
+async def list_engines(request: web.Request) -> web.Response:
+    """``GET /admin/engines``: every engine's kind, role, pool, state, GPUs, URL and gateway-side load."""
+    gw = _authorize(request)
+    switching = request.app[SWITCHES]
+    configured = {e.name: e for e in gw.config.engines}
+    rows = []
+    for e in gw.registry:
+        state = "switching" if e.id in switching else "draining" if e.draining else "healthy" if e.healthy else "unhealthy"
+        rows.append({
+            "id": e.id, "kind": configured[e.id].kind, "role": _role(gw, e.id), "pool": e.pool, "state": state,
+            "gpus": configured[e.id].gpus, "url": e.url, "in_flight": e.in_flight, "in_flight_prompt_tokens": e.in_flight_prompt_tokens,
+        })
+    return web.json_response({"engines": rows}, dumps=lambda o: orjson.dumps(o).decode())
+
+
+async def set_role(request: web.Request) -> web.Response:
+    """``POST /admin/engines/{id}/role``: start moving the engine to another role (202; see the module docstring)."""
+    gw = _authorize(request)
+    engine_id = request.match_info["id"]
+    if engine_id not in {e.id for e in gw.registry}:
+        raise APIError(404, f"no engine {engine_id!r}", type="not_found_error", param="id")
+    try:
+        body = orjson.loads(await request.read())
+    except orjson.JSONDecodeError as err:
+        raise APIError(400, f"request body is not valid JSON: {err}") from None
+    role = body.get("role") if isinstance(body, dict) else None
+    drain_timeout_s = body.get("drain_timeout_s", 60.0) if isinstance(body, dict) else None
+    if not isinstance(role, str) or role not in gw.config.roles:
+        raise APIError(400, f"role: expected one of {', '.join(sorted(gw.config.roles))}, got {role!r}", param="role")
+    if not isinstance(drain_timeout_s, (int, float)) or isinstance(drain_timeout_s, bool) or drain_timeout_s < 0:
+        raise APIError(400, f"drain_timeout_s: expected seconds >= 0, got {drain_timeout_s!r}", param="drain_timeout_s")
+    if gw.manager is None or engine_id not in gw.manager.engines:
+        raise APIError(400, f"engine {engine_id!r} runs outside laps (external): it cannot change role here", param="id")
+    switches = request.app[SWITCHES]
+    if engine_id in switches:
+        raise APIError(409, f"engine {engine_id!r} is already switching role", type="conflict_error")
+    task = asyncio.get_running_loop().create_task(switch_role(gw, engine_id, role, float(drain_timeout_s)))
+    switches[engine_id] = task
+    task.add_done_callback(lambda t: _switch_done(switches, engine_id, role, t))
+    log.info("admin: engine %s switching to role %s", engine_id, role)
+    return web.json_response({"engine": engine_id, "role": role, "status": "switching"}, status=202)
+
+
+def _switch_done(switches: dict, engine_id: str, role: str, task: asyncio.Task) -> None:
+    switches.pop(engine_id, None)
+    if not task.cancelled() and task.exception() is not None:
+        log.error("admin: engine %s could not switch to %s: %s", engine_id, role, task.exception())
+
+
+def add_admin_routes(app: web.Application) -> None:
+    """Register the admin routes (and their switch registry) on ``app``."""
+    app[SWITCHES] = {}
+    app.router.add_get("/admin/engines", list_engines)
+    app.router.add_post("/admin/engines/{id}/role", set_role)
