@@ -14,11 +14,12 @@ from aiohttp.test_utils import TestServer
 from engines.manager import EngineManager, engine_command, engine_env, server_args
 from gateway.app import create_app
 from gateway.state import GATEWAY
-from laps.config import DEFAULT_CONFIG_PATH, Config, parse_config
+from laps.config import DEFAULT_CONFIG_PATH, Config, load_config, parse_config
 from tests import sglang_env
 from tests.fake_engine import FakeEngine
 
 MODEL = "Qwen2.5-7B-Instruct"
+EXAMPLE_H200X8 = DEFAULT_CONFIG_PATH.parent / "examples" / "h200x8.yaml"
 
 
 def shipped_data() -> dict:
@@ -121,10 +122,21 @@ def test_every_shipped_command_line_parses_in_sglang(sglang_python: Path):
             cases[f"{kind}/{role}"] = argv
         cpu = config_with([{"name": "e", "kind": "sglang", "role": role}], sglang={"extra_args": sglang_env.CPU_SERVER_ARGS})
         cases[f"sglang-cpu-test/{role}"] = engine_command(cpu, cpu.engines[0], 30000)[3:]
+    example = load_config(EXAMPLE_H200X8)
+    for engine in example.engines:
+        if engine.kind == "sglang":
+            cases[f"examples/h200x8.yaml/{engine.name}"] = engine_command(example, engine, engine.port)[3:]
     cases["a bad flag is caught"] = ["--model-path", MODEL, "--no-such-flag", "1"]
     errors = dict(zip(cases, sglang_env.parse_errors(sglang_python, list(cases.values()))))
     assert "unrecognized arguments: --no-such-flag" in errors.pop("a bad flag is caught")
     assert errors == {name: None for name in errors}
+
+
+def test_the_8xh200_example_uses_each_gpu_once_with_real_sglang_engines():
+    config = load_config(EXAMPLE_H200X8)
+    assert sorted(g for e in config.engines for g in e.gpus) == list(range(8))
+    assert {e.kind for e in config.engines} == {"sglang"}
+    assert [config.pool(e) for e in config.engines].count("short") == 2
 
 
 def test_a_sim_role_flag_the_engine_model_does_not_take_fails_before_any_process_starts():
