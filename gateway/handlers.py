@@ -190,17 +190,17 @@ class _StreamTap:
 async def _dispatch(request: web.Request, gw: Gateway, body: dict, path: str, prompt_ids: list[int], stream: bool, arrival_s: float) -> web.StreamResponse:
     rid = uuid.uuid4().hex
     deadline_s = _deadline_s(request, gw, arrival_s)
-    view, keys = classified_view(rid, prompt_ids, arrival_s, deadline_s, [e.id for e in gw.registry], gw.prefix_index, gw.classifier)
+    view, _ = classified_view(rid, prompt_ids, arrival_s, deadline_s, [e.id for e in gw.registry], gw.prefix_index, gw.classifier)
     try:
-        return await _attempt(request, gw, body, path, prompt_ids, stream, view, keys)
+        return await _attempt(request, gw, body, path, prompt_ids, stream, view)
     except EngineUnavailable as err:
         # Nothing reached the client: mark the engine down (the health poller brings it back) and try another once.
         gw.registry[err.engine_id].healthy = False
         log.warning("%s: engine %s unreachable (%s); retrying on another engine", rid, err.engine_id, err.message)
-        return await _attempt(request, gw, body, path, prompt_ids, stream, view, keys)
+        return await _attempt(request, gw, body, path, prompt_ids, stream, view)
 
 
-async def _attempt(request: web.Request, gw: Gateway, body: dict, path: str, prompt_ids: list[int], stream: bool, view: RequestView, keys: list[int]) -> web.StreamResponse:
+async def _attempt(request: web.Request, gw: Gateway, body: dict, path: str, prompt_ids: list[int], stream: bool, view: RequestView) -> web.StreamResponse:
     """Admit ``view`` to an engine and relay its answer (one try; see :func:`_dispatch`)."""
     rid, req_class, arrival_s = view.rid, view.request_class, view.arrival_s
     engine_id = await gw.dispatcher.admit(view)
