@@ -16,15 +16,20 @@ def engines(short: dict[str, float], long: dict[str, float]) -> list[EngineSigna
     return [EngineSignals(e, pool, gateway_queued_tokens=psi * 1000) for pool, psis in (("short", short), ("long", long)) for e, psi in psis.items()]
 
 
-def run_script(config: PressureControllerConfig, steps) -> None:
-    """Steps: ``("decide", now, short ψ, long ψ, expected move)`` or ``("done", engine, now)``."""
+def run_script(config: PressureControllerConfig, steps) -> list:
+    """Steps: ``("decide", now, short ψ, long ψ, expected move)`` or ``("done", engine, now)``.
+
+    Returns the controller's decision at every ``decide`` step, in order.
+    """
     controller = PressureController(config)
-    for i, step in enumerate(steps):
+    decisions = []
+    for step in steps:
         if step[0] == "done":
             controller.on_move_done(step[1], step[2])
             continue
-        _, now, short, long, expected = step
-        assert controller.decide(engines(short, long), now) == expected, f"step {i}: {step}"
+        _, now, short, long, _expected = step
+        decisions.append(controller.decide(engines(short, long), now))
+    return decisions
 
 
 SEQUENCES = {
@@ -80,7 +85,8 @@ SEQUENCES = {
 
 @pytest.mark.parametrize("steps", SEQUENCES.values(), ids=SEQUENCES.keys())
 def test_scripted_sequences(steps):
-    run_script(PressureControllerConfig(**SCRIPTED), steps)
+    expected = [step[4] for step in steps if step[0] == "decide"]
+    assert run_script(PressureControllerConfig(**SCRIPTED), steps) == expected
 
 
 @pytest.mark.parametrize(
