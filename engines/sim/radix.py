@@ -81,6 +81,14 @@ class RadixCache:
         Splits an edge matched part-way so the returned node ends at the match;
         marks the path as used now.
         """
+        return self._walk(ids, split=True)
+
+    def touch_prefix(self, ids: Sequence[int]) -> None:
+        """Mark the cached prefix of ``ids`` as used now, without splitting (SGLang's waiting-prefix refresh)."""
+        self._walk(ids, split=False)
+
+    def _walk(self, ids: Sequence[int], split: bool) -> tuple[int, RadixNode]:
+        """Follow ``ids`` down the tree, stamping each node on the path; (matched length, last node)."""
         ids = tuple(ids)  # no copy when it already is one
         self._clock += 1
         stamp = self._clock
@@ -90,7 +98,7 @@ class RadixCache:
             if child is None:
                 break
             n = _common_len(child.key, ids, pos)
-            if n < len(child.key):
+            if split and n < len(child.key):
                 child = self._split(child, n)
             child.last_access = stamp
             node = child
@@ -99,24 +107,6 @@ class RadixCache:
                 break
         self._touched(node)
         return pos, node
-
-    def touch_prefix(self, ids: Sequence[int]) -> None:
-        """Mark the cached prefix of ``ids`` as used now, without splitting (SGLang's waiting-prefix refresh)."""
-        ids = tuple(ids)  # no copy when it already is one
-        self._clock += 1
-        stamp = self._clock
-        node, pos, n_ids = self.root, 0, len(ids)
-        while pos < n_ids:
-            child = node.children.get(ids[pos])
-            if child is None:
-                break
-            n = _common_len(child.key, ids, pos)
-            child.last_access = stamp
-            node = child
-            pos += n
-            if n < len(child.key):
-                break
-        self._touched(node)
 
     def insert(self, ids: Sequence[int]) -> tuple[RadixNode, int]:
         """Cache ``ids``: (the node ending at its last token, tokens newly added to the tree)."""
