@@ -1,24 +1,36 @@
-"""Cost of the gateway's per-request decisions, with many conversations tracked.
+"""Cost of the gateway's per-request decisions with many conversations tracked, and the memory of that tracking.
 
-    python bench/decision_cost.py                       # 100k conversations, 8 engines
-    python bench/decision_cost.py --conversations 20000 --requests 5000
+    python bench/decision_cost.py --out runs/decision_cost.json          # 100k conversations, 8 engines, 1M for memory
+    python bench/decision_cost.py --conversations 20000 --requests 5000 --memory-conversations 200000 --out runs/dc.json
 
-What one request costs the gateway between tokenization and the HTTP call
-(`gateway/handlers.py`): block keys of the prompt and the prefix lookup on every
-engine (`policies.admission.classified_view`), classification, the scheduler's
+Decision (what `gateway/handlers.py` does for a follow-up turn once the new
+message is tokenized): extend the conversation's block chain by the new tokens
+(`policies.prefix_index.BlockChain.extend`: only new blocks are hashed, as
+`laps.chat_cache.ChatPrefixCache` does), the prefix lookup on every engine and
+classification (`policies.admission.classified_view_of_keys`), the scheduler's
 `submit` + `decide` (the ``pools`` scheduler, which dispatches at once so each
-timed decision ends in a dispatch; LAPS adds its AWD queue bookkeeping), and, when the answer is in, `observe` of prompt
-+ reply in the prefix index. The index first holds ``--conversations`` earlier
-conversations (the shipped 64 MiB budget over the engines, so older ones are
-evicted as on a busy gateway); then ``--requests`` follow-up turns of tracked
-conversations are timed one by one (``time.perf_counter_ns``). Tokenization of a
-~100-token chat is timed separately: it runs in an executor thread, off the loop.
-Target (issue 10): p99 <= 50 µs for the decision itself.
+timed decision ends in a dispatch); then, when the answer is in, `observe` of
+prompt + reply. The index first holds ``--conversations`` conversations of
+--turns turns each (the shipped 64 MiB budget over the engines, so older ones
+are evicted as on a busy gateway); then ``--requests`` follow-up turns of
+random tracked conversations are timed one by one (``time.perf_counter_ns``,
+with ``gc.freeze()`` after set-up so the collector does not rescan the
+long-lived index). Side by side: the same keys by full re-hashing
+(`block_keys` of the whole prompt, the cost before incremental chains), and
+tokenization of a ~100-token follow-up by full `encode_chat` vs the cache.
+
+Memory (``--memory-conversations``, default 1M distinct conversations; run
+first, in a fresh process, so the RSS growth is not hidden by freed memory):
+the RSS growth of a `PrefixIndex` with the shipped byte budget and of a
+`ChatPrefixCache` with its default budget while that many conversations pass
+through them; both must stay within their budgets.
+Targets (issue 10): decision p99 <= 50 µs; bounded memory under 1M conversations.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import random
 import statistics
@@ -26,14 +38,24 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+import orjson
+from rich.console import Console
+from rich.progress import track
+from rich.table import Table
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from laps.chat_cache import ChatPrefixCache  # noqa: E402
 from laps.config import load_config  # noqa: E402
 from laps.tokenizer import load_tokenizer  # noqa: E402
-from policies.admission import classified_view  # noqa: E402
-from policies.prefix_index import PrefixIndex, block_keys  # noqa: E402
+from policies.admission import classified_view_of_keys  # noqa: E402
+from policies.prefix_index import BYTES_PER_BLOCK_ENTRY, BlockChain, PrefixIndex, block_keys  # noqa: E402
 from policies.registry import make_classifier, make_scheduler  # noqa: E402
 from policies.types import EngineView  # noqa: E402
+
+TARGET_P99_US = 50.0
+console = Console(stderr=True)
 
 
 def percentiles_us(samples_ns: list[int]) -> dict[str, float]:
@@ -42,69 +64,205 @@ def percentiles_us(samples_ns: list[int]) -> dict[str, float]:
     return {"p50": q[49] / 1e3, "p90": q[89] / 1e3, "p99": q[98] / 1e3, "max": max(samples_ns) / 1e3}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--conversations", type=int, default=100_000, help="conversations tracked before timing (default: %(default)s)")
-    parser.add_argument("--requests", type=int, default=20_000, help="follow-up turns timed (default: %(default)s)")
-    parser.add_argument("--engines", type=int, default=8, help="engines, half short and half long (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    rng = random.Random(args.seed)
+def rss_bytes() -> int:
+    """Resident set size of this process (``/proc/self/statm``)."""
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class Turns:
+    """Synthetic token ids with chat-like lengths: turns of 20-200 tokens (numpy-drawn, seeded)."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = np.random.default_rng(seed)
+
+    def __call__(self) -> list[int]:
+        return self.rng.integers(1000, 150000, size=int(self.rng.integers(20, 201))).tolist()
+
+
+def decision_cost(args: argparse.Namespace) -> dict:
+    """Track ``args.conversations`` conversations, then time ``args.requests`` follow-up decisions (module doc)."""
     config = load_config()
+    rng = random.Random(args.seed)
+    turn = Turns(args.seed)
     engines = [EngineView(f"e{i}", "short" if i < args.engines // 2 else "long") for i in range(args.engines)]
     engine_ids = [e.id for e in engines]
-    index = PrefixIndex.from_byte_budget(config.scheduling.prefix_block_tokens, config.scheduling.prefix_index_bytes, args.engines)
+    block_tokens = config.scheduling.prefix_block_tokens
+    index = PrefixIndex.from_byte_budget(block_tokens, config.scheduling.prefix_index_bytes, args.engines)
     classifier = make_classifier(config.scheduling)
     scheduler = make_scheduler(config.scheduling.model_copy(update={"policy": "pools"}))
 
-    # Synthetic token ids with chat-like lengths: a 40-token system/user head, turns of 20-200 tokens.
-    def turn() -> list[int]:
-        return [rng.randrange(1000, 150000) for _ in range(rng.randint(20, 200))]
+    chains: list[BlockChain] = []
+    for c in track(range(args.conversations), description=f"tracking {args.conversations:,} conversations", console=console):
+        chain = BlockChain(block_tokens).extend([151644, 8948, 198])
+        for _ in range(args.turns):
+            chain = chain.extend(turn()).extend(turn())  # user message, then the reply
+        index.observe(engine_ids[c % args.engines], chain.keys, None)
+        chains.append(chain)
+    gc.collect()
+    gc.freeze()
 
-    history: list[list[int]] = []
-    print(f"tracking {args.conversations:,} conversations on {args.engines} engines ...", flush=True)
-    for c in range(args.conversations):
-        prompt = [151644, 8948, 198] + turn()
-        history.append(prompt)
-        index.observe(engine_ids[c % args.engines], block_keys(prompt + turn(), index.block_tokens), None)
-
-    decide_ns, observe_ns = [], []
+    decide_ns, observe_ns, prompt_tokens = [], [], []
     now = 0.0
-    for r in range(args.requests):
+    for r in track(range(args.requests), description=f"timing {args.requests:,} decisions", console=console):
         c = rng.randrange(args.conversations)
-        prompt = history[c] + turn()
+        new = turn()
         now += 0.001
         t0 = time.perf_counter_ns()
-        view, keys = classified_view(f"r{r}", prompt, now, now + config.slo.ttft_s, engine_ids, index, classifier)
+        prompt = chains[c].extend(new)
+        view = classified_view_of_keys(f"r{r}", prompt.tokens, prompt.keys, now, now + config.slo.ttft_s, engine_ids, index, classifier)
         scheduler.submit(view, now)
         decision = scheduler.decide(engines, now)
         t1 = time.perf_counter_ns()
         engine_id = decision.dispatches[0].engine_id
-        index.observe(engine_id, block_keys(prompt + turn(), index.block_tokens), None)
+        chains[c] = prompt.extend(turn())
+        index.observe(engine_id, chains[c].keys, None)
         scheduler.on_complete(view.rid, engine_id, now)
         t2 = time.perf_counter_ns()
         decide_ns.append(t1 - t0)
         observe_ns.append(t2 - t1)
+        prompt_tokens.append(prompt.tokens)
+    gc.unfreeze()
+
+    full_keys_ns = []
+    for n in rng.sample(prompt_tokens, min(2000, len(prompt_tokens))):
+        ids = list(range(1000, 1000 + n))
+        t0 = time.perf_counter_ns()
+        block_keys(ids, block_tokens)
+        full_keys_ns.append(time.perf_counter_ns() - t0)
 
     tokenizer = load_tokenizer()
-    chat = [{"role": "user", "content": "Explain in a few sentences why the sky is blue and why sunsets are red, " * 3}]
-    n_tokens = len(tokenizer.encode_chat(chat))
-    tok_ns = []
+    cache = ChatPrefixCache(tokenizer, block_tokens)
+    history = [{"role": "user", "content": "Explain in a few sentences why the sky is blue and why sunsets are red. " * 3},
+               {"role": "assistant", "content": "Sunlight scatters off air molecules; blue light scatters most. " * 3}]
+    cache.prompt(history[:1])
+    cache.prompt(history)
+    follow_up = history + [{"role": "user", "content": "And why is the sea blue? Answer in two sentences, please."}]
+    tok_full_ns, tok_cached_ns = [], []
     for _ in range(2000):
         t0 = time.perf_counter_ns()
-        tokenizer.encode_chat(chat)
-        tok_ns.append(time.perf_counter_ns() - t0)
+        tokenizer.encode_chat(follow_up)
+        t1 = time.perf_counter_ns()
+        lookup = cache.lookup(follow_up)
+        cache.encode(lookup)  # not stored: every iteration tokenizes the new message again
+        t2 = time.perf_counter_ns()
+        tok_full_ns.append(t1 - t0)
+        tok_cached_ns.append(t2 - t1)
 
     blocks = sum(index.blocks(e) for e in engine_ids)
-    print(f"machine: {os.cpu_count()} cores; prefix index holds {blocks:,} blocks "
-          f"(capacity {index.max_blocks:,} per engine, ~{blocks * 100 / 2**20:.0f} MiB)")
-    for name, samples in (("decision (lookup + classify + submit + decide)", decide_ns),
-                          ("after the answer (observe prompt + reply)", observe_ns),
-                          (f"tokenize a {n_tokens}-token chat (executor thread)", tok_ns)):
-        p = percentiles_us(samples)
-        print(f"{name:55s} p50 {p['p50']:7.1f} µs   p90 {p['p90']:7.1f}   p99 {p['p99']:7.1f}   max {p['max']:8.1f}")
-    p99 = percentiles_us(decide_ns)["p99"]
-    print(f"decision p99 {p99:.1f} µs vs target 50 µs: {'met' if p99 <= 50 else 'NOT met'}")
+    return {
+        "conversations": args.conversations, "turns": args.turns, "requests": args.requests, "engines": args.engines,
+        "prompt_tokens_mean": statistics.fmean(prompt_tokens),
+        "index_blocks": blocks, "index_capacity_per_engine": index.max_blocks,
+        "decision_us": percentiles_us(decide_ns),
+        "observe_us": percentiles_us(observe_ns),
+        "full_block_keys_us": percentiles_us(full_keys_ns),
+        "follow_up_tokens": len(tokenizer.encode_chat(follow_up)),
+        "tokenize_full_us": percentiles_us(tok_full_ns),
+        "tokenize_cached_us": percentiles_us(tok_cached_ns),
+    }
+
+
+def memory(args: argparse.Namespace) -> dict:
+    """RSS growth of the prefix index and the chat cache while ``args.memory_conversations`` distinct conversations pass."""
+    config = load_config()
+    block_tokens = config.scheduling.prefix_block_tokens
+    budget = config.scheduling.prefix_index_bytes
+    index = PrefixIndex.from_byte_budget(block_tokens, budget, args.engines)
+    rng = random.Random(args.seed)
+    gc.collect()
+    rss0 = rss_bytes()
+    offered = 0
+    for c in track(range(args.memory_conversations), description=f"prefix index: {args.memory_conversations:,} conversations", console=console):
+        prev, keys = c, []
+        for k in range(rng.randint(8, 40)):  # 128-640 tokens of distinct prefix per conversation
+            prev = hash((prev, k))
+            keys.append(prev)
+        offered += len(keys)
+        index.insert(f"e{c % args.engines}", keys)
+    gc.collect()
+    index_rss = rss_bytes() - rss0
+    blocks = sum(index.blocks(f"e{i}") for i in range(args.engines))
+
+    tokenizer = load_tokenizer()
+    cache = ChatPrefixCache(tokenizer, block_tokens)
+    words = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex jolly boxing frogs".split()
+    gc.collect()
+    rss1 = rss_bytes()
+    for c in track(range(args.memory_conversations), description=f"chat cache: {args.memory_conversations:,} conversations", console=console):
+        cache.prompt([{"role": "user", "content": f"conversation {c}: " + " ".join(rng.choices(words, k=rng.randint(20, 120)))}])
+    gc.collect()
+    cache_rss = rss_bytes() - rss1
+    return {
+        "conversations": args.memory_conversations,
+        "prefix_index": {
+            "budget_bytes": budget, "blocks_offered": offered, "blocks_held": blocks,
+            "capacity_blocks": index.max_blocks * args.engines, "rss_growth_bytes": index_rss,
+            "rss_bytes_per_block": index_rss / blocks, "assumed_bytes_per_block": BYTES_PER_BLOCK_ENTRY,
+            "bytes_per_conversation": index_rss / blocks * offered / args.memory_conversations,
+            "within_budget": index_rss <= budget,
+        },
+        "chat_cache": {
+            "budget_bytes": cache.max_bytes, "accounted_bytes": cache.nbytes, "chats_held": len(cache),
+            "rss_growth_bytes": cache_rss, "rss_bytes_per_chat": cache_rss / max(len(cache), 1),
+            "within_budget": cache_rss <= cache.max_bytes,
+        },
+        "rss_end_bytes": rss_bytes(),
+    }
+
+
+def print_report(result: dict) -> None:
+    """The decision percentiles against the target and full re-hashing; the memory figures against the budgets."""
+    d = result["decision"]
+    table = Table(title=f"per-request decision cost: {os.cpu_count()} CPU cores, {d['conversations']:,} conversations "
+                        f"× {d['turns']} turns tracked, {d['engines']} engines, prompts ~{d['prompt_tokens_mean']:.0f} tokens; "
+                        f"index {d['index_blocks']:,} blocks")
+    for col in ("", "p50 µs", "p90 µs", "p99 µs", "max µs"):
+        table.add_column(col, justify="right" if col else "left")
+    rows = (("decision (extend keys + lookup + classify + submit + decide)", "decision_us"),
+            ("after the answer (observe prompt + reply)", "observe_us"),
+            ("baseline: block_keys of the whole prompt", "full_block_keys_us"),
+            (f"tokenize a {d['follow_up_tokens']}-token follow-up: whole chat", "tokenize_full_us"),
+            ("tokenize it: chat cache (new message only)", "tokenize_cached_us"))
+    for label, key in rows:
+        p = d[key]
+        table.add_row(label, *(f"{p[s]:.1f}" for s in ("p50", "p90", "p99", "max")))
+    Console().print(table)
+    p99 = d["decision_us"]["p99"]
+    Console().print(f"decision p99 {p99:.1f} µs vs target {TARGET_P99_US:.0f} µs: {'met' if p99 <= TARGET_P99_US else 'NOT met'}")
+    m = result.get("memory")
+    if m:
+        pi, cc = m["prefix_index"], m["chat_cache"]
+        Console().print(
+            f"{m['conversations']:,} distinct conversations: prefix index holds {pi['blocks_held']:,} of {pi['blocks_offered']:,} blocks, "
+            f"RSS +{pi['rss_growth_bytes'] / 2**20:.1f} MiB (budget {pi['budget_bytes'] / 2**20:.0f} MiB, "
+            f"{'within' if pi['within_budget'] else 'OVER'}), {pi['rss_bytes_per_block']:.0f} B/block "
+            f"(assumed {pi['assumed_bytes_per_block']}), ~{pi['bytes_per_conversation']:.0f} B per tracked conversation; "
+            f"chat cache holds {cc['chats_held']:,} chats, RSS +{cc['rss_growth_bytes'] / 2**20:.1f} MiB "
+            f"(budget {cc['budget_bytes'] / 2**20:.0f} MiB, {'within' if cc['within_budget'] else 'OVER'}); "
+            f"process RSS {m['rss_end_bytes'] / 2**20:.0f} MiB")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--conversations", type=int, default=100_000, help="conversations tracked before timing (default: %(default)s)")
+    parser.add_argument("--turns", type=int, default=3, help="turns of each tracked conversation (default: %(default)s)")
+    parser.add_argument("--requests", type=int, default=20_000, help="follow-up turns timed (default: %(default)s)")
+    parser.add_argument("--engines", type=int, default=8, help="engines, half short and half long (default: %(default)s)")
+    parser.add_argument("--memory-conversations", type=int, default=1_000_000,
+                        help="distinct conversations for the memory check; 0 skips it (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, help="write the figures as JSON here")
+    args = parser.parse_args(argv)
+    if min(args.conversations, args.turns, args.requests, args.engines) < 1 or args.memory_conversations < 0:
+        parser.error("--conversations, --turns, --requests and --engines must be >= 1, --memory-conversations >= 0")
+    result = {"cpu_cores": os.cpu_count(), "loadavg": os.getloadavg()}
+    if args.memory_conversations:  # first, while the process has no freed memory that the structures could reuse
+        result["memory"] = memory(args)
+    result["decision"] = decision_cost(args)
+    print_report(result)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2) + b"\n")
     return 0
 
 

@@ -107,14 +107,8 @@ def run_point(policy: str, n_engines: int, dataset: str, conv_rate: float, durat
     }
 
 
-def plot(rows: list[dict], path: Path, title: str) -> None:
-    """Violation rate and P90 TTFT against achieved request rate, one line per policy."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+def plot_rate_panels(ax1, ax2, rows: list[dict], title: str) -> None:
+    """Draw violation rate (``ax1``) and P90 TTFT (``ax2``) against achieved request rate, one line per policy in ``rows``."""
     for policy in dict.fromkeys(r["policy"] for r in rows):
         pts = [r for r in rows if r["policy"] == policy]
         ax1.plot([r["rate_rps"] for r in pts], [100 * r["slo_violation_rate"] for r in pts], marker="o", label=policy)
@@ -125,6 +119,17 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
     ax1.legend(fontsize=8)
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    """Violation rate and P90 TTFT against achieved request rate, one line per policy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    plot_rate_panels(ax1, ax2, rows, title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -73,7 +73,7 @@ def server_args(config: Config, engine: EngineConfig, port: int, role: str | Non
     These are common to ``sglang`` and ``sim`` engines and spelled as SGLang
     0.5.23 spells them: model path and served name, host 127.0.0.1, ``port``,
     ``--tp-size`` (the number of the engine's GPUs, at least 1), metrics and
-    cache reports on, then the role's flags.
+    cache reports on, the :func:`pd_args` of a PD deployment, then the role's flags.
     """
     model_path = str(config.model.path) if config.model.path else config.model.name
     return [
@@ -84,8 +84,27 @@ def server_args(config: Config, engine: EngineConfig, port: int, role: str | Non
         "--tp-size", str(max(1, len(engine.gpus))),
         "--enable-metrics",
         "--enable-cache-report",
+        *pd_args(config, engine, role),
         *flag_args(config.roles[role or engine.role].flags),
     ]
+
+
+def pd_args(config: Config, engine: EngineConfig, role: str | None = None) -> list[str]:
+    """SGLang's prefill-decode disaggregation flags of ``engine`` with ``role`` (default: its configured role).
+
+    None without ``pd:``. A decode-pool role gives ``--disaggregation-mode
+    decode``, any other ``prefill`` plus the engine's
+    ``--disaggregation-bootstrap-port`` (:meth:`Config.bootstrap_port`: one
+    port per prefill engine, so several can share a node); both sides get
+    ``--disaggregation-transfer-backend`` from ``pd.transfer_backend``.
+    """
+    if config.pd is None:
+        return []
+    mode = "decode" if config.roles[role or engine.role].pool == "decode" else "prefill"
+    args = ["--disaggregation-mode", mode, "--disaggregation-transfer-backend", config.pd.transfer_backend]
+    if mode == "prefill":
+        args += ["--disaggregation-bootstrap-port", str(config.bootstrap_port(engine))]
+    return args
 
 
 def engine_command(config: Config, engine: EngineConfig, port: int, role: str | None = None) -> list[str]:
@@ -94,7 +113,7 @@ def engine_command(config: Config, engine: EngineConfig, port: int, role: str | 
     ``sglang``: ``python -m sglang.launch_server`` (``sglang.python``), the
     :func:`server_args`, then ``sglang.extra_args``. ``sim``: ``python -m
     engines.sim`` with this interpreter, the :func:`server_args`, then the
-    simulated model and GPU.
+    simulated model and GPU (and, with ``pd:``, the KV link's bandwidth).
 
     Raises:
         ValueError: ``engine`` is ``external`` (laps starts no process for it).
@@ -103,7 +122,8 @@ def engine_command(config: Config, engine: EngineConfig, port: int, role: str | 
     if engine.kind == "sglang":
         return [str(config.sglang.python or sys.executable), "-m", "sglang.launch_server", *args, *config.sglang.extra_args]
     if engine.kind == "sim":
-        return [sys.executable, "-m", "engines.sim", *args, "--sim-model", config.sim.model, "--sim-gpu", config.sim.gpu]
+        link = ["--sim-kv-link-gb-s", f"{config.pd.link_bytes_per_s / 1e9:g}"] if config.pd is not None else []
+        return [sys.executable, "-m", "engines.sim", *args, "--sim-model", config.sim.model, "--sim-gpu", config.sim.gpu, *link]
     raise ValueError(f"engine {engine.name} is external (at {engine.url}): laps starts no process for it")
 
 

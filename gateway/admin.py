@@ -18,7 +18,7 @@ import orjson
 from aiohttp import web
 
 from gateway.errors import APIError
-from gateway.role_switch import switch_role
+from gateway.role_switch import check_same_side, switch_role
 from gateway.state import GATEWAY, Gateway
 
 log = logging.getLogger("laps.gateway")
@@ -72,6 +72,10 @@ async def set_role(request: web.Request) -> web.Response:
     drain_timeout_s = body.get("drain_timeout_s", 60.0) if isinstance(body, dict) else None
     if not isinstance(role, str) or role not in gw.config.roles:
         raise APIError(400, f"role: expected one of {', '.join(sorted(gw.config.roles))}, got {role!r}", param="role")
+    try:
+        check_same_side(gw, engine_id, role)
+    except ValueError as err:
+        raise APIError(400, f"role: {err}", param="role") from None
     if not isinstance(drain_timeout_s, (int, float)) or isinstance(drain_timeout_s, bool) or drain_timeout_s < 0:
         raise APIError(400, f"drain_timeout_s: expected seconds >= 0, got {drain_timeout_s!r}", param="drain_timeout_s")
     if gw.manager is None or engine_id not in gw.manager.engines:
@@ -79,17 +83,25 @@ async def set_role(request: web.Request) -> web.Response:
     switches = request.app[SWITCHES]
     if engine_id in switches:
         raise APIError(409, f"engine {engine_id!r} is already switching role", type="conflict_error")
-    task = asyncio.get_running_loop().create_task(switch_role(gw, engine_id, role, float(drain_timeout_s)))
-    switches[engine_id] = task
-    task.add_done_callback(lambda t: _switch_done(switches, engine_id, role, t))
+    start_switch(switches, gw, engine_id, role, float(drain_timeout_s))
     log.info("admin: engine %s switching to role %s", engine_id, role)
     return web.json_response({"engine": engine_id, "role": role, "status": "switching"}, status=202)
+
+
+def start_switch(switches: dict[str, asyncio.Task], gw: Gateway, engine_id: str, role: str, drain_timeout_s: float) -> asyncio.Task:
+    """Start :func:`~gateway.role_switch.switch_role` as a task registered in ``switches`` (the app's
+    :data:`SWITCHES`) until it ends, so ``GET /admin/engines`` shows the engine ``switching`` and no
+    second switch of it can start (the admin API and the pressure controller both go through here)."""
+    task = asyncio.get_running_loop().create_task(switch_role(gw, engine_id, role, drain_timeout_s))
+    switches[engine_id] = task
+    task.add_done_callback(lambda t: _switch_done(switches, engine_id, role, t))
+    return task
 
 
 def _switch_done(switches: dict, engine_id: str, role: str, task: asyncio.Task) -> None:
     switches.pop(engine_id, None)
     if not task.cancelled() and task.exception() is not None:
-        log.error("admin: engine %s could not switch to %s: %s", engine_id, role, task.exception())
+        log.error("engine %s could not switch to %s: %s", engine_id, role, task.exception())
 
 
 def add_admin_routes(app: web.Application) -> None:

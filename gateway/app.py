@@ -2,8 +2,8 @@
 
 Start-up order (aiohttp ``cleanup_ctx``, each part cleaned only if it started):
 engine client -> engine processes (unless given URLs) -> tokenizer -> health
-poller. Shutdown runs the same list backwards, so no engine outlives the
-gateway.
+poller -> pressure controller (with ``controller.enabled``). Shutdown runs the
+same list backwards, so no engine outlives the gateway.
 """
 
 from __future__ import annotations
@@ -21,15 +21,18 @@ from engines.client import EngineClient
 from engines.manager import EngineManager
 from gateway import handlers
 from gateway.admin import SWITCHES, add_admin_routes
+from gateway.controller_loop import CONTROLLER, ControllerLoop
 from gateway.dispatcher import Dispatcher
 from gateway.engine_load import fetch_engine_load
 from gateway.errors import error_middleware
 from gateway.metrics import GatewayMetrics
+from gateway.pd_dispatch import PDDispatch
 from gateway.registry import EngineRegistry, EngineState
 from gateway.state import GATEWAY, Gateway
 from gateway.supervisor import EngineSupervisor
 from laps.config import Config
 from laps.tokenizer import load_tokenizer
+from policies.pool_signals import FirstTokenWindow
 from policies.registry import make_classifier, make_scheduler
 from policies.prefix_index import PrefixIndex
 
@@ -51,7 +54,8 @@ async def _poll_health(gw: Gateway, supervisor: EngineSupervisor) -> None:
 
 
 async def _mirror_kv_capacity(client: EngineClient, registry: EngineRegistry, prefix_index: PrefixIndex) -> None:
-    """Cap each engine's prefix estimate at its KV pool (``/v1/loads``); an engine that does not say keeps the byte budget."""
+    """Cap each engine's prefix estimate at its KV pool (``/v1/loads``) and record the pool on the engine's state (for
+    ``policy: backlog``); an engine that does not say keeps the byte budget and no capacity."""
     for engine in registry:
         try:
             load = await fetch_engine_load(client, engine.url)
@@ -59,6 +63,7 @@ async def _mirror_kv_capacity(client: EngineClient, registry: EngineRegistry, pr
             log.warning("engine %s: no KV capacity from /v1/loads (%r); its prefix estimate uses the byte budget only", engine.id, err)
             continue
         prefix_index.set_capacity(engine.id, load.max_total_tokens)
+        engine.kv_capacity_tokens = load.max_total_tokens
 
 
 def create_app(config: Config, engine_urls: dict[str, str] | None = None) -> web.Application:
@@ -79,17 +84,24 @@ def create_app(config: Config, engine_urls: dict[str, str] | None = None) -> web
             urls = engine_urls if manager is None else await manager.start(client.session)
             tokenizer = await asyncio.get_running_loop().run_in_executor(None, load_tokenizer, config.model.path)
             registry = EngineRegistry([EngineState(e.name, urls[e.name], config.pool(e)) for e in config.engines])
-            dispatcher = Dispatcher(make_scheduler(config.scheduling), registry)
+            first_tokens = FirstTokenWindow(config.controller.window_s) if config.controller.enabled else None
+            dispatcher = Dispatcher(make_scheduler(config.scheduling), registry, first_tokens=first_tokens)
             prefix_index = PrefixIndex.from_byte_budget(config.scheduling.prefix_block_tokens, config.scheduling.prefix_index_bytes, len(config.engines))
             await _mirror_kv_capacity(client, registry, prefix_index)
             gw = Gateway(config, tokenizer, registry, client, make_classifier(config.scheduling), dispatcher, prefix_index, GatewayMetrics(), manager)
+            gw.pd = PDDispatch.from_config(config, urls) if config.pd is not None else None
             gw.metrics.watch_scheduler(dispatcher.scheduler.stats)
             app[GATEWAY] = gw
             supervisor = EngineSupervisor(gw)
             poller = asyncio.create_task(_poll_health(gw, supervisor))
+            if config.controller.enabled:
+                app[CONTROLLER] = ControllerLoop(gw, app[SWITCHES])
+                app[CONTROLLER].start()
             log.info("serving %s with %d engines: %s", config.model.name, len(urls), ", ".join(f"{k}={v}" for k, v in urls.items()))
             yield
             poller.cancel()
+            if CONTROLLER in app:
+                await app[CONTROLLER].close()
             for switch in app[SWITCHES].values():  # admin role switches still draining or restarting
                 switch.cancel()
             await asyncio.gather(*app[SWITCHES].values(), return_exceptions=True)

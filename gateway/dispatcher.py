@@ -14,6 +14,7 @@ import time
 
 from gateway.errors import APIError
 from gateway.registry import EngineRegistry
+from policies.pool_signals import FirstTokenWindow
 from policies.scheduler import Scheduler
 from policies.types import RequestView
 
@@ -21,12 +22,19 @@ log = logging.getLogger("laps.gateway")
 
 
 class Dispatcher:
-    """The live runner of one scheduler; ``clock`` is ``time.monotonic`` unless a test injects one."""
+    """The live runner of one scheduler; ``clock`` is ``time.monotonic`` unless a test injects one.
 
-    def __init__(self, scheduler: Scheduler, registry: EngineRegistry, clock=time.monotonic) -> None:
+    With ``first_tokens`` (the pressure controller is on) every first token is
+    recorded there with its engine and whether it missed the request's deadline.
+    """
+
+    def __init__(self, scheduler: Scheduler, registry: EngineRegistry, clock=time.monotonic,
+                 first_tokens: FirstTokenWindow | None = None) -> None:
         self.scheduler = scheduler
+        self.clock = clock
+        self.first_tokens = first_tokens
         self._registry = registry
-        self._clock = clock
+        self._deadlines: dict[str, float] = {}  # dispatched requests' TTFT deadlines, kept only with first_tokens
         self._waiting: dict[str, tuple[RequestView, asyncio.Future[str]]] = {}
         self._timer: asyncio.TimerHandle | None = None
 
@@ -34,6 +42,10 @@ class Dispatcher:
     def queued(self) -> int:
         """Requests submitted and not yet dispatched."""
         return len(self._waiting)
+
+    def queued_requests(self) -> list[RequestView]:
+        """The requests submitted and not yet dispatched."""
+        return [request for request, _ in self._waiting.values()]
 
     async def admit(self, request: RequestView) -> str:
         """Submit ``request``; return the id of the engine it is dispatched to.
@@ -47,13 +59,13 @@ class Dispatcher:
         """
         future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._waiting[request.rid] = (request, future)
-        self.scheduler.submit(request, self._clock())
+        self.scheduler.submit(request, self.clock())
         self._decide()
         try:
             return await future
         except asyncio.CancelledError:
             if self._waiting.pop(request.rid, None) is not None:
-                self.scheduler.cancel(request.rid, self._clock())
+                self.scheduler.cancel(request.rid, self.clock())
                 self._decide()
             elif future.done() and not future.cancelled() and future.exception() is None:
                 self.complete(request, future.result())  # dispatched in the same instant
@@ -61,13 +73,16 @@ class Dispatcher:
 
     def first_token(self, rid: str, engine_id: str, reported_cached_tokens: int | None) -> None:
         """The engine produced the request's first token (its prefill is done)."""
-        self.scheduler.on_first_token(rid, engine_id, self._clock(), reported_cached_tokens)
+        if self.first_tokens is not None and rid in self._deadlines:
+            self.first_tokens.record(engine_id, self.clock(), self._deadlines.pop(rid))
+        self.scheduler.on_first_token(rid, engine_id, self.clock(), reported_cached_tokens)
         self._decide()
 
     def complete(self, request: RequestView, engine_id: str) -> None:
         """The request ended on ``engine_id`` (answered, failed or aborted)."""
         self._registry.release(engine_id, request.prompt_tokens)
-        self.scheduler.on_complete(request.rid, engine_id, self._clock())
+        self._deadlines.pop(request.rid, None)
+        self.scheduler.on_complete(request.rid, engine_id, self.clock())
         self._decide()
 
     def close(self) -> None:
@@ -75,7 +90,7 @@ class Dispatcher:
             self._timer.cancel()
 
     def _decide(self) -> None:
-        now = self._clock()
+        now = self.clock()
         try:
             decision = self.scheduler.decide(self._registry.views(), now)
         except Exception:
@@ -89,6 +104,8 @@ class Dispatcher:
             for rid in group.rids:
                 request, future = self._waiting.pop(rid)
                 self._registry.acquire(group.engine_id, request.prompt_tokens)
+                if self.first_tokens is not None:
+                    self._deadlines[rid] = request.deadline_s
                 future.set_result(group.engine_id)
         for rid in decision.rejected:
             _, future = self._waiting.pop(rid)

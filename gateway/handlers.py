@@ -22,16 +22,23 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
+from gateway import pd_dispatch
 from gateway.errors import APIError
-from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 from gateway.state import GATEWAY, Gateway
-from policies.admission import classified_view
-from policies.prefix_index import block_keys
+from laps.chat_cache import EncodedPrompt
+from policies.admission import classified_view_of_keys
+from policies.output_predictor import reply_token_counts
+from policies.prefix_index import BlockChain
 from policies.types import RequestView
 
 log = logging.getLogger("laps.gateway")
 
 SLO_HEADER = "x-laps-slo-ttft-s"
+# New prompt text up to this many characters (~200 tokens, ~35 µs of tiktoken) is tokenized on the event loop: a
+# hand-off to an executor thread and back costs about as much (~30 µs measured). Longer text goes to the executor,
+# so it does not hold the loop.
+INLINE_ENCODE_CHARS = 1024
 
 # Aborts and prefix-index updates outlive the handler that starts them; keep them referenced until done.
 _background: set[asyncio.Task] = set()
@@ -100,21 +107,47 @@ async def _serve(request: web.Request, schema: type[ChatCompletionRequest] | typ
     body = await _json_body(request)
     req = _validate(schema, body)
     _check_model(gw, req.model)
-    return await _dispatch(request, gw, body, path, await _prompt_ids(gw, req, body), req.stream, arrival_s)
+    return await _dispatch(request, gw, body, path, await _prompt_chain(gw, req, body), req.stream, arrival_s)
 
 
-async def _prompt_ids(gw: Gateway, req: ChatCompletionRequest | CompletionRequest, body: dict) -> list[int]:
-    """The prompt's token ids as the engine will count them (tokenizing off the event loop)."""
+async def _prompt_chain(gw: Gateway, req: ChatCompletionRequest | CompletionRequest, body: dict) -> EncodedPrompt:
+    """The prompt's length and prefix block keys, its tokens counted as the engine will count them.
+
+    A chat goes through ``gw.prompt_cache``: only the messages that no earlier request of its conversation had are
+    tokenized. Text longer than ``INLINE_ENCODE_CHARS`` is tokenized in an executor thread, off the event loop.
+    """
     loop = asyncio.get_running_loop()
     if isinstance(req, ChatCompletionRequest):
-        return await loop.run_in_executor(None, gw.tokenizer.encode_chat, req.chat())
+        lookup = gw.prompt_cache.lookup(req.chat())
+        if lookup.new_chars <= INLINE_ENCODE_CHARS:
+            encoded = gw.prompt_cache.encode(lookup)
+        else:
+            encoded = await loop.run_in_executor(None, gw.prompt_cache.encode, lookup)
+        gw.prompt_cache.store(lookup, encoded)
+        return encoded
     body["prompt"] = req.prompt  # a list of one string goes on as that string
     if isinstance(req.prompt, str):
-        return await loop.run_in_executor(None, gw.tokenizer.encode, req.prompt)
-    bad = next((t for t in req.prompt if not 0 <= t < gw.tokenizer.vocab_size), None)
-    if bad is not None:
-        raise APIError(400, f"prompt: token id {bad} is outside the vocabulary (0 .. {gw.tokenizer.vocab_size - 1})", param="prompt")
-    return req.prompt
+        if len(req.prompt) <= INLINE_ENCODE_CHARS:
+            ids = gw.tokenizer.encode(req.prompt)
+        else:
+            ids = await loop.run_in_executor(None, gw.tokenizer.encode, req.prompt)
+    else:
+        bad = next((t for t in req.prompt if not 0 <= t < gw.tokenizer.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"prompt: token id {bad} is outside the vocabulary (0 .. {gw.tokenizer.vocab_size - 1})", param="prompt")
+        ids = req.prompt
+    chain = BlockChain(gw.prefix_index.block_tokens).extend(ids)
+    return EncodedPrompt(chain, chain, None)
+
+
+def _output_hints(gw: Gateway, body: dict) -> tuple[int | None, tuple[int, ...]]:
+    """The request's output cap and, under ``policy: backlog`` only (tokenizing replies costs), the token
+    counts of its earlier assistant replies: what :mod:`policies.output_predictor` predicts from."""
+    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+    if gw.config.scheduling.policy != "backlog" or "messages" not in body:
+        return max_tokens, ()
+    replies = [{"role": "assistant", "content": ChatMessage.model_validate(m).text()} for m in body["messages"] if m["role"] == "assistant"]
+    return max_tokens, reply_token_counts(replies, gw.tokenizer.encode)
 
 
 def _deadline_s(request: web.Request, gw: Gateway, arrival_s: float) -> float:
@@ -163,12 +196,17 @@ class _StreamTap:
         self._pending = b""
 
     def feed(self, chunk: bytes) -> bytes:
-        """The complete events in ``pending + chunk`` that go on to the client."""
-        data = self._pending + chunk
+        """The complete events in ``pending + chunk`` that go on to the client (``chunk`` itself, uncopied,
+        when it holds whole events and none is dropped)."""
+        data = self._pending + chunk if self._pending else chunk
         end = data.rfind(b"\n\n") + 2
+        if end < 2:  # no complete event yet
+            self._pending = data
+            return b""
         self._pending = data[end:]
-        out = []
-        for event in data[:end].split(b"\n\n")[:-1]:
+        events = data[:end].split(b"\n\n")[:-1]
+        kept = []
+        for event in events:
             if event.startswith(b"data: {"):
                 try:
                     obj = orjson.loads(event[6:])
@@ -178,8 +216,10 @@ class _StreamTap:
                     self.reply.take(obj)
                     if self.drop_usage and obj.get("usage") and not obj.get("choices"):
                         continue
-            out.append(event + b"\n\n")
-        return b"".join(out)
+            kept.append(event)
+        if len(kept) == len(events):
+            return data if end == len(data) else data[:end]
+        return b"".join(event + b"\n\n" for event in kept)
 
     def flush(self) -> bytes:
         """Bytes left after the last complete event (forwarded as they are)."""
@@ -187,20 +227,21 @@ class _StreamTap:
         return rest
 
 
-async def _dispatch(request: web.Request, gw: Gateway, body: dict, path: str, prompt_ids: list[int], stream: bool, arrival_s: float) -> web.StreamResponse:
+async def _dispatch(request: web.Request, gw: Gateway, body: dict, path: str, prompt: EncodedPrompt, stream: bool, arrival_s: float) -> web.StreamResponse:
     rid = uuid.uuid4().hex
     deadline_s = _deadline_s(request, gw, arrival_s)
-    view, _ = classified_view(rid, prompt_ids, arrival_s, deadline_s, [e.id for e in gw.registry], gw.prefix_index, gw.classifier)
+    view = classified_view_of_keys(rid, prompt.prompt.tokens, prompt.prompt.keys, arrival_s, deadline_s, [e.id for e in gw.registry],
+                                   gw.prefix_index, gw.classifier, *_output_hints(gw, body))
     try:
-        return await _attempt(request, gw, body, path, prompt_ids, stream, view)
+        return await _attempt(request, gw, body, path, prompt, stream, view)
     except EngineUnavailable as err:
         # Nothing reached the client: mark the engine down (the health poller brings it back) and try another once.
         gw.registry[err.engine_id].healthy = False
         log.warning("%s: engine %s unreachable (%s); retrying on another engine", rid, err.engine_id, err.message)
-        return await _attempt(request, gw, body, path, prompt_ids, stream, view)
+        return await _attempt(request, gw, body, path, prompt, stream, view)
 
 
-async def _attempt(request: web.Request, gw: Gateway, body: dict, path: str, prompt_ids: list[int], stream: bool, view: RequestView) -> web.StreamResponse:
+async def _attempt(request: web.Request, gw: Gateway, body: dict, path: str, prompt: EncodedPrompt, stream: bool, view: RequestView) -> web.StreamResponse:
     """Admit ``view`` to an engine and relay its answer (one try; see :func:`_dispatch`)."""
     rid, req_class, arrival_s = view.rid, view.request_class, view.arrival_s
     engine_id = await gw.dispatcher.admit(view)
@@ -220,13 +261,15 @@ async def _attempt(request: web.Request, gw: Gateway, body: dict, path: str, pro
     outcome = "error"
     reply = _Reply()
     try:
-        if stream:
+        if gw.pd is not None:  # prefill-decode pair: engine_id prefills, a decode engine answers
+            response, outcome = await pd_dispatch.relay(request, gw, path, body, headers, view, engine_id, reply, stream)
+        elif stream:
             response, outcome = await _relay_stream(request, gw, engine.url, path, body, headers, view, engine_id, reply)
         else:
             response, outcome = await _relay_json(gw, engine.url, path, body, headers, view, engine_id, reply)
         if outcome == "ok":
             # The client has its whole answer; learning from it must not hold (or be cancelled with) the handler.
-            _in_background(_learn_from_reply(gw, engine_id, view, prompt_ids, reply))
+            _in_background(_learn_from_reply(gw, engine_id, view, prompt, reply))
         return response
     except APIError as err:
         err.headers.update(headers)  # which class and engine failed, as on every answer
@@ -246,17 +289,24 @@ async def _attempt(request: web.Request, gw: Gateway, body: dict, path: str, pro
         log.info("%s %s class=%s engine=%s prompt_tokens=%d cached_est=%d cached_reported=%s outcome=%s %.1f ms", rid, path, req_class, engine_id, view.prompt_tokens, view.cached_by_engine.get(engine_id, 0), reply.cached_tokens, outcome, 1e3 * (time.monotonic() - arrival_s))
 
 
-async def _learn_from_reply(gw: Gateway, engine_id: str, view: RequestView, prompt_ids: list[int], reply: _Reply) -> None:
-    """Correct the prefix index with the reported hit, then record prompt + reply as cached on the engine.
+async def _learn_from_reply(gw: Gateway, engine_id: str, view: RequestView, prompt: EncodedPrompt, reply: _Reply) -> None:
+    """Correct the prefix index with the reported hit, then record the chat + reply as cached on the engine.
 
     The engine's radix cache keeps the generated tokens too, so the next turn of
     the conversation (whose history holds this reply) re-prefills only its new
-    message; the reply is re-encoded from its text, as the next turn's template will.
+    message; the reply is encoded as the next turn's template renders it
+    (:meth:`laps.chat_cache.ChatPrefixCache.reply_chain`), and that chain is kept
+    so the next turn tokenizes only its new message.
     """
     if reply.cached_tokens is not None:
         gw.metrics.prefix_estimate_error.labels(view.request_class).observe(abs(view.cached_by_engine.get(engine_id, 0) - reply.cached_tokens))
-    reply_ids = await asyncio.get_running_loop().run_in_executor(None, gw.tokenizer.encode, "".join(reply.text)) if reply.text else []
-    gw.prefix_index.observe(engine_id, block_keys([*prompt_ids, *reply_ids], gw.prefix_index.block_tokens), reply.cached_tokens)
+    text = "".join(reply.text)
+    if len(text) <= INLINE_ENCODE_CHARS:
+        chain = gw.prompt_cache.reply_chain(prompt, text)
+    else:
+        chain = await asyncio.get_running_loop().run_in_executor(None, gw.prompt_cache.reply_chain, prompt, text)
+    gw.prompt_cache.store_reply(prompt, text, chain)  # the conversation's next request will tokenize its new message only
+    gw.prefix_index.observe(engine_id, chain.keys, reply.cached_tokens)
 
 
 def _upstream_error(status: int, payload: bytes, headers: dict) -> web.Response:

@@ -31,6 +31,9 @@ class GatewayMetrics:
             "laps_prefix_estimate_error_tokens", "|estimated - engine-reported| cached prompt tokens, per request", ["cls"],
             buckets=(0, 16, 64, 256, 1024, 4096, 16384), registry=self.registry)
         self.client_aborts = Counter("laps_client_disconnects", "Requests whose client went away before the end", ["cls"], registry=self.registry)
+        self.pool_engines = Gauge("laps_pool_engines", "Engines serving each pool (healthy, not switching) at the controller's last decision", ["pool"], registry=self.registry)
+        self.pool_pressure = Gauge("laps_pool_pressure", "The controller's pool pressure (P90 of its engines' pressures; NaN: no engine)", ["pool"], registry=self.registry)
+        self.controller_moves = Counter("laps_controller_moves", "Engines the controller moved between pools, by outcome (ok, failed)", ["from_pool", "to_pool", "outcome"], registry=self.registry)
 
 
     def watch_scheduler(self, stats: Callable[[], dict[str, float]]) -> None:

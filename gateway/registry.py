@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from policies.types import EngineView, RequestClass
+from policies.types import EngineView, Pool
 
 
 @dataclass
@@ -18,18 +18,21 @@ class EngineState:
     ``healthy`` follows the engine's ``/ready``; ``draining`` is set while the
     engine is being emptied for a restart. Policies see an engine as healthy
     only when it is healthy and not draining, so no new work goes to it.
+    ``kv_capacity_tokens`` is the engine's KV pool once it has reported it.
     """
 
     id: str
     url: str
-    pool: RequestClass
+    pool: Pool
     healthy: bool = True
     draining: bool = False
     in_flight: int = 0
     in_flight_prompt_tokens: int = 0
+    kv_capacity_tokens: int | None = None
 
     def view(self) -> EngineView:
-        return EngineView(self.id, self.pool, self.healthy and not self.draining, self.in_flight, self.in_flight_prompt_tokens)
+        return EngineView(self.id, self.pool, self.healthy and not self.draining, self.in_flight, self.in_flight_prompt_tokens,
+                          self.kv_capacity_tokens)
 
 
 class EngineRegistry:
@@ -45,7 +48,12 @@ class EngineRegistry:
         return self._engines[engine_id]
 
     def views(self) -> list[EngineView]:
-        return [e.view() for e in self._engines.values()]
+        """The prefill engines (pools ``short`` and ``long``), as the scheduler and the controller see them."""
+        return [e.view() for e in self._engines.values() if e.pool != "decode"]
+
+    def decode_views(self) -> list[EngineView]:
+        """The decode engines of a PD deployment (pool ``decode``), for the decode placement."""
+        return [e.view() for e in self._engines.values() if e.pool == "decode"]
 
     def acquire(self, engine_id: str, prompt_tokens: int) -> None:
         """Count a request as in flight on ``engine_id`` until :meth:`release`."""

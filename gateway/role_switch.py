@@ -13,6 +13,17 @@ log = logging.getLogger("laps.gateway")
 DRAIN_POLL_S = 0.05
 
 
+def check_same_side(gw: Gateway, engine_id: str, role: str) -> None:
+    """Refuse a move between the prefill and decode sides of a PD deployment (the decode pool is sized in config).
+
+    Raises:
+        ValueError: ``role``'s pool is ``decode`` and the engine's is not, or the other way round.
+    """
+    pool, new_pool = gw.registry[engine_id].pool, gw.config.roles[role].pool
+    if (pool == "decode") != (new_pool == "decode"):
+        raise ValueError(f"engine {engine_id!r} serves the {pool} pool and role {role!r} the {new_pool} pool: engines move between the short and long prefill pools only; the decode pool is sized in the config")
+
+
 async def switch_role(gw: Gateway, engine_id: str, role: str, drain_timeout_s: float = 60.0) -> None:
     """Restart engine ``engine_id`` with ``role``'s flags and move it to that role's pool.
 
@@ -27,7 +38,8 @@ async def switch_role(gw: Gateway, engine_id: str, role: str, drain_timeout_s: f
 
     Raises:
         ValueError: the gateway runs no engine processes, ``engine_id`` is not
-            one of them (unknown or external), or ``role`` is not defined.
+            one of them (unknown or external), ``role`` is not defined, or it
+            would move the engine between the prefill and decode sides.
         RuntimeError: the restarted engine did not become ready; it stays out
             of routing.
     """
@@ -36,6 +48,7 @@ async def switch_role(gw: Gateway, engine_id: str, role: str, drain_timeout_s: f
         raise ValueError(f"engine {engine_id!r} is not an engine process of this gateway; only those can change role")
     if role not in gw.config.roles:
         raise ValueError(f"role {role!r} is not defined under roles; allowed: {', '.join(sorted(gw.config.roles))}")
+    check_same_side(gw, engine_id, role)
     state = gw.registry[engine_id]
     state.draining = True
     started = time.monotonic()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -11,10 +12,14 @@ from engines.manager import EngineManager
 from gateway.dispatcher import Dispatcher
 from gateway.metrics import GatewayMetrics
 from gateway.registry import EngineRegistry
+from laps.chat_cache import ChatPrefixCache
 from laps.config import Config
 from laps.tokenizer import ChatTokenizer
 from policies.classifier import Classifier
 from policies.prefix_index import PrefixIndex
+
+if TYPE_CHECKING:
+    from gateway.pd_dispatch import PDDispatch
 
 
 @dataclass
@@ -22,7 +27,8 @@ class Gateway:
     """The gateway's long-lived parts: config, tokenizer, engines, classifier, dispatcher, prefix index, metrics.
 
     ``manager`` runs the engine processes; ``None`` when the gateway was given
-    the URLs of engines that run on their own.
+    the URLs of engines that run on their own. ``pd``: the decode placement and
+    bootstrap addresses of a prefill-decode deployment (``None``: no ``pd:``).
     """
 
     config: Config
@@ -34,6 +40,13 @@ class Gateway:
     prefix_index: PrefixIndex
     metrics: GatewayMetrics
     manager: EngineManager | None = None
+    pd: "PDDispatch | None" = None
+    prompt_cache: ChatPrefixCache | None = None  # built from ``tokenizer`` and the prefix block size when None
+
+
+    def __post_init__(self) -> None:
+        if self.prompt_cache is None:
+            self.prompt_cache = ChatPrefixCache(self.tokenizer, self.prefix_index.block_tokens)
 
 
 GATEWAY = web.AppKey("gateway", Gateway)

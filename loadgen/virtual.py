@@ -24,6 +24,17 @@ What runs is what runs live, minus sockets and the wall clock:
   loop steps it: the next pass starts the moment the previous one ends, before
   the gateway sees that pass's tokens.
 
+With ``controller.enabled`` the **pressure controller** runs as the gateway
+runs it (``gateway/controller_loop.py``): every ``controller.interval_s`` it
+decides on :func:`~policies.pool_signals.engine_signals` built from the same
+sources (requests held undispatched, each engine core's ``/v1/loads`` fields,
+first tokens against their deadlines), and a move is the live role switch
+(``gateway/role_switch.py``) in virtual time: the engine stops getting work,
+its in-flight requests finish (after ``controller.drain_timeout_s`` the rest
+fail with a 502, as when the live engine stops under them), it is down for
+``controller.sim_restart_s``, then a fresh engine core with the new role's
+flags (empty cache, its prefix-index entries forgotten) joins the other pool.
+
 The event loop is a heap of ``(time, seq, kind, payload)``; ``seq`` breaks ties
 in insertion order. Records are :class:`~loadgen.runner.RequestRecord` filled as
 the live runner fills them (TTFT at the first text token, ITL between text
@@ -43,6 +54,7 @@ import heapq
 import itertools
 import random
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import orjson
@@ -51,17 +63,34 @@ from engines.manager import server_args
 from engines.sim.args import parse_server_args, resolve_args
 from engines.sim.core import EngineCore, RequestEvent, StepResult
 from gateway.registry import EngineRegistry, EngineState
-from laps.config import Config
+from laps.config import Config, EngineConfig
 from laps.tokenizer import ChatTokenizer, load_tokenizer
 from loadgen.runner import Arrival, RequestRecord, error_text, plan_arrivals
 from loadgen.workloads import Workload
 from policies.admission import classified_view
+from policies.output_predictor import reply_token_counts
+from policies.controller import EngineSignals, Move, PressureController
+from policies.pool_signals import FirstTokenWindow, LoadSample, engine_signals, queued_new_tokens
 from policies.prefix_index import PrefixIndex, block_keys
 from policies.registry import make_classifier, make_scheduler
 from policies.types import RequestView
 
-_TURN, _STEP, _WAKE, _TIMEOUT, _ENGINE_IN, _CLIENT_IN = range(6)
+_TURN, _STEP, _WAKE, _TIMEOUT, _ENGINE_IN, _CLIENT_IN, _CALL = range(7)  # _CALL: payload() at that time
 NO_ENGINE_MESSAGE = "no healthy engine is available; retry later"  # the gateway dispatcher's 503
+
+
+def engine_core(config: Config, engine: EngineConfig, tokenizer: ChatTokenizer, role: str | None = None) -> EngineCore:
+    """The engine model of ``engine`` started with ``role``'s flags (default: its configured role); see :func:`engine_cores`.
+
+    Raises:
+        ValueError: the role's flags are not a valid (simulated) SGLang command line.
+    """
+    argv = [*server_args(config, engine, 0, role), "--sim-model", config.sim.model, "--sim-gpu", config.sim.gpu]
+    try:
+        sim = resolve_args(parse_server_args(argv))
+    except ValueError as err:
+        raise ValueError(f"engine {engine.name} (role {role or engine.role}): {err}") from None
+    return EngineCore(sim.config, sim.latency, tokenizer)
 
 
 def engine_cores(config: Config, tokenizer: ChatTokenizer) -> dict[str, EngineCore]:
@@ -73,15 +102,7 @@ def engine_cores(config: Config, tokenizer: ChatTokenizer) -> dict[str, EngineCo
     Raises:
         ValueError: a role's flags are not a valid (simulated) SGLang command line.
     """
-    cores = {}
-    for engine in config.engines:
-        argv = [*server_args(config, engine, 0), "--sim-model", config.sim.model, "--sim-gpu", config.sim.gpu]
-        try:
-            sim = resolve_args(parse_server_args(argv))
-        except ValueError as err:
-            raise ValueError(f"engine {engine.name} (role {engine.role}): {err}") from None
-        cores[engine.name] = EngineCore(sim.config, sim.latency, tokenizer)
-    return cores
+    return {engine.name: engine_core(config, engine, tokenizer) for engine in config.engines}
 
 
 class _Conversation:
@@ -127,6 +148,13 @@ class VirtualRun:
     aborted on its engine), as the live client's timeout does;
     ``serving_latency_s`` is the serving path's latency (module doc).
 
+    With ``config.controller.enabled``: ``controller`` is the pressure
+    controller; ``moves`` one dict per finished move (engine, pools, role,
+    start, drain and restart seconds, end, requests failed by the drain
+    timeout); ``control_log`` its ``stats()`` at every decision (with ``t``);
+    ``restart_engine_s`` / ``drain_engine_s`` the engine-seconds spent
+    restarting / draining for moves.
+
     Raises:
         ValueError: as :func:`engine_cores`; a negative ``serving_latency_s``.
     """
@@ -142,6 +170,7 @@ class VirtualRun:
         self.engines = {name: _Engine(name, core) for name, core in engine_cores(config, tokenizer).items()}
         for name, engine in self.engines.items():  # as the live gateway does from /v1/loads
             self.prefix_index.set_capacity(name, engine.core.config.max_total_tokens)
+            self.registry[name].kv_capacity_tokens = engine.core.config.max_total_tokens
         self.request_timeout_s = request_timeout_s
         self.ignore_eos = ignore_eos
         if serving_latency_s < 0:
@@ -159,6 +188,17 @@ class VirtualRun:
         self._failures: list[tuple[_Request, int, str]] = []
         self._duration_s = 0.0
         self._on_record: Callable[[RequestRecord], None] | None = None
+        self._engine_configs = {e.name: e for e in config.engines}
+        control = config.controller
+        self.controller = PressureController(control.pressure_config()) if control.enabled else None
+        self.first_tokens = FirstTokenWindow(control.window_s)
+        self.moves: list[dict[str, Any]] = []
+        self.control_log: list[dict[str, float]] = []
+        self.restart_engine_s = 0.0
+        self.drain_engine_s = 0.0
+        self._move_started_s = 0.0
+        self._drained_s: float | None = None  # when the moving engine's drain ended (None: still draining)
+        self._drain_failed = 0  # the moving engine's requests failed by the drain timeout
 
     def run(self, plan: list[Arrival], duration_s: float, on_record: Callable[[RequestRecord], None] | None = None,
             on_progress: Callable[[float], None] | None = None, progress_every_s: float = 1.0) -> list[RequestRecord]:
@@ -171,6 +211,8 @@ class VirtualRun:
         self._on_record = on_record
         for arrival in plan:
             self._push(arrival.start_s, _TURN, _Conversation(arrival))
+        if self.controller is not None:
+            self._push(self.config.controller.interval_s, _CALL, self._control)
         next_progress = 0.0
         heap = self._heap
         while heap:
@@ -187,6 +229,8 @@ class VirtualRun:
             elif kind == _WAKE:
                 if payload == self._wake_gen:
                     self._decide()
+            elif kind == _CALL:
+                payload()
             else:
                 self._on_timeout(payload)
             if self._to_kick:
@@ -212,8 +256,9 @@ class VirtualRun:
         rid = f"{c.id}/{k}"
         record = RequestRecord(c.id, c.source, k, turn.content, turn.max_tokens, now)
         prompt_ids = self.tokenizer.encode_chat(conv.history)
+        replies = reply_token_counts(conv.history, self.tokenizer.encode) if self.config.scheduling.policy == "backlog" else ()
         view, keys = classified_view(rid, prompt_ids, now, now + self.config.slo.ttft_s, self._engine_ids,
-                                     self.prefix_index, self.classifier)
+                                     self.prefix_index, self.classifier, turn.max_tokens, replies)
         record.laps_class = view.request_class
         req = _Request(conv, record, view, keys, prompt_ids)
         self._requests[rid] = req
@@ -310,6 +355,9 @@ class VirtualRun:
         self.registry.release(req.engine_id, req.view.prompt_tokens)
         self.scheduler.on_complete(req.view.rid, req.engine_id, self.now)
         self._decide()
+        moving = self.controller.in_progress if self.controller is not None else None
+        if moving is not None and moving.engine_id == req.engine_id and self._drained_s is None:
+            self._restart_if_drained(moving)
 
     # ---- engines -------------------------------------------------------------------------------
 
@@ -321,6 +369,8 @@ class VirtualRun:
 
     def _step(self, engine: _Engine) -> None:
         result = engine.core.step(self.now)
+        if result.admitted:  # tokens streamed at the pass's start (a PD decode engine's arrived requests)
+            self._send(engine.id, result.admitted)
         if result.idle:
             engine.busy = False
             self._send(engine.id, result.events)
@@ -345,26 +395,31 @@ class VirtualRun:
 
     def _deliver(self, engine_id: str, events: tuple[RequestEvent, ...]) -> None:
         now = self.now
-        special = self._special
         for ev in events:
             req = self._requests.get(ev.rid)
             if req is None or req.done:
                 continue  # timed out and withdrawn
-            rec = req.record
-            for token in ev.new_token_ids:
-                req.output_ids.append(token)
-                if token in special:
-                    continue  # EOS carries no text: the client sees no chunk content
-                if req.last_text_s is None:
-                    rec.ttft_s = now - rec.start_s
-                else:
-                    rec.itl_s.append(now - req.last_text_s)
-                req.last_text_s = now
+            self._record_tokens(req, ev)
             if ev.first_token:
+                if self.controller is not None:
+                    self.first_tokens.record(engine_id, now, req.view.deadline_s)
                 self.scheduler.on_first_token(ev.rid, engine_id, now, ev.cached_tokens)
                 self._decide()
             if ev.finished:
                 self._complete(req, ev)
+
+    def _record_tokens(self, req: _Request, ev: RequestEvent) -> None:
+        """The client receives ``ev``'s tokens now: TTFT at the first text token, ITL between text tokens."""
+        now, rec = self.now, req.record
+        for token in ev.new_token_ids:
+            req.output_ids.append(token)
+            if token in self._special:
+                continue  # EOS carries no text: the client sees no chunk content
+            if req.last_text_s is None:
+                rec.ttft_s = now - rec.start_s
+            else:
+                rec.itl_s.append(now - req.last_text_s)
+            req.last_text_s = now
 
     def _complete(self, req: _Request, ev: RequestEvent) -> None:
         rec = req.record
@@ -380,6 +435,76 @@ class VirtualRun:
         self._end(req)
         self._release(req)
 
+    # ---- the pressure controller (as gateway/controller_loop.py and gateway/role_switch.py) ----
+
+    def pool_signals(self) -> list[EngineSignals]:
+        """The controller's :class:`~policies.controller.EngineSignals` now (see :func:`~policies.pool_signals.engine_signals`)."""
+        queued = queued_new_tokens(r.view for r in self._requests.values() if r.engine_id is None and not r.done)
+        loads = {}
+        for engine_id, engine in self.engines.items():
+            s = engine.core.stats()
+            loads[engine_id] = LoadSample(s.num_waiting_uncached_tokens, s.num_running_reqs, s.token_usage)
+        return engine_signals(self.registry.views(), queued, loads, self.first_tokens, self.now)
+
+    def _control(self) -> None:
+        """One controller decision; the next one ``interval_s`` later while anything else is left to happen."""
+        assert self.controller is not None
+        move = self.controller.decide(self.pool_signals(), self.now)
+        self.control_log.append({"t": self.now, **self.controller.stats()})
+        if move is not None:
+            self._start_move(move)
+        if self._heap:
+            self._push(self.now + self.config.controller.interval_s, _CALL, self._control)
+
+    def _start_move(self, move: Move) -> None:
+        """Stop routing to the engine; it restarts once its in-flight requests are done or the drain timeout fails them."""
+        self.registry[move.engine_id].draining = True
+        self._move_started_s = self.now
+        self._drained_s = None
+        self._drain_failed = 0
+        self._push(self.now + self.config.controller.drain_timeout_s, _CALL, partial(self._drain_timeout, move))
+        self._restart_if_drained(move)
+
+    def _drain_timeout(self, move: Move) -> None:
+        if self._drained_s is not None or self.controller is None or self.controller.in_progress is not move:
+            return  # drained in time
+        engine_id = move.engine_id
+        message = (f"engine {engine_id} at virtual://{engine_id} failed: stopped for a role switch after "
+                   f"{self.config.controller.drain_timeout_s:g} s of draining")
+        stuck = [r for r in self._requests.values() if r.engine_id == engine_id and not r.done]
+        self._drain_failed = len(stuck)
+        self.engines[engine_id].core.abort_all()
+        for req in stuck:  # the last release restarts the engine
+            self._fail(req, 502, message)
+            self._release(req)
+
+    def _restart_if_drained(self, move: Move) -> None:
+        if self.registry[move.engine_id].in_flight:
+            return
+        self._drained_s = self.now
+        self.drain_engine_s += self.now - self._move_started_s
+        self._push(self.now + self.config.controller.sim_restart_s, _CALL, partial(self._rejoin, move))
+
+    def _rejoin(self, move: Move) -> None:
+        """The engine is back with the new role's flags (a fresh core, empty cache) and serves the other pool."""
+        assert self.controller is not None and self._drained_s is not None
+        engine_id, control = move.engine_id, self.config.controller
+        role = control.role_for(move.to_pool)
+        core = engine_core(self.config, self._engine_configs[engine_id], self.tokenizer, role)
+        self.engines[engine_id] = _Engine(engine_id, core)  # a step still pending on the old core finds nothing to send
+        self.prefix_index.forget_engine(engine_id)
+        self.prefix_index.set_capacity(engine_id, core.config.max_total_tokens)
+        self.first_tokens.forget_engine(engine_id)
+        state = self.registry[engine_id]
+        state.pool, state.draining = move.to_pool, False
+        state.kv_capacity_tokens = core.config.max_total_tokens
+        self.restart_engine_s += self.now - self._drained_s
+        self.moves.append({"engine": engine_id, "from_pool": move.from_pool, "to_pool": move.to_pool, "role": role,
+                           "start_s": self._move_started_s, "drain_s": self._drained_s - self._move_started_s,
+                           "restart_s": self.now - self._drained_s, "end_s": self.now, "drain_failed": self._drain_failed})
+        self.controller.on_move_done(engine_id, self.now)
+        self._decide()
+
 
 def simulate(config: Config, workload: Workload, *, duration_s: float, seed: int, rate: float | None = None,
              time_scale: float = 1.0, think_time_s: float = 1.0, think_dist: str = "exp",
@@ -392,12 +517,18 @@ def simulate(config: Config, workload: Workload, *, duration_s: float, seed: int
     arrivals come from ``random.Random(f"arrivals/{seed}")`` as there;
     ``serving_latency_s`` as for :class:`VirtualRun`.
     ``tokenizer`` defaults to the gateway's (``config.model.path``).
+    A prefill–decode deployment (``pd:``) runs as a :class:`loadgen.virtual_pd.VirtualPDRun`.
 
     Raises:
         ValueError: bad ``rate``/``time_scale``/``think_dist``, or an engine role the simulator cannot run.
     """
     plan = plan_arrivals(workload, duration_s=duration_s, rng=random.Random(f"arrivals/{seed}"), rate=rate,
                          time_scale=time_scale, think_time_s=think_time_s, think_dist=think_dist)
-    run = VirtualRun(config, tokenizer or load_tokenizer(config.model.path), request_timeout_s=request_timeout_s,
-                     ignore_eos=ignore_eos, serving_latency_s=serving_latency_s)
+    run_class = VirtualRun
+    if config.pd is not None:
+        from loadgen.virtual_pd import VirtualPDRun  # here, not at the top: that module imports this one
+
+        run_class = VirtualPDRun
+    run = run_class(config, tokenizer or load_tokenizer(config.model.path), request_timeout_s=request_timeout_s,
+                    ignore_eos=ignore_eos, serving_latency_s=serving_latency_s)
     return run.run(plan, duration_s, on_record=on_record, on_progress=on_progress)

@@ -21,6 +21,9 @@ Data sets (``--dataset`` names; files and licences in ``loadgen/data/README.md``
   single-turn requests: real text cut to a ``ContextTokens`` value drawn from
   the Azure rows above 1,024 tokens (so 1,025–14,050), ``max_tokens`` from the
   same row.
+* shifting (:func:`shifting_workload`, not a ``--dataset`` name: it takes
+  its own rate and phases) the ``mixed`` stream with a long share that
+  changes phase by phase, e.g. chat-heavy, then document-heavy, then back.
 * ``replay:PATH`` the turns recorded in a ``--trace-out`` JSONL file, each
   conversation starting at its recorded time.
 
@@ -30,12 +33,13 @@ shuffle. Every random choice comes from the ``random.Random`` passed in.
 
 from __future__ import annotations
 
+import bisect
 import csv
 import gzip
 import itertools
 import random
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 
@@ -262,10 +266,11 @@ def long_arrival_probability(long_share: float, mean_chat_turns: float) -> float
 
 
 def _mixed_stream(
-    chats: Sequence[Conversation], long_rows: Sequence[TraceRow], prompts: ExactLengthPrompts, p_long: float, rng: random.Random
+    chats: Sequence[Conversation], long_rows: Sequence[TraceRow], prompts: ExactLengthPrompts, p_longs: Iterable[float], rng: random.Random
 ) -> Iterator[Conversation]:
+    """Arrival i is a long request with probability ``p_longs[i]``, else the next chat; ends with ``p_longs``."""
     chat_stream = cycle_shuffled(chats, rng)
-    for i in itertools.count():
+    for i, p_long in enumerate(p_longs):
         if rng.random() < p_long:
             row = rng.choice(long_rows)
             yield Conversation(f"long-{i}", "long", (Turn(prompts.make(row.context_tokens), row.generated_tokens),))
@@ -291,6 +296,54 @@ def short_and_long_prompts(tokenizer: ChatTokenizer, rng: random.Random, n_short
     longs = [tokenizer.encode_chat([{"role": "user", "content": cutter.make(rng.choice(rows).context_tokens)}])
              for _ in range(n_long)]
     return [rng.choice(shorts) for _ in range(n_short)], longs
+
+
+@dataclass(frozen=True)
+class Phase:
+    """``duration_s`` seconds of a shifting workload in which ``long_share`` of the requests are long documents."""
+
+    duration_s: float
+    long_share: float
+
+
+def chat_docs_chat(chat_s: float, docs_s: float, back_s: float, chat_long_share: float = 0.05,
+                   docs_long_share: float = 0.5) -> tuple[Phase, Phase, Phase]:
+    """The three phases of the rebalancing experiment: chat-heavy, document-heavy, chat-heavy again."""
+    return Phase(chat_s, chat_long_share), Phase(docs_s, docs_long_share), Phase(back_s, chat_long_share)
+
+
+def shifting_workload(rng: random.Random, *, rate: float, phases: Sequence[Phase], tokenizer: ChatTokenizer | None = None,
+                      default_max_tokens: int = DEFAULT_MAX_TOKENS) -> Workload:
+    """A timed workload whose mix shifts: the ``mixed`` stream with each phase's long share.
+
+    Conversations start as a Poisson process at ``rate`` per second (gaps from
+    a generator seeded by ``rng``) until the phases end; a conversation that
+    starts in a phase is long with that phase's
+    :func:`long_arrival_probability`. Chats (hh-rlhf and MT-Bench) and long
+    documents (real text cut to Azure ContextTokens above 1,024) are those of
+    ``mixed``; a chat's later turns may fall in the next phase.
+
+    Raises:
+        ValueError: no phases, a phase of ``duration_s`` <= 0, a long share
+            outside [0, 1], or ``rate`` <= 0.
+    """
+    from loadgen.runner import poisson_times  # the runner imports this module
+
+    if not phases or any(p.duration_s <= 0 for p in phases):
+        raise ValueError(f"phases must be at least one phase, each with duration_s > 0; got {list(phases)}")
+    tok = tokenizer if tokenizer is not None else load_tokenizer(None)
+    chats = load_hh_rlhf(tok) + load_mtbench(default_max_tokens)
+    mean_turns = sum(len(c.turns) for c in chats) / len(chats)
+    p_long = [long_arrival_probability(p.long_share, mean_turns) for p in phases]
+    ends = list(itertools.accumulate(p.duration_s for p in phases))
+    times = list(itertools.takewhile(lambda t: t < ends[-1], poisson_times(rate, random.Random(rng.random()))))
+    long_rows = [r for r in load_azure_trace() if r.context_tokens > LONG_MIN_CONTEXT_TOKENS]
+    phase_of = [bisect.bisect_right(ends, t) for t in times]
+    stream = _mixed_stream(chats, long_rows, ExactLengthPrompts(tok, rng), (p_long[i] for i in phase_of), rng)
+    conversations = (replace(c, start_s=t) for t, c in zip(times, stream))
+    notes = ["shifting: " + ", then ".join(f"{p.duration_s:g} s with long share {p.long_share:g} (p_long {q:.3f})"
+                                          for p, q in zip(phases, p_long))]
+    return Workload("shifting", conversations, timed=True, notes=notes)
 
 
 def load_replay(path: Path) -> Workload:
@@ -355,7 +408,7 @@ def build_workload(
         chats = load_hh_rlhf(tok) + load_mtbench(default_max_tokens)
         p_long = long_arrival_probability(long_share, sum(len(c.turns) for c in chats) / len(chats))
         long_rows = [r for r in load_azure_trace() if r.context_tokens > LONG_MIN_CONTEXT_TOKENS]
-        stream = _mixed_stream(chats, long_rows, ExactLengthPrompts(tok, rng), p_long, rng)
+        stream = _mixed_stream(chats, long_rows, ExactLengthPrompts(tok, rng), itertools.repeat(p_long), rng)
         notes = [
             f"mixed: {p_long:.3f} of arrivals are long single-turn requests (long_share {long_share} of requests); "
             f"their ContextTokens come from the {len(long_rows)} Azure rows above {LONG_MIN_CONTEXT_TOKENS}"

@@ -16,9 +16,11 @@ Our reading of LAPS Algorithm 2 (DESIGN §2.7):
   and ``now ≥ t_done + T_cool``, t_done being when the last move finished
   (:meth:`PressureController.on_move_done`), so pressures measured on the new
   split settle before the next move;
-* the engine that moves is the donor's least loaded: fewest running
-  requests, then fewest backlog tokens, then the smallest id (deterministic),
-  so the drain that precedes its restart is the shortest;
+* the engine that moves is the donor's least loaded movable one (an
+  ``external`` engine counts in its pool's pressure but cannot be
+  restarted): fewest running requests, then fewest backlog tokens, then the
+  smallest id (deterministic), so the drain that precedes its restart is the
+  shortest; a donor with no movable engine gives none;
 * while either pool has no serving engine its pressure is unknown and
   nothing moves.
 
@@ -66,7 +68,8 @@ class EngineSignals:
     exceeded their SLO; 0 when there were none). From the engine's
     ``EngineLoad`` (``/v1/loads``): ``engine_waiting_tokens``
     (``waiting_uncached_tokens``), ``running_requests`` and ``kv_token_usage``
-    (``token_usage``, in [0, 1]).
+    (``token_usage``, in [0, 1]). ``movable``: the runner can restart it
+    with another role (not an ``external`` engine).
     """
 
     engine_id: str
@@ -76,6 +79,7 @@ class EngineSignals:
     ttft_slo_violation_share: float = 0.0
     running_requests: int = 0
     kv_token_usage: float = 0.0
+    movable: bool = True
 
     def __post_init__(self) -> None:
         if self.pool not in POOLS:
@@ -158,7 +162,10 @@ class PressureController:
         donor, receiver = ("short", "long") if long > short else ("long", "short")
         if abs(long - short) <= c.hysteresis or len(by_pool[donor]) <= c.min_pool_size:
             return None
-        engine = min(by_pool[donor], key=lambda e: (e.running_requests, e.backlog_tokens, e.engine_id))
+        movable = [e for e in by_pool[donor] if e.movable]
+        if not movable:
+            return None
+        engine = min(movable, key=lambda e: (e.running_requests, e.backlog_tokens, e.engine_id))
         self.in_progress = Move(engine.engine_id, donor, receiver)
         self.moves += 1
         return self.in_progress

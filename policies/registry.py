@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
+from policies.backlog_scheduler import BacklogScheduler
 from policies.classifier import Classifier, CostModelClassifier, PrefillCostModel, ThresholdClassifier
+from policies.decode_placement import AlignedPlacement, PlacementScheduler
 from policies.laps import LapsScheduler
 from policies.pool_router import PoolRouter
 from policies.router_baselines import BucketPicker, CacheAwarePicker, RoundRobinPicker
@@ -29,9 +31,13 @@ POLICIES: dict[str, Callable[[SchedulingConfig], Scheduler]] = {
     "round_robin": lambda s: ImmediateScheduler(RoundRobinPicker()),
     "cache_aware": lambda s: ImmediateScheduler(CacheAwarePicker()),
     "bucket": lambda s: ImmediateScheduler(BucketPicker()),
+    "aligned": lambda s: PlacementScheduler(AlignedPlacement(s.aligned)),
+    "backlog": lambda s: BacklogScheduler(s.backlog),
 }
 """Scheduling policies by ``scheduling.policy`` name: ``laps``, the length-aware pools without a
-window, and the router baselines over all engines (``least_load`` is unified FCFS)."""
+window, the router baselines over all engines (``least_load`` is unified FCFS), and ``aligned``
+(AlignedServe decode placement over all engines), ``backlog`` (Sorted-F / MC-SF / FCFS
+admission against each engine's KV pool)."""
 
 
 def make_scheduler(scheduling: SchedulingConfig) -> Scheduler:

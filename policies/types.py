@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from typing import Literal, Mapping
 
 RequestClass = Literal["short", "long"]
+Pool = Literal["short", "long", "decode"]
+"""An engine's pool: a request class it prefills, or ``decode`` (the decode side of a PD deployment)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,6 +20,9 @@ class RequestView:
     ``cached_by_engine``); the new tokens to prefill are ``L = prompt_tokens -
     cached_tokens``. ``request_class`` is set by the classifier before the
     request reaches a scheduler. Times are seconds on the caller's clock.
+    ``max_tokens``: the client's output cap (``None``: none sent); ``reply_tokens``:
+    token counts of the conversation's earlier assistant replies, oldest first
+    (filled only for policies that predict output lengths, else empty).
     """
 
     rid: str
@@ -27,6 +32,8 @@ class RequestView:
     deadline_s: float = math.inf
     request_class: RequestClass = "short"
     cached_by_engine: Mapping[str, int] = field(default_factory=dict)
+    max_tokens: int | None = None
+    reply_tokens: tuple[int, ...] = ()
 
     @property
     def new_tokens(self) -> int:
@@ -36,17 +43,25 @@ class RequestView:
 
 @dataclass(frozen=True, slots=True)
 class EngineView:
-    """One engine as a policy sees it: identity, pool, health and gateway-side load."""
+    """One engine as a policy sees it: identity, pool, health and gateway-side load.
+
+    Schedulers and the pool controller see only prefill engines (pool ``short``
+    or ``long``); decode engines (pool ``decode``) go to a decode placement.
+    ``kv_capacity_tokens``: the engine's KV pool (``max_total_tokens`` from
+    ``/v1/loads``), ``None`` until the engine has said.
+    """
 
     id: str
-    pool: RequestClass
+    pool: Pool
     healthy: bool = True
     in_flight: int = 0
     in_flight_prompt_tokens: int = 0
+    kv_capacity_tokens: int | None = None
 
     def with_dispatched(self, requests: int, prompt_tokens: int) -> "EngineView":
         """This view after ``requests`` more requests (``prompt_tokens`` in all) were sent to it."""
-        return EngineView(self.id, self.pool, self.healthy, self.in_flight + requests, self.in_flight_prompt_tokens + prompt_tokens)
+        return EngineView(self.id, self.pool, self.healthy, self.in_flight + requests, self.in_flight_prompt_tokens + prompt_tokens,
+                          self.kv_capacity_tokens)
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,8 @@ class FakeEngine:
     ``break_streams``: after the first chunk the engine drops the connection.
     ``error_reply``: ``(status, body)`` to answer every generation with.
     ``reported_cached_tokens``: the ``cached_tokens`` its stream usage reports.
+    ``hold_answers``: every generation waits for :attr:`answer` before answering
+    (:attr:`received` is set when one has arrived).
     """
 
     def __init__(self, name: str) -> None:
@@ -27,6 +29,9 @@ class FakeEngine:
         self.break_streams = False
         self.error_reply: tuple[int, bytes] | None = None
         self.reported_cached_tokens = 0
+        self.hold_answers = False
+        self.answer = asyncio.Event()
+        self.received = asyncio.Event()
         self.app = web.Application()
         self.app.router.add_get("/ready", self._ready)
         self.app.router.add_post("/v1/chat/completions", self._generate)
@@ -44,6 +49,9 @@ class FakeEngine:
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
+        self.received.set()
+        if self.hold_answers:
+            await self.answer.wait()
         if self.error_reply is not None:
             return web.Response(status=self.error_reply[0], body=self.error_reply[1])
         chunk = {"id": body["rid"], "choices": [{"index": 0, "delta": {"content": f"hi from {self.name}"}, "finish_reason": None}]}

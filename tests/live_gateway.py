@@ -49,6 +49,11 @@ class LiveGateway:
         """The running gateway's state (touch it only through :meth:`run` when it must not race the loop)."""
         return self._runner.app[GATEWAY]
 
+    @property
+    def app(self) -> web.Application:
+        """The running gateway's aiohttp application (its app keys: admin switches, controller, ...)."""
+        return self._runner.app
+
     def run(self, coro: Coroutine[Any, Any, T], timeout_s: float = 60.0) -> T:
         """Run ``coro`` on the gateway's loop and return its result (or raise its exception)."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)

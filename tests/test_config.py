@@ -29,9 +29,9 @@ def test_default_config_is_the_documented_deployment():
         (lambda d: d["engines"][0].update(kind="gpu"), ["engines.0.kind", "'sim'", "'gpu'"]),
         (lambda d: d["gateway"].update(prot=8000), ["gateway.prot: unknown key; allowed: admin_key, host, port, request_timeout_s"]),
         (lambda d: d["roles"]["mixed"].update(flag={}), ["roles.mixed.flag: unknown key; allowed: flags, pool"]),
-        (lambda d: d["engines"][0].update(colour="red"), ["engines.0.colour: unknown key; allowed: gpus, kind, name, port, role, url"]),
+        (lambda d: d["engines"][0].update(colour="red"), ["engines.0.colour: unknown key; allowed: bootstrap_port, gpus, kind, name, port, role, url"]),
         (lambda d: d["engines"][1].update(role="tiny"), ["engines.1.role", "'tiny'", "allowed: long-prefill, mixed, short-prefill"]),
-        (lambda d: d["roles"]["short-prefill"].update(pool="medium"), ["roles.short-prefill.pool", "'short' or 'long'", "'medium'"]),
+        (lambda d: d["roles"]["short-prefill"].update(pool="medium"), ["roles.short-prefill.pool", "'short', 'long' or 'decode'", "'medium'"]),
         (lambda d: d["engines"][1].update(name="sp0"), ["engines.1.name", "'sp0'", "more than one engine"]),
         (lambda d: d["gateway"].update(port=70000), ["gateway.port", "less than or equal to 65535", "70000"]),
         (lambda d: d.update(engines=[]), ["engines", "at least 1 item"]),
@@ -43,6 +43,10 @@ def test_default_config_is_the_documented_deployment():
         (lambda d: d["engines"][0].update(url="http://h:1"), ["engines.0.url", "only kind external takes a url"]),
         (lambda d: d["engines"][0].update(kind="external", gpus=[], url="h:1"), ["engines.0.url", "should match pattern"]),
         (lambda d: d.update(sglang={"pyhton": "/usr/bin/python3"}), ["sglang.pyhton: unknown key; allowed: env, extra_args, python"]),
+        (lambda d: d.update(controller={"hysterisis": 1}), ["controller.hysterisis: unknown key; allowed: cooldown_s, drain_timeout_s, enabled, hysteresis"]),
+        (lambda d: d.update(controller={"cooldown_s": -1}), ["controller.cooldown_s", "greater than or equal to 0", "-1"]),
+        (lambda d: d.update(controller={"enabled": True, "long_role": "mixed"}), ["controller.long_role: role 'mixed' serves the short pool, not the long pool"]),
+        (lambda d: d.update(controller={"enabled": True, "short_role": "tiny"}), ["controller.short_role: 'tiny' is not a role defined under roles; allowed: long-prefill, mixed, short-prefill"]),
     ],
 )
 def test_bad_config_names_key_value_and_allowed(edit, expected):
@@ -54,6 +58,17 @@ def test_bad_config_names_key_value_and_allowed(edit, expected):
     assert message.startswith("bad.yaml: invalid configuration")
     for fragment in expected:
         assert fragment in message
+
+
+def test_controller_is_off_by_default_and_its_roles_are_checked_only_when_on():
+    data = default_data()
+    assert load_config().controller.enabled is False
+    data["controller"] = {"short_role": "tiny"}  # off: not checked
+    assert parse_config(data).controller.role_for("short") == "tiny"
+    data["controller"] = {"enabled": True, "hysteresis": 2.0, "sim_restart_s": 30}
+    controller = parse_config(data).controller
+    assert (controller.role_for("short"), controller.role_for("long")) == ("short-prefill", "long-prefill")
+    assert controller.pressure_config().hysteresis == 2.0 and controller.sim_restart_s == 30.0
 
 
 def test_unreadable_and_non_yaml_files(tmp_path: Path):

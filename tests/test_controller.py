@@ -148,6 +148,17 @@ def test_donor_is_least_loaded(donors, expected):
     assert controller.decide(signals, now=0.0) == Move(expected, "short", "long")
 
 
+def test_external_engines_count_but_never_move():
+    controller = PressureController(PressureControllerConfig(**SCRIPTED))
+    # "a" is the least loaded but external; "b" moves. Both weigh in the short pool's pressure.
+    signals = [EngineSignals("a", "short", movable=False), EngineSignals("b", "short", running_requests=4),
+               EngineSignals("l", "long", gateway_queued_tokens=5000)]
+    assert controller.decide(signals, now=0.0) == Move("b", "short", "long")
+    only_external = PressureController(PressureControllerConfig(**SCRIPTED))
+    assert only_external.decide([signals[0], EngineSignals("x", "short", movable=False), signals[2]], now=0.0) is None
+    assert (only_external.moves, only_external.in_progress) == (0, None)
+
+
 def test_no_move_while_a_pool_is_empty():
     controller = PressureController(PressureControllerConfig(**SCRIPTED))
     assert controller.decide(engines({"a": 0.0, "b": 0.0, "c": 0.0}, {}), now=0.0) is None

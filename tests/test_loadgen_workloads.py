@@ -8,7 +8,9 @@ import pytest
 from laps.tokenizer import load_tokenizer
 from loadgen.workloads import (
     ExactLengthPrompts,
+    Phase,
     build_workload,
+    chat_docs_chat,
     cycle_shuffled,
     load_arena,
     load_azure_trace,
@@ -16,6 +18,7 @@ from loadgen.workloads import (
     load_mtbench,
     load_sharegpt,
     long_arrival_probability,
+    shifting_workload,
 )
 
 
@@ -143,3 +146,23 @@ def test_unknown_dataset_and_bad_share_are_refused(tok):
         build_workload("lmsys", random.Random(0), tokenizer=tok)
     with pytest.raises(ValueError, match="long_share"):
         build_workload("mixed", random.Random(0), tokenizer=tok, long_share=-0.1)
+
+
+def test_shifting_workload_changes_its_long_share_phase_by_phase(tok):
+    phases = chat_docs_chat(100.0, 100.0, 100.0, chat_long_share=0.0, docs_long_share=1.0)
+    assert phases == (Phase(100.0, 0.0), Phase(100.0, 1.0), Phase(100.0, 0.0))
+    workload = shifting_workload(random.Random(0), rate=2.0, phases=phases, tokenizer=tok)
+    conversations = list(workload.conversations)
+    assert workload.timed and workload.name == "shifting"
+    starts = [c.start_s for c in conversations]
+    assert starts == sorted(starts) and 0 < starts[0] and starts[-1] < 300.0
+    assert 480 < len(conversations) < 720  # Poisson, 2/s for 300 s: 600 ± 5 sigma
+    # Share 0 and 1: chats only, then documents only (single turns above 1,024 tokens), then chats only.
+    for lo, hi, source in ((0, 100, {"hh-rlhf", "mtbench"}), (100, 200, {"long"}), (200, 300, {"hh-rlhf", "mtbench"})):
+        assert {c.source for c in conversations if lo <= c.start_s < hi} <= source
+    doc = next(c for c in conversations if c.source == "long")
+    assert len(doc.turns) == 1 and len(tok.encode_chat([{"role": "user", "content": doc.turns[0].content}])) > 1024
+    again = shifting_workload(random.Random(0), rate=2.0, phases=phases, tokenizer=tok)
+    assert [(c.id, c.start_s) for c in again.conversations] == [(c.id, c.start_s) for c in conversations]
+    with pytest.raises(ValueError, match="phases"):
+        shifting_workload(random.Random(0), rate=2.0, phases=[], tokenizer=tok)

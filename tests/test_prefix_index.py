@@ -1,8 +1,10 @@
 """The per-engine prefix index: chained block keys, hits, LRU bound, correction by reported cached tokens."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from policies.prefix_index import PrefixIndex, block_keys
+from policies.prefix_index import CHAIN_OVERHEAD_BYTES, BlockChain, PrefixIndex, block_keys
 
 
 def test_block_keys_are_chained_over_full_blocks():
@@ -82,3 +84,18 @@ def test_byte_budget_is_split_over_engines_and_kv_capacity_caps_each():
     assert index.cached_tokens("a", block_keys(list(range(200)), 4)) == 0  # the oldest (leading) blocks went first
     with pytest.raises(ValueError, match="too small"):
         PrefixIndex.from_byte_budget(4, 10, 2)
+
+
+@settings(max_examples=300, deadline=None)
+@given(parts=st.lists(st.lists(st.integers(0, 151_000), max_size=40), max_size=6), block_tokens=st.integers(1, 17))
+def test_block_chain_extended_piece_by_piece_equals_block_keys_of_the_whole(parts, block_tokens):
+    chain = BlockChain(block_tokens)
+    whole: list[int] = []
+    for part in parts:
+        before = chain
+        chain = chain.extend(part)
+        whole += part
+        assert list(chain.keys) == block_keys(whole, block_tokens)
+        assert list(chain.tail) == whole[len(whole) - len(whole) % block_tokens:] and chain.tokens == len(whole)
+        assert before.tokens == len(whole) - len(part)  # extend never changes the chain it extends
+    assert chain.nbytes == 8 * (len(chain.keys) + len(chain.tail)) + CHAIN_OVERHEAD_BYTES

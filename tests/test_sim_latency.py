@@ -2,17 +2,28 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
+from engines.sim.args import parse_server_args, resolve_args
 from engines.sim.calibration import fit_latency, pass_anchor_rows
+from engines.sim.core import EngineCore
 from engines.sim.latency import (
+    ALIGNEDSERVE_DECODE_SPREAD,
     GPUS,
+    LLAMA2_7B,
     MODELS,
     GraphSpec,
+    LatencyModel,
+    alignedserve_anchor_batches,
     decode_graph_buckets,
+    decode_spread_fraction,
+    fit_alignedserve_spread,
     make_latency_model,
     prefill_graph_buckets,
 )
+from laps.tokenizer import load_tokenizer
 
 
 @pytest.fixture
@@ -159,3 +170,69 @@ def test_unknown_presets_raise():
         make_latency_model("llama-70b")
     with pytest.raises(ValueError, match="unknown sim gpu"):
         make_latency_model(gpu="b200")
+
+
+# ---- decode spread (AlignedServe calibration) -------------------------------------------------
+
+
+def test_alignedserve_anchor_is_reproduced_within_half_a_percent():
+    efficiency, kappa = fit_alignedserve_spread()
+    assert kappa == pytest.approx(ALIGNEDSERVE_DECODE_SPREAD, abs=5e-4)
+    model = LatencyModel(LLAMA2_7B, GPUS["h100"], memory_efficiency=efficiency, decode_spread_fraction=ALIGNEDSERVE_DECODE_SPREAD)
+    uniform, mixed = alignedserve_anchor_batches()
+    b_uniform, b_mixed = model.breakdown(uniform), model.breakdown(mixed)
+    assert not b_uniform.compute_bound and not b_mixed.compute_bound and b_uniform.graph == b_mixed.graph == 64
+    assert b_uniform.total_s == pytest.approx(13.49e-3, rel=5e-3)
+    assert b_mixed.total_s == pytest.approx(21.73e-3, rel=5e-3)
+    assert b_uniform.spread_s == 0.0
+    # spread_s = κ · (64·4696 − 56,704 = 243,840 padding tokens) · KV bytes per token / bandwidth
+    per_token_s = LLAMA2_7B.kv_bytes_per_token / (GPUS["h100"].measured_bw * efficiency)
+    assert b_mixed.spread_s == pytest.approx(ALIGNEDSERVE_DECODE_SPREAD * 243_840 * per_token_s, rel=1e-12)
+
+
+def test_a_roofline_explains_37_percent_of_the_alignedserve_increase():
+    efficiency, _ = fit_alignedserve_spread()
+    roofline = LatencyModel(LLAMA2_7B, GPUS["h100"], memory_efficiency=efficiency)
+    uniform, mixed = alignedserve_anchor_batches()
+    assert roofline.predict(uniform) == pytest.approx(13.49e-3, rel=1e-9)
+    assert roofline.predict(mixed) == pytest.approx(16.57e-3, abs=0.01e-3)
+    assert (roofline.predict(mixed) - 13.49e-3) / (21.73e-3 - 13.49e-3) == pytest.approx(0.373, abs=1e-3)
+
+
+def test_spread_is_charged_on_decode_padding_only(h200_7b):
+    spread = make_latency_model(decode_spread="alignedserve")
+    assert h200_7b.decode_spread_fraction == 0.0 and spread.decode_spread_fraction == ALIGNEDSERVE_DECODE_SPREAD
+    even, uneven = [(1, 1000)] * 8, [(1, 100)] * 7 + [(1, 7300)]  # same Σ H = 8,000
+    assert h200_7b.predict(even) == h200_7b.predict(uneven)  # pure roofline: only the sum counts
+    assert spread.predict(even) == h200_7b.predict(even)
+    c_kv = MODELS["qwen2.5-7b"].kv_bytes_per_token / (GPUS["h200"].measured_bw * spread.memory_efficiency)
+    # padding = 8 · 7300 − 8000 = 50,400 tokens
+    assert spread.predict(uneven) - h200_7b.predict(uneven) == pytest.approx(0.112 * 50_400 * c_kv, rel=1e-9)
+    # a prefill sequence in the pass adds no padding; the decodes' own spread still counts
+    assert spread.breakdown([(1, 100), (1, 900), (64, 0)]).spread_s == pytest.approx(0.112 * 800 * c_kv, rel=1e-9)
+    assert spread.breakdown([(1, 100), (1, 900)]) == spread.breakdown_totals(2, 2, 1002, 1004, decode=True, decode_padding_tokens=800)
+
+
+@pytest.mark.parametrize(("value", "kappa"), [("roofline", 0.0), ("alignedserve", 0.112), ("0.5", 0.5), (1, 1.0)])
+def test_decode_spread_presets_and_numbers(value, kappa):
+    assert decode_spread_fraction(value) == kappa
+
+
+@pytest.mark.parametrize("value", ["padded", "1.5", -0.1])
+def test_bad_decode_spread_is_refused(value):
+    with pytest.raises(ValueError, match="decode spread"):
+        make_latency_model(decode_spread=value)
+
+
+def test_engine_core_charges_the_running_batchs_spread():
+    sim = resolve_args(parse_server_args(["--sim-decode-spread", "alignedserve"]))
+    core = EngineCore(sim.config, sim.latency, load_tokenizer())
+    core.add_request("short", list(range(1000, 1100)), 8, ignore_eos=True)
+    core.add_request("long", list(range(2000, 5000)), 8, ignore_eos=True)
+    now, result = 0.0, core.step(0.0)
+    assert result.prefill  # both prompts prefill in one pass; each then holds its prompt's KV
+    now += result.duration_s
+    result = core.step(now)
+    assert result.num_decode_seqs == 2 and result.decode_context_tokens == 100 + 3000
+    assert result.duration_s == sim.latency.predict([(1, 100), (1, 3000)])
+    assert result.duration_s > dataclasses.replace(sim.latency, decode_spread_fraction=0.0).predict([(1, 100), (1, 3000)])

@@ -7,5 +7,6 @@
 * :mod:`engines.sim.calibration` — published anchors, the efficiency fit, closed-loop TTFT runs;
 * the real-time HTTP shell (``python -m engines.sim``): :mod:`~engines.sim.realtime` (engine loop),
   :mod:`~engines.sim.server` (native routes, app), :mod:`~engines.sim.openai_api`,
-  :mod:`~engines.sim.protocol`; the virtual-time shell is :mod:`loadgen.virtual`.
+  :mod:`~engines.sim.protocol`, :mod:`~engines.sim.pd_http` (the PD KV hand-off between engine processes);
+  the virtual-time shell is :mod:`loadgen.virtual`.
 """

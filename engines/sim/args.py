@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Sequence
 
 from engines.sim.core import SCHEDULE_POLICIES, EngineConfig, default_max_running_requests
+from engines.sim.kv_transfer import LINKS
 from engines.sim.latency import (
     GPUS,
     MIB,
@@ -40,6 +41,7 @@ from engines.sim.latency import (
 SGLANG_SCHEDULE_POLICIES = ("lpm", "random", "fcfs", "dfs-weight", "lof", "priority", "routing-key", "hrrn",
                             "shortest-prefill-first")
 GRAPH_BACKENDS = ("full", "breakable", "disabled")
+PD_TRANSFER_BACKENDS = ("mooncake", "nixl", "ascend", "fake", "mori", "mooncake_tcp")  # SGLang 0.5.23 arg_groups/choices.py
 FULL_PREFILL_TOKENS_PER_SLOT = 512  # full prefill graphs bake in chunked_prefill_size // 512 request slots
 
 
@@ -85,6 +87,12 @@ class SimServerArgs:
     enable_cache_report: bool = False
     sim_model: str | None = None
     sim_gpu: str = "h200"
+    sim_decode_spread: str = "roofline"
+    sim_zero_time: bool = False
+    disaggregation_mode: str = "null"
+    disaggregation_transfer_backend: str = "mooncake"
+    disaggregation_bootstrap_port: int = 8998
+    sim_kv_link_gb_s: float = LINKS["nvlink"].bandwidth_bytes_per_s / 1e9
     log_level: str = "info"
 
 
@@ -186,7 +194,7 @@ def resolve_args(args: SimServerArgs) -> ResolvedSim:
     default_chunk, _ = gpu_defaults(gpu_mib, args.tp_size)
     chunk = args.chunked_prefill_size if args.chunked_prefill_size is not None else default_chunk
     decode_graph, prefill_graph = _graphs(args, chunk, args.max_running_requests, gpu_mib)
-    latency = make_latency_model(sim_model, args.sim_gpu, args.tp_size, decode_graph, prefill_graph)
+    latency = make_latency_model(sim_model, args.sim_gpu, args.tp_size, decode_graph, prefill_graph, args.sim_decode_spread)
     mfs = args.mem_fraction_static or default_mem_fraction_static(
         gpu_mib, args.tp_size, chunk, args.max_prefill_tokens, decode_graph, prefill_graph)
     max_total = args.max_total_tokens or latency.max_total_tokens(mfs)
@@ -194,7 +202,7 @@ def resolve_args(args: SimServerArgs) -> ResolvedSim:
     max_running = args.max_running_requests or default_max_running_requests(max_total, context)
     if args.max_running_requests is None:  # the request slots are known only now; decode captures clamp to them
         decode_graph, prefill_graph = _graphs(args, chunk, max_running, gpu_mib)
-        latency = make_latency_model(sim_model, args.sim_gpu, args.tp_size, decode_graph, prefill_graph)
+        latency = make_latency_model(sim_model, args.sim_gpu, args.tp_size, decode_graph, prefill_graph, args.sim_decode_spread)
     config = EngineConfig(
         max_total_tokens=max_total,
         max_running_requests=max_running,
@@ -209,6 +217,7 @@ def resolve_args(args: SimServerArgs) -> ResolvedSim:
         disable_priority_preemption=args.disable_priority_preemption,
         schedule_conservativeness=args.schedule_conservativeness,
         random_seed=args.random_seed or 0,
+        disaggregation_mode=args.disaggregation_mode,
     )
     tokenizer_path = args.tokenizer_path or (args.model_path if Path(args.model_path).is_dir() else None)
     return ResolvedSim(args, sim_model, args.served_model_name or args.model_path, tokenizer_path, mfs, latency, config)
@@ -272,6 +281,21 @@ def build_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
                    help="put usage.prompt_tokens_details.cached_tokens in OpenAI responses")
     p.add_argument("--sim-model", choices=sorted(MODELS), help="simulated model (default: from --model-path)")
     p.add_argument("--sim-gpu", choices=sorted(GPUS), help=f"simulated GPU (default {d.sim_gpu})")
+    p.add_argument("--sim-decode-spread", metavar="KAPPA",
+                   help="share of a decode batch's padding waste n*max(ctx) - sum(ctx) that attention pays: "
+                        "'roofline' (0, a split-KV kernel), 'alignedserve' (0.112, fitted to AlignedServe's "
+                        f"Llama-7B/H100 figure) or a number in [0, 1] (default {d.sim_decode_spread})")
+    p.add_argument("--sim-zero-time", action="store_true",
+                   help="forward passes take no time (scheduling unchanged): only HTTP and scheduling cost remain, "
+                        "for gateway overhead benchmarks (bench/router_overhead.py)")
+    p.add_argument("--disaggregation-mode", choices=("null", "prefill", "decode"),
+                   help="PD disaggregation: prefill-only or decode-only engine (default null; see engines.sim.pd_http)")
+    p.add_argument("--disaggregation-transfer-backend", choices=PD_TRANSFER_BACKENDS,
+                   help=f"KV transfer backend (accepted; the sim models a link instead, default {d.disaggregation_transfer_backend})")
+    p.add_argument("--disaggregation-bootstrap-port", type=int,
+                   help=f"a prefill engine's KV bootstrap port (default {d.disaggregation_bootstrap_port})")
+    p.add_argument("--sim-kv-link-gb-s", type=float,
+                   help=f"simulated KV link bandwidth, GB/s, for PD transfers (default {d.sim_kv_link_gb_s:g}: NVLink)")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), help="log level (default info)")
     return p
 

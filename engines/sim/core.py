@@ -66,6 +66,22 @@ models, read from SGLang 0.5.23 (``managers/scheduler.py``
   per request still running; the retracted requeue at the back (entry time
   now) and are prefilled again with their reply so far.
 * ``max_new_tokens`` is clipped on arrival to the context length and the pool.
+* **Prefill–decode disaggregation** (``--disaggregation-mode``, SGLang's
+  ``disaggregation/prefill.py`` and ``decode.py``). A *prefill* engine runs a
+  request with ``max_new_tokens`` 1 for admission, as SGLang does; when its
+  prefill completes it samples the first token (event ``kv_ready``) and keeps
+  the KV pinned, outside the running batch, until the caller reports the
+  transfer done (:meth:`EngineCore.finish_transfer`); the prompt then stays in
+  its prefix cache. A *decode* engine takes requests only with their KV
+  (:meth:`EngineCore.add_transferred_request`), queues them FIFO and, at the
+  start of a pass, admits them (no prefill compute) while a request slot is free
+  and ``prompt + 512 ≤ room − 512·running`` (``--num-reserved-decode-tokens``
+  512 for each running request and the new one); the first token is streamed
+  then (``StepResult.admitted``) and the request decodes in that same pass.
+  SGLang's decode engine reserves this KV *before* the transfer starts (its
+  pre-allocation queue, which also holds the transfer back when the pool is
+  full); here the KV is taken when it arrives. A retracted request is
+  prefilled again on the decode engine (SGLang backs its KV up to the host).
 
 Replies are real token ids (:mod:`engines.sim.replies`); ``stop`` strings are
 matched on the decoded reply after every token.
@@ -92,6 +108,10 @@ IN_BATCH_PREFIX_CHECK_THRESHOLD = 32  # IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD
 IN_BATCH_PREFIX_DEPRIORITIZE_THRESHOLD = 32  # IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD
 WAITING_QUEUE_PREFIX_MATCH_MAX = 128
 WAITING_PREFIX_REFRESH_INTERVAL = 32
+
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
+"""``--disaggregation-mode`` values: a whole engine, a prefill-only engine, a decode-only engine."""
+NUM_RESERVED_DECODE_TOKENS = 512  # --num-reserved-decode-tokens (PD decode admission)
 
 SCHEDULE_POLICIES = ("fcfs", "lof", "random", "lpm", "hrrn", "shortest-prefill-first")
 """The ``--schedule-policy`` values the engine model implements."""
@@ -129,8 +149,11 @@ class EngineConfig:
     disable_priority_preemption: bool = False
     schedule_conservativeness: float = 1.0
     random_seed: int = 0
+    disaggregation_mode: str = "null"
 
     def __post_init__(self) -> None:
+        if self.disaggregation_mode not in DISAGGREGATION_MODES:
+            raise ValueError(f"--disaggregation-mode {self.disaggregation_mode}: choose from {', '.join(DISAGGREGATION_MODES)}")
         for name in ("max_total_tokens", "max_running_requests", "max_prefill_tokens", "context_length"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -155,7 +178,10 @@ class RequestEvent(NamedTuple):
     carries the first one; ``finish_reason``: None while running, else
     ``"stop"`` (``matched_stop`` is the EOS id or the stop string), ``"length"``
     or ``"abort"``; ``queue_time_s``: arrival to first admission, set with the
-    first token.
+    first token; ``kv_ready``: a prefill-only engine (``--disaggregation-mode
+    prefill``) finished this request's prefill and sampled its first token, and
+    now holds its KV for the transfer to a decode engine
+    (:meth:`EngineCore.finish_transfer` ends it).
     """
 
     rid: str
@@ -167,6 +193,7 @@ class RequestEvent(NamedTuple):
     finish_reason: str | None = None
     matched_stop: int | str | None = None
     queue_time_s: float | None = None
+    kv_ready: bool = False
 
     @property
     def finished(self) -> bool:
@@ -183,7 +210,9 @@ class StepResult:
     ``decode_context_tokens`` cached tokens in total; ``graph``: the CUDA-graph
     size that replayed the pass (None: eager). An idle step (nothing
     schedulable) has ``duration_s == 0`` and no sequences; it may still carry an
-    abort event.
+    abort event. ``admitted``: events at the pass's *start*, not its end: on a
+    decode-only engine, the first tokens of requests whose KV arrived, streamed
+    when they join the running batch before it decodes (SGLang's prebuilt batch).
     """
 
     duration_s: float
@@ -192,6 +221,7 @@ class StepResult:
     decode_context_tokens: int
     graph: int | None
     events: tuple[RequestEvent, ...]
+    admitted: tuple[RequestEvent, ...] = ()
 
     @property
     def idle(self) -> bool:
@@ -293,6 +323,8 @@ class EngineCore:
         self._running: list[_Req] = []
         self._chunked: _Req | None = None
         self._reqs: dict[str, _Req] = {}
+        self._transferring: dict[str, _Req] = {}  # prefill mode: KV held until the transfer is done
+        self._arrived: list[_Req] = []  # decode mode: KV arrived, not yet in the running batch
         self._private = 0  # KV tokens held by requests outside the tree
         self._running_ctx = 0  # Σ kv_len over running requests (a decode pass's cached context)
         self._batch_is_full = False
@@ -329,11 +361,51 @@ class EngineCore:
         ``max_total_tokens − prompt − 2``. ``priority`` counts only with
         priority scheduling (default: the lowest priority).
 
+        On a prefill-only engine the reply is planned in full (so its first
+        token is the one the decode engine continues from) but admission
+        reserves room for one new token, as SGLang sets ``max_new_tokens = 1``.
+
         Raises:
             ValueError: duplicate rid, empty prompt, negative max_new_tokens, or a
                 prompt (plus max_new_tokens) that does not fit the context length or the KV pool;
-                messages are SGLang's.
+                messages are SGLang's; on a decode-only engine always (requests
+                come with their KV: :meth:`add_transferred_request`).
         """
+        if self.config.disaggregation_mode == "decode":
+            raise ValueError("this engine runs --disaggregation-mode decode: requests arrive with their KV cache "
+                             "from a prefill engine (bootstrap_host/bootstrap_room), not as plain requests")
+        req = self._new_req(rid, input_ids, max_new_tokens, ignore_eos, stop, now, priority)
+        if self.config.disaggregation_mode == "prefill":
+            req.max_new_tokens = min(req.max_new_tokens, 1)
+        req.matched = self.tree.peek_prefix(req.input_ids[:-1])
+        req.arrival_processed = self._processed_tokens
+        self._reqs[rid] = req
+        self._waiting.append(req)
+
+    def add_transferred_request(self, rid: str, input_ids: Sequence[int], max_new_tokens: int | None,
+                                ignore_eos: bool = False, stop: Sequence[str] = (), now: float = 0.0,
+                                priority: int | None = None) -> None:
+        """A decode-only engine receives request ``rid`` whose prompt KV has just arrived at ``now``.
+
+        Arguments as for :meth:`add_request` (the same body the prefill engine
+        got). The request waits, FIFO, until a pass admits it (module doc);
+        its first token, the one the prefill engine sampled, is in that pass's
+        ``StepResult.admitted``.
+
+        Raises:
+            ValueError: the engine is not ``--disaggregation-mode decode``, or as
+                :meth:`add_request` for a bad request.
+        """
+        if self.config.disaggregation_mode != "decode":
+            raise ValueError(f"add_transferred_request needs --disaggregation-mode decode, "
+                             f"this engine runs {self.config.disaggregation_mode}")
+        req = self._new_req(rid, input_ids, max_new_tokens, ignore_eos, stop, now, priority)
+        self._reqs[rid] = req
+        self._arrived.append(req)
+
+    def _new_req(self, rid: str, input_ids: Sequence[int], max_new_tokens: int | None, ignore_eos: bool,
+                 stop: Sequence[str], now: float, priority: int | None) -> _Req:
+        """Validate a request and plan its reply (see :meth:`add_request`)."""
         cfg = self.config
         if rid in self._reqs:
             raise ValueError(f"Duplicate request ID: {rid}")
@@ -362,12 +434,8 @@ class EngineCore:
         detok = IncrementalDetokenizer(self._tokenizer) if stops else None
         if priority is None and cfg.enable_priority_scheduling:
             priority = sys.maxsize if cfg.schedule_low_priority_values_first else -sys.maxsize - 1
-        req = _Req(rid, tuple(input_ids), max_new, ignore_eos, stops, priority or 0, now, plan.token_ids,
-                   plan.finish_reason, detok)
-        req.matched = self.tree.peek_prefix(req.input_ids[:-1])
-        req.arrival_processed = self._processed_tokens
-        self._reqs[rid] = req
-        self._waiting.append(req)
+        return _Req(rid, tuple(input_ids), max_new, ignore_eos, stops, priority or 0, now, plan.token_ids,
+                    plan.finish_reason, detok)
 
     def abort(self, rid: str) -> RequestEvent | None:
         """End request ``rid`` now with ``"abort"``; None when it is unknown or already finished."""
@@ -376,6 +444,10 @@ class EngineCore:
             return None
         if req is self._chunked:
             self._chunked = None
+        elif rid in self._transferring:
+            del self._transferring[rid]
+        elif req in self._arrived:
+            self._arrived.remove(req)
         elif req in self._running:
             self._running.remove(req)
             self._running_ctx -= req.kv_len
@@ -384,9 +456,22 @@ class EngineCore:
             self._waiting.remove(req)
         return self._finish(req, "abort", None, ())
 
+    def finish_transfer(self, rid: str) -> RequestEvent | None:
+        """A prefill-only engine's KV transfer of ``rid`` is done: unpin its KV (kept as prefix cache) and end it.
+
+        Returns the final event (``finish_reason`` ``"length"``, no new tokens,
+        as SGLang's prefill engine ends a transferred request), or None when
+        ``rid`` is not waiting for its transfer here.
+        """
+        req = self._transferring.pop(rid, None)
+        if req is None:
+            return None
+        return self._finish(req, "length", None, ())
+
     def abort_all(self) -> list[RequestEvent]:
-        """Abort every unfinished request (queue order: chunked, running, waiting)."""
-        order = ([self._chunked] if self._chunked else []) + list(self._running) + list(self._waiting)
+        """Abort every unfinished request (queue order: chunked, transferring, running, arrived, waiting)."""
+        order = (([self._chunked] if self._chunked else []) + list(self._transferring.values()) + list(self._running)
+                 + list(self._arrived) + list(self._waiting))
         return [ev for ev in (self.abort(r.rid) for r in order) if ev is not None]
 
     def flush_cache(self) -> bool:
@@ -398,16 +483,18 @@ class EngineCore:
         return True
 
     def has_work(self) -> bool:
-        """True while any request is waiting or running."""
-        return bool(self._reqs)
+        """True while any request is waiting or running (not counting prefilled ones waiting for their KV transfer)."""
+        return len(self._reqs) > len(self._transferring)
 
     # ---- the step ---------------------------------------------------------------------------
 
     def step(self, now: float) -> StepResult:
-        """Schedule and apply one forward pass starting at ``now``; its events happen at ``now + duration_s``."""
+        """Schedule and apply one forward pass starting at ``now``; its events happen at ``now + duration_s``
+        (``admitted`` ones at ``now``)."""
         self._now = now
         if not self._running and self._chunked is None:
             self._ratio = self._init_ratio  # SGLang resets the ratio whenever it idles
+        admitted = self._admit_transferred() if self._arrived else ()
         events: list[RequestEvent] = []
         prefill = self._get_new_batch_prefill()
         decodes: list[_Req] = []
@@ -419,7 +506,7 @@ class EngineCore:
             retracted = self._update_running_batch(events)
             decodes = self._running
         if not prefill and not decodes:
-            return StepResult(0.0, (), 0, 0, None, tuple(events))
+            return StepResult(0.0, (), 0, 0, None, tuple(events), admitted)
         shapes = tuple((ext, req.kv_len) for req, ext in prefill)
         seqs, ctx = len(decodes), self._running_ctx if decodes else 0
         tokens, pairs, kv = seqs, ctx + seqs, ctx + 2 * seqs
@@ -427,7 +514,10 @@ class EngineCore:
             tokens += new
             pairs += new * cached + new * (new + 1) // 2
             kv += 2 * new + cached
-        breakdown = self.latency.breakdown_totals(seqs + len(shapes), tokens, pairs, kv, decode=not shapes)
+        # Decode length spread (engines.sim.latency, decode_spread_fraction): n·max(H) − Σ H.
+        padding = seqs * max(r.kv_len for r in decodes) - ctx if decodes and self.latency.decode_spread_fraction else 0
+        breakdown = self.latency.breakdown_totals(seqs + len(shapes), tokens, pairs, kv, decode=not shapes,
+                                                  decode_padding_tokens=padding)
         duration = breakdown.total_s
         decoding = list(decodes)
         for req, ext in prefill:
@@ -435,6 +525,9 @@ class EngineCore:
             self._cache_prefix(req)
             if req.kv_len < req.fill_len:
                 continue  # a chunk; the request stays self._chunked
+            if self.config.disaggregation_mode == "prefill":
+                events.append(self._hand_off(req))
+                continue
             self._running.append(req)
             self._running_ctx += req.kv_len
             events.append(self._produce(req))
@@ -454,7 +547,37 @@ class EngineCore:
         self._recent.append((now, duration, seqs))
         if len(self._recent) > 80:
             del self._recent[:-40]
-        return StepResult(duration, shapes, seqs, ctx, breakdown.graph, tuple(events))
+        return StepResult(duration, shapes, seqs, ctx, breakdown.graph, tuple(events), admitted)
+
+    # ---- prefill-decode disaggregation ----------------------------------------------------------
+
+    def _hand_off(self, req: _Req) -> RequestEvent:
+        """Prefill mode: sample the first token and hold the prompt's KV for the transfer (``kv_ready``)."""
+        self._transferring[req.rid] = req
+        new = req.plan[:1]
+        req.output_ids.extend(new)
+        return RequestEvent(req.rid, new, len(new), len(req.input_ids), req.cached_tokens or 0, True, None, None,
+                            req.queue_time_s, True)
+
+    def _admit_transferred(self) -> tuple[RequestEvent, ...]:
+        """Decode mode: move arrived requests (FIFO) into the running batch with their first token (module doc)."""
+        events = []
+        while self._arrived:
+            req = self._arrived[0]
+            n = len(req.input_ids)
+            running = len(self._running)
+            if running >= self.config.max_running_requests:
+                break
+            if running and n + NUM_RESERVED_DECODE_TOKENS * (running + 1) > self._room():
+                break  # an idle engine takes any prompt that fits its pool (add_request's check)
+            self._arrived.pop(0)
+            if not self._alloc(n):
+                raise RuntimeError("KV pool accounting error: an arrived request does not fit")
+            req.kv_len, req.cached_tokens, req.queue_time_s = n, 0, max(0.0, self._now - req.arrival)
+            self._running.append(req)
+            self._running_ctx += n
+            events.append(self._produce(req))
+        return tuple(events)
 
     # ---- waiting-queue order ------------------------------------------------------------------
 
@@ -752,7 +875,7 @@ class EngineCore:
         running = len(self._running) + (1 if self._chunked is not None else 0)
         return CoreStats(
             num_running_reqs=running,
-            num_waiting_reqs=len(self._waiting),
+            num_waiting_reqs=len(self._waiting) + len(self._arrived),
             num_waiting_uncached_tokens=waiting_uncached,
             num_used_tokens=used,
             num_total_tokens=used + sum(r.fill_len for r in self._waiting),

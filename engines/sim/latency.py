@@ -40,6 +40,35 @@ H200 mfu = 0.61 and mbu = 0.66 of peak. The anchors disagree with each other,
 so the fit is a log least-squares compromise, not a match to any one of them:
 16 tokens 4.9 ms (0%), 256 tokens 6.0 ms (+10%), 1024 tokens 22.8 ms (+67%),
 2048 tokens 46.0 ms (−11%), 8 × 64 tokens 11.5 ms (−39%).
+
+**Decode spread** (``decode_spread_fraction`` κ, flag ``--sim-decode-spread``). A decode
+step's attention reads each sequence's whole KV context: with ``s_i = H_i + 1`` tokens
+attended by the new token of sequence i, attention does ~2·s_i·h multiply-adds per layer per
+head dimension (h = heads·head_dim) and reads s_i tokens of KV, so under the roofline its time
+is proportional to Σ s_i, whatever the spread of the s_i. That holds for a *ragged* paged-attention
+kernel that balances work across SMs: FlashInfer's and FA3's decode kernels split a long
+sequence's KV into chunks (split-KV / flash-decoding), schedule the chunks over all SMs and merge
+the partial softmaxes, so 4 long sequences among 60 short ones cost what their tokens cost. A
+*padded* (non-ragged) kernel pays every sequence as if it were the longest, n·max(s); a kernel
+that gives each (sequence, KV head) a fixed share of the SMs without splitting finishes when the
+longest sequence does, which costs part of that padding. The model charges a share κ of the
+padding waste as extra KV bytes read:
+
+    decode attention tokens = Σ s_i + κ·(n·max(s) − Σ s_i)   (over the decode sequences of the pass)
+
+κ = 0 is the pure roofline (the default: SGLang 0.5.23 decodes with FlashInfer or FA3 on
+Hopper, both split-KV kernels, and every anchor above was fitted with κ = 0); κ = 1 is a fully
+padded kernel. :data:`DECODE_SPREAD_PRESETS` names ``roofline`` (0) and ``alignedserve``
+(:data:`ALIGNEDSERVE_DECODE_SPREAD`, fitted by :func:`fit_alignedserve_spread` to AlignedServe's
+figure: Llama-7B on an H100, 64 decoding requests with 600 generated tokens each take 13.49 ms per
+iteration when all prompts are 32 tokens and 21.73 ms (+61%) when 4 of them have 4,096-token
+prompts). How much of that +61% a roofline explains: with the bandwidth fitted to the 13.49 ms
+point (83% of the H100's peak), the extra Σ s_i alone (16,256 more KV tokens) gives 16.57 ms
+(+23%, 37% of the increase); the other 5.17 ms (63%) is imbalance, which needs κ = 0.112 (11% of
+the 243,840 padding tokens; a fully padded kernel, κ = 1, would take 63 ms).
+That imbalance is what split-KV kernels remove, so under the default model grouping requests by
+length changes a step's time only through Σ s_i, which placement moves between engines but does
+not reduce; with κ > 0 it also removes padding, the effect AlignedServe exploits.
 """
 
 from __future__ import annotations
@@ -202,7 +231,8 @@ class Breakdown:
     """One predicted forward pass. FLOPs and bytes are per GPU; times in seconds.
 
     ``graph`` is the captured size that replayed the pass (batch size for
-    decode, tokens for prefill), None when it ran eagerly.
+    decode, tokens for prefill), None when it ran eagerly. ``spread_s``: the part of
+    ``memory_s`` charged for the decode sequences' length spread (κ·padding, module doc).
     """
 
     flops: float
@@ -213,6 +243,7 @@ class Breakdown:
     comm_s: float
     fixed_s: float
     graph: int | None
+    spread_s: float = 0.0
 
     @property
     def total_s(self) -> float:
@@ -239,6 +270,8 @@ class LatencyModel:
     kernels per layer at ~15 µs of PyTorch dispatch each),
     ``breakable_launch_per_layer_s`` (one graph segment and one attention kernel
     per layer), ``graph_launch_s`` (one whole-graph replay). All seconds.
+    ``decode_spread_fraction``: κ in [0, 1], the share of the decode padding waste
+    n·max(s) − Σ s that attention pays (module doc; 0: pure roofline).
     """
 
     model: ModelSpec
@@ -254,9 +287,12 @@ class LatencyModel:
     breakable_launch_per_layer_s: float = 25e-6
     eager_launch_per_layer_s: float = 220e-6
     allreduce_latency_s: float = 8e-6
+    decode_spread_fraction: float = 0.0
     _const: tuple[float, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.decode_spread_fraction <= 1.0:
+            raise ValueError(f"decode_spread_fraction must be in [0, 1], got {self.decode_spread_fraction}")
         m, tp = self.model, self.tp_size
         flop_rate = self.gpu.measured_flops * self.compute_efficiency
         byte_rate = self.gpu.measured_bw * self.memory_efficiency
@@ -282,7 +318,8 @@ class LatencyModel:
         """FLOPs, bytes and times of one forward pass over ``batch`` ((L_i, H_i) pairs).
 
         A batch whose every L_i is 1 is a decode pass; any other is an extend
-        (prefill) pass, priced with the prefill graph.
+        (prefill) pass, priced with the prefill graph. The sequences with L_i = 1 are the
+        decodes whose spread ``decode_spread_fraction`` charges (module doc).
 
         Raises:
             ValueError: on an empty batch, L_i < 1 or H_i < 0.
@@ -290,17 +327,26 @@ class LatencyModel:
         if not batch:
             raise ValueError("a forward pass needs at least one sequence")
         tokens = pairs = kv = 0
+        decodes = decode_ctx = longest = 0
         for new, cached in batch:
             if new < 1 or cached < 0:
                 raise ValueError(f"bad sequence shape (L={new}, H={cached})")
             tokens += new
             pairs += new * cached + new * (new + 1) // 2
             kv += new + cached + new
-        return self.breakdown_totals(len(batch), tokens, pairs, kv, decode=tokens == len(batch))
+            if new == 1:
+                decodes += 1
+                decode_ctx += cached
+                longest = max(longest, cached)
+        return self.breakdown_totals(len(batch), tokens, pairs, kv, decode=tokens == len(batch),
+                                     decode_padding_tokens=decodes * longest - decode_ctx)
 
-    def breakdown_totals(self, seqs: int, tokens: int, attn_pairs: float, kv_tokens: int, decode: bool) -> Breakdown:
+    def breakdown_totals(self, seqs: int, tokens: int, attn_pairs: float, kv_tokens: int, decode: bool,
+                         decode_padding_tokens: float = 0.0) -> Breakdown:
         """:meth:`breakdown` from a batch's totals: S sequences, N new tokens, Σ L_i(H_i + (L_i+1)/2)
-        attention pairs and Σ (2·L_i + H_i) KV tokens moved; ``decode`` picks the decode graph."""
+        attention pairs and Σ (2·L_i + H_i) KV tokens moved; ``decode`` picks the decode graph;
+        ``decode_padding_tokens``: n·max(H) − Σ H over the pass's decode sequences (0 when they
+        are all as long), of which ``decode_spread_fraction`` is read as extra KV (module doc)."""
         m, tp = self.model, self.tp_size
         c_tok, c_seq, c_pair, c_weights, c_kv = self._const
         if decode:
@@ -317,7 +363,8 @@ class LatencyModel:
         else:
             launch = self.graph_launch_s
         compute_s = c_tok * linear_tokens + c_seq * seqs + c_pair * attn_pairs
-        memory_s = c_weights + c_kv * kv_tokens
+        spread_s = c_kv * self.decode_spread_fraction * decode_padding_tokens
+        memory_s = c_weights + c_kv * kv_tokens + spread_s
         comm_s = 0.0
         if tp > 1:
             per_allreduce = 2 * (tp - 1) / tp * tokens * m.hidden * m.dtype_bytes / self.gpu.nvlink_bw
@@ -326,7 +373,7 @@ class LatencyModel:
         flop_rate = self.gpu.measured_flops * self.compute_efficiency
         byte_rate = self.gpu.measured_bw * self.memory_efficiency
         return Breakdown(compute_s * flop_rate, memory_s * byte_rate, compute_s, memory_s, launch, comm_s, fixed,
-                         graph)
+                         graph, spread_s)
 
     def predict(self, batch: Sequence[SeqShape]) -> float:
         """Seconds one forward pass over ``batch`` ((L_i new, H_i cached) pairs) takes.
@@ -336,9 +383,10 @@ class LatencyModel:
         """
         return self.breakdown(batch).total_s
 
-    def predict_totals(self, seqs: int, tokens: int, attn_pairs: float, kv_tokens: int, decode: bool) -> float:
+    def predict_totals(self, seqs: int, tokens: int, attn_pairs: float, kv_tokens: int, decode: bool,
+                       decode_padding_tokens: float = 0.0) -> float:
         """Seconds of a pass given by its totals (see :meth:`breakdown_totals`); the engine's hot path."""
-        return self.breakdown_totals(seqs, tokens, attn_pairs, kv_tokens, decode).total_s
+        return self.breakdown_totals(seqs, tokens, attn_pairs, kv_tokens, decode, decode_padding_tokens).total_s
 
     def max_total_tokens(self, mem_fraction_static: float) -> int:
         """KV-pool size in tokens: (GPU memory · mem_fraction_static − weights/tp) / (KV bytes per token/tp).
@@ -356,17 +404,80 @@ class LatencyModel:
         return int(free // (m.kv_bytes_per_token / self.tp_size))
 
 
+LLAMA2_7B = ModelSpec("llama-2-7b", "meta-llama/Llama-2-7b-hf", 4096, 32, 32, 32, 11008, 32000, context_length=4096)
+"""Llama-2-7B's shape (AlignedServe's model; not a ``--sim-model`` preset). Its layers have no q/k/v
+biases; :attr:`ModelSpec.layer_params` counts 3·4096 bias parameters per layer anyway (0.006% more)."""
+
+ALIGNEDSERVE_ANCHOR_S = (13.49e-3, 21.73e-3)
+"""AlignedServe's decode-iteration times, Llama-7B on an H100: 64 requests with 32-token prompts at
+600 generated tokens, then 4 of them with 4,096-token prompts instead (the other 60 unchanged)."""
+
+
+def alignedserve_anchor_batches(generated: int = 600) -> tuple[list[SeqShape], list[SeqShape]]:
+    """The two decode batches of :data:`ALIGNEDSERVE_ANCHOR_S` as (L = 1, H = prompt + generated) pairs.
+
+    We read the baseline as all 64 requests with 32-token prompts (the paper's text gives the
+    mixed batch and the +61%; that the baseline keeps the batch at 64 is our assumption).
+    """
+    return [(1, 32 + generated)] * 64, [(1, 32 + generated)] * 60 + [(1, 4096 + generated)] * 4
+
+
+def fit_alignedserve_spread() -> tuple[float, float]:
+    """(memory_efficiency, κ) that make :data:`LLAMA2_7B` on an H100 hit both anchor times exactly.
+
+    Both batches are memory-bound full-graph decode passes, t = fixed + bytes / (bw · e): the
+    uniform batch fixes the bandwidth efficiency e, the mixed one then fixes κ (closed form).
+    κ is a share of padding, dimensionless, so it carries over to other models and GPUs as
+    :data:`ALIGNEDSERVE_DECODE_SPREAD`; e stays specific to this anchor.
+    """
+    uniform, mixed = alignedserve_anchor_batches()
+    probe = LatencyModel(LLAMA2_7B, GPUS["h100"], memory_efficiency=1.0)
+    t_uniform, t_mixed = ALIGNEDSERVE_ANCHOR_S
+    b_u, b_m = probe.breakdown(uniform), probe.breakdown(mixed)
+    efficiency = b_u.memory_s / (t_uniform - b_u.fixed_s)  # memory_s at e = 1 is bytes / bw
+    padding = len(mixed) * max(h for _, h in mixed) - sum(h for _, h in mixed)
+    per_token_s = LLAMA2_7B.kv_bytes_per_token / (GPUS["h100"].measured_bw * efficiency)
+    kappa = ((t_mixed - b_m.fixed_s) - b_m.memory_s / efficiency) / (per_token_s * padding)
+    return efficiency, kappa
+
+
+ALIGNEDSERVE_DECODE_SPREAD = 0.112
+"""κ fitted to AlignedServe's anchor (:func:`fit_alignedserve_spread` gives 0.1119)."""
+
+DECODE_SPREAD_PRESETS: dict[str, float] = {"roofline": 0.0, "alignedserve": ALIGNEDSERVE_DECODE_SPREAD}
+"""``--sim-decode-spread`` names: the pure roofline (default) and the AlignedServe calibration."""
+
+
+def decode_spread_fraction(value: str | float) -> float:
+    """κ from a :data:`DECODE_SPREAD_PRESETS` name or a number in [0, 1].
+
+    Raises:
+        ValueError: an unknown name, or a number outside [0, 1].
+    """
+    if isinstance(value, str) and value in DECODE_SPREAD_PRESETS:
+        return DECODE_SPREAD_PRESETS[value]
+    try:
+        kappa = float(value)
+    except ValueError:
+        raise ValueError(f"decode spread must be one of {sorted(DECODE_SPREAD_PRESETS)} or a number in [0, 1], got {value!r}") from None
+    if not 0.0 <= kappa <= 1.0:
+        raise ValueError(f"decode spread must be in [0, 1], got {kappa}")
+    return kappa
+
+
 def make_latency_model(
     model: str = "qwen2.5-7b",
     gpu: str = "h200",
     tp_size: int = 1,
     decode_graph: GraphSpec = DEFAULT_DECODE_GRAPH,
     prefill_graph: GraphSpec = DEFAULT_PREFILL_GRAPH,
+    decode_spread: str | float = "roofline",
 ) -> LatencyModel:
-    """A :class:`LatencyModel` from preset names (keys of :data:`MODELS` and :data:`GPUS`).
+    """A :class:`LatencyModel` from preset names (keys of :data:`MODELS` and :data:`GPUS`);
+    ``decode_spread``: κ as for :func:`decode_spread_fraction`.
 
     Raises:
-        ValueError: on an unknown preset name or tp_size < 1.
+        ValueError: on an unknown preset name, tp_size < 1 or a bad ``decode_spread``.
     """
     if model not in MODELS:
         raise ValueError(f"unknown sim model {model!r}; choose from {sorted(MODELS)}")
@@ -374,4 +485,5 @@ def make_latency_model(
         raise ValueError(f"unknown sim gpu {gpu!r}; choose from {sorted(GPUS)}")
     if tp_size < 1:
         raise ValueError(f"tp_size must be >= 1, got {tp_size}")
-    return LatencyModel(MODELS[model], GPUS[gpu], tp_size, decode_graph, prefill_graph)
+    return LatencyModel(MODELS[model], GPUS[gpu], tp_size, decode_graph, prefill_graph,
+                        decode_spread_fraction=decode_spread_fraction(decode_spread))

@@ -35,6 +35,8 @@ def _submit(engine: SimEngine, body: dict[str, Any], rid: str, ids: list[int], m
             ignore_eos: bool, stop: list[str]) -> Track:
     priority = field(body, "priority", (int,))
     try:
+        if engine.pd is not None:  # a PD engine: the bootstrap fields say where the KV comes from or goes
+            return engine.pd.submit(rid, body, ids, max_new, ignore_eos, stop, priority)
         return engine.submit(rid, ids, max_new, ignore_eos, stop, priority)
     except ValueError as err:
         raise ApiError(str(err)) from err

@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from engines.sim.args import ResolvedSim
 from engines.sim.core import EngineCore, RequestEvent
+from engines.sim.pd_http import PDShell
 from laps.tokenizer import ChatTokenizer
 
 log = logging.getLogger("engines.sim")
@@ -99,6 +100,7 @@ class SimEngine:
         self._tracks: dict[str, Track] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self.pd: PDShell | None = None  # the KV hand-off of a --disaggregation-mode prefill/decode engine
 
     async def start(self) -> None:
         """Start the forward-pass loop."""
@@ -137,16 +139,51 @@ class SimEngine:
         """
         if rid in self._tracks:
             raise ValueError(f"Duplicate request ID: {rid}")
-        now = self.clock()
-        self.core.add_request(rid, input_ids, max_new_tokens, ignore_eos, stop, now, priority)
-        track = Track(asyncio.Queue(), now, rid.startswith(HEALTH_CHECK_RID_PREFIX))
-        self._tracks[rid] = track
+        self.core.add_request(rid, input_ids, max_new_tokens, ignore_eos, stop, self.clock(), priority)
+        track = self.open_track(rid)
         self._wake.set()
         return track
 
+    def open_track(self, rid: str) -> Track:
+        """A track for ``rid`` whose request reaches the core later (a decode engine's, once its KV arrived).
+
+        Raises:
+            ValueError: ``rid`` already has a track.
+        """
+        if rid in self._tracks:
+            raise ValueError(f"Duplicate request ID: {rid}")
+        track = Track(asyncio.Queue(), self.clock(), rid.startswith(HEALTH_CHECK_RID_PREFIX))
+        self._tracks[rid] = track
+        return track
+
+    def add_transferred(self, rid: str, input_ids: list[int], max_new_tokens: int | None, ignore_eos: bool,
+                        stop: list[str], priority: int | None = None) -> None:
+        """Decode engine: ``rid``'s KV has arrived; hand it to the core (nothing if its client already left).
+
+        Raises:
+            ValueError: as :meth:`EngineCore.add_transferred_request`.
+        """
+        if rid not in self._tracks:
+            return
+        self.core.add_transferred_request(rid, input_ids, max_new_tokens, ignore_eos, stop, self.clock(), priority)
+        self._wake.set()
+
+    def finish_transfer(self, rid: str) -> bool:
+        """Prefill engine: ``rid``'s KV transfer is done; its request ends. False when none was in flight."""
+        event = self.core.finish_transfer(rid)
+        if event is None:
+            return False
+        self._deliver([event])
+        self._wake.set()  # its KV is now evictable cache: waiting requests may fit
+        return True
+
+    def deliver(self, events: Iterable[RequestEvent]) -> None:
+        """Hand events made outside a forward pass (e.g. a failed KV hand-off's abort) to their tracks."""
+        self._deliver(events)
+
     def abort(self, rid: str) -> bool:
         """Abort ``rid`` (its stream ends with ``abort``); False when it is not running here."""
-        event = self.core.abort(rid)
+        event = self.core.abort(rid) or (self.pd.cancel(rid) if self.pd is not None else None)
         if event is None:
             return False
         self._deliver([event])
@@ -174,6 +211,7 @@ class SimEngine:
             now = self.clock()
             start = planned if planned is not None and now - planned <= MAX_LAG_S else now
             result = self.core.step(start)
+            self._deliver(result.admitted)  # first tokens of transferred requests stream as their pass starts
             if result.idle:  # nothing schedulable; an abort it made (if any) may free room
                 self._deliver(result.events)
                 if not result.events:
@@ -181,7 +219,7 @@ class SimEngine:
                     await self._wake.wait()
                 planned = None
                 continue
-            planned = start + result.duration_s
+            planned = start + (0.0 if self.sim.args.sim_zero_time else result.duration_s)
             await asyncio.sleep(max(0.0, planned - self.clock()))
             self._deliver(result.events)
 
@@ -205,6 +243,8 @@ class SimEngine:
                 if not track.internal:
                     self._account_finish(ev, track, now)
             track.queue.put_nowait(ev)
+            if self.pd is not None:
+                self.pd.on_event(ev)
 
     def _account_finish(self, ev: RequestEvent, track: Track, now: float) -> None:
         m = self.metrics

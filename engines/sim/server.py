@@ -33,6 +33,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from engines.sim.args import SimServerArgs, resolve_args
 from engines.sim.core import RequestEvent
 from engines.sim.openai_api import chat_completions, completions
+from engines.sim.pd_http import PDShell
 from engines.sim.protocol import (
     ApiError,
     ReplyText,
@@ -131,7 +132,7 @@ async def model_info(request: web.Request) -> web.Response:
         "model_path": sim.args.model_path, "served_model_name": sim.served_model_name,
         "tokenizer_path": sim.tokenizer_path, "is_generation": True, "preferred_sampling_params": None,
         "weight_version": "default", "load_format": "sim", "reasoning_parser": None, "tool_call_parser": None,
-        "disaggregation_mode": "null", "has_image_understanding": False, "has_audio_understanding": False,
+        "disaggregation_mode": sim.args.disaggregation_mode, "has_image_understanding": False, "has_audio_understanding": False,
         "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"],
     })
 
@@ -184,7 +185,7 @@ def _load_dict(engine: SimEngine, include: set[str] | None) -> dict[str, Any]:
             "kv_cache_gb": round(s.max_total_num_tokens * m.kv_bytes_per_token / sim.latency.tp_size / 1e9, 3),
             "graph_gb": 0.0, "token_capacity": s.max_total_num_tokens}),
         "disaggregation": ("disagg", {
-            "mode": "null", "prefill_bootstrap_queue_reqs": 0, "prefill_inflight_queue_reqs": 0,
+            "mode": sim.args.disaggregation_mode, "prefill_bootstrap_queue_reqs": 0, "prefill_inflight_queue_reqs": 0,
             "decode_prealloc_queue_reqs": 0, "decode_transfer_queue_reqs": 0, "decode_retracted_queue_reqs": 0,
             "kv_transfer_speed_gb_s": 0.0, "kv_transfer_latency_ms": 0.0}),
         "queues": ("queues", {"waiting": s.num_waiting_reqs, "grammar": 0, "paused": 0, "retracted": 0,
@@ -235,6 +236,8 @@ async def health(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     if not engine.ready:
         return web.Response(status=503)
+    if engine.pd is not None and engine.pd.mode == "decode":  # takes requests only with KV from a prefill engine
+        return web.Response(status=200)
     rid = f"{HEALTH_CHECK_RID_PREFIX}_{uuid.uuid4().hex}"
     track = engine.submit(rid, [0], 1, False, [])
     try:
@@ -290,11 +293,23 @@ def create_app(args: SimServerArgs, tokenizer: ChatTokenizer | None = None) -> w
     app = web.Application(middlewares=[errors_middleware], client_max_size=64 * 1024 * 1024)
     engine = SimEngine(sim, tok)
     app[ENGINE] = engine
+    if args.disaggregation_mode != "null":
+        rank_kv_bytes_per_token = sim.latency.model.kv_bytes_per_token / sim.latency.tp_size  # each rank has its own link
+        engine.pd = PDShell(engine, args.disaggregation_mode, args.sim_kv_link_gb_s * 1e9, rank_kv_bytes_per_token)
 
     async def engine_ctx(_: web.Application) -> AsyncIterator[None]:
         await engine.start()
+        bootstrap = None
+        if engine.pd is not None and engine.pd.mode == "prefill":
+            bootstrap = web.AppRunner(engine.pd.bootstrap_app(), access_log=None)
+            await bootstrap.setup()
+            await web.TCPSite(bootstrap, args.host, args.disaggregation_bootstrap_port).start()
         yield
         await engine.stop()
+        if engine.pd is not None:
+            await engine.pd.close()
+        if bootstrap is not None:
+            await bootstrap.cleanup()
 
     app.cleanup_ctx.append(engine_ctx)
     app.router.add_post("/v1/chat/completions", chat_completions)

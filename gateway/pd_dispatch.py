@@ -1,0 +1,273 @@
+"""Prefill–decode (PD) dispatch: one request goes to a prefill engine and a decode engine at once.
+
+The scheduler has already chosen the prefill engine (it sees only the prefill
+pools; :meth:`gateway.registry.EngineRegistry.views`). :func:`relay` then
+
+1. picks the decode engine with the decode placement
+   (:func:`policies.decode_placement.make_decode_placement`, ``scheduling.decode_placement``)
+   over :meth:`~gateway.registry.EngineRegistry.decode_views`;
+2. adds SGLang's PD routing fields to the request body, as SGLang's own PD
+   router does (sglang-router ``mini_lb``; SGLang 0.5.23
+   ``entrypoints/openai/protocol.py`` ``PDRoutingFields``: top-level keys of
+   the OpenAI body): ``bootstrap_host`` (the prefill engine's host),
+   ``bootstrap_port`` (its KV bootstrap port, :meth:`laps.config.Config.bootstrap_port`)
+   and ``bootstrap_room`` (a random 63-bit integer naming this transfer);
+3. sends the same body to both engines concurrently and relays the decode
+   engine's answer (stream or JSON); the prefill engine's answer is read and
+   only its ``cached_tokens`` kept: its prefix cache is the one the next turn
+   hits, so the prefix index learns the prompt there (not the reply: a
+   prefill engine never computes the reply's KV);
+4. ends both sides together: a client that goes away aborts both (the
+   prefill side by the caller, :func:`gateway.handlers._attempt`); a failure
+   on either side aborts the other and reaches the client as one OpenAI
+   error naming the engine (``x-laps-failed-engine``), as an HTTP error
+   before the stream starts and as an in-stream error event after.
+
+The prefill engine counts the request in its gateway-side load only until its
+prefill answer is in (its first token: the scheduler hears it then); the
+decode engine counts it until the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from urllib.parse import urlparse
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from gateway import handlers
+from gateway.errors import APIError
+from gateway.state import Gateway
+from laps.config import Config
+from policies.decode_placement import DecodePlacement, make_decode_placement
+from policies.types import RequestView
+
+log = logging.getLogger("laps.gateway")
+
+FAILED_ENGINE_HEADER = "x-laps-failed-engine"
+DECODE_ENGINE_HEADER = "x-laps-decode-engine"
+
+
+def bootstrap_room() -> int:
+    """A random KV-transfer room id in ``[0, 2**63)`` (SGLang's PD router draws it the same way)."""
+    return random.getrandbits(63)
+
+
+@dataclass
+class PDDispatch:
+    """What PD dispatch needs beyond the scheduler: the decode placement and each prefill engine's bootstrap address.
+
+    ``bootstrap``: ``{prefill engine id: (host, port)}``; the host is that of
+    the engine's URL (``127.0.0.1`` for engines laps starts).
+    """
+
+    placement: DecodePlacement
+    bootstrap: dict[str, tuple[str, int]] = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, config: Config, urls: dict[str, str]) -> "PDDispatch":
+        """The dispatch state of ``config`` (which has ``pd:``) with engines at ``urls`` (``{name: base URL}``)."""
+        bootstrap = {e.name: (urlparse(urls[e.name]).hostname or "127.0.0.1", config.bootstrap_port(e)) for e in config.engines}
+        return cls(make_decode_placement(config.scheduling), bootstrap)
+
+
+class _SideFailed(Exception):
+    """One side of the pair failed; ``error`` is the client's error, ``engine_id`` the failed engine."""
+
+    def __init__(self, engine_id: str, error: APIError) -> None:
+        super().__init__(error.message)
+        self.engine_id = engine_id
+        self.error = error
+
+
+def _engine_error(engine_id: str, side: str, status: int, payload: bytes) -> APIError:
+    """An engine's non-200 answer as an :class:`APIError` with the same status, naming the side and engine."""
+    error = orjson.loads(handlers._upstream_error(status, payload, {}).body)["error"]
+    err = APIError(status, f"{side} engine {engine_id}: {error.get('message')}", type=error.get("type") or "engine_error", param=error.get("param"), code=error.get("code"))
+    err.headers[FAILED_ENGINE_HEADER] = engine_id
+    return err
+
+
+def _cached_tokens(payload: bytes) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens`` out of an engine's JSON answer or SSE stream."""
+    reply = handlers._Reply()
+    if payload.startswith(b"{"):
+        with contextlib.suppress(orjson.JSONDecodeError):
+            reply.take(orjson.loads(payload))
+        return reply.cached_tokens
+    tap = handlers._StreamTap(reply, drop_usage=False)
+    tap.feed(payload + b"\n\n")
+    return reply.cached_tokens
+
+
+async def relay(request: web.Request, gw: Gateway, path: str, body: dict, headers: dict, view: RequestView,
+                prefill_id: str, reply: "handlers._Reply", stream: bool) -> tuple[web.StreamResponse, str]:
+    """Serve ``view`` (already admitted to ``prefill_id``) on a prefill–decode pair; see the module docstring.
+
+    ``reply`` receives the prefill engine's reported ``cached_tokens`` (no
+    text). Returns the client's response and the outcome (``ok``,
+    ``http_<status>``, ``engine_error``).
+
+    Raises:
+        APIError: 503 when no decode engine is healthy; a side's error before
+            the response started (with ``x-laps-failed-engine``).
+        handlers.EngineUnavailable: a side could not be reached before the
+            response started (the caller marks it down and retries once).
+        asyncio.CancelledError, handlers._ClientGone: the client went away;
+            the decode side is aborted here.
+    """
+    pd: PDDispatch = gw.pd
+    decode_id = pd.placement.pick(view.rid, view.prompt_tokens, gw.registry.decode_views(), time.monotonic())
+    if decode_id is None:
+        raise APIError(503, "no healthy decode engine is available; retry later", type="service_unavailable", code="no_engine")
+    host, port = pd.bootstrap[prefill_id]
+    body.update(bootstrap_host=host, bootstrap_port=port, bootstrap_room=bootstrap_room())
+    headers[DECODE_ENGINE_HEADER] = decode_id
+    decode = gw.registry[decode_id]
+    gw.registry.acquire(decode_id, view.prompt_tokens)
+    gw.metrics.in_flight.labels(decode_id).inc()
+    pair = _Pair(request, gw, path, body, headers, view, prefill_id, decode_id, reply, stream)
+    try:
+        return await pair.run()
+    except (handlers._ClientGone, asyncio.CancelledError):
+        handlers._in_background(gw.client.abort(decode.url, view.rid))
+        raise
+    finally:
+        pair.restore_prefill_load()
+        gw.registry.release(decode_id, view.prompt_tokens)
+        gw.metrics.in_flight.labels(decode_id).dec()
+        pd.placement.on_done(view.rid, time.monotonic())
+
+
+class _Pair:
+    """One request in flight on a prefill engine and a decode engine (see :func:`relay`)."""
+
+    def __init__(self, request: web.Request, gw: Gateway, path: str, body: dict, headers: dict, view: RequestView,
+                 prefill_id: str, decode_id: str, reply: "handlers._Reply", stream: bool) -> None:
+        self.request, self.gw, self.path, self.body, self.headers, self.view = request, gw, path, body, headers, view
+        self.prefill_id, self.decode_id, self.reply, self.stream = prefill_id, decode_id, reply, stream
+        self.response: web.StreamResponse | None = None
+        self.client_wants_usage = False
+        self._prefill_released = False
+
+    async def run(self) -> tuple[web.StreamResponse, str]:
+        if self.stream:
+            options = self.body.get("stream_options")
+            self.client_wants_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+            # Both sides report usage: the prefill engine's cached_tokens corrects the prefix index.
+            self.body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+        prefill = asyncio.ensure_future(self._prefill())
+        decode = asyncio.ensure_future(self._decode())
+        try:
+            await asyncio.wait((prefill, decode), return_when=asyncio.FIRST_EXCEPTION)
+            if prefill.done() and prefill.exception() is not None and not decode.done():
+                await _cancel(decode)
+                handlers._in_background(self.gw.client.abort(self.gw.registry[self.decode_id].url, self.view.rid))
+                return await self._fail(prefill.exception())
+            if decode.exception() is not None:
+                if isinstance(decode.exception(), handlers._ClientGone):
+                    raise decode.exception()  # both sides are aborted on the way out
+                await _cancel(prefill)
+                handlers._in_background(self.gw.client.abort(self.gw.registry[self.prefill_id].url, self.view.rid))
+                return await self._fail(decode.exception())
+            if prefill.exception() is not None:
+                log.warning("%s: decode on %s finished but prefill on %s failed: %s", self.view.rid, self.decode_id, self.prefill_id, prefill.exception())
+            return self.response, "ok"
+        finally:
+            await _cancel(prefill)
+            await _cancel(decode)
+
+    async def _fail(self, err: BaseException) -> tuple[web.StreamResponse, str]:
+        """Turn one side's failure into the client's one error (HTTP before the stream, an SSE event after)."""
+        if isinstance(err, _SideFailed):
+            api_error, outcome = err.error, f"http_{err.error.status}"
+            if self.response is None:
+                api_error.headers = {**self.headers, **api_error.headers}
+                return api_error.response(), outcome
+        elif isinstance(err, APIError):  # EngineUnavailable: before the response, the caller retries elsewhere
+            api_error, outcome = err, "engine_error"
+            if self.response is None:
+                raise err
+        else:
+            raise err
+        await self._send(f"data: {handlers._dumps(api_error.body())}\n\ndata: [DONE]\n\n".encode())
+        await handlers._close(self.response)
+        return self.response, outcome
+
+    async def _prefill(self) -> None:
+        """Send the request to the prefill engine and read its whole answer (it ends when the prefill does)."""
+        engine = self.gw.registry[self.prefill_id]
+        try:
+            async with self.gw.client.post(engine.url, self.path, self.body) as upstream:
+                payload = await upstream.read()
+                status = upstream.status
+        except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+            raise handlers.EngineUnavailable(self.prefill_id, engine.url, err) from None
+        if status != 200:
+            raise _SideFailed(self.prefill_id, _engine_error(self.prefill_id, "prefill", status, payload))
+        self.reply.cached_tokens = _cached_tokens(payload)
+        self.gw.registry.release(self.prefill_id, self.view.prompt_tokens)
+        self._prefill_released = True
+        self.gw.dispatcher.first_token(self.view.rid, self.prefill_id, self.reply.cached_tokens)
+
+    def restore_prefill_load(self) -> None:
+        """Count the request on the prefill engine again, so that the caller's final release balances."""
+        if self._prefill_released:
+            self.gw.registry.acquire(self.prefill_id, self.view.prompt_tokens)
+            self._prefill_released = False
+
+    async def _decode(self) -> str:
+        """Send the request to the decode engine and relay its answer to the client; the outcome."""
+        engine = self.gw.registry[self.decode_id]
+        decode_reply = handlers._Reply()
+        try:
+            async with self.gw.client.post(engine.url, self.path, self.body) as upstream:
+                if upstream.status != 200:
+                    raise _SideFailed(self.decode_id, _engine_error(self.decode_id, "decode", upstream.status, await upstream.read()))
+                if not self.stream:
+                    payload = await upstream.read()
+                    self.gw.pd.placement.on_progress(self.view.rid, 1, time.monotonic())
+                    self.response = web.Response(body=payload, status=200, content_type="application/json", headers=self.headers)
+                    return "ok"
+                tap = handlers._StreamTap(decode_reply, drop_usage=not self.client_wants_usage)
+                response = web.StreamResponse(headers={**self.headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+                await response.prepare(self.request)
+                self.response = response
+                first = True
+                async for chunk in upstream.content.iter_any():
+                    if first:
+                        now = time.monotonic()
+                        self.gw.metrics.ttft.labels(self.view.request_class).observe(now - self.view.arrival_s)
+                        self.gw.pd.placement.on_progress(self.view.rid, 1, now)
+                        first = False
+                    data = tap.feed(chunk)
+                    if data:
+                        await self._send(data)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+            raise handlers.EngineUnavailable(self.decode_id, engine.url, err) from None
+        rest = tap.flush()
+        if rest:
+            await self._send(rest)
+        await handlers._close(self.response)
+        return "ok"
+
+    async def _send(self, data: bytes) -> None:
+        try:
+            await self.response.write(data)
+        except ConnectionResetError:
+            raise handlers._ClientGone() from None
+
+
+async def _cancel(task: asyncio.Future) -> None:
+    """Cancel ``task`` if it still runs and wait for it; its own failure was handled (or is moot) by now."""
+    if not task.done():
+        task.cancel()
+    with contextlib.suppress(BaseException):
+        await task

@@ -1,0 +1,101 @@
+"""The pressure controller's inputs, built one way for the live gateway and the virtual-time simulator.
+
+Both runners hand :func:`engine_signals` the same things: the engines as
+policies see them (:class:`~policies.types.EngineView`), the requests the
+gateway holds undispatched (:func:`queued_new_tokens`), each engine's own load
+(:class:`LoadSample`: from ``GET /v1/loads`` live, from the engine model's
+``stats()`` in virtual time, the fields the simulated engine's ``/v1/loads``
+serves) and the first tokens of the recent past (:class:`FirstTokenWindow`).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from policies.controller import POOLS, EngineSignals
+from policies.types import EngineView, RequestClass, RequestView
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSample:
+    """An engine's ``/v1/loads`` fields the controller reads: ``num_waiting_uncached_tokens``,
+    ``num_running_reqs`` and ``token_usage`` (KV tokens in use / KV pool, in [0, 1])."""
+
+    waiting_uncached_tokens: int
+    running_requests: int
+    token_usage: float
+
+
+class FirstTokenWindow:
+    """Per engine, whether each first token of the last ``window_s`` seconds came after its TTFT deadline.
+
+    Memory: one entry per first token within the window (pruned on every
+    :meth:`record` and :meth:`violation_share` of that engine).
+
+    Raises:
+        ValueError: ``window_s`` <= 0.
+    """
+
+    def __init__(self, window_s: float) -> None:
+        if window_s <= 0:
+            raise ValueError(f"window_s must be > 0, got {window_s}")
+        self.window_s = window_s
+        self._events: dict[str, deque[tuple[float, bool]]] = {}
+
+    def record(self, engine_id: str, now: float, deadline_s: float) -> None:
+        """``engine_id`` gave a request its first token at ``now``; the request's TTFT deadline was ``deadline_s``."""
+        events = self._events.setdefault(engine_id, deque())
+        events.append((now, now > deadline_s))
+        self._prune(events, now)
+
+    def violation_share(self, engine_id: str, now: float) -> float:
+        """Share of ``engine_id``'s first tokens in ``(now - window_s, now]`` that were late; 0 when there were none."""
+        events = self._events.get(engine_id)
+        if not events:
+            return 0.0
+        self._prune(events, now)
+        return sum(late for _, late in events) / len(events) if events else 0.0
+
+    def forget_engine(self, engine_id: str) -> None:
+        """Drop ``engine_id``'s history (it restarted in another role)."""
+        self._events.pop(engine_id, None)
+
+    def _prune(self, events: deque[tuple[float, bool]], now: float) -> None:
+        while events and events[0][0] <= now - self.window_s:
+            events.popleft()
+
+
+def queued_new_tokens(queued: Iterable[RequestView]) -> dict[RequestClass, int]:
+    """New (uncached) prompt tokens of the requests the gateway holds undispatched, per pool (= request class)."""
+    totals: dict[RequestClass, int] = {pool: 0 for pool in POOLS}
+    for request in queued:
+        if request.request_class in totals:
+            totals[request.request_class] += request.new_tokens
+    return totals
+
+
+def engine_signals(engines: Sequence[EngineView], queued_tokens: Mapping[RequestClass, float], loads: Mapping[str, LoadSample],
+                   first_tokens: FirstTokenWindow, now: float, fixed: Collection[str] = ()) -> list[EngineSignals]:
+    """One :class:`~policies.controller.EngineSignals` per engine that serves the short or long pool now.
+
+    Serving: healthy in the policies' sense (healthy and not draining or
+    switching) and with a load sample in ``loads``; engines of any other pool
+    are left out. A pool's ``queued_tokens`` is split evenly among its
+    serving engines. Engines in ``fixed`` (``external``) are not movable.
+    """
+    serving = [e for e in engines if e.healthy and e.pool in POOLS and e.id in loads]
+    sizes = {pool: sum(e.pool == pool for e in serving) for pool in POOLS}
+    return [
+        EngineSignals(
+            e.id, e.pool,
+            gateway_queued_tokens=queued_tokens.get(e.pool, 0) / sizes[e.pool],
+            engine_waiting_tokens=loads[e.id].waiting_uncached_tokens,
+            ttft_slo_violation_share=first_tokens.violation_share(e.id, now),
+            running_requests=loads[e.id].running_requests,
+            kv_token_usage=min(1.0, max(0.0, loads[e.id].token_usage)),
+            movable=e.id not in fixed,
+        )
+        for e in serving
+    ]

@@ -1,0 +1,222 @@
+"""PD dispatch against fake engines: one room on both sides, the decode stream relayed, both aborted, one error per failure."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import orjson
+import pytest
+from aiohttp.test_utils import TestServer
+
+from gateway.app import create_app
+from gateway.handlers import settle_background
+from gateway.state import GATEWAY
+from tests.fake_engine import FakeEngine
+from tests.pd_stack import pd_config
+
+MODEL = "Qwen2.5-7B-Instruct"
+ENGINES = ("ps0", "pl0", "d0", "d1")
+ADMIN_KEY = "pd-admin-key"
+
+
+@pytest.fixture
+async def pd_stack():
+    """Fake prefill engines ps0 (short), pl0 (long) and decode engines d0, d1 behind a PD gateway."""
+    fakes = {name: FakeEngine(name) for name in ENGINES}
+    servers = {name: TestServer(f.app) for name, f in fakes.items()}
+    for s in servers.values():
+        await s.start_server()
+    urls = {name: str(s.make_url("")).rstrip("/") for name, s in servers.items()}
+    app = create_app(pd_config(gateway={"admin_key": ADMIN_KEY}), engine_urls=urls)
+    gateway = TestServer(app, handler_cancellation=True)
+    await gateway.start_server()
+    async with aiohttp.ClientSession(str(gateway.make_url(""))) as session:
+        yield session, fakes, servers, app
+    await gateway.close()
+    for s in servers.values():
+        await s.close()
+
+
+def chat(content: str, **extra) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], **extra}
+
+
+def events(text: str) -> list[str]:
+    return [e for e in text.split("\n\n") if e]
+
+
+async def test_stream_goes_to_both_sides_with_one_room_and_the_decode_stream_is_relayed(pd_stack):
+    session, fakes, _, _ = pd_stack
+    async with session.post("/v1/chat/completions", json=chat("Hello!", stream=True)) as resp:
+        assert resp.status == 200
+        assert (resp.headers["x-laps-engine"], resp.headers["x-laps-decode-engine"]) == ("ps0", "d0")
+        rid = resp.headers["x-request-id"]
+        text = (await resp.read()).decode()
+    assert "hi from d0" in text and "hi from ps0" not in text
+    assert events(text)[-1] == "data: [DONE]" and '"usage"' not in text  # usage asked of the engines, not relayed
+    prefill, decode = fakes["ps0"].bodies[0], fakes["d0"].bodies[0]
+    assert prefill == decode  # one body to both sides, as SGLang's PD router sends it
+    assert prefill["rid"] == rid and prefill["bootstrap_host"] == "127.0.0.1" and prefill["bootstrap_port"] == 8998
+    assert isinstance(prefill["bootstrap_room"], int) and 0 <= prefill["bootstrap_room"] < 2**63
+    assert fakes["pl0"].bodies == fakes["d1"].bodies == []
+
+
+async def test_each_request_gets_its_own_room_and_its_prefill_engines_bootstrap_port(pd_stack):
+    session, fakes, _, _ = pd_stack
+    for content in ("Hi", " word" * 300):  # short -> ps0 (engine 0), long -> pl0 (engine 1)
+        async with session.post("/v1/chat/completions", json=chat(content)) as resp:
+            assert resp.status == 200
+            assert (await resp.json())["choices"][0]["message"]["content"] == "hi from d0"
+    short, long = fakes["ps0"].bodies[0], fakes["pl0"].bodies[0]
+    assert (short["bootstrap_port"], long["bootstrap_port"]) == (8998, 8999)
+    assert [b["bootstrap_room"] for b in fakes["d0"].bodies] == [short["bootstrap_room"], long["bootstrap_room"]]
+    assert short["bootstrap_room"] != long["bootstrap_room"]
+
+
+async def test_decode_engines_are_placed_by_load_and_prefill_load_ends_with_the_prefill(pd_stack):
+    session, fakes, _, app = pd_stack
+    fakes["d0"].hold_streams = True
+    first = await session.post("/v1/chat/completions", json=chat("Hi", stream=True))
+    assert first.headers["x-laps-decode-engine"] == "d0"
+    await first.content.readuntil(b"\n\n")
+    await settle_background()
+    registry = app[GATEWAY].registry
+    assert [v.id for v in registry.views()] == ["ps0", "pl0"]  # the scheduler never sees decode engines
+    assert [v.id for v in registry.decode_views()] == ["d0", "d1"]
+    # ps0 answered its prefill: only the decode engine still counts the request.
+    assert {e.id: e.in_flight for e in registry} == {"ps0": 0, "pl0": 0, "d0": 1, "d1": 0}
+    async with session.post("/v1/chat/completions", json=chat("Hi again")) as resp:
+        assert resp.headers["x-laps-decode-engine"] == "d1"
+    fakes["d0"].release.set()
+    await first.read()
+    first.close()
+    await settle_background()
+    assert {e.id: e.in_flight for e in registry} == {"ps0": 0, "pl0": 0, "d0": 0, "d1": 0}
+
+
+async def test_client_disconnect_aborts_both_sides(pd_stack):
+    session, fakes, _, _ = pd_stack
+    fakes["d0"].hold_streams = True
+    resp = await session.post("/v1/chat/completions", json=chat("Hi", stream=True))
+    rid = resp.headers["x-request-id"]
+    assert b"hi from d0" in await resp.content.readuntil(b"\n\n")
+    resp.close()  # the client goes away while the decode engine is still generating
+    await asyncio.wait_for(fakes["d0"].abort_seen.wait(), timeout=5)
+    await asyncio.wait_for(fakes["ps0"].abort_seen.wait(), timeout=5)
+    assert fakes["d0"].aborted == fakes["ps0"].aborted == [rid]
+    fakes["d0"].release.set()
+
+
+async def test_a_prefill_error_before_the_stream_is_one_http_error_and_the_decode_side_is_aborted(pd_stack):
+    session, fakes, _, _ = pd_stack
+    fakes["d0"].hold_answers = True  # a decode engine waits for the KV of its room
+    fakes["ps0"].error_reply = (400, orjson.dumps({"object": "error", "message": "prompt too long", "type": "BadRequestError", "param": None, "code": 400}))
+    async with session.post("/v1/chat/completions", json=chat("Hi", stream=True)) as resp:
+        assert resp.status == 400
+        assert (resp.headers["x-laps-failed-engine"], resp.headers["x-laps-engine"]) == ("ps0", "ps0")
+        rid = resp.headers["x-request-id"]
+        error = (await resp.json())["error"]
+    assert error == {"message": "prefill engine ps0: prompt too long", "type": "BadRequestError", "param": None, "code": 400}
+    await asyncio.wait_for(fakes["d0"].abort_seen.wait(), timeout=5)
+    assert fakes["d0"].aborted == [rid]
+    fakes["d0"].answer.set()
+
+
+async def test_a_prefill_error_after_the_stream_started_ends_it_with_one_in_stream_error(pd_stack):
+    session, fakes, _, _ = pd_stack
+    fakes["d0"].hold_streams = True
+    fakes["ps0"].hold_answers = True
+    fakes["ps0"].error_reply = (500, b"prefill worker crashed")
+    async with session.post("/v1/chat/completions", json=chat("Hi", stream=True)) as resp:
+        assert resp.status == 200
+        rid = resp.headers["x-request-id"]
+        assert b"hi from d0" in await resp.content.readuntil(b"\n\n")
+        fakes["ps0"].answer.set()
+        rest = events((await resp.read()).decode())
+    error = orjson.loads(rest[0].removeprefix("data: "))["error"]
+    assert error["message"] == "prefill engine ps0: prefill worker crashed" and error["type"] == "engine_error"
+    assert rest[1:] == ["data: [DONE]"]
+    await asyncio.wait_for(fakes["d0"].abort_seen.wait(), timeout=5)
+    assert fakes["d0"].aborted == [rid]
+    fakes["d0"].release.set()
+
+
+async def test_a_decode_error_is_one_http_error_and_the_prefill_side_is_aborted(pd_stack):
+    session, fakes, _, _ = pd_stack
+    fakes["ps0"].hold_answers = True  # a prefill engine waits for the decode side of its room
+    fakes["d0"].error_reply = (503, orjson.dumps({"object": "error", "message": "no KV slots", "type": "ServiceUnavailableError", "param": None, "code": 503}))
+    async with session.post("/v1/chat/completions", json=chat("Hi")) as resp:
+        assert resp.status == 503 and resp.headers["x-laps-failed-engine"] == "d0"
+        rid = resp.headers["x-request-id"]
+        assert (await resp.json())["error"]["message"] == "decode engine d0: no KV slots"
+    await asyncio.wait_for(fakes["ps0"].abort_seen.wait(), timeout=5)
+    assert fakes["ps0"].aborted == [rid]
+    fakes["ps0"].answer.set()
+
+
+async def test_an_unreachable_decode_engine_is_marked_down_and_the_pair_retried(pd_stack):
+    session, fakes, servers, _ = pd_stack
+    await servers["d0"].close()
+    async with session.post("/v1/chat/completions", json=chat("Hi", stream=True)) as resp:
+        assert resp.status == 200 and resp.headers["x-laps-decode-engine"] == "d1"
+        assert "hi from d1" in (await resp.read()).decode()
+    async with session.get("/health") as resp:
+        health = {e["id"]: (e["pool"], e["healthy"]) for e in (await resp.json())["engines"]}
+    assert health == {"ps0": ("short", True), "pl0": ("long", True), "d0": ("decode", False), "d1": ("decode", True)}
+
+
+async def test_with_every_decode_engine_down_the_client_gets_a_502_then_503s(pd_stack):
+    session, _, servers, _ = pd_stack
+    for name in ("d0", "d1"):
+        await servers[name].close()
+    async with session.post("/v1/chat/completions", json=chat("Hi")) as resp:
+        # d0 refuses the connection and is marked down; the retry's d1 refuses too.
+        assert resp.status == 502
+        error = (await resp.json())["error"]
+    assert error["code"] == "engine_unavailable" and "engine d1 at" in error["message"]
+    async with session.post("/v1/chat/completions", json=chat("Hi")) as resp:
+        assert resp.status == 503 and (await resp.json())["error"]["message"] == "no healthy decode engine is available; retry later"
+
+
+async def test_the_prefix_index_learns_the_prompt_on_the_prefill_engine_not_the_reply(pd_stack):
+    session, fakes, _, _ = pd_stack
+    fakes["ps0"].reported_cached_tokens = 0
+    history = [{"role": "user", "content": "Tell me about the history of pens. " * 5}]
+    async with session.post("/v1/chat/completions", json={"model": MODEL, "messages": history, "stream": True}) as resp:
+        first_prompt = int(resp.headers["x-laps-prompt-tokens"])
+        await resp.read()
+    await settle_background()
+    history += [{"role": "assistant", "content": "hi from d0"}, {"role": "user", "content": "More?"}]
+    async with session.post("/v1/chat/completions", json={"model": MODEL, "messages": history}) as resp:
+        assert resp.headers["x-laps-engine"] == "ps0"
+        estimate = int(resp.headers["x-laps-cached-tokens-est"])
+    # ps0 holds turn 1's prompt in whole 16-token blocks; the reply was decoded (and cached, if at all) on d0.
+    assert estimate == first_prompt // 16 * 16
+
+
+@pytest.mark.parametrize("engine, role, pools", [("d0", "prefill-long", ("decode", "long")), ("pl0", "decode", ("long", "decode"))])
+async def test_the_admin_api_refuses_moves_between_the_prefill_and_decode_sides(pd_stack, engine, role, pools):
+    session, _, _, _ = pd_stack
+    auth = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    async with session.post(f"/admin/engines/{engine}/role", json={"role": role}, headers=auth) as resp:
+        assert resp.status == 400
+        error = (await resp.json())["error"]
+    assert error["param"] == "role"
+    assert error["message"] == (f"role: engine {engine!r} serves the {pools[0]} pool and role {role!r} the {pools[1]} pool: engines move "
+                                "between the short and long prefill pools only; the decode pool is sized in the config")
+
+
+async def test_an_unreachable_prefill_engine_aborts_the_waiting_decode_side_and_the_pair_is_retried(pd_stack):
+    session, fakes, servers, _ = pd_stack
+    await servers["ps0"].close()
+    fakes["d0"].hold_answers = True  # the first decode side waits for KV that never comes
+    request = asyncio.ensure_future(session.post("/v1/chat/completions", json=chat("Hi")))
+    await asyncio.wait_for(fakes["d0"].abort_seen.wait(), timeout=5)
+    rid = fakes["d0"].bodies[0]["rid"]
+    assert fakes["d0"].aborted == [rid]
+    fakes["d0"].answer.set()
+    async with await request as resp:
+        # ps0 is marked down; the retry prefills on pl0 with pl0's bootstrap port.
+        assert resp.status == 200 and resp.headers["x-laps-engine"] == "pl0" and resp.headers["x-request-id"] == rid
+    assert fakes["pl0"].bodies[0]["bootstrap_port"] == 8999

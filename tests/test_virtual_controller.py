@@ -1,0 +1,63 @@
+"""The pressure controller in virtual time: a scripted shift moves an engine, restarts are counted, nothing is lost."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from laps.config import DEFAULT_CONFIG_PATH, parse_config
+from laps.tokenizer import load_tokenizer
+from loadgen.runner import Arrival
+from loadgen.virtual import VirtualRun
+from loadgen.workloads import Conversation, Turn
+
+TOK = load_tokenizer()
+DOCUMENT = "The harbour master logged every ship that came in. " * 600  # ≈ 6,000 tokens: a long prefill (each
+# document starts with its own name, so no two share a cached prefix)
+
+
+def run(*arrivals: Arrival, drain_timeout_s: float = 60.0, ignore_eos: bool = False) -> tuple[VirtualRun, list]:
+    """Two short-prefill engines and one long-prefill; ψ = backlog in thousands of tokens; decisions every second."""
+    data = yaml.safe_load(DEFAULT_CONFIG_PATH.read_text())
+    data["engines"] = [{"name": n, "kind": "sim", "role": r, "gpus": [i]}
+                       for i, (n, r) in enumerate([("sp0", "short-prefill"), ("sp1", "short-prefill"), ("lp0", "long-prefill")])]
+    data["controller"] = dict(enabled=True, interval_s=1.0, queue_weight=1.0, sla_weight=0.0, utilisation_weight=0.0,
+                              hysteresis=0.5, cooldown_s=1000.0, drain_timeout_s=drain_timeout_s, sim_restart_s=5.0)
+    virtual = VirtualRun(parse_config(data), TOK, ignore_eos=ignore_eos)
+    return virtual, virtual.run(list(arrivals), duration_s=60.0)
+
+
+def documents(n: int, start_s: float) -> list[Arrival]:
+    return [Arrival(start_s, Conversation(f"doc{start_s:g}-{i}", "test", (Turn(f"Document {start_s:g}-{i}. {DOCUMENT}", 4),)), ()) for i in range(n)]
+
+
+def test_a_burst_of_documents_moves_a_short_engine_to_the_long_pool():
+    virtual, records = run(*documents(20, 0.5), *documents(20, 7.0))
+    # At the 1 s decision the long pool holds ~100k backlog tokens and the idle short pool none: the idle
+    # short engine with the smallest id moves, drains at once and is back 5 s later as a long-prefill engine.
+    assert virtual.moves == [{"engine": "sp0", "from_pool": "short", "to_pool": "long", "role": "long-prefill", "start_s": 1.0,
+                              "drain_s": 0.0, "restart_s": 5.0, "end_s": 6.0, "drain_failed": 0}]
+    assert (virtual.restart_engine_s, virtual.drain_engine_s, virtual.controller.moves) == (5.0, 0.0, 1)
+    assert virtual.registry["sp0"].pool == "long" and virtual.engines["sp0"].core.config.chunked_prefill_size == 16384
+    # The second burst (7 s) is shared by both long engines; the fresh sp0 started with an empty cache.
+    assert virtual.engines["sp0"].core.stats().total_prefill_uncached_tokens > 0
+    assert len(records) == 40 and all(r.ok for r in records)
+    # The log holds every decision's view of the pools: before the move, while sp0 restarts (in no pool), after.
+    seen = {row["t"]: (row["pool_size_short"], row["pool_size_long"]) for row in virtual.control_log}
+    assert (seen[1.0], seen[2.0], seen[5.0], seen[6.0]) == ((2, 1), (1, 1), (1, 1), (1, 2))
+
+
+def test_requests_still_running_at_the_drain_timeout_fail_explicitly_and_none_is_lost():
+    # Two chats at 0.1 s go to one short engine as a batch, two at 0.2 s to the other: both are busy when one moves.
+    chats = [Arrival(0.1 * (1 + i // 2), Conversation(f"chat{i}", "test", (Turn(f"Tell me a long story about ship {i}.", 3000),)), ())
+             for i in range(4)]
+    virtual, records = run(*chats, *documents(20, 0.5), drain_timeout_s=2.0, ignore_eos=True)
+    (move,) = virtual.moves
+    assert (move["from_pool"], move["start_s"], move["drain_s"], move["restart_s"], move["end_s"]) == ("short", 1.0, 2.0, 5.0, 8.0)
+    assert (virtual.drain_engine_s, virtual.restart_engine_s) == (2.0, 5.0)
+    # Every request sent has a record: answered, or failed with the gateway's 502 when its engine stopped.
+    assert sorted(r.conversation_id for r in records) == sorted([f"chat{i}" for i in range(4)] + [f"doc0.5-{i}" for i in range(20)])
+    failed = [r for r in records if not r.ok]
+    assert move["engine"] == "sp0" and sorted(r.conversation_id for r in failed) == ["chat0", "chat1"] and move["drain_failed"] == 2
+    assert all(r.error.startswith(f"HTTP 502: engine {move['engine']} ") and r.end_s == pytest.approx(3.0) for r in failed)
+    assert all(r.ok for r in records if r not in failed)
