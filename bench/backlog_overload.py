@@ -54,12 +54,12 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from rich.console import Console  # noqa: E402
 from rich.progress import Progress  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from bench.sorted_f_table import workload as paper_lengths  # noqa: E402
 from laps.config import Config, parse_config  # noqa: E402
 from laps.tokenizer import ChatTokenizer, load_tokenizer  # noqa: E402
 from loadgen.runner import RequestRecord  # noqa: E402
@@ -68,7 +68,6 @@ from loadgen.workloads import Conversation, Workload, build_workload  # noqa: E4
 from policies.backlog_baselines import fcfs_order, mc_sf_order  # noqa: E402
 from policies.backlog_executor import AdmissionPolicy, IterationTime, StaticOrder, execute  # noqa: E402
 from policies.sorted_f import SortedFOnline  # noqa: E402
-from sorted_f_table import workload as paper_lengths  # noqa: E402
 
 PAPER_M_TOKENS = 16_492
 PAPER_CHANGE_VS_MC_SF = {1.7: -0.151, 2.9: -0.400}
