@@ -19,7 +19,7 @@ from aiohttp import web
 
 from engines.client import EngineClient
 from engines.manager import EngineManager
-from gateway import handlers
+from gateway import handlers, relay
 from gateway.admin import SWITCHES, add_admin_routes
 from gateway.controller_loop import CONTROLLER, ControllerLoop
 from gateway.dispatcher import Dispatcher
@@ -106,7 +106,7 @@ def create_app(config: Config, engine_urls: dict[str, str] | None = None) -> web
                 switch.cancel()
             await asyncio.gather(*app[SWITCHES].values(), return_exceptions=True)
             await supervisor.close()
-            await handlers.settle_background()
+            await relay.settle_background()
             dispatcher.close()
             with contextlib.suppress(asyncio.CancelledError):
                 await poller

@@ -9,12 +9,11 @@ When the client goes away, the engine is told to abort the request.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
+import os
 import time
-import uuid
-from dataclasses import dataclass, field
-from typing import Any
 
 import aiohttp
 import orjson
@@ -24,6 +23,7 @@ from pydantic import BaseModel, ValidationError
 
 from gateway import pd_dispatch
 from gateway.errors import APIError
+from gateway.relay import ClientGone, EngineUnavailable, Reply, StreamTap, ask_engine_for_usage, dumps, end_stream, error_event, in_background, start_stream, upstream_error, write
 from gateway.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 from gateway.state import GATEWAY, Gateway
 from laps.chat_cache import EncodedPrompt
@@ -35,34 +35,22 @@ from policies.types import RequestView
 log = logging.getLogger("laps.gateway")
 
 SLO_HEADER = "x-laps-slo-ttft-s"
+# Request ids: this process's random prefix + a counter. The engines' abort_request matches ids of requests still
+# running, so ids must not repeat across gateway restarts: the 64 random bits keep them apart. (``uuid4().hex`` costs
+# ~2 µs a request, this ~0.2 µs.)
+_RID_PREFIX = os.urandom(8).hex()
+_rid_counter = itertools.count()
+
+
+def next_request_id() -> str:
+    """A request id unique within this process and, by its random 64-bit prefix, across restarts: ``<16 hex>-<n>``."""
+    return f"{_RID_PREFIX}-{next(_rid_counter):x}"
+
+
 # New prompt text up to this many characters (~200 tokens, ~35 µs of tiktoken) is tokenized on the event loop: a
 # hand-off to an executor thread and back costs about as much (~30 µs measured). Longer text goes to the executor,
 # so it does not hold the loop.
 INLINE_ENCODE_CHARS = 1024
-
-# Aborts and prefix-index updates outlive the handler that starts them; keep them referenced until done.
-_background: set[asyncio.Task] = set()
-
-
-def _in_background(coro) -> None:
-    """Run ``coro`` to its end even if the handler that started it is cancelled."""
-    task = asyncio.get_running_loop().create_task(coro)
-    _background.add(task)
-    task.add_done_callback(_background.discard)
-
-
-async def settle_background() -> None:
-    """Wait until the background work started so far (aborts, prefix-index updates) is done."""
-    while _background:
-        await asyncio.gather(*list(_background), return_exceptions=True)
-
-
-class _ClientGone(Exception):
-    """The client closed the connection while the gateway was writing to it."""
-
-
-def _dumps(obj: Any) -> str:
-    return orjson.dumps(obj).decode()
 
 
 async def _json_body(request: web.Request) -> dict:
@@ -166,69 +154,8 @@ def _deadline_s(request: web.Request, gw: Gateway, arrival_s: float) -> float:
     return arrival_s + slo_s
 
 
-@dataclass
-class _Reply:
-    """What the gateway learns from an engine's answer: the text it produced and its reported cache hit."""
-
-    text: list[str] = field(default_factory=list)
-    cached_tokens: int | None = None
-
-    def take(self, obj: dict) -> None:
-        """Read one OpenAI response object or stream chunk."""
-        for choice in obj.get("choices") or ():
-            message = choice.get("delta") or choice.get("message") or {}
-            piece = message.get("content") if isinstance(message, dict) else None
-            piece = piece if piece is not None else choice.get("text")
-            if isinstance(piece, str):
-                self.text.append(piece)
-        details = (obj.get("usage") or {}).get("prompt_tokens_details") or {}
-        if isinstance(details.get("cached_tokens"), int):
-            self.cached_tokens = details["cached_tokens"]
-
-
-class _StreamTap:
-    """Splits the relayed SSE bytes into events, reads them into a :class:`_Reply`, and drops
-    the usage-only event when only the gateway asked for usage (``drop_usage``)."""
-
-    def __init__(self, reply: _Reply, drop_usage: bool) -> None:
-        self.reply = reply
-        self.drop_usage = drop_usage
-        self._pending = b""
-
-    def feed(self, chunk: bytes) -> bytes:
-        """The complete events in ``pending + chunk`` that go on to the client (``chunk`` itself, uncopied,
-        when it holds whole events and none is dropped)."""
-        data = self._pending + chunk if self._pending else chunk
-        end = data.rfind(b"\n\n") + 2
-        if end < 2:  # no complete event yet
-            self._pending = data
-            return b""
-        self._pending = data[end:]
-        events = data[:end].split(b"\n\n")[:-1]
-        kept = []
-        for event in events:
-            if event.startswith(b"data: {"):
-                try:
-                    obj = orjson.loads(event[6:])
-                except orjson.JSONDecodeError:
-                    obj = None
-                if isinstance(obj, dict):
-                    self.reply.take(obj)
-                    if self.drop_usage and obj.get("usage") and not obj.get("choices"):
-                        continue
-            kept.append(event)
-        if len(kept) == len(events):
-            return data if end == len(data) else data[:end]
-        return b"".join(event + b"\n\n" for event in kept)
-
-    def flush(self) -> bytes:
-        """Bytes left after the last complete event (forwarded as they are)."""
-        rest, self._pending = self._pending, b""
-        return rest
-
-
 async def _dispatch(request: web.Request, gw: Gateway, body: dict, path: str, prompt: EncodedPrompt, stream: bool, arrival_s: float) -> web.StreamResponse:
-    rid = uuid.uuid4().hex
+    rid = next_request_id()
     deadline_s = _deadline_s(request, gw, arrival_s)
     view = classified_view_of_keys(rid, prompt.prompt.tokens, prompt.prompt.keys, arrival_s, deadline_s, [e.id for e in gw.registry],
                                    gw.prefix_index, gw.classifier, *_output_hints(gw, body))
@@ -247,19 +174,22 @@ async def _attempt(request: web.Request, gw: Gateway, body: dict, path: str, pro
     engine_id = await gw.dispatcher.admit(view)
     engine = gw.registry[engine_id]
     body["rid"] = rid
+    cached_est = str(view.cached_by_engine.get(engine_id, 0))
     headers = {
         "x-laps-class": req_class,
         "x-laps-engine": engine_id,
         "x-request-id": rid,
         "x-laps-prompt-tokens": str(view.prompt_tokens),
-        "x-laps-cached-tokens-est": str(view.cached_by_engine.get(engine_id, 0)),
+        "x-laps-cached-tokens-est": cached_est,
     }
-    gw.metrics.in_flight.labels(engine_id).inc()
-    gw.metrics.prompt_tokens.labels(req_class).inc(view.prompt_tokens)
+    class_metrics = gw.metrics.of_class(req_class)
+    in_flight = gw.metrics.in_flight_of(engine_id)
+    in_flight.inc()
+    class_metrics.prompt_tokens.inc(view.prompt_tokens)
     if view.cached_tokens:
-        gw.metrics.reprefills.labels(req_class).inc()
+        class_metrics.reprefills.inc()
     outcome = "error"
-    reply = _Reply()
+    reply = Reply()
     try:
         if gw.pd is not None:  # prefill-decode pair: engine_id prefills, a decode engine answers
             response, outcome = await pd_dispatch.relay(request, gw, path, body, headers, view, engine_id, reply, stream)
@@ -269,27 +199,29 @@ async def _attempt(request: web.Request, gw: Gateway, body: dict, path: str, pro
             response, outcome = await _relay_json(gw, engine.url, path, body, headers, view, engine_id, reply)
         if outcome == "ok":
             # The client has its whole answer; learning from it must not hold (or be cancelled with) the handler.
-            _in_background(_learn_from_reply(gw, engine_id, view, prompt, reply))
+            in_background(_learn_from_reply(gw, engine_id, view, prompt, reply))
         return response
     except APIError as err:
         err.headers.update(headers)  # which class and engine failed, as on every answer
         raise
-    except (_ClientGone, asyncio.CancelledError):
+    except (ClientGone, asyncio.CancelledError):
         outcome = "client_gone"
-        gw.metrics.client_aborts.labels(req_class).inc()
-        _in_background(gw.client.abort(engine.url, rid))
+        class_metrics.client_aborts.inc()
+        in_background(gw.client.abort(engine.url, rid))
         log.info("%s: client went away; aborting on %s", rid, engine_id)
         raise
     finally:
         gw.dispatcher.complete(view, engine_id)
-        gw.metrics.in_flight.labels(engine_id).dec()
-        gw.metrics.requests.labels(req_class, outcome).inc()
+        in_flight.dec()
+        class_metrics.requests(outcome).inc()
+        took_s = time.monotonic() - arrival_s
         if outcome == "ok":
-            gw.metrics.e2e.labels(req_class).observe(time.monotonic() - arrival_s)
-        log.info("%s %s class=%s engine=%s prompt_tokens=%d cached_est=%d cached_reported=%s outcome=%s %.1f ms", rid, path, req_class, engine_id, view.prompt_tokens, view.cached_by_engine.get(engine_id, 0), reply.cached_tokens, outcome, 1e3 * (time.monotonic() - arrival_s))
+            class_metrics.e2e.observe(took_s)
+        log.info("%s %s class=%s engine=%s prompt_tokens=%d cached_est=%s cached_reported=%s outcome=%s %.1f ms",
+                 rid, path, req_class, engine_id, view.prompt_tokens, cached_est, reply.cached_tokens, outcome, 1e3 * took_s)
 
 
-async def _learn_from_reply(gw: Gateway, engine_id: str, view: RequestView, prompt: EncodedPrompt, reply: _Reply) -> None:
+async def _learn_from_reply(gw: Gateway, engine_id: str, view: RequestView, prompt: EncodedPrompt, reply: Reply) -> None:
     """Correct the prefix index with the reported hit, then record the chat + reply as cached on the engine.
 
     The engine's radix cache keeps the generated tokens too, so the next turn of
@@ -299,7 +231,7 @@ async def _learn_from_reply(gw: Gateway, engine_id: str, view: RequestView, prom
     so the next turn tokenizes only its new message.
     """
     if reply.cached_tokens is not None:
-        gw.metrics.prefix_estimate_error.labels(view.request_class).observe(abs(view.cached_by_engine.get(engine_id, 0) - reply.cached_tokens))
+        gw.metrics.of_class(view.request_class).prefix_estimate_error.observe(abs(view.cached_by_engine.get(engine_id, 0) - reply.cached_tokens))
     text = "".join(reply.text)
     if len(text) <= INLINE_ENCODE_CHARS:
         chain = gw.prompt_cache.reply_chain(prompt, text)
@@ -309,34 +241,7 @@ async def _learn_from_reply(gw: Gateway, engine_id: str, view: RequestView, prom
     gw.prefix_index.observe(engine_id, chain.keys, reply.cached_tokens)
 
 
-def _upstream_error(status: int, payload: bytes, headers: dict) -> web.Response:
-    """An engine's non-200 answer in OpenAI's error shape.
-
-    SGLang 0.5.23 answers OpenAI routes with a flat ``{"object": "error", "message",
-    "type", "param", "code"}``; clients expect ``{"error": {...}}``.
-    """
-    try:
-        body = orjson.loads(payload)
-    except orjson.JSONDecodeError:
-        body = None
-    if isinstance(body, dict) and isinstance(body.get("error"), dict):
-        error = body["error"]
-    elif isinstance(body, dict) and "message" in body:
-        error = {k: body.get(k) for k in ("message", "type", "param", "code")}
-    else:
-        error = {"message": payload.decode(errors="replace")[:1000] or f"engine answered HTTP {status}", "type": "engine_error", "param": None, "code": None}
-    return web.json_response({"error": error}, status=status, headers=headers, dumps=_dumps)
-
-
-class EngineUnavailable(APIError):
-    """An engine could not be reached or dropped the connection (HTTP 502); ``engine_id`` names it."""
-
-    def __init__(self, engine_id: str, engine_url: str, err: BaseException) -> None:
-        super().__init__(502, f"engine {engine_id} at {engine_url} failed: {str(err) or type(err).__name__}", type="engine_error", code="engine_unavailable")
-        self.engine_id = engine_id
-
-
-async def _relay_json(gw: Gateway, engine_url: str, path: str, body: dict, headers: dict, view: RequestView, engine_id: str, reply: _Reply) -> tuple[web.Response, str]:
+async def _relay_json(gw: Gateway, engine_url: str, path: str, body: dict, headers: dict, view: RequestView, engine_id: str, reply: Reply) -> tuple[web.Response, str]:
     try:
         async with gw.client.post(engine_url, path, body) as upstream:
             payload = await upstream.read()
@@ -344,7 +249,7 @@ async def _relay_json(gw: Gateway, engine_url: str, path: str, body: dict, heade
     except (aiohttp.ClientError, asyncio.TimeoutError) as err:
         raise EngineUnavailable(engine_id, engine_url, err) from None
     if status != 200:
-        return _upstream_error(status, payload, headers), f"http_{status}"
+        return upstream_error(status, payload, headers), f"http_{status}"
     try:
         obj = orjson.loads(payload)
     except orjson.JSONDecodeError:
@@ -355,62 +260,42 @@ async def _relay_json(gw: Gateway, engine_url: str, path: str, body: dict, heade
     return web.Response(body=payload, status=status, content_type="application/json", headers=headers), "ok"
 
 
-async def _relay_stream(request: web.Request, gw: Gateway, engine_url: str, path: str, body: dict, headers: dict, view: RequestView, engine_id: str, reply: _Reply) -> tuple[web.StreamResponse, str]:
-    options = body.get("stream_options")
-    client_wants_usage = isinstance(options, dict) and bool(options.get("include_usage"))
-    # Ask the engine for usage (its cached_tokens corrects the prefix index) whether or not the client did.
-    body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
-    tap = _StreamTap(reply, drop_usage=not client_wants_usage)
+async def _relay_stream(request: web.Request, gw: Gateway, engine_url: str, path: str, body: dict, headers: dict, view: RequestView, engine_id: str, reply: Reply) -> tuple[web.StreamResponse, str]:
+    tap = StreamTap(reply, drop_usage=not ask_engine_for_usage(body))
     response: web.StreamResponse | None = None
-
-    async def send(data: bytes) -> None:
-        try:
-            await response.write(data)
-        except ConnectionResetError:
-            raise _ClientGone() from None
-
     try:
         async with gw.client.post(engine_url, path, body) as upstream:
             if upstream.status != 200:
-                return _upstream_error(upstream.status, await upstream.read(), headers), f"http_{upstream.status}"
-            response = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-            await response.prepare(request)
+                return upstream_error(upstream.status, await upstream.read(), headers), f"http_{upstream.status}"
+            response = await start_stream(request, headers)
             first = True
             async for chunk in upstream.content.iter_any():
                 if first:
-                    gw.metrics.ttft.labels(view.request_class).observe(time.monotonic() - view.arrival_s)
+                    gw.metrics.of_class(view.request_class).ttft.observe(time.monotonic() - view.arrival_s)
                     gw.dispatcher.first_token(view.rid, engine_id, None)
                     first = False
                 data = tap.feed(chunk)
                 if data:
-                    await send(data)
+                    await write(response, data)
     except (aiohttp.ClientError, asyncio.TimeoutError) as err:
         api_error = EngineUnavailable(engine_id, engine_url, err)
         if response is None:
             raise api_error from None
-        await send(tap.flush() + f"data: {_dumps(api_error.body())}\n\ndata: [DONE]\n\n".encode())
-        await _close(response)
+        await write(response, tap.flush() + error_event(api_error))
+        await end_stream(response)
         return response, "engine_error"
     rest = tap.flush()
     if rest:
-        await send(rest)
-    await _close(response)
+        await write(response, rest)
+    await end_stream(response)
     return response, "ok"
-
-
-async def _close(response: web.StreamResponse) -> None:
-    """End the stream; a client that already left after the last event has everything it needs."""
-    try:
-        await response.write_eof()
-    except ConnectionResetError:
-        pass
 
 
 async def list_models(request: web.Request) -> web.Response:
     """``GET /v1/models``: the one served model."""
     gw = request.app[GATEWAY]
     data = [{"id": gw.config.model.name, "object": "model", "created": 0, "owned_by": "laps"}]
-    return web.json_response({"object": "list", "data": data}, dumps=_dumps)
+    return web.json_response({"object": "list", "data": data}, dumps=dumps)
 
 
 async def health(request: web.Request) -> web.Response:
@@ -418,7 +303,7 @@ async def health(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
     engines = [{"id": e.id, "url": e.url, "pool": e.pool, "healthy": e.healthy, "in_flight": e.in_flight} for e in gw.registry]
     ok = any(e["healthy"] for e in engines)
-    return web.json_response({"status": "ok" if ok else "unavailable", "engines": engines}, status=200 if ok else 503, dumps=_dumps)
+    return web.json_response({"status": "ok" if ok else "unavailable", "engines": engines}, status=200 if ok else 503, dumps=dumps)
 
 
 async def metrics(request: web.Request) -> web.Response:

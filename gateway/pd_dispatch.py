@@ -42,8 +42,8 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from gateway import handlers
 from gateway.errors import APIError
+from gateway.relay import ClientGone, EngineUnavailable, Reply, StreamTap, ask_engine_for_usage, end_stream, error_event, in_background, start_stream, upstream_error, write
 from gateway.state import Gateway
 from laps.config import Config
 from policies.decode_placement import DecodePlacement, make_decode_placement
@@ -89,7 +89,7 @@ class _SideFailed(Exception):
 
 def _engine_error(engine_id: str, side: str, status: int, payload: bytes) -> APIError:
     """An engine's non-200 answer as an :class:`APIError` with the same status, naming the side and engine."""
-    error = orjson.loads(handlers._upstream_error(status, payload, {}).body)["error"]
+    error = orjson.loads(upstream_error(status, payload, {}).body)["error"]
     err = APIError(status, f"{side} engine {engine_id}: {error.get('message')}", type=error.get("type") or "engine_error", param=error.get("param"), code=error.get("code"))
     err.headers[FAILED_ENGINE_HEADER] = engine_id
     return err
@@ -97,18 +97,18 @@ def _engine_error(engine_id: str, side: str, status: int, payload: bytes) -> API
 
 def _cached_tokens(payload: bytes) -> int | None:
     """``usage.prompt_tokens_details.cached_tokens`` out of an engine's JSON answer or SSE stream."""
-    reply = handlers._Reply()
+    reply = Reply()
     if payload.startswith(b"{"):
         with contextlib.suppress(orjson.JSONDecodeError):
             reply.take(orjson.loads(payload))
         return reply.cached_tokens
-    tap = handlers._StreamTap(reply, drop_usage=False)
+    tap = StreamTap(reply, drop_usage=False)
     tap.feed(payload + b"\n\n")
     return reply.cached_tokens
 
 
 async def relay(request: web.Request, gw: Gateway, path: str, body: dict, headers: dict, view: RequestView,
-                prefill_id: str, reply: "handlers._Reply", stream: bool) -> tuple[web.StreamResponse, str]:
+                prefill_id: str, reply: Reply, stream: bool) -> tuple[web.StreamResponse, str]:
     """Serve ``view`` (already admitted to ``prefill_id``) on a prefill–decode pair; see the module docstring.
 
     ``reply`` receives the prefill engine's reported ``cached_tokens`` (no
@@ -118,9 +118,9 @@ async def relay(request: web.Request, gw: Gateway, path: str, body: dict, header
     Raises:
         APIError: 503 when no decode engine is healthy; a side's error before
             the response started (with ``x-laps-failed-engine``).
-        handlers.EngineUnavailable: a side could not be reached before the
+        EngineUnavailable: a side could not be reached before the
             response started (the caller marks it down and retries once).
-        asyncio.CancelledError, handlers._ClientGone: the client went away;
+        asyncio.CancelledError, ClientGone: the client went away;
             the decode side is aborted here.
     """
     pd: PDDispatch = gw.pd
@@ -132,17 +132,17 @@ async def relay(request: web.Request, gw: Gateway, path: str, body: dict, header
     headers[DECODE_ENGINE_HEADER] = decode_id
     decode = gw.registry[decode_id]
     gw.registry.acquire(decode_id, view.prompt_tokens)
-    gw.metrics.in_flight.labels(decode_id).inc()
+    gw.metrics.in_flight_of(decode_id).inc()
     pair = _Pair(request, gw, path, body, headers, view, prefill_id, decode_id, reply, stream)
     try:
         return await pair.run()
-    except (handlers._ClientGone, asyncio.CancelledError):
-        handlers._in_background(gw.client.abort(decode.url, view.rid))
+    except (ClientGone, asyncio.CancelledError):
+        in_background(gw.client.abort(decode.url, view.rid))
         raise
     finally:
         pair.restore_prefill_load()
         gw.registry.release(decode_id, view.prompt_tokens)
-        gw.metrics.in_flight.labels(decode_id).dec()
+        gw.metrics.in_flight_of(decode_id).dec()
         pd.placement.on_done(view.rid, time.monotonic())
 
 
@@ -150,7 +150,7 @@ class _Pair:
     """One request in flight on a prefill engine and a decode engine (see :func:`relay`)."""
 
     def __init__(self, request: web.Request, gw: Gateway, path: str, body: dict, headers: dict, view: RequestView,
-                 prefill_id: str, decode_id: str, reply: "handlers._Reply", stream: bool) -> None:
+                 prefill_id: str, decode_id: str, reply: Reply, stream: bool) -> None:
         self.request, self.gw, self.path, self.body, self.headers, self.view = request, gw, path, body, headers, view
         self.prefill_id, self.decode_id, self.reply, self.stream = prefill_id, decode_id, reply, stream
         self.response: web.StreamResponse | None = None
@@ -159,23 +159,21 @@ class _Pair:
 
     async def run(self) -> tuple[web.StreamResponse, str]:
         if self.stream:
-            options = self.body.get("stream_options")
-            self.client_wants_usage = isinstance(options, dict) and bool(options.get("include_usage"))
             # Both sides report usage: the prefill engine's cached_tokens corrects the prefix index.
-            self.body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+            self.client_wants_usage = ask_engine_for_usage(self.body)
         prefill = asyncio.ensure_future(self._prefill())
         decode = asyncio.ensure_future(self._decode())
         try:
             await asyncio.wait((prefill, decode), return_when=asyncio.FIRST_EXCEPTION)
             if prefill.done() and prefill.exception() is not None and not decode.done():
                 await _cancel(decode)
-                handlers._in_background(self.gw.client.abort(self.gw.registry[self.decode_id].url, self.view.rid))
+                in_background(self.gw.client.abort(self.gw.registry[self.decode_id].url, self.view.rid))
                 return await self._fail(prefill.exception())
             if decode.exception() is not None:
-                if isinstance(decode.exception(), handlers._ClientGone):
+                if isinstance(decode.exception(), ClientGone):
                     raise decode.exception()  # both sides are aborted on the way out
                 await _cancel(prefill)
-                handlers._in_background(self.gw.client.abort(self.gw.registry[self.prefill_id].url, self.view.rid))
+                in_background(self.gw.client.abort(self.gw.registry[self.prefill_id].url, self.view.rid))
                 return await self._fail(decode.exception())
             if prefill.exception() is not None:
                 log.warning("%s: decode on %s finished but prefill on %s failed: %s", self.view.rid, self.decode_id, self.prefill_id, prefill.exception())
@@ -197,8 +195,8 @@ class _Pair:
                 raise err
         else:
             raise err
-        await self._send(f"data: {handlers._dumps(api_error.body())}\n\ndata: [DONE]\n\n".encode())
-        await handlers._close(self.response)
+        await write(self.response, error_event(api_error))
+        await end_stream(self.response)
         return self.response, outcome
 
     async def _prefill(self) -> None:
@@ -209,7 +207,7 @@ class _Pair:
                 payload = await upstream.read()
                 status = upstream.status
         except (aiohttp.ClientError, asyncio.TimeoutError) as err:
-            raise handlers.EngineUnavailable(self.prefill_id, engine.url, err) from None
+            raise EngineUnavailable(self.prefill_id, engine.url, err) from None
         if status != 200:
             raise _SideFailed(self.prefill_id, _engine_error(self.prefill_id, "prefill", status, payload))
         self.reply.cached_tokens = _cached_tokens(payload)
@@ -226,7 +224,7 @@ class _Pair:
     async def _decode(self) -> str:
         """Send the request to the decode engine and relay its answer to the client; the outcome."""
         engine = self.gw.registry[self.decode_id]
-        decode_reply = handlers._Reply()
+        decode_reply = Reply()
         try:
             async with self.gw.client.post(engine.url, self.path, self.body) as upstream:
                 if upstream.status != 200:
@@ -236,33 +234,25 @@ class _Pair:
                     self.gw.pd.placement.on_progress(self.view.rid, 1, time.monotonic())
                     self.response = web.Response(body=payload, status=200, content_type="application/json", headers=self.headers)
                     return "ok"
-                tap = handlers._StreamTap(decode_reply, drop_usage=not self.client_wants_usage)
-                response = web.StreamResponse(headers={**self.headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-                await response.prepare(self.request)
-                self.response = response
+                tap = StreamTap(decode_reply, drop_usage=not self.client_wants_usage)
+                self.response = await start_stream(self.request, self.headers)
                 first = True
                 async for chunk in upstream.content.iter_any():
                     if first:
                         now = time.monotonic()
-                        self.gw.metrics.ttft.labels(self.view.request_class).observe(now - self.view.arrival_s)
+                        self.gw.metrics.of_class(self.view.request_class).ttft.observe(now - self.view.arrival_s)
                         self.gw.pd.placement.on_progress(self.view.rid, 1, now)
                         first = False
                     data = tap.feed(chunk)
                     if data:
-                        await self._send(data)
+                        await write(self.response, data)
         except (aiohttp.ClientError, asyncio.TimeoutError) as err:
-            raise handlers.EngineUnavailable(self.decode_id, engine.url, err) from None
+            raise EngineUnavailable(self.decode_id, engine.url, err) from None
         rest = tap.flush()
         if rest:
-            await self._send(rest)
-        await handlers._close(self.response)
+            await write(self.response, rest)
+        await end_stream(self.response)
         return "ok"
-
-    async def _send(self, data: bytes) -> None:
-        try:
-            await self.response.write(data)
-        except ConnectionResetError:
-            raise handlers._ClientGone() from None
 
 
 async def _cancel(task: asyncio.Future) -> None:

@@ -27,6 +27,10 @@ def _setup_logging(level: str, log_file: Path | None = None) -> None:
         handlers.append(logging.FileHandler(log_file))
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", handlers=handlers, force=True)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per HTTP request is noise
+    # The format names no thread, process, task or source line: do not gather them for every record (the gateway
+    # writes one per request). Python's logging HOWTO, "Optimization".
+    logging.logThreads = logging.logProcesses = logging.logMultiprocessing = logging.logAsyncioTasks = False
+    logging._srcfile = None
 
 
 def _run(coro) -> None:

@@ -7,7 +7,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from gateway.app import create_app
-from gateway.handlers import settle_background
+from gateway.relay import settle_background
 from gateway.state import GATEWAY
 from laps.config import load_config
 from laps.tokenizer import load_tokenizer

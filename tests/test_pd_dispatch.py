@@ -10,7 +10,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from gateway.app import create_app
-from gateway.handlers import settle_background
+from gateway.relay import settle_background
 from gateway.state import GATEWAY
 from tests.fake_engine import FakeEngine
 from tests.pd_stack import pd_config

@@ -7,7 +7,7 @@ import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.handlers import _Reply, _StreamTap
+from gateway.relay import Reply, StreamTap
 
 PIECES = ["Hel", "lo", ", ", "wörld", "!\n", "日本"]
 
@@ -19,9 +19,9 @@ def stream(pieces: list[str], usage: bool) -> bytes:
     return b"".join(events) + b"data: [DONE]\n\n"
 
 
-def relay(data: bytes, cuts: list[int], drop_usage: bool) -> tuple[bytes, _Reply, int]:
-    reply = _Reply()
-    tap = _StreamTap(reply, drop_usage)
+def relay(data: bytes, cuts: list[int], drop_usage: bool) -> tuple[bytes, Reply, int]:
+    reply = Reply()
+    tap = StreamTap(reply, drop_usage)
     out, passed_whole = [], 0
     bounds = sorted({0, len(data), *(c % (len(data) + 1) for c in cuts)})
     for a, b in zip(bounds, bounds[1:]):
