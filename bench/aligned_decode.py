@@ -236,15 +236,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engines", type=int, default=4, help="decode (data-parallel) engines (default: %(default)s)")
     parser.add_argument("--concurrency", type=int, default=48, help="clients per engine (default: %(default)s)")
     parser.add_argument("--requests", type=int, default=1500, help="requests per run (default: %(default)s)")
-    parser.add_argument("--warmup", type=float, default=0.2, help="share of requests sent before the window opens")
+    parser.add_argument("--warmup", type=float, default=0.2, help="share of requests sent before the window opens (default: %(default)s)")
     parser.add_argument("--model", choices=[LLAMA2_7B.name, *MODELS], default=LLAMA2_7B.name,
                         help="cost model: AlignedServe's Llama-2-7B (MHA) or a Qwen2.5 preset (default: %(default)s)")
     parser.add_argument("--gpu", choices=sorted(GPUS), default="h100", help="sim GPU preset (default: %(default)s)")
-    parser.add_argument("--spread", default="alignedserve", help="decode spread κ: alignedserve, roofline or a number")
+    parser.add_argument("--spread", default="alignedserve",
+                        help="decode spread κ: alignedserve, roofline or a number (default: %(default)s)")
     parser.add_argument("--output-min", type=int, default=128, help="mixes: shortest output, tokens (default: %(default)s)")
     parser.add_argument("--output-max", type=int, default=1024, help="mixes: longest output, tokens (default: %(default)s)")
-    parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES),
+                        help="schedulers to run (default: all)")
+    parser.add_argument("--seed", type=int, default=0, help="request draw seed (default: %(default)s)")
     parser.add_argument("--quick", action="store_true", help="600 requests, mixes 70%% and 95%% short, 2 engines")
     args = parser.parse_args(argv)
     try:
@@ -283,8 +285,9 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r['throughput_vs_least_load']:.3f}" if b else "-",
                       f"{1e3 * r['tpot_p50_s']:.2f}", f"{1e3 * r['tpot_p99_s']:.2f}",
                       f"{r['tpot_p99_lower_vs_least_load']:.3f}" if b else "-")
-    Console().print(table)
-    Console().print(f"AlignedServe (paper): up to {PAPER['throughput_x']}x decode throughput and up to "
+    console = Console(width=150)
+    console.print(table)
+    console.print(f"AlignedServe (paper): up to {PAPER['throughput_x']}x decode throughput and up to "
                     f"{PAPER['tpot_p99_x']}x lower P99 TPOT than its baselines")
     config = {"engines": args.engines, "concurrency_per_engine": args.concurrency, "requests": args.requests,
               "warmup": args.warmup, "model": args.model, "gpu": args.gpu, "spread": args.spread,

@@ -163,13 +163,15 @@ def plot(results: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="JSON results path (a PNG plot is written next to it)")
-    parser.add_argument("--rho", type=float, nargs="+", default=[1.7, 2.9], help="overload factors λ/μ")
-    parser.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per run (virtual)")
-    parser.add_argument("--seed", type=int, default=0, help="first seed")
-    parser.add_argument("--seeds", type=int, default=1, help="seeds per point (arrivals and workload order); means are averaged")
-    parser.add_argument("--settings", nargs="+", choices=sorted(SETTINGS), default=list(SETTINGS))
-    parser.add_argument("--capacity-requests", type=int, default=1000, help="burst size of the capacity measurement")
-    parser.add_argument("--paper-n", type=int, default=2000, help="requests of the paper-model reference (0: skip it)")
+    parser.add_argument("--rho", type=float, nargs="+", default=[1.7, 2.9], help="overload factors λ/μ (default: %(default)s)")
+    parser.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per run, virtual time (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="first seed (default: %(default)s)")
+    parser.add_argument("--seeds", type=int, default=1,
+                        help="seeds per point (arrivals and workload order); means are averaged (default: %(default)s)")
+    parser.add_argument("--settings", nargs="+", choices=sorted(SETTINGS), default=list(SETTINGS),
+                        help="oracle (exact output lengths) and/or predicted (default: both)")
+    parser.add_argument("--capacity-requests", type=int, default=1000, help="burst size of the capacity measurement (default: %(default)s)")
+    parser.add_argument("--paper-n", type=int, default=2000, help="requests of the paper-model reference (default: %(default)s; 0 skips it)")
     parser.add_argument("--quick", action="store_true", help="20 s of arrivals, a 400-request capacity burst, --paper-n 500")
     args = parser.parse_args(argv)
     if args.quick:

@@ -226,13 +226,14 @@ def print_report(result: dict) -> None:
     for label, key in rows:
         p = d[key]
         table.add_row(label, *(f"{p[s]:.1f}" for s in ("p50", "p90", "p99", "max")))
-    Console().print(table)
+    out = Console(width=150)
+    out.print(table)
     p99 = d["decision_us"]["p99"]
-    Console().print(f"decision p99 {p99:.1f} µs vs target {TARGET_P99_US:.0f} µs: {'met' if p99 <= TARGET_P99_US else 'NOT met'}")
+    out.print(f"decision p99 {p99:.1f} µs vs target {TARGET_P99_US:.0f} µs: {'met' if p99 <= TARGET_P99_US else 'NOT met'}")
     m = result.get("memory")
     if m:
         pi, cc = m["prefix_index"], m["chat_cache"]
-        Console().print(
+        out.print(
             f"{m['conversations']:,} distinct conversations: prefix index holds {pi['blocks_held']:,} of {pi['blocks_offered']:,} blocks, "
             f"RSS +{pi['rss_growth_bytes'] / 2**20:.1f} MiB (budget {pi['budget_bytes'] / 2**20:.0f} MiB, "
             f"{'within' if pi['within_budget'] else 'OVER'}), {pi['rss_bytes_per_block']:.0f} B/block "
@@ -250,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engines", type=int, default=8, help="engines, half short and half long (default: %(default)s)")
     parser.add_argument("--memory-conversations", type=int, default=1_000_000,
                         help="distinct conversations for the memory check; 0 skips it (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic conversations (default: %(default)s)")
     parser.add_argument("--out", type=Path, help="write the figures as JSON here")
     args = parser.parse_args(argv)
     if min(args.conversations, args.turns, args.requests, args.engines) < 1 or args.memory_conversations < 0:
@@ -263,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2) + b"\n")
+        print(f"wrote {args.out}")
     return 0
 
 

@@ -83,11 +83,13 @@ def main() -> int:
         table.add_row(str(r["concurrency"]), ms(r["short_alone_ms"]), ms(r["published_short_alone_ms"]),
                       ms(r["short_mixed_ms"]), ms(r["published_short_mixed_ms"]), ms(r["long_alone_ms"]),
                       ms(r["long_mixed_ms"]))
-    Console().print(table)
+    console = Console(width=150)
+    console.print(table)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_bytes(orjson.dumps({"long_share": args.long_share, "requests": args.requests, "rows": rows},
                                           option=orjson.OPT_INDENT_2))
+        console.print(f"wrote {args.out}")
     return 0
 
 

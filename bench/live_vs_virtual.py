@@ -86,9 +86,10 @@ def main() -> int:
     for plain, lat in zip(result["comparison"], result["comparison_with_latency"]):
         table.add_row(plain["group"], f"{plain['metric'][:-2].upper()} {plain['stat']}", ms(plain["live_s"]),
                       ms(plain["virtual_s"]), pct(plain["diff_pct"]), ms(lat["virtual_s"]), pct(lat["diff_pct"]))
-    Console().print(table)
+    console = Console(width=150)
+    console.print(table)
     args.out.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2) + b"\n")
-    Console().print(f"wrote {args.out} (reports in {work}/)")
+    console.print(f"wrote {args.out} (reports in {work}/)")
     return 0
 
 

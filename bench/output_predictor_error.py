@@ -1,6 +1,6 @@
 """Error of the output-length predictor (``policies/output_predictor.py``) on real multi-turn chats.
 
-    python bench/output_predictor_error.py --out runs/output_predictor_error.json    # ~10 s
+    python bench/output_predictor_error.py --out runs/output_predictor_error.json    # ~1 s
 
 Data: the hh-rlhf conversations (``loadgen/data``, the only data set here with real assistant
 replies in multi-turn chats), reply lengths in Qwen2.5 tokens as the ``hh-rlhf`` workload counts
@@ -92,7 +92,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, e in by_name.items():
             table.add_row(str(cap), name, f"{e['mae_tokens']:.1f}", f"{e['mae_tokens_with_history']:.1f}",
                           f"{e['mean_relative_error']:.2f}", f"{e['bias_tokens']:+.1f}", f"{e['mae_tokens'] / base:.3f}")
-    Console(width=150).print(table)
+    console = Console(width=150)
+    console.print(table)
+    console.print(f"wrote {args.out}")
     return 0
 
 

@@ -38,7 +38,7 @@ one engine together share its port) and once with unshared links (every
 transfer alone on the link): transfer inflation and the TTFT they cost.
 
 Writes the JSON, prints the tables, and draws violation rate and P90 TTFT
-against request rate per setup next to the JSON.
+against the offered conversation rate per setup next to the JSON.
 """
 
 from __future__ import annotations
@@ -76,6 +76,9 @@ ROUTER_POLICIES = ("bucket", "cache_aware")
 DECODE_ROLE = {"pool": "decode", "flags": {}}
 OFFLINE_MAX_TOKENS = 1024
 OFFLINE_TTFT_S = 3600.0  # deadline-free: no request is ever urgent
+TRANSFER_NOTE = ("inflation = a KV transfer's time over its time alone on an idle link (1 = no contention), mean over "
+                 "transfers; burst = transfers the same prefill engine started at the same instant, mean per transfer "
+                 "(1 = never batched).")
 PAPER = {
     "violations_8_instances": "LAPS 0% vs SGLang router 4.7% (8 instances)",
     "vs_data_parallel": "SLO violations -28% vs plain data parallel",
@@ -184,7 +187,11 @@ def offline_point(policy: str, n_requests: int, seed: int, link: str, short_pref
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    """Violation rate and P90 TTFT against achieved request rate, one panel pair per setup."""
+    """Violation rate and P90 TTFT against the offered conversation rate, one panel pair per setup.
+
+    (The offered rate, not the achieved req/s: a follow-up turn waits for the reply before it, so a slower policy
+    sends fewer turns in the same run and the achieved rate of one offered load differs between rows.)
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -193,7 +200,8 @@ def plot(rows: list[dict], path: Path) -> None:
     setups = list(dict.fromkeys(r["setup"] for r in rows))
     fig, axes = plt.subplots(2, len(setups), figsize=(4.6 * len(setups), 7.5), squeeze=False)
     for col, setup in enumerate(setups):
-        plot_rate_panels(axes[0][col], axes[1][col], [r for r in rows if r["setup"] == setup], setup)
+        plot_rate_panels(axes[0][col], axes[1][col], [r for r in rows if r["setup"] == setup], setup,
+                         x_key="conv_rate", x_label="offered conversation rate (conv/s)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -238,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=10.0, help="simulated seconds per point (default: %(default)s)")
     parser.add_argument("--link", choices=list(LINKS), default="infiniband", help="KV link of the PD rows (default: %(default)s)")
     parser.add_argument("--offline-requests", type=int, default=400, help="requests of the offline case (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="workload and arrival seed (default: %(default)s)")
     parser.add_argument("--jobs", type=int, default=2, help="simulations run in parallel (default: %(default)s)")
     parser.add_argument("--quick", action="store_true", help="one rate (120), 6 s per point, 200 offline requests, burst on tcp only")
     args = parser.parse_args(argv)
@@ -271,7 +279,9 @@ def main(argv: list[str] | None = None) -> int:
 
     console = Console(width=150)
     table = Table(title=f"8 engines, mixed workload, TTFT SLO {SLO_TTFT_S} s, {duration:g} simulated s per point, "
-                        f"PD link {args.link}")
+                        f"PD link {args.link}", caption_justify="left",
+                  caption=f"conv/s = offered conversation arrivals; req/s = requests achieved. PD rows only: xfer ms = mean "
+                          f"KV-transfer time; {TRANSFER_NOTE}")
     for col in ("setup", "policy", "conv/s", "req/s", "SLO viol.", "TTFT p50 ms", "p90 ms", "short p90 ms", "xfer ms",
                 "inflation", "burst"):
         table.add_column(col, justify="right")
@@ -290,7 +300,10 @@ def main(argv: list[str] | None = None) -> int:
         table.add_row(h["setup"], f"{h['conv_rate']:g}", h["laps_policy"], _pct(h["laps"]), h["best_router"], _pct(h["router"]),
                       _pct(h["dp_round_robin"]), "-" if h["laps_vs_dp_change"] is None else f"{100 * h['laps_vs_dp_change']:+.0f}%")
     console.print(table)
-    table = Table(title=f"KV-transfer burst (D2): LAPS on PD 4P+4D at {burst_rate:g} conv/s, shared vs unshared links")
+    table = Table(title=f"KV-transfer burst (D2): LAPS on PD 4P+4D at {burst_rate:g} conv/s, shared vs unshared links",
+                  caption_justify="left",
+                  caption=f"shared: transfers leaving one engine together share its port; unshared: each alone on the link. "
+                          f"p90 = P90 inflation; {TRANSFER_NOTE}")
     for col in ("link", "GB/s", "links", "xfer ms mean", "xfer ms max", "inflation mean", "p90", "burst", "TTFT p90 ms", "SLO viol."):
         table.add_column(col, justify="right")
     for r in burst:

@@ -107,14 +107,19 @@ def run_point(policy: str, n_engines: int, dataset: str, conv_rate: float, durat
     }
 
 
-def plot_rate_panels(ax1, ax2, rows: list[dict], title: str) -> None:
-    """Draw violation rate (``ax1``) and P90 TTFT (``ax2``) against achieved request rate, one line per policy in ``rows``."""
+def plot_rate_panels(ax1, ax2, rows: list[dict], title: str, x_key: str = "rate_rps",
+                     x_label: str = "request rate (req/s)") -> None:
+    """Draw violation rate (``ax1``) and P90 TTFT (``ax2``) against ``rows[i][x_key]``, one line per policy in ``rows``.
+
+    ``x_key``: the row field on the x-axis (default: the achieved request rate, ``rate_rps``; ``conv_rate`` is the
+    offered conversation rate); ``x_label`` names it on both axes.
+    """
     for policy in dict.fromkeys(r["policy"] for r in rows):
         pts = [r for r in rows if r["policy"] == policy]
-        ax1.plot([r["rate_rps"] for r in pts], [100 * r["slo_violation_rate"] for r in pts], marker="o", label=policy)
-        ax2.plot([r["rate_rps"] for r in pts], [1e3 * (r["ttft_p90_s"] or 0) for r in pts], marker="o", label=policy)
-    ax1.set(xlabel="request rate (req/s)", ylabel="TTFT SLO violations (%)", title=f"{title}: SLO {SLO_TTFT_S} s")
-    ax2.set(xlabel="request rate (req/s)", ylabel="P90 TTFT (ms)", yscale="log", title=f"{title}: P90 TTFT")
+        ax1.plot([r[x_key] for r in pts], [100 * r["slo_violation_rate"] for r in pts], marker="o", label=policy)
+        ax2.plot([r[x_key] for r in pts], [1e3 * (r["ttft_p90_s"] or 0) for r in pts], marker="o", label=policy)
+    ax1.set(xlabel=x_label, ylabel="TTFT SLO violations (%)", title=f"{title}: SLO {SLO_TTFT_S} s")
+    ax2.set(xlabel=x_label, ylabel="P90 TTFT (ms)", yscale="log", title=f"{title}: P90 TTFT")
     ax2.axhline(1e3 * SLO_TTFT_S, color="red", linestyle="--", linewidth=1)
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
@@ -140,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engines", type=int, default=1, help="engines in the deployment (default: %(default)s)")
     parser.add_argument("--dataset", default="mixed", help="workload, as for laps simulate (default: %(default)s)")
     parser.add_argument("--duration", type=float, default=30.0, help="simulated seconds per point (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="workload and arrival seed (default: %(default)s)")
     parser.add_argument("--policies", nargs="+", choices=list(POLICIES), help="default: all that differ at this size")
     parser.add_argument("--short-engines", type=int, help="short-prefill engines for laps and pools (default: half)")
     parser.add_argument("--out", type=Path, required=True, help="JSON output; the PNG goes next to it")
@@ -163,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         table.add_row(r["policy"], f"{r['conv_rate']:g}", f"{r['rate_rps']:.1f}", f"{100 * r['slo_violation_rate']:.1f}%",
                       *(f"{1e3 * (r[k] or 0):.1f}" for k in ("ttft_p50_s", "ttft_p90_s", "mean_prefill_latency_s", "short_ttft_p90_s")))
-    Console().print(table)
+    Console(width=150).print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"engines": args.engines, "dataset": args.dataset, "slo_ttft_s": SLO_TTFT_S, "rows": rows}, indent=1))
     plot(rows, args.out.with_suffix(".png"), f"{args.engines} engine(s), {args.dataset}")

@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--start-short", type=int, default=4, help="the controller's initial short engines (default: %(default)s)")
     parser.add_argument("--interval-s", type=float, default=2.0, help="controller decision interval (default: %(default)s)")
     parser.add_argument("--cooldown-s", type=float, default=20.0, help="controller cooldown after a move (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="workload and arrival seed (default: %(default)s)")
     parser.add_argument("--jobs", type=int, default=2, help="simulations run in parallel (default: %(default)s)")
     parser.add_argument("--quick", action="store_true", help="60 s phases and static splits 2, 4, 6 only")
     args = parser.parse_args(argv)

@@ -299,10 +299,11 @@ def print_table(result: dict) -> None:
     row(f"SLO violations (TTFT > {s['slo_ttft_s']:g} s)", lambda r: _pct(r["slo"]["violation_rate"]))
     for cls in ("short", "long"):
         row(f"{cls}: SLO violations", lambda r, cls=cls: _pct(r["by_class"][cls]["slo_violation_rate"]))
-    Console().print(table)
+    out = Console(width=150)
+    out.print(table)
     for r in runs:
         for message, count in r["errors_by_message"].items():
-            Console().print(f"[red]{r['router']} {r['policy']}: {count} × {message}[/red]")
+            out.print(f"[red]{r['router']} {r['policy']}: {count} × {message}[/red]")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -404,7 +404,7 @@ def print_table(result: dict) -> None:
     row(f"{s['big_kb']} KB: TTFT p50 vs direct",
         lambda p: "—" if not direct.get(big, {}).get("p50_ms") or p[big]["p50_ms"] is None else f"{p[big]['p50_ms'] / direct[big]['p50_ms']:.2f}×")
     row("errors", lambda p: str(sum(ph["errors"] for ph in p.values())))
-    out = Console(width=max(120, Console().width))
+    out = Console(width=max(150, Console().width))
     out.print(table)
     for key in ("laps_over_direct", "laps_over_router"):
         out.print(f"{key}: " + ", ".join(f"{c} {_f(v)}×" for c, v in result[key].items()))
@@ -451,7 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--big-waves", type=int, default=2, help="large requests per client (default: %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=16, help="output tokens per request, ignore_eos (default: %(default)s)")
     parser.add_argument("--max-reply-chars", type=int, default=2000, help="cap on a history's assistant turn (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the chat and large prompts (default: %(default)s)")
     parser.add_argument("--quick", action="store_true", help="short phases: --phase-s 3, --stream-requests 60, --big-waves 1")
     parser.add_argument("--py-spy-laps", type=Path, help="record a py-spy profile (raw collapsed stacks) of the laps gateway here")
     parser.add_argument("--out", type=Path, required=True,

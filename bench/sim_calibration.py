@@ -38,7 +38,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True, help="JSON file to write")
     parser.add_argument("--seed", type=int, default=0, help="seed of the TTFT runs (default: 0)")
     args = parser.parse_args()
-    console = Console()
+    console = Console(width=150)
 
     sim = resolve_args(SimServerArgs())
     model = sim.latency

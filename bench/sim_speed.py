@@ -9,14 +9,17 @@ prefix index, classifier, scheduler, engine models, records. Target: ≥ 10.
 
     python bench/sim_speed.py
     python bench/sim_speed.py --duration 120 --policy round_robin
+    python bench/sim_speed.py --out runs/sim_speed.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import sys
 import time
+from pathlib import Path
 
 from laps.config import parse_config
 from laps.tokenizer import load_tokenizer
@@ -39,6 +42,7 @@ def main() -> int:
     parser.add_argument("--engines", type=int, default=8, help="engines, a quarter of them long-prefill (default: 8)")
     parser.add_argument("--policy", choices=sorted(POLICIES), default="laps", help="scheduling policy (default: laps)")
     parser.add_argument("--seed", type=int, default=0, help="seed (default: 0)")
+    parser.add_argument("--out", type=Path, help="also write the figures as JSON here")
     args = parser.parse_args()
     n_long = max(1, args.engines // 4)
     config = parse_config({
@@ -59,6 +63,14 @@ def main() -> int:
           f"{tokens} output tokens, TTFT p50 {report['ttft_s']['p50'] * 1e3:.1f} ms p90 {report['ttft_s']['p90'] * 1e3:.1f} ms")
     print(f"simulated {simulated:.1f} s in {wall:.1f} s of wall time: {simulated / wall:.1f} simulated s per wall s "
           f"(target >= 10)")
+    if args.out is not None:
+        result = {"engines": args.engines, "policy": args.policy, "rate_conv_s": args.rate, "duration_s": args.duration,
+                  "seed": args.seed, "requests": len(records), "output_tokens": tokens, "simulated_s": simulated,
+                  "wall_s": wall, "simulated_s_per_wall_s": simulated / wall, "target_simulated_s_per_wall_s": 10,
+                  "ttft_p50_s": report["ttft_s"]["p50"], "ttft_p90_s": report["ttft_s"]["p90"]}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+        print(f"wrote {args.out}")
     return 0
 
 

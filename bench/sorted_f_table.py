@@ -131,10 +131,10 @@ def main(argv: list[str] | None = None) -> None:
         epilog="example: python bench/sorted_f_table.py --out /tmp/sorted_f.json --seeds 5",
     )
     parser.add_argument("--out", type=Path, required=True, help="where to write the JSON results")
-    parser.add_argument("--n", type=int, default=2000, help="requests per instance (paper: 2000)")
-    parser.add_argument("--memory", type=int, default=16492, help="KV budget M in tokens (paper: 16,492)")
-    parser.add_argument("--seeds", type=int, default=5, help="workload seeds per cell (paper: 5)")
-    parser.add_argument("--lp-slots", type=int, default=80, help="start windows in the large-n LP")
+    parser.add_argument("--n", type=int, default=2000, help="requests per instance (default: %(default)s, the paper's)")
+    parser.add_argument("--memory", type=int, default=16492, help="KV budget M in tokens (default: %(default)s, the paper's)")
+    parser.add_argument("--seeds", type=int, default=5, help="workload seeds per cell (default: %(default)s, the paper's)")
+    parser.add_argument("--lp-slots", type=int, default=80, help="start windows in the large-n LP (default: %(default)s)")
     args = parser.parse_args(argv)
 
     timing = IterationTime()
@@ -190,10 +190,11 @@ def main(argv: list[str] | None = None) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     render(result)
+    print(f"wrote {args.out}")
 
 
 def render(result: dict) -> None:
-    console = Console()
+    console = Console(width=150)
     table = Table(title="Mean end-to-end latency, 80/20 mix (s)")
     for column in ("policy", "ours", "paper", "ours / FCFS", "paper / FCFS"):
         table.add_column(column, justify="right")
