@@ -21,10 +21,14 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import aiohttp
 
 from laps.config import Config, EngineConfig, FlagValue
+
+if TYPE_CHECKING:
+    from engines.sim.args import ResolvedSim
 
 log = logging.getLogger("laps.engines")
 
@@ -127,18 +131,56 @@ def engine_command(config: Config, engine: EngineConfig, port: int, role: str | 
     raise ValueError(f"engine {engine.name} is external (at {engine.url}): laps starts no process for it")
 
 
-def check_sim_flags(config: Config, engine: EngineConfig) -> None:
-    """Parse a simulated engine's command line here, so a bad role flag fails before any process starts.
+def sim_model(config: Config, engine: EngineConfig, role: str | None = None) -> ResolvedSim:
+    """The simulated engine model of ``engine`` started with ``role``'s flags (default: its configured role).
+
+    Any kind is modelled on ``config.sim``'s model and GPU with the :func:`server_args`
+    it would be started with (the virtual-time simulator models ``sglang`` and
+    ``external`` engines this way too).
 
     Raises:
-        RuntimeError: naming ``roles.<role>.flags`` and the engine model's complaint.
+        ValueError: ``roles.<role>.flags.<flag> (engine <name>): <why>`` naming the flag
+            without which the command line would be accepted, else ``roles.<role>.flags (engine <name>): <why>``.
     """
-    from engines.sim.args import parse_server_args
+    from engines.sim.args import parse_server_args, resolve_args
 
+    role = role or engine.role
+    flags = config.roles[role].flags
+    args = server_args(config, engine, 0, role)
+    base, sim = args[:len(args) - len(flag_args(flags))], ["--sim-model", config.sim.model, "--sim-gpu", config.sim.gpu]
     try:
-        parse_server_args(engine_command(config, engine, port=1)[3:])
+        return resolve_args(parse_server_args([*base, *flag_args(flags), *sim]))
     except ValueError as err:
-        raise RuntimeError(f"roles.{engine.role}.flags (engine {engine.name}): {err}") from None
+        error = err
+    for name in flags:  # the culprit: the one flag whose removal makes the rest acceptable
+        try:
+            resolve_args(parse_server_args([*base, *flag_args({k: v for k, v in flags.items() if k != name}), *sim]))
+        except ValueError:
+            continue
+        raise ValueError(f"roles.{role}.flags.{name} (engine {engine.name}): {error}") from None
+    raise ValueError(f"roles.{role}.flags (engine {engine.name}): {error}") from None
+
+
+def sim_roles(config: Config, engine: EngineConfig) -> list[str]:
+    """The roles ``engine`` may run with: its own, plus, with the controller on, the other prefill pool's role."""
+    roles = [engine.role]
+    pool = config.pool(engine)
+    if config.controller.enabled and pool in ("short", "long") and engine.kind != "external":
+        roles.append(config.controller.role_for("long" if pool == "short" else "short"))
+    return roles
+
+
+def check_sim_flags(config: Config, engine: EngineConfig) -> None:
+    """Build a simulated engine's model for each of its :func:`sim_roles` here, so a bad role flag fails before any process starts.
+
+    Raises:
+        RuntimeError: as :func:`sim_model`'s ValueError (``roles.<role>.flags.<flag> ...``).
+    """
+    for role in sim_roles(config, engine):
+        try:
+            sim_model(config, engine, role)
+        except ValueError as err:
+            raise RuntimeError(str(err)) from None
 
 
 def engine_env(config: Config, engine: EngineConfig) -> dict[str, str]:

@@ -9,7 +9,7 @@ import logging
 import sys
 from pathlib import Path
 
-from laps.config import DEFAULT_CONFIG_PATH, ConfigError, load_config
+from laps.config import DEFAULT_CONFIG_PATH, ConfigError, load_config, parse_config
 
 EPILOG = """examples:
   laps serve                                   # gateway + engines of the repository's config.yaml (--config for another)
@@ -47,8 +47,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     config = load_config(args.config)
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
-    if overrides:
-        config = config.model_copy(update={"gateway": config.gateway.model_copy(update=overrides)})
+    if overrides:  # validated again: a port may clash with a KV bootstrap port
+        data = config.model_dump(exclude_unset=True)
+        data["gateway"] = {**data.get("gateway", {}), **overrides}
+        config = parse_config(data, f"{args.config or DEFAULT_CONFIG_PATH} with --host/--port")
     _setup_logging(args.log_level, config.log_dir / "gateway.log")
     try:
         _run(serve(config))

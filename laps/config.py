@@ -90,6 +90,9 @@ class SchedulingConfig(_Strict):
     decode (PD decode engines): ``least_load`` (fewest in flight) or ``aligned`` (keep
     each engine's running set in a narrow context-length band, with a starvation guard);
     ``aligned``: that placement's parameters (also used by ``policy: aligned``).
+    With ``pd:`` the policy places prefills, so ``aligned`` and ``backlog`` are refused
+    there (:data:`PD_PREFILL_POLICIES`); without ``pd:`` ``decode_placement`` must stay
+    ``least_load`` (nothing reads it).
     ``policy: backlog`` queues requests in the gateway and admits them against each
     engine's KV pool in a Sorted-F, MC-SF or FCFS order (:class:`policies.backlog_scheduler.BacklogScheduler`);
     ``backlog``: its parameters.
@@ -153,9 +156,11 @@ class PDConfig(_Strict):
     gateway sends each request to one prefill and one decode engine at once.
     ``transfer_backend``: SGLang's KV transfer backend on both sides.
     ``bootstrap_port``: the base of the prefill engines' KV bootstrap ports:
-    engine ``i`` of ``engines`` listens on ``bootstrap_port + i`` (an external
-    engine on ``bootstrap_port``, SGLang's default 8998) unless the engine sets
-    its own ``bootstrap_port``. ``link``: the KV link the simulated engines
+    engine ``i`` of ``engines`` listens on ``bootstrap_port + i`` (at most
+    65535, and clear of the gateway's and the engines' HTTP ports), an external
+    prefill engine on ``bootstrap_port`` itself (8998, SGLang's own default,
+    unless changed), unless the engine sets its own ``bootstrap_port`` (decode
+    engines take none). ``link``: the KV link the simulated engines
     model (a preset of :data:`engines.sim.kv_transfer.LINKS`); ``link_gb_s``
     overrides its bandwidth (GB/s per port and direction).
     """
@@ -210,7 +215,8 @@ class ControllerConfig(PressureControllerConfig):
     ``window_s``: the recent window of first tokens over which an engine's TTFT
     SLO-violation share is taken; ``short_role`` / ``long_role``: the role an
     engine is restarted with when it moves into that pool (each must be defined
-    under ``roles`` and serve that pool); ``drain_timeout_s``: how long a moving
+    under ``roles`` and serve that pool: checked when ``enabled``, or when set
+    explicitly); ``drain_timeout_s``: how long a moving
     engine's in-flight requests may run before they fail.
 
     ``sim_restart_s`` is what the virtual-time simulator charges for the
@@ -273,9 +279,9 @@ class Config(_Strict):
                 if gpu in gpu_owner:
                     raise ValueError(f"engines.{i}.gpus: GPU {gpu} is already given to engine {gpu_owner[gpu]!r}; a GPU serves one engine")
                 gpu_owner[gpu] = engine.name
-        if self.controller.enabled:
-            _check_controller_roles(self)
+        _check_controller_roles(self)
         _check_pd(self)
+        _check_scheduling(self)
         return self
 
     def pool(self, engine: EngineConfig) -> str:
@@ -296,8 +302,15 @@ class Config(_Strict):
 
 
 def _check_controller_roles(config: Config) -> None:
+    """Each controller role must exist and serve its pool: both when the controller is on, else those set explicitly.
+
+    A disabled controller that the file never mentions keeps its default role names unchecked, so a
+    deployment whose roles are named otherwise still loads.
+    """
     for pool in ("short", "long"):
         key, role = f"{pool}_role", config.controller.role_for(pool)
+        if not config.controller.enabled and key not in config.controller.model_fields_set:
+            continue
         if role not in config.roles:
             raise ValueError(f"controller.{key}: {role!r} is not a role defined under roles; allowed: {', '.join(sorted(config.roles))}")
         if config.roles[role].pool != pool:
@@ -321,16 +334,41 @@ def _check_pd(config: Config) -> None:
     prefill = [e.name for e in config.engines if config.pool(e) != "decode"]
     if not decode or not prefill:
         raise ValueError(f"pd: a prefill-decode deployment needs at least one prefill engine (pool short or long) and one decode engine (pool decode); engines has {len(prefill)} prefill and {len(decode)} decode")
-    http_ports = {e.port: e.name for e in config.engines if e.kind != "external" and e.port is not None}
-    bootstrap_owner: dict[int, str] = {}
+    taken = {e.port: f"engine {e.name!r}" for e in config.engines if e.kind != "external" and e.port is not None}
+    taken.setdefault(config.gateway.port, "the gateway (gateway.port)")
     for i, engine in enumerate(config.engines):
-        if engine.kind == "external" or config.pool(engine) == "decode":
+        if config.pool(engine) == "decode":
+            if engine.bootstrap_port is not None:
+                raise ValueError(f"engines.{i}.bootstrap_port: {engine.name!r} is a decode engine (role {engine.role!r}); only prefill engines serve a KV bootstrap port; remove it")
             continue
+        if engine.kind == "external":
+            continue  # it runs elsewhere: its port cannot clash with ours
         port = config.bootstrap_port(engine)
-        clash = bootstrap_owner.get(port) or http_ports.get(port)
+        key = f"engines.{i}.bootstrap_port" if engine.bootstrap_port is not None else "pd.bootstrap_port"
+        if port > 65535:
+            raise ValueError(f"{key}: the KV bootstrap port of {engine.name!r} is pd.bootstrap_port ({config.pd.bootstrap_port}) + its index in engines ({i}) = {port}, above 65535; lower pd.bootstrap_port or set engines.{i}.bootstrap_port")
+        clash = taken.get(port)
         if clash is not None:
-            raise ValueError(f"engines.{i}.bootstrap_port: port {port} (KV bootstrap of {engine.name!r}) is already used by engine {clash!r}; set engines.{i}.bootstrap_port or pd.bootstrap_port")
-        bootstrap_owner[port] = engine.name
+            raise ValueError(f"{key}: port {port} (KV bootstrap of {engine.name!r}) is already used by {clash}; set engines.{i}.bootstrap_port or pd.bootstrap_port")
+        taken[port] = f"engine {engine.name!r} (KV bootstrap)"
+
+
+PD_PREFILL_POLICIES = ("laps", "pools", "least_load", "round_robin", "cache_aware", "bucket")
+"""The ``scheduling.policy`` values that make sense with ``pd:``, where the policy places requests on prefill engines."""
+
+
+def _check_scheduling(config: Config) -> None:
+    """Refuse scheduling settings that would be ignored or act on the wrong engines."""
+    policy = config.scheduling.policy
+    if config.pd is not None and policy not in PD_PREFILL_POLICIES:
+        why = ("places requests by decode context-length band; with pd: that is scheduling.decode_placement: aligned"
+               if policy == "aligned" else
+               "reserves each request's predicted output tokens in the chosen engine's KV pool, but with pd: the prefill engine does not decode")
+        raise ValueError(f"scheduling.policy: {policy!r} {why}; with pd: the policy places requests on prefill engines: "
+                         f"use one of {', '.join(PD_PREFILL_POLICIES)}")
+    if config.pd is None and config.scheduling.decode_placement != "least_load":
+        raise ValueError(f"scheduling.decode_placement: {config.scheduling.decode_placement!r} chooses among the decode engines "
+                         "of a prefill-decode deployment and needs the pd: section; without it use scheduling.policy: aligned")
 
 
 def _check_kind(i: int, engine: EngineConfig) -> None:

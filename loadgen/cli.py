@@ -13,11 +13,11 @@ from typing import Callable
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
-from laps.config import DEFAULT_CONFIG_PATH, load_config
+from laps.config import DEFAULT_CONFIG_PATH, load_config, parse_config
 from laps.tokenizer import ChatTokenizer, load_tokenizer
 from loadgen.report import build_report, print_report, write_report, write_trace
 from loadgen.runner import THINK_DISTRIBUTIONS, LoadgenError, RequestRecord, run_loadgen
-from loadgen.virtual import simulate
+from loadgen.virtual import simulate_run
 from loadgen.workloads import DATASETS, DEFAULT_MAX_TOKENS, Workload, build_workload
 from policies.registry import POLICIES
 
@@ -193,8 +193,9 @@ SIMULATE_DESCRIPTION = """\
 The whole deployment of --config in virtual time: the gateway's policies (classifier, prefix index,
 scheduler) in front of its engines, each an SGLang 0.5.23 engine model (its role's flags, the config's
 simulated model and GPU); no sockets, no processes. Same workloads, flags and report JSON as laps
-loadgen, with a progress bar in simulated seconds; the same seed gives the same report. --policy
-overrides scheduling.policy."""
+loadgen, plus the controller's moves (key "controller", with controller.enabled) and the KV
+transfers (key "kv_transfer", with pd:), also printed; a progress bar in simulated seconds; the
+same seed gives the same report. --policy overrides scheduling.policy (checked like the file)."""
 
 SIMULATE_EPILOG = """\
 examples:
@@ -228,7 +229,9 @@ def run_simulation(args: argparse.Namespace) -> dict:
     """
     config = load_config(args.config)
     if args.policy is not None:
-        config = config.model_copy(update={"scheduling": config.scheduling.model_copy(update={"policy": args.policy})})
+        data = config.model_dump(exclude_unset=True)  # validated again: a policy may not fit the deployment
+        data.setdefault("scheduling", {})["policy"] = args.policy
+        config = parse_config(data, f"{args.config} with --policy {args.policy}")
     tokenizer = load_tokenizer(config.model.path)
     workload = load_workload(args, tokenizer)
     console = Console(stderr=True)
@@ -239,7 +242,7 @@ def run_simulation(args: argparse.Namespace) -> dict:
 
     wall = time.perf_counter()
     with progress:
-        records = simulate(
+        virtual = simulate_run(
             config,
             workload,
             duration_s=args.duration,
@@ -256,6 +259,7 @@ def run_simulation(args: argparse.Namespace) -> dict:
             on_progress=on_progress,
         )
     wall = time.perf_counter() - wall
+    records = virtual.records
     meta = {
         "mode": "virtual",
         "config": str(args.config),
@@ -265,7 +269,7 @@ def run_simulation(args: argparse.Namespace) -> dict:
         "serving_latency_ms": args.serving_latency_ms,
         **workload_meta(args, workload),
     }
-    report = build_report(records, slo_ttft_s=args.slo_ttft_s or config.slo.ttft_s, meta=meta)
+    report = {**build_report(records, slo_ttft_s=args.slo_ttft_s or config.slo.ttft_s, meta=meta), **virtual.summary()}
     write_outputs(args, report, records, console)
     if not args.quiet:
         end = max((r.end_s for r in records), default=0.0)

@@ -123,6 +123,27 @@ def print_report(report: dict, console: Console | None = None) -> None:
     )
     for message, count in report["errors_by_message"].items():
         console.print(f"[red]{count} × {message}[/red]")
+    print_run_summary(report, console)
+
+
+def print_run_summary(report: dict, console: Console) -> None:
+    """Print what ``laps simulate`` adds to a report (:meth:`loadgen.virtual.VirtualRun.summary`): the controller's
+    moves and the PD KV transfers; nothing for a report without them."""
+    control = report.get("controller")
+    if control is not None:
+        console.print(f"controller: {len(control['moves'])} moves in {control['decisions']} decisions; "
+                      f"{control['drain_engine_s']:.1f} engine-s draining, {control['restart_engine_s']:.1f} engine-s restarting")
+        for m in control["moves"]:
+            console.print(f"  {m['start_s']:.1f} s: {m['engine']} {m['from_pool']} -> {m['to_pool']} as {m['role']} "
+                          f"(drain {m['drain_s']:.1f} s, restart {m['restart_s']:.1f} s, back at {m['end_s']:.1f} s"
+                          + (f", {m['drain_failed']} requests failed by the drain timeout" if m["drain_failed"] else "") + ")")
+    kv = report.get("kv_transfer")
+    if kv is not None:
+        line = f"KV transfers: {kv['count']}, {kv['bytes'] / 1e9:.3f} GB"
+        if kv["count"]:
+            line += (f"; time mean {_ms(kv['time_s']['mean'])} / p99 {_ms(kv['time_s']['p99'])} ms; link sharing stretched "
+                     f"them {kv['inflation']['mean']:.2f}x on average, {kv['inflation']['p99']:.2f}x at p99")
+        console.print(line)
 
 
 def plot_ttft_cdf(records: Sequence[RequestRecord], slo_ttft_s: float, path: Path, title: str = "") -> None:

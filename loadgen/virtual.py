@@ -59,8 +59,7 @@ from typing import Any
 
 import orjson
 
-from engines.manager import server_args
-from engines.sim.args import parse_server_args, resolve_args
+from engines.manager import sim_model, sim_roles
 from engines.sim.core import EngineCore, RequestEvent, StepResult
 from gateway.registry import EngineRegistry, EngineState
 from laps.config import Config, EngineConfig
@@ -83,13 +82,10 @@ def engine_core(config: Config, engine: EngineConfig, tokenizer: ChatTokenizer, 
     """The engine model of ``engine`` started with ``role``'s flags (default: its configured role); see :func:`engine_cores`.
 
     Raises:
-        ValueError: the role's flags are not a valid (simulated) SGLang command line.
+        ValueError: the role's flags are not a valid (simulated) SGLang command line
+            (``roles.<role>.flags.<flag> ...``, see :func:`engines.manager.sim_model`).
     """
-    argv = [*server_args(config, engine, 0, role), "--sim-model", config.sim.model, "--sim-gpu", config.sim.gpu]
-    try:
-        sim = resolve_args(parse_server_args(argv))
-    except ValueError as err:
-        raise ValueError(f"engine {engine.name} (role {role or engine.role}): {err}") from None
+    sim = sim_model(config, engine, role)
     return EngineCore(sim.config, sim.latency, tokenizer)
 
 
@@ -97,12 +93,19 @@ def engine_cores(config: Config, tokenizer: ChatTokenizer) -> dict[str, EngineCo
     """One engine model per configured engine, from the arguments the engine manager would start it with.
 
     Every kind is modelled on ``config.sim``'s model and GPU, with its role's
-    SGLang flags and ``--tp-size`` = its GPU count.
+    SGLang flags and ``--tp-size`` = its GPU count. The roles an engine may be
+    moved to (:func:`engines.manager.sim_roles`) are checked here too, so a bad
+    flag fails before the run, not at the first move.
 
     Raises:
         ValueError: a role's flags are not a valid (simulated) SGLang command line.
     """
-    return {engine.name: engine_core(config, engine, tokenizer) for engine in config.engines}
+    cores = {}
+    for engine in config.engines:
+        cores[engine.name] = engine_core(config, engine, tokenizer)
+        for role in sim_roles(config, engine)[1:]:
+            sim_model(config, engine, role)
+    return cores
 
 
 class _Conversation:
@@ -505,6 +508,17 @@ class VirtualRun:
         self.controller.on_move_done(engine_id, self.now)
         self._decide()
 
+    def summary(self) -> dict[str, Any]:
+        """What the run did besides serving requests, JSON-ready; ``{}`` when there is nothing to add.
+
+        With the controller: ``controller`` {``decisions`` (count), ``moves`` (the
+        :attr:`moves` dicts), ``restart_engine_s``, ``drain_engine_s``}.
+        """
+        if self.controller is None:
+            return {}
+        return {"controller": {"decisions": len(self.control_log), "moves": list(self.moves),
+                               "restart_engine_s": self.restart_engine_s, "drain_engine_s": self.drain_engine_s}}
+
 
 def simulate(config: Config, workload: Workload, *, duration_s: float, seed: int, rate: float | None = None,
              time_scale: float = 1.0, think_time_s: float = 1.0, think_dist: str = "exp",
@@ -512,6 +526,21 @@ def simulate(config: Config, workload: Workload, *, duration_s: float, seed: int
              tokenizer: ChatTokenizer | None = None, on_record: Callable[[RequestRecord], None] | None = None,
              on_progress: Callable[[float], None] | None = None) -> list[RequestRecord]:
     """Run ``workload`` against ``config``'s deployment in virtual time; one record per request sent.
+
+    As :func:`simulate_run` (which also gives the run's :meth:`VirtualRun.summary`), returning only the records.
+    """
+    return simulate_run(config, workload, duration_s=duration_s, seed=seed, rate=rate, time_scale=time_scale,
+                        think_time_s=think_time_s, think_dist=think_dist, request_timeout_s=request_timeout_s,
+                        ignore_eos=ignore_eos, serving_latency_s=serving_latency_s, tokenizer=tokenizer,
+                        on_record=on_record, on_progress=on_progress).records
+
+
+def simulate_run(config: Config, workload: Workload, *, duration_s: float, seed: int, rate: float | None = None,
+                 time_scale: float = 1.0, think_time_s: float = 1.0, think_dist: str = "exp",
+                 request_timeout_s: float = 300.0, ignore_eos: bool = False, serving_latency_s: float = 0.0,
+                 tokenizer: ChatTokenizer | None = None, on_record: Callable[[RequestRecord], None] | None = None,
+                 on_progress: Callable[[float], None] | None = None) -> VirtualRun:
+    """Run ``workload`` against ``config``'s deployment in virtual time; the finished run (``records``: one per request sent).
 
     Arguments mean what they mean for :func:`loadgen.runner.run_loadgen`;
     arrivals come from ``random.Random(f"arrivals/{seed}")`` as there;
@@ -531,4 +560,5 @@ def simulate(config: Config, workload: Workload, *, duration_s: float, seed: int
         run_class = VirtualPDRun
     run = run_class(config, tokenizer or load_tokenizer(config.model.path), request_timeout_s=request_timeout_s,
                     ignore_eos=ignore_eos, serving_latency_s=serving_latency_s)
-    return run.run(plan, duration_s, on_record=on_record, on_progress=on_progress)
+    run.run(plan, duration_s, on_record=on_record, on_progress=on_progress)
+    return run

@@ -21,7 +21,8 @@ KV link. One request goes through:
    prefill server does); the scheduler hears ``on_first_token`` from the
    prefill engine then, and the KV transfer starts on a shared
    :class:`~engines.sim.kv_transfer.KvTransferNetwork` (bytes: prompt tokens ×
-   the model's KV bytes per token; bandwidth: ``pd`` link; an AWD batch's
+   the model's KV bytes per token / the prefill engine's TP size, one link per
+   rank, as the live simulated engine prices it; bandwidth: ``pd`` link; an AWD batch's
    requests leave their prefill engine together and share its port).
 4. When the transfer ends the prefill engine unpins the KV (the prompt stays in
    its prefix cache; the gateway's prefix index learns the prompt, not the
@@ -51,6 +52,7 @@ from engines.sim.kv_transfer import KvTransferNetwork, Transfer, kv_transfer_byt
 from engines.sim.latency import MODELS
 from laps.config import Config
 from laps.tokenizer import ChatTokenizer
+from loadgen.report import summarize
 from loadgen.virtual import NO_ENGINE_MESSAGE, VirtualRun, _CALL, _Engine, _Request
 from policies.decode_placement import make_decode_placement
 
@@ -61,7 +63,6 @@ class _PD:
 
     prefill_id: str
     decode_id: str
-    stage: str = "prefill"  # "prefill" -> "transfer" -> "decode"
     prefill_cached: int = 0
     prefill_held: bool = True  # still counts as in flight on its prefill engine
 
@@ -91,6 +92,16 @@ class VirtualPDRun(VirtualRun):
         self._transfer_gen = 0
 
     # ---- dispatch: a prefill engine from the scheduler, a decode engine from the placement ------
+
+    def summary(self) -> dict[str, Any]:
+        """:meth:`VirtualRun.summary` plus ``kv_transfer``: the finished transfers' ``count``,
+        ``bytes`` (total), ``time_s`` and ``inflation`` statistics (:func:`loadgen.report.summarize`)."""
+        return {**super().summary(), "kv_transfer": {
+            "count": len(self.transfers),
+            "bytes": sum(t.nbytes for t in self.transfers),
+            "time_s": summarize(t.end_s - t.start_s for t in self.transfers),
+            "inflation": summarize(t.inflation for t in self.transfers),
+        }}
 
     def _engine_in(self, req: _Request, engine: _Engine) -> None:
         if req.done:
@@ -123,10 +134,10 @@ class VirtualPDRun(VirtualRun):
             state = self._pd.get(ev.rid)
             if req is None or req.done or state is None or not ev.kv_ready:
                 continue  # withdrawn, or the end of a transfer we already handled
-            state.stage, state.prefill_cached = "transfer", ev.cached_tokens
+            state.prefill_cached = ev.cached_tokens
             self.scheduler.on_first_token(ev.rid, engine_id, self.now, ev.cached_tokens)
             self._decide()
-            nbytes = kv_transfer_bytes(self.kv_bytes_per_token, ev.prompt_tokens)
+            nbytes = kv_transfer_bytes(self.kv_bytes_per_token, ev.prompt_tokens, self.engines[engine_id].core.latency.tp_size)
             self.network.start(ev.rid, engine_id, state.decode_id, nbytes, self.now)
             self._schedule_transfers()
 
@@ -157,7 +168,7 @@ class VirtualPDRun(VirtualRun):
             self._to_kick.append(prefill)  # the freed KV may admit what waited for room
         self.prefix_index.observe(transfer.src, req.keys, state.prefill_cached)
         self._release_prefill(req)
-        req.engine_id, state.stage = state.decode_id, "decode"  # from now on the request is the decode engine's
+        req.engine_id = state.decode_id  # from now on the request is the decode engine's
         decode = self.engines[state.decode_id]
         try:
             decode.core.add_transferred_request(rid, req.prompt_ids, req.record.max_tokens, self.ignore_eos, (), self.now)

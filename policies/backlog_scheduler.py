@@ -28,8 +28,9 @@ waiting requests, the others after them in ascending s_i + ô_i; the plan is kep
 times since it was made (the paper's "every ~10 iterations or +50%", in dispatches since
 the gateway sees no iterations; or once every planned request was dispatched); arrivals
 in between join behind the plan in ascending s_i + ô_i. A planned request that was
-cancelled just drops out. Phase 1 runs only when some engine has room, so a full engine
-costs no planning.
+cancelled just drops out. Phase 1 runs only when some engine has room and the backlog
+holds more than one request, so neither a full engine nor light load (each request
+alone in its backlog) costs planning.
 
 An engine without a reported capacity takes ``default_memory_tokens``; when that is
 unset too, it has no budget and requests go to it at once (the router's behaviour).
@@ -200,6 +201,8 @@ class BacklogScheduler:
             return [members[i] for i in fcfs_order(len(members))]
         if policy == "mc_sf":
             return [members[i] for i in mc_sf_order(self._lengths(members, memory_tokens)[1])]
+        if len(members) == 1:
+            return members  # nothing to order: at light load no request costs a plan
         plan = self._plan.get(key)
         stale = (plan is None or self._plan_used.get(key, 0) >= min(self.config.replan_every, len(plan))
                  or len(members) >= self.config.replan_growth * self._plan_size.get(key, 0))

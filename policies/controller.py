@@ -21,8 +21,13 @@ Our reading of LAPS Algorithm 2 (DESIGN §2.7):
   restarted): fewest running requests, then fewest backlog tokens, then the
   smallest id (deterministic), so the drain that precedes its restart is the
   shortest; a donor with no movable engine gives none;
-* while either pool has no serving engine its pressure is unknown and
-  nothing moves.
+* a pool with no serving engine (an engine moved out by hand, or down) has
+  no pressure; it is refilled first: when it was empty at the previous
+  decision too (so one missed load poll moves nothing), the other pool's
+  least loaded movable engine (as above) moves into it if that pool keeps at
+  least ``min_pool_size`` engines and no move is in progress, without
+  waiting for hysteresis or the cooldown (an empty pool cannot serve its
+  class at all); otherwise nothing moves.
 
 Where the paper's details are not public, these rules are ours; the tests pin
 them down on scripted pressure sequences.
@@ -132,6 +137,7 @@ class PressureController:
         self.in_progress: Move | None = None
         self.moves = 0
         self._last_done_s: float | None = None
+        self._empty_pool: RequestClass | None = None  # the pool found empty by the last decision
         self._pool_sizes: dict[RequestClass, int] = {pool: 0 for pool in POOLS}
         self._pool_pressures: dict[RequestClass, float] = {pool: math.nan for pool in POOLS}
 
@@ -154,13 +160,23 @@ class PressureController:
         by_pool = {pool: [e for e in engines if e.pool == pool] for pool in POOLS}
         self._pool_sizes = {pool: len(members) for pool, members in by_pool.items()}
         self._pool_pressures = {pool: self.pool_pressure(members) if members else math.nan for pool, members in by_pool.items()}
-        if not all(by_pool.values()) or self.in_progress is not None:
+        empty = [pool for pool in POOLS if not by_pool[pool]]
+        was_empty, self._empty_pool = self._empty_pool, empty[0] if len(empty) == 1 else None
+        if self.in_progress is not None:
             return None
-        if self._last_done_s is not None and now < self._last_done_s + c.cooldown_s:
-            return None
-        short, long = self._pool_pressures["short"], self._pool_pressures["long"]
-        donor, receiver = ("short", "long") if long > short else ("long", "short")
-        if abs(long - short) <= c.hysteresis or len(by_pool[donor]) <= c.min_pool_size:
+        if empty:
+            if len(empty) == 2 or was_empty != empty[0]:
+                return None
+            receiver = empty[0]
+            donor = "long" if receiver == "short" else "short"
+        else:
+            if self._last_done_s is not None and now < self._last_done_s + c.cooldown_s:
+                return None
+            short, long = self._pool_pressures["short"], self._pool_pressures["long"]
+            donor, receiver = ("short", "long") if long > short else ("long", "short")
+            if abs(long - short) <= c.hysteresis:
+                return None
+        if len(by_pool[donor]) <= c.min_pool_size:
             return None
         movable = [e for e in by_pool[donor] if e.movable]
         if not movable:

@@ -272,5 +272,19 @@ def test_sorted_f_replans_once_every_planned_request_is_gone():
     s.submit(view("a", 10, 10), 0.0)
     s.submit(view("b", 10, 10), 0.0)
     assert dispatched(s.decide([engine(capacity=40)], 0.0)) == ["a", "b"] and s.plans_total == 1
-    s.submit(view("c", 10, 10), 0.0)  # a backlog of 1 is no growth over the planned 2
-    assert dispatched(s.decide([engine(capacity=60)], 0.0)) == ["c"] and s.plans_total == 2
+    s.submit(view("c", 10, 10), 0.0)  # a backlog of 2 is no growth over the planned 2
+    s.submit(view("d", 10, 10), 0.0)
+    assert dispatched(s.decide([engine(capacity=80)], 0.0)) == ["c", "d"] and s.plans_total == 2
+
+
+def test_sorted_f_makes_no_plan_for_a_backlog_of_one_request():
+    # Light load: each request is alone in its backlog when the engine has room; there is nothing to order.
+    s = oracle("sorted_f", replan_every=10)
+    for i in range(5):
+        s.submit(view(f"r{i}", 10, 10), float(i))
+        assert dispatched(s.decide([engine(capacity=40)], float(i))) == [f"r{i}"]
+        s.on_complete(f"r{i}", "e0", i + 0.5)
+    assert s.plans_total == 0
+    s.submit(view("x", 10, 10), 9.0)
+    s.submit(view("y", 10, 10), 9.0)
+    assert dispatched(s.decide([engine(capacity=40)], 9.0)) == ["x", "y"] and s.plans_total == 1

@@ -46,6 +46,7 @@ def test_default_config_is_the_documented_deployment():
         (lambda d: d.update(controller={"hysterisis": 1}), ["controller.hysterisis: unknown key; allowed: cooldown_s, drain_timeout_s, enabled, hysteresis"]),
         (lambda d: d.update(controller={"cooldown_s": -1}), ["controller.cooldown_s", "greater than or equal to 0", "-1"]),
         (lambda d: d.update(controller={"enabled": True, "long_role": "mixed"}), ["controller.long_role: role 'mixed' serves the short pool, not the long pool"]),
+        (lambda d: d["scheduling"].update(decode_placement="aligned"), ["scheduling.decode_placement: 'aligned' chooses among the decode engines of a prefill-decode deployment and needs the pd: section; without it use scheduling.policy: aligned"]),
         (lambda d: d.update(controller={"enabled": True, "short_role": "tiny"}), ["controller.short_role: 'tiny' is not a role defined under roles; allowed: long-prefill, mixed, short-prefill"]),
     ],
 )
@@ -60,11 +61,22 @@ def test_bad_config_names_key_value_and_allowed(edit, expected):
         assert fragment in message
 
 
-def test_controller_is_off_by_default_and_its_roles_are_checked_only_when_on():
+def test_controller_is_off_by_default_and_its_roles_are_checked_when_on_or_set():
     data = default_data()
     assert load_config().controller.enabled is False
-    data["controller"] = {"short_role": "tiny"}  # off: not checked
-    assert parse_config(data).controller.role_for("short") == "tiny"
+    data["controller"] = {"short_role": "tiny"}  # off, but set explicitly: checked
+    with pytest.raises(ConfigError, match="controller.short_role: 'tiny' is not a role defined under roles"):
+        parse_config(data)
+    data["controller"] = {"long_role": "short-prefill"}
+    with pytest.raises(ConfigError, match="controller.long_role: role 'short-prefill' serves the short pool, not the long pool"):
+        parse_config(data)
+    renamed = default_data()  # roles named otherwise and no controller section: the default role names are not checked
+    renamed["roles"] = {"fast": renamed["roles"]["short-prefill"], "slow": renamed["roles"]["long-prefill"]}
+    renamed["engines"] = [dict(e, role={"short-prefill": "fast", "long-prefill": "slow"}.get(e["role"], "slow")) for e in renamed["engines"]]
+    assert parse_config(renamed).controller.short_role == "short-prefill"
+    renamed["controller"] = {"enabled": True}
+    with pytest.raises(ConfigError, match="controller.short_role: 'short-prefill' is not a role defined under roles; allowed: fast, slow"):
+        parse_config(renamed)
     data["controller"] = {"enabled": True, "hysteresis": 2.0, "sim_restart_s": 30}
     controller = parse_config(data).controller
     assert (controller.role_for("short"), controller.role_for("long")) == ("short-prefill", "long-prefill")

@@ -159,10 +159,43 @@ def test_external_engines_count_but_never_move():
     assert (only_external.moves, only_external.in_progress) == (0, None)
 
 
-def test_no_move_while_a_pool_is_empty():
+def test_an_empty_pool_is_refilled_first_from_the_other_pools_least_loaded_engine():
+    # After a manual move emptied the long pool: at the second decision that finds it empty, "b" (fewest running,
+    # then fewest backlog tokens) moves, though the short pool's pressure is the higher one and the cooldown of
+    # the last move still runs.
     controller = PressureController(PressureControllerConfig(**SCRIPTED))
-    assert controller.decide(engines({"a": 0.0, "b": 0.0, "c": 0.0}, {}), now=0.0) is None
-    assert math.isnan(controller.stats()["pool_pressure_long"])
+    assert controller.decide(engines({"a": 0.0, "z": 0.0}, {"x": 2.0}), now=0.0) == Move("a", "short", "long")
+    controller.on_move_done("a", now=1.0)
+    signals = [EngineSignals("a", "short", gateway_queued_tokens=900, running_requests=1),
+               EngineSignals("b", "short", gateway_queued_tokens=3000),
+               EngineSignals("c", "short", gateway_queued_tokens=5000)]
+    assert controller.decide(signals, now=2.0) is None  # empty once: maybe a missed load poll
+    assert controller.decide(signals, now=2.5) == Move("b", "short", "long")
+    assert math.isnan(controller.stats()["pool_pressure_long"]) and controller.stats()["pool_size_long"] == 0
+    assert controller.decide(signals, now=3.0) is None  # one move at a time
+    controller.on_move_done("b", now=4.0)
+    refilled = [s for s in signals if s.engine_id != "b"] + [EngineSignals("b", "long")]
+    assert controller.decide(refilled, now=5.0) is None  # back to the pressure rule: cooldown until 64 s
+    assert controller.decide(engines({"a": 0.0}, {"x": 0.0, "y": 0.0}), now=6.0) is None
+    assert controller.decide(engines({}, {"x": 0.0, "y": 0.0}), now=7.0) is None  # the short pool: empty once
+    assert controller.decide(engines({"a": 0.0}, {"x": 0.0, "y": 0.0}), now=8.0) is None  # back: nothing to refill
+    assert controller.decide(engines({}, {"x": 0.0, "y": 0.0}), now=9.0) is None
+    assert controller.decide(engines({}, {"x": 0.0, "y": 0.0}), now=10.0) == Move("x", "long", "short")  # the other way
+    assert controller.moves == 3
+
+
+@pytest.mark.parametrize(
+    ("signals", "min_pool_size"),
+    [
+        (engines({"a": 5.0}, {}), 1),  # the only engine: the donor would be left empty
+        (engines({"a": 5.0, "b": 5.0}, {}), 2),  # the donor would fall below min_pool_size
+        ([EngineSignals("a", "short", movable=False), EngineSignals("b", "short", movable=False)], 1),  # external only
+        ([], 1),  # nothing serves at all
+    ],
+)
+def test_an_empty_pool_stays_empty_when_the_other_pool_cannot_give(signals, min_pool_size):
+    controller = PressureController(PressureControllerConfig(**SCRIPTED, min_pool_size=min_pool_size))
+    assert [controller.decide(signals, now=t) for t in (0.0, 1.0, 2.0)] == [None] * 3 and controller.moves == 0
 
 
 def test_on_move_done_must_name_the_move_in_progress():

@@ -3,6 +3,7 @@ and every shipped role's command line accepted by SGLang 0.5.23's own parser."""
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from pathlib import Path
 
@@ -15,6 +16,8 @@ from engines.manager import EngineManager, engine_command, engine_env, server_ar
 from gateway.app import create_app
 from gateway.state import GATEWAY
 from laps.config import DEFAULT_CONFIG_PATH, Config, load_config, parse_config
+from laps.tokenizer import load_tokenizer
+from loadgen.virtual import engine_cores
 from tests import sglang_env
 from tests.fake_engine import FakeEngine
 
@@ -150,6 +153,31 @@ def test_a_sim_role_flag_the_engine_model_does_not_take_fails_before_any_process
     data = yaml.safe_load(DEFAULT_CONFIG_PATH.read_text())
     data["roles"]["short-prefill"]["flags"]["chunked-prefill-sise"] = 512
     manager = EngineManager(parse_config(data))
-    with pytest.raises(RuntimeError, match=r"roles.short-prefill.flags \(engine sp0\): unrecognized arguments: --chunked-prefill-sise 512"):
+    with pytest.raises(RuntimeError, match=r"roles.short-prefill.flags.chunked-prefill-sise \(engine sp0\): unrecognized arguments: --chunked-prefill-sise 512"):
         asyncio.run(manager.start(session=None))
     assert manager.engines == {}
+
+
+@pytest.mark.parametrize(
+    ("role", "flags", "controller", "expected"),
+    [
+        # A value the engine model refuses only when it builds its latency model.
+        ("short-prefill", {"sim-decode-spread": 2.0}, False,
+         "roles.short-prefill.flags.sim-decode-spread (engine sp0): decode spread must be in [0, 1], got 2.0"),
+        # The role an engine would be moved to is checked too when the controller is on, before anything starts.
+        ("long-prefill", {"sim-decode-spread": -1}, True,
+         "roles.long-prefill.flags.sim-decode-spread (engine sp0): decode spread must be in [0, 1], got -1.0"),
+    ],
+)
+def test_a_bad_sim_flag_value_names_its_key_before_any_engine_starts(role, flags, controller, expected):
+    data = shipped_data()
+    data["roles"][role]["flags"].update(flags)
+    data["controller"] = {"enabled": controller}
+    config = parse_config(data)
+    manager = EngineManager(config)
+    with pytest.raises(RuntimeError) as info:
+        asyncio.run(manager.start(session=None))
+    assert str(info.value) == expected and manager.engines == {}
+    with pytest.raises(ValueError) as info:  # laps simulate: the same message, before the run
+        engine_cores(config, load_tokenizer())
+    assert str(info.value) == expected

@@ -2,23 +2,24 @@
 
 import pytest
 
-from engines.sim.kv_transfer import LINKS, KvTransferNetwork, kv_transfer_bytes, link_spec
+from engines.sim.kv_transfer import LINKS, KvTransferNetwork, kv_transfer_bytes
 from engines.sim.latency import MODELS
 
 GB = 1e9
 
 
-def test_bytes_of_a_qwen_7b_prompt():
+def test_bytes_of_a_qwen_7b_prompt_per_tensor_parallel_rank():
     # 28 layers x 2 (K, V) x 4 kv heads x 128 head dim x 2 bytes = 57,344 B per token; 1000 tokens:
     assert kv_transfer_bytes(MODELS["qwen2.5-7b"].kv_bytes_per_token, 1000) == 57_344_000
+    assert kv_transfer_bytes(MODELS["qwen2.5-7b"].kv_bytes_per_token, 1000, tp_size=2) == 28_672_000  # each rank its half
     with pytest.raises(ValueError, match="tokens must be >= 0"):
         kv_transfer_bytes(57_344, -1)
+    with pytest.raises(ValueError, match="tp_size must be >= 1, got 0"):
+        kv_transfer_bytes(57_344, 10, tp_size=0)
 
 
-def test_presets_and_unknown_link():
+def test_link_presets():
     assert [LINKS[n].bandwidth_bytes_per_s for n in ("nvlink", "infiniband", "tcp")] == [450e9, 50e9, 12.5e9]
-    with pytest.raises(ValueError, match="unknown KV transfer link 'pcie'; choose from nvlink, infiniband, tcp"):
-        link_spec("pcie")
 
 
 def test_solo_transfer_time_is_bytes_over_bandwidth():

@@ -9,6 +9,7 @@ import pytest
 
 from engines.manager import check_sim_flags, engine_command, pd_args, server_args
 from engines.sim.args import parse_server_args
+from laps.cli import main as laps_main
 from laps.config import DEFAULT_CONFIG_PATH, ConfigError, load_config, parse_config
 from tests import sglang_env
 from tests.pd_stack import PD_ENGINES, pd_config, pd_data
@@ -73,7 +74,13 @@ def _broken(edit) -> str:
         (lambda d: d["roles"]["decode"]["flags"].update({"disaggregation-mode": "decode"}), "roles.decode.flags.disaggregation-mode: laps sets this flag from the pd: section and the role's pool; remove it"),
         (lambda d: d["roles"]["prefill-long"]["flags"].update({"disaggregation-bootstrap-port": 9}), "roles.prefill-long.flags.disaggregation-bootstrap-port: laps sets"),
         (lambda d: d["engines"][1].update(bootstrap_port=8998), "engines.1.bootstrap_port: port 8998 (KV bootstrap of 'pl0') is already used by engine 'ps0'"),
-        (lambda d: d["engines"][2].update(port=8999), "engines.1.bootstrap_port: port 8999 (KV bootstrap of 'pl0') is already used by engine 'd0'"),
+        (lambda d: d["engines"][2].update(port=8999), "pd.bootstrap_port: port 8999 (KV bootstrap of 'pl0') is already used by engine 'd0'; set engines.1.bootstrap_port or pd.bootstrap_port"),
+        (lambda d: d.update(gateway={"port": 8999}), "pd.bootstrap_port: port 8999 (KV bootstrap of 'pl0') is already used by the gateway (gateway.port)"),
+        (lambda d: d["engines"][0].update(bootstrap_port=8000), "engines.0.bootstrap_port: port 8000 (KV bootstrap of 'ps0') is already used by the gateway (gateway.port)"),
+        (lambda d: d["pd"].update(bootstrap_port=65535), "pd.bootstrap_port: the KV bootstrap port of 'pl0' is pd.bootstrap_port (65535) + its index in engines (1) = 65536, above 65535; lower pd.bootstrap_port or set engines.1.bootstrap_port"),
+        (lambda d: d["engines"][3].update(bootstrap_port=9500), "engines.3.bootstrap_port: 'd1' is a decode engine (role 'decode'); only prefill engines serve a KV bootstrap port; remove it"),
+        (lambda d: d["scheduling"].update(policy="aligned"), "scheduling.policy: 'aligned' places requests by decode context-length band; with pd: that is scheduling.decode_placement: aligned; with pd: the policy places requests on prefill engines: use one of laps, pools, least_load, round_robin, cache_aware, bucket"),
+        (lambda d: d["scheduling"].update(policy="backlog"), "scheduling.policy: 'backlog' reserves each request's predicted output tokens in the chosen engine's KV pool, but with pd: the prefill engine does not decode"),
         (lambda d: d["pd"].update(transfer_backend="fake"), "pd.transfer_backend"),
         (lambda d: d["pd"].update(link="carrier-pigeon"), "pd.link"),
     ],
@@ -127,3 +134,8 @@ def test_every_pd_command_line_parses_in_sglang(sglang_python: Path):
     errors = dict(zip(cases, sglang_env.parse_errors(sglang_python, list(cases.values()))))
     assert "invalid choice: 'both'" in errors.pop("a bad mode is caught")
     assert errors == {name: None for name in errors}
+
+
+def test_serve_port_override_is_checked_against_the_bootstrap_ports(capsys):
+    assert laps_main(["serve", "--config", str(EXAMPLE_SIM_PD), "--port", "18999"]) == 2  # refused before anything starts
+    assert "pd.bootstrap_port: port 18999 (KV bootstrap of 'pl0') is already used by the gateway (gateway.port)" in capsys.readouterr().err

@@ -165,6 +165,23 @@ def test_round_robin_ttft_is_exactly_prefill_plus_transfer():
     assert rec.ttft_s == pytest.approx(expected, abs=1e-12)
 
 
+def test_a_tensor_parallel_prefill_engine_sends_each_ranks_share_over_its_own_link_and_the_summary_counts_it():
+    # TP 2: each rank holds half the KV heads and sends them over its own link, as the live simulated engine prices it.
+    config = parse_config({"scheduling": {"policy": "round_robin"}, "pd": {"link": "tcp"}, "roles": ROLES, "engines": [
+        {"name": "e0", "kind": "sim", "role": "short-prefill", "gpus": [0, 1]},
+        {"name": "e1", "kind": "sim", "role": "decode", "gpus": [2]}]})
+    run = VirtualPDRun(config, TOK)
+    (rec,) = run.run(one_request_plan("Tell me about the moon.", 8), 1.0)
+    n = len(TOK.encode_chat([{"role": "user", "content": "Tell me about the moon."}]))
+    (t,) = run.transfers
+    assert t.nbytes == n * 57_344 / 2 and t.end_s - t.start_s == pytest.approx(n * 57_344 / 2 / 12.5e9, abs=1e-12)
+    summary = run.summary()["kv_transfer"]
+    assert (set(run.summary()), summary["count"], summary["bytes"]) == ({"kv_transfer"}, 1, t.nbytes)
+    assert summary["time_s"] == pytest.approx({q: t.end_s - t.start_s for q in ("mean", "p50", "p90", "p99")}, abs=1e-15)
+    assert summary["inflation"] == pytest.approx({q: 1.0 for q in ("mean", "p50", "p90", "p99")}, abs=1e-9)
+    assert rec.ok
+
+
 def mixed_plan(rate: float, duration_s: float, seed: int = 0) -> list[Arrival]:
     workload = build_workload("mixed", random.Random(f"workload/{seed}"), tokenizer=TOK)
     return plan_arrivals(workload, duration_s=duration_s, rng=random.Random(f"arrivals/{seed}"), rate=rate)

@@ -6,6 +6,8 @@ import random
 
 import orjson
 import pytest
+import yaml
+from rich.console import Console
 
 from engines.manager import server_args
 from engines.sim.args import parse_server_args, resolve_args
@@ -13,7 +15,7 @@ from engines.sim.replies import ReplyPlanner
 from laps.cli import main as laps_main
 from laps.config import DEFAULT_CONFIG_PATH, load_config, parse_config
 from laps.tokenizer import load_tokenizer
-from loadgen.report import build_report
+from loadgen.report import build_report, print_run_summary
 from loadgen.virtual import simulate
 from loadgen.workloads import Conversation, Turn, Workload, build_workload
 
@@ -97,3 +99,37 @@ def test_laps_simulate_writes_the_loadgen_report_with_the_policy_override(tmp_pa
     assert report["requests"]["sent"] >= 3 and set(report["by_class"]) >= {"short", "long"}
     assert out.with_suffix(".png").exists()
     assert laps_main(["simulate", "--dataset", "mtbench", "--duration", "5", "--out", str(out), "--quiet"]) == 2  # no rate
+
+
+def test_laps_simulate_reports_controller_moves_and_kv_transfers(tmp_path, capsys):
+    data = yaml.safe_load((DEFAULT_CONFIG_PATH.parent / "examples" / "sim-pd.yaml").read_text())
+    data["controller"] = {"enabled": True, "interval_s": 0.5, "short_role": "prefill-short", "long_role": "prefill-long"}
+    config_path, out = tmp_path / "pd.yaml", tmp_path / "pd.json"
+    config_path.write_text(yaml.safe_dump(data))
+    assert laps_main(["simulate", "--config", str(config_path), "--dataset", "mixed", "--rate", "4", "--duration", "3",
+                      "--seed", "1", "--out", str(out)]) == 0
+    report = orjson.loads(out.read_bytes())
+    assert {"requests", "ttft_s", "by_class", "slo"} <= set(report)  # the loadgen report's keys stay
+    kv, control = report["kv_transfer"], report["controller"]
+    assert kv["count"] == report["requests"]["ok"] > 0 and kv["bytes"] > 0 and kv["inflation"]["mean"] >= 1.0
+    assert control["moves"] == [] and control["decisions"] >= 6  # one every 0.5 s over the run
+    printed = capsys.readouterr().out
+    assert f"controller: 0 moves in {control['decisions']} decisions" in printed
+    assert f"KV transfers: {kv['count']}, {kv['bytes'] / 1e9:.3f} GB" in printed
+    # --policy is validated against the deployment: aligned places prefill engines by decode band, refused with pd:.
+    assert laps_main(["simulate", "--config", str(config_path), "--dataset", "mixed", "--rate", "4", "--duration", "3",
+                      "--policy", "aligned", "--out", str(out)]) == 2
+    assert "scheduling.policy: 'aligned' places requests by decode context-length band" in capsys.readouterr().err
+
+
+def test_the_run_summary_prints_each_move():
+    move = {"engine": "sp1", "from_pool": "short", "to_pool": "long", "role": "long-prefill", "start_s": 12.0,
+            "drain_s": 1.25, "restart_s": 40.0, "end_s": 53.25, "drain_failed": 2}
+    console = Console(record=True, width=200)
+    print_run_summary({"controller": {"decisions": 30, "moves": [move], "drain_engine_s": 1.25, "restart_engine_s": 40.0},
+                       "kv_transfer": {"count": 0, "bytes": 0, "time_s": {}, "inflation": {}}}, console)
+    assert console.export_text().splitlines() == [
+        "controller: 1 moves in 30 decisions; 1.2 engine-s draining, 40.0 engine-s restarting",
+        "  12.0 s: sp1 short -> long as long-prefill (drain 1.2 s, restart 40.0 s, back at 53.2 s, 2 requests failed by the drain timeout)",
+        "KV transfers: 0, 0.000 GB",
+    ]

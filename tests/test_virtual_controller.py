@@ -16,11 +16,13 @@ DOCUMENT = "The harbour master logged every ship that came in. " * 600  # ≈ 6,
 # document starts with its own name, so no two share a cached prefix)
 
 
-def run(*arrivals: Arrival, drain_timeout_s: float = 60.0, ignore_eos: bool = False) -> tuple[VirtualRun, list]:
-    """Two short-prefill engines and one long-prefill; ψ = backlog in thousands of tokens; decisions every second."""
+THREE = (("sp0", "short-prefill"), ("sp1", "short-prefill"), ("lp0", "long-prefill"))
+
+
+def run(*arrivals: Arrival, drain_timeout_s: float = 60.0, ignore_eos: bool = False, engines=THREE) -> tuple[VirtualRun, list]:
+    """``engines`` (default two short-prefill engines and one long-prefill); ψ = backlog in thousands of tokens; decisions every second."""
     data = yaml.safe_load(DEFAULT_CONFIG_PATH.read_text())
-    data["engines"] = [{"name": n, "kind": "sim", "role": r, "gpus": [i]}
-                       for i, (n, r) in enumerate([("sp0", "short-prefill"), ("sp1", "short-prefill"), ("lp0", "long-prefill")])]
+    data["engines"] = [{"name": n, "kind": "sim", "role": r, "gpus": [i]} for i, (n, r) in enumerate(engines)]
     data["controller"] = dict(enabled=True, interval_s=1.0, queue_weight=1.0, sla_weight=0.0, utilisation_weight=0.0,
                               hysteresis=0.5, cooldown_s=1000.0, drain_timeout_s=drain_timeout_s, sim_restart_s=5.0)
     virtual = VirtualRun(parse_config(data), TOK, ignore_eos=ignore_eos)
@@ -61,3 +63,15 @@ def test_requests_still_running_at_the_drain_timeout_fail_explicitly_and_none_is
     assert move["engine"] == "sp0" and sorted(r.conversation_id for r in failed) == ["chat0", "chat1"] and move["drain_failed"] == 2
     assert all(r.error.startswith(f"HTTP 502: engine {move['engine']} ") and r.end_s == pytest.approx(3.0) for r in failed)
     assert all(r.ok for r in records if r not in failed)
+
+
+def test_an_empty_long_pool_is_refilled_and_the_run_summary_reports_the_move():
+    # No long engine at all: the 1 s decision finds the long pool empty, the 2 s one too, so the idle short engine
+    # with the smallest id moves (no hysteresis, no cooldown: the pool cannot serve its class) and is back 5 s later.
+    chat = Arrival(0.1, Conversation("chat", "test", (Turn("Tell me about the moon.", 8),)), ())
+    virtual, records = run(chat, *documents(1, 10.0), engines=(("sp0", "short-prefill"), ("sp1", "short-prefill")))
+    assert virtual.moves == [{"engine": "sp0", "from_pool": "short", "to_pool": "long", "role": "long-prefill", "start_s": 2.0,
+                              "drain_s": 0.0, "restart_s": 5.0, "end_s": 7.0, "drain_failed": 0}]
+    assert len(records) == 2 and all(r.ok for r in records) and records[-1].laps_class == "long"
+    assert virtual.summary() == {"controller": {"decisions": len(virtual.control_log), "moves": virtual.moves,
+                                                "restart_engine_s": 5.0, "drain_engine_s": 0.0}}

@@ -5,7 +5,8 @@ request's KV cache and sends it to a decode engine (SGLang's
 ``--disaggregation-transfer-backend``: mooncake, nixl, …). This module prices
 that hand-off:
 
-* **Bytes.** A request's KV is ``tokens · kv_bytes_per_token``, where
+* **Bytes.** A request's KV is ``tokens · kv_bytes_per_token``, split over the
+  tensor-parallel ranks, each with its own link (:func:`kv_transfer_bytes`), where
   ``kv_bytes_per_token = layers · 2 · kv_heads · head_dim · dtype_bytes``
   (:attr:`engines.sim.latency.ModelSpec.kv_bytes_per_token`; Qwen2.5-7B
   57,344 B). The whole prompt's KV moves, cached prefix included: SGLang's
@@ -53,27 +54,23 @@ LINKS: dict[str, LinkSpec] = {
 """Link presets by name; bandwidths are line rates per port and direction (real transfers reach less)."""
 
 
-def link_spec(name: str) -> LinkSpec:
-    """The preset called ``name``.
+def kv_transfer_bytes(kv_bytes_per_token: int, tokens: int, tp_size: int = 1) -> float:
+    """Bytes one tensor-parallel rank sends over its own link for ``tokens`` tokens: ``tokens · kv_bytes_per_token / tp_size``.
+
+    Under tensor parallelism each of the ``tp_size`` ranks holds ``1/tp_size``
+    of the KV heads and sends its slice over its own link, all ranks at once,
+    so the hand-off lasts as long as one rank's share takes. Both the live
+    simulated engine (:mod:`engines.sim.server`) and the virtual PD run
+    (:mod:`loadgen.virtual_pd`) price transfers with this.
 
     Raises:
-        ValueError: an unknown name (the message lists the presets).
-    """
-    try:
-        return LINKS[name]
-    except KeyError:
-        raise ValueError(f"unknown KV transfer link {name!r}; choose from {', '.join(LINKS)}") from None
-
-
-def kv_transfer_bytes(kv_bytes_per_token: int, tokens: int) -> int:
-    """Bytes of the KV cache of ``tokens`` tokens (``tokens · kv_bytes_per_token``).
-
-    Raises:
-        ValueError: a negative token count.
+        ValueError: a negative token count or a ``tp_size`` below 1.
     """
     if tokens < 0:
         raise ValueError(f"tokens must be >= 0, got {tokens}")
-    return tokens * kv_bytes_per_token
+    if tp_size < 1:
+        raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+    return tokens * kv_bytes_per_token / tp_size
 
 
 @dataclass(slots=True)

@@ -32,6 +32,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from engines.sim.args import SimServerArgs, resolve_args
 from engines.sim.core import RequestEvent
+from engines.sim.kv_transfer import kv_transfer_bytes
 from engines.sim.openai_api import chat_completions, completions
 from engines.sim.pd_http import PDShell
 from engines.sim.protocol import (
@@ -294,7 +295,7 @@ def create_app(args: SimServerArgs, tokenizer: ChatTokenizer | None = None) -> w
     engine = SimEngine(sim, tok)
     app[ENGINE] = engine
     if args.disaggregation_mode != "null":
-        rank_kv_bytes_per_token = sim.latency.model.kv_bytes_per_token / sim.latency.tp_size  # each rank has its own link
+        rank_kv_bytes_per_token = kv_transfer_bytes(sim.latency.model.kv_bytes_per_token, 1, sim.latency.tp_size)
         engine.pd = PDShell(engine, args.disaggregation_mode, args.sim_kv_link_gb_s * 1e9, rank_kv_bytes_per_token)
 
     async def engine_ctx(_: web.Application) -> AsyncIterator[None]:
