@@ -3,12 +3,15 @@
 Every accepted request ends with the engine's answer or an explicit OpenAI
 error: before the response starts, as an HTTP error body; once a stream has
 started, as an in-stream ``data: {"error": ...}`` event followed by ``[DONE]``.
-When the client goes away, the engine is told to abort the request.
+When the client goes away before it has the whole answer, the engine is told to
+abort the request; a client that leaves once it has it (e.g. right after a
+stream's ``[DONE]``) does not cut the request's bookkeeping short.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import math
@@ -40,6 +43,8 @@ SLO_HEADER = "x-laps-slo-ttft-s"
 # ~2 µs a request, this ~0.2 µs.)
 _RID_PREFIX = os.urandom(8).hex()
 _rid_counter = itertools.count()
+# A retry's engine rid is the first try's with this suffix (still unique; the two show up together in the log).
+RETRY_RID_SUFFIX = "-retry"
 
 
 def next_request_id() -> str:
@@ -159,17 +164,43 @@ async def _dispatch(request: web.Request, gw: Gateway, body: dict, path: str, pr
     deadline_s = _deadline_s(request, gw, arrival_s)
     view = classified_view_of_keys(rid, prompt.prompt.tokens, prompt.prompt.keys, arrival_s, deadline_s, [e.id for e in gw.registry],
                                    gw.prefix_index, gw.classifier, *_output_hints(gw, body))
+    if not stream:
+        view = dataclasses.replace(view, stream=False)
     try:
-        return await _attempt(request, gw, body, path, prompt, stream, view)
+        return await _attempt(request, gw, body, path, prompt, stream, view, may_retry=True)
     except EngineUnavailable as err:
-        # Nothing reached the client: mark the engine down (the health poller brings it back) and try another once.
+        # Nothing reached the client: mark the engine down (the health poller brings it back) and try another once,
+        # under a fresh engine rid: the abort of the first try may still be on its way to an engine of the retry.
         gw.registry[err.engine_id].healthy = False
-        log.warning("%s: engine %s unreachable (%s); retrying on another engine", rid, err.engine_id, err.message)
-        return await _attempt(request, gw, body, path, prompt, stream, view)
+        retry = dataclasses.replace(view, rid=f"{rid}{RETRY_RID_SUFFIX}")
+        log.warning("%s: engine %s unreachable (%s); retrying on another engine as %s", rid, err.engine_id, err.message, retry.rid)
+        return await _attempt(request, gw, body, path, prompt, stream, retry, may_retry=False)
 
 
-async def _attempt(request: web.Request, gw: Gateway, body: dict, path: str, prompt: EncodedPrompt, stream: bool, view: RequestView) -> web.StreamResponse:
-    """Admit ``view`` to an engine and relay its answer (one try; see :func:`_dispatch`)."""
+async def _attempt(request: web.Request, gw: Gateway, body: dict, path: str, prompt: EncodedPrompt, stream: bool, view: RequestView,
+                   may_retry: bool) -> web.StreamResponse:
+    """One try (see :func:`_dispatch`), run as a task of its own so that the client leaving does not cut it short
+    once the client has its whole answer (:attr:`gateway.relay.Reply.done`): the request then ends as ``ok`` and is
+    learnt from; before that, leaving aborts it (:func:`_serve_once`).
+    """
+    reply = Reply()
+    work = asyncio.ensure_future(_serve_once(request, gw, body, path, prompt, stream, view, reply, may_retry))
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:  # the client went away (the app runs with handler_cancellation)
+        if not reply.done:
+            work.cancel()
+        in_background(work)
+        raise
+
+
+async def _serve_once(request: web.Request, gw: Gateway, body: dict, path: str, prompt: EncodedPrompt, stream: bool, view: RequestView,
+                      reply: Reply, may_retry: bool) -> web.StreamResponse:
+    """Admit ``view`` to an engine, relay its answer into ``reply`` and the client's response, and account for it.
+
+    An :class:`EngineUnavailable` of a try that ``may_retry`` is logged as outcome ``retried`` and not counted in
+    ``laps_requests_total`` (the retry is).
+    """
     rid, req_class, arrival_s = view.rid, view.request_class, view.arrival_s
     engine_id = await gw.dispatcher.admit(view)
     engine = gw.registry[engine_id]
@@ -189,7 +220,6 @@ async def _attempt(request: web.Request, gw: Gateway, body: dict, path: str, pro
     if view.cached_tokens:
         class_metrics.reprefills.inc()
     outcome = "error"
-    reply = Reply()
     try:
         if gw.pd is not None:  # prefill-decode pair: engine_id prefills, a decode engine answers
             response, outcome = await pd_dispatch.relay(request, gw, path, body, headers, view, engine_id, reply, stream)
@@ -199,36 +229,46 @@ async def _attempt(request: web.Request, gw: Gateway, body: dict, path: str, pro
             response, outcome = await _relay_json(gw, engine.url, path, body, headers, view, engine_id, reply)
         if outcome == "ok":
             # The client has its whole answer; learning from it must not hold (or be cancelled with) the handler.
-            in_background(_learn_from_reply(gw, engine_id, view, prompt, reply))
+            in_background(_learn_from_reply(gw, engine_id, view, prompt, reply, reply_cached_on_engine=gw.pd is None))
         return response
     except APIError as err:
         err.headers.update(headers)  # which class and engine failed, as on every answer
+        if may_retry and isinstance(err, EngineUnavailable):
+            outcome = "retried"
         raise
     except (ClientGone, asyncio.CancelledError):
         outcome = "client_gone"
         class_metrics.client_aborts.inc()
         in_background(gw.client.abort(engine.url, rid))
-        log.info("%s: client went away; aborting on %s", rid, engine_id)
+        decode_id = headers.get(pd_dispatch.DECODE_ENGINE_HEADER)
+        log.info("%s: client went away; aborting on %s", rid, engine_id if decode_id is None else f"{engine_id} and {decode_id}")
         raise
     finally:
         gw.dispatcher.complete(view, engine_id)
         in_flight.dec()
-        class_metrics.requests(outcome).inc()
         took_s = time.monotonic() - arrival_s
+        if outcome != "retried":
+            class_metrics.requests(outcome).inc()
         if outcome == "ok":
             class_metrics.e2e.observe(took_s)
-        log.info("%s %s class=%s engine=%s prompt_tokens=%d cached_est=%s cached_reported=%s outcome=%s %.1f ms",
-                 rid, path, req_class, engine_id, view.prompt_tokens, cached_est, reply.cached_tokens, outcome, 1e3 * took_s)
+        decode_id = headers.get(pd_dispatch.DECODE_ENGINE_HEADER)  # PD: the pair's decode engine, once chosen
+        log.info("%s %s class=%s engine=%s%s prompt_tokens=%d cached_est=%s cached_reported=%s outcome=%s %.1f ms",
+                 rid, path, req_class, engine_id, "" if decode_id is None else f" decode={decode_id}", view.prompt_tokens, cached_est,
+                 reply.cached_tokens, outcome, 1e3 * took_s)
 
 
-async def _learn_from_reply(gw: Gateway, engine_id: str, view: RequestView, prompt: EncodedPrompt, reply: Reply) -> None:
+async def _learn_from_reply(gw: Gateway, engine_id: str, view: RequestView, prompt: EncodedPrompt, reply: Reply,
+                            reply_cached_on_engine: bool) -> None:
     """Correct the prefix index with the reported hit, then record the chat + reply as cached on the engine.
 
     The engine's radix cache keeps the generated tokens too, so the next turn of
     the conversation (whose history holds this reply) re-prefills only its new
     message; the reply is encoded as the next turn's template renders it
     (:meth:`laps.chat_cache.ChatPrefixCache.reply_chain`), and that chain is kept
-    so the next turn tokenizes only its new message.
+    so the next turn tokenizes only its new message. A PD prefill engine never
+    computes the reply (``reply_cached_on_engine`` false): the prefix index then
+    learns only the prompt on it, while the chat cache still keeps the chain
+    with the reply (it is about tokenizing, not about which engine caches what).
     """
     if reply.cached_tokens is not None:
         gw.metrics.of_class(view.request_class).prefix_estimate_error.observe(abs(view.cached_by_engine.get(engine_id, 0) - reply.cached_tokens))
@@ -238,7 +278,7 @@ async def _learn_from_reply(gw: Gateway, engine_id: str, view: RequestView, prom
     else:
         chain = await asyncio.get_running_loop().run_in_executor(None, gw.prompt_cache.reply_chain, prompt, text)
     gw.prompt_cache.store_reply(prompt, text, chain)  # the conversation's next request will tokenize its new message only
-    gw.prefix_index.observe(engine_id, chain.keys, reply.cached_tokens)
+    gw.prefix_index.observe(engine_id, chain.keys if reply_cached_on_engine else prompt.prompt.keys, reply.cached_tokens)
 
 
 async def _relay_json(gw: Gateway, engine_url: str, path: str, body: dict, headers: dict, view: RequestView, engine_id: str, reply: Reply) -> tuple[web.Response, str]:

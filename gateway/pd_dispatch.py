@@ -13,15 +13,23 @@ pools; :meth:`gateway.registry.EngineRegistry.views`). :func:`relay` then
    ``bootstrap_port`` (its KV bootstrap port, :meth:`laps.config.Config.bootstrap_port`)
    and ``bootstrap_room`` (a random 63-bit integer naming this transfer);
 3. sends the same body to both engines concurrently and relays the decode
-   engine's answer (stream or JSON); the prefill engine's answer is read and
-   only its ``cached_tokens`` kept: its prefix cache is the one the next turn
-   hits, so the prefix index learns the prompt there (not the reply: a
-   prefill engine never computes the reply's KV);
-4. ends both sides together: a client that goes away aborts both (the
-   prefill side by the caller, :func:`gateway.handlers._attempt`); a failure
-   on either side aborts the other and reaches the client as one OpenAI
-   error naming the engine (``x-laps-failed-engine``), as an HTTP error
-   before the stream starts and as an in-stream error event after.
+   engine's answer (stream or JSON); its text goes into the caller's
+   :class:`~gateway.relay.Reply` (the chat cache keeps the chat with its
+   reply). The prefill engine's answer is read and only its ``cached_tokens``
+   kept: its prefix cache is the one the next turn hits, so the prefix index
+   learns the prompt there (not the reply: a prefill engine never computes the
+   reply's KV);
+4. ends both sides together: a client that goes away before it has the whole
+   answer aborts both (the prefill side by the caller,
+   :func:`gateway.handlers._serve_once`); a failure on either side aborts the
+   other and reaches the client as one OpenAI error naming the engine
+   (``x-laps-failed-engine``), as an HTTP error before the stream starts and
+   as an in-stream error event after;
+5. once the decode side has answered, the client has its whole answer at once
+   (a JSON answer is sent before the prefill side is settled): the prefill
+   engine's answer is then awaited at most ``PREFILL_GRACE_S`` more (its
+   ``cached_tokens``), after which the prefill side is cancelled and aborted
+   (e.g. a failed KV hand-off: the prefill engine may never answer).
 
 The prefill engine counts the request in its gateway-side load only until its
 prefill answer is in (its first token: the scheduler hears it then); the
@@ -43,7 +51,7 @@ import orjson
 from aiohttp import web
 
 from gateway.errors import APIError
-from gateway.relay import ClientGone, EngineUnavailable, Reply, StreamTap, ask_engine_for_usage, end_stream, error_event, in_background, start_stream, upstream_error, write
+from gateway.relay import ClientGone, EngineUnavailable, Reply, StreamTap, ask_engine_for_usage, end_stream, error_event, in_background, send_now, start_stream, upstream_error, write
 from gateway.state import Gateway
 from laps.config import Config
 from policies.decode_placement import DecodePlacement, make_decode_placement
@@ -53,6 +61,9 @@ log = logging.getLogger("laps.gateway")
 
 FAILED_ENGINE_HEADER = "x-laps-failed-engine"
 DECODE_ENGINE_HEADER = "x-laps-decode-engine"
+# How long the prefill engine's answer is still awaited once the decode side has answered (seconds). It normally
+# came in long before (the decode side needs the prefill's KV first); only a failed hand-off leaves it hanging.
+PREFILL_GRACE_S = 1.0
 
 
 def bootstrap_room() -> int:
@@ -111,8 +122,9 @@ async def relay(request: web.Request, gw: Gateway, path: str, body: dict, header
                 prefill_id: str, reply: Reply, stream: bool) -> tuple[web.StreamResponse, str]:
     """Serve ``view`` (already admitted to ``prefill_id``) on a prefill–decode pair; see the module docstring.
 
-    ``reply`` receives the prefill engine's reported ``cached_tokens`` (no
-    text). Returns the client's response and the outcome (``ok``,
+    ``reply`` receives the decode engine's text and the prefill engine's
+    reported ``cached_tokens`` (``None`` if the prefill engine did not answer
+    in time). Returns the client's response and the outcome (``ok``,
     ``http_<status>``, ``engine_error``).
 
     Raises:
@@ -124,7 +136,7 @@ async def relay(request: web.Request, gw: Gateway, path: str, body: dict, header
             the decode side is aborted here.
     """
     pd: PDDispatch = gw.pd
-    decode_id = pd.placement.pick(view.rid, view.prompt_tokens, gw.registry.decode_views(), time.monotonic())
+    decode_id = pd.placement.pick(view.rid, view.prompt_tokens, gw.registry.decode_views(), time.monotonic(), reports_progress=stream)
     if decode_id is None:
         raise APIError(503, "no healthy decode engine is available; retry later", type="service_unavailable", code="no_engine")
     host, port = pd.bootstrap[prefill_id]
@@ -155,6 +167,7 @@ class _Pair:
         self.prefill_id, self.decode_id, self.reply, self.stream = prefill_id, decode_id, reply, stream
         self.response: web.StreamResponse | None = None
         self.client_wants_usage = False
+        self.prefill_cached_tokens: int | None = None
         self._prefill_released = False
 
     async def run(self) -> tuple[web.StreamResponse, str]:
@@ -164,23 +177,35 @@ class _Pair:
         prefill = asyncio.ensure_future(self._prefill())
         decode = asyncio.ensure_future(self._decode())
         try:
-            await asyncio.wait((prefill, decode), return_when=asyncio.FIRST_EXCEPTION)
+            await asyncio.wait((prefill, decode), return_when=asyncio.FIRST_COMPLETED)
             if prefill.done() and prefill.exception() is not None and not decode.done():
                 await _cancel(decode)
                 in_background(self.gw.client.abort(self.gw.registry[self.decode_id].url, self.view.rid))
                 return await self._fail(prefill.exception())
+            await asyncio.wait((decode,))
             if decode.exception() is not None:
                 if isinstance(decode.exception(), ClientGone):
                     raise decode.exception()  # both sides are aborted on the way out
                 await _cancel(prefill)
                 in_background(self.gw.client.abort(self.gw.registry[self.prefill_id].url, self.view.rid))
                 return await self._fail(decode.exception())
-            if prefill.exception() is not None:
-                log.warning("%s: decode on %s finished but prefill on %s failed: %s", self.view.rid, self.decode_id, self.prefill_id, prefill.exception())
+            await self._settle_prefill(prefill)
             return self.response, "ok"
         finally:
             await _cancel(prefill)
             await _cancel(decode)
+            self.reply.cached_tokens = self.prefill_cached_tokens  # the prefill engine's report, not the decode engine's
+
+    async def _settle_prefill(self, prefill: asyncio.Future) -> None:
+        """The decode side has answered: give the prefill side ``PREFILL_GRACE_S`` to answer, then cancel and abort it."""
+        await asyncio.wait((prefill,), timeout=PREFILL_GRACE_S)
+        if not prefill.done():
+            log.warning("%s: decode on %s finished but prefill on %s did not answer within %.1f s; aborting it",
+                        self.view.rid, self.decode_id, self.prefill_id, PREFILL_GRACE_S)
+            await _cancel(prefill)
+            in_background(self.gw.client.abort(self.gw.registry[self.prefill_id].url, self.view.rid))
+        elif prefill.exception() is not None:
+            log.warning("%s: decode on %s finished but prefill on %s failed: %s", self.view.rid, self.decode_id, self.prefill_id, prefill.exception())
 
     async def _fail(self, err: BaseException) -> tuple[web.StreamResponse, str]:
         """Turn one side's failure into the client's one error (HTTP before the stream, an SSE event after)."""
@@ -210,10 +235,10 @@ class _Pair:
             raise EngineUnavailable(self.prefill_id, engine.url, err) from None
         if status != 200:
             raise _SideFailed(self.prefill_id, _engine_error(self.prefill_id, "prefill", status, payload))
-        self.reply.cached_tokens = _cached_tokens(payload)
+        self.prefill_cached_tokens = _cached_tokens(payload)
         self.gw.registry.release(self.prefill_id, self.view.prompt_tokens)
         self._prefill_released = True
-        self.gw.dispatcher.first_token(self.view.rid, self.prefill_id, self.reply.cached_tokens)
+        self.gw.dispatcher.first_token(self.view.rid, self.prefill_id, self.prefill_cached_tokens)
 
     def restore_prefill_load(self) -> None:
         """Count the request on the prefill engine again, so that the caller's final release balances."""
@@ -222,9 +247,9 @@ class _Pair:
             self._prefill_released = False
 
     async def _decode(self) -> str:
-        """Send the request to the decode engine and relay its answer to the client; the outcome."""
+        """Send the request to the decode engine and relay its whole answer to the client (its text into
+        :attr:`reply`, which is then :attr:`~gateway.relay.Reply.done`); the outcome."""
         engine = self.gw.registry[self.decode_id]
-        decode_reply = Reply()
         try:
             async with self.gw.client.post(engine.url, self.path, self.body) as upstream:
                 if upstream.status != 200:
@@ -232,9 +257,15 @@ class _Pair:
                 if not self.stream:
                     payload = await upstream.read()
                     self.gw.pd.placement.on_progress(self.view.rid, 1, time.monotonic())
+                    with contextlib.suppress(orjson.JSONDecodeError):
+                        obj = orjson.loads(payload)
+                        if isinstance(obj, dict):
+                            self.reply.take(obj)
                     self.response = web.Response(body=payload, status=200, content_type="application/json", headers=self.headers)
+                    await send_now(self.request, self.response)  # not held back until the prefill side is settled
+                    self.reply.done = True
                     return "ok"
-                tap = StreamTap(decode_reply, drop_usage=not self.client_wants_usage)
+                tap = StreamTap(self.reply, drop_usage=not self.client_wants_usage)
                 self.response = await start_stream(self.request, self.headers)
                 first = True
                 async for chunk in upstream.content.iter_any():

@@ -12,7 +12,8 @@ Used by :mod:`gateway.handlers` (one engine) and :mod:`gateway.pd_dispatch`
 * :func:`start_stream`, :func:`write` and :func:`end_stream` write an SSE
   stream to the client; :class:`ClientGone` says the client left;
 * :func:`in_background` / :func:`settle_background` run the work that
-  outlives a handler (aborts, prefix-index updates).
+  outlives a handler (aborts, prefix-index updates, the bookkeeping of a
+  request whose client left after its whole answer).
 """
 
 from __future__ import annotations
@@ -30,15 +31,17 @@ from gateway.errors import APIError
 _background: set[asyncio.Task] = set()
 
 
-def in_background(coro: Coroutine[Any, Any, Any]) -> None:
-    """Run ``coro`` on the running loop to its end, even if the handler that started it is cancelled.
+def in_background(work: Coroutine[Any, Any, Any] | asyncio.Future) -> asyncio.Future:
+    """Run ``work`` (a coroutine, or a task already running) on the running loop to its end, even if the handler
+    that started it is cancelled; the task.
 
     Raises:
         RuntimeError: no event loop is running.
     """
-    task = asyncio.get_running_loop().create_task(coro)
+    task = asyncio.ensure_future(work)
     _background.add(task)
     task.add_done_callback(_background.discard)
+    return task
 
 
 async def settle_background() -> None:
@@ -66,11 +69,13 @@ class EngineUnavailable(APIError):
 
 @dataclass
 class Reply:
-    """What the gateway learns from an engine's answer: the text it produced (pieces, in order) and its reported
-    prompt cache hit (``cached_tokens``, tokens; ``None`` until the engine reports it)."""
+    """What the gateway learns from an engine's answer: the text it produced (pieces, in order), its reported
+    prompt cache hit (``cached_tokens``, tokens; ``None`` until the engine reports it), and whether the client
+    has been handed the whole answer (``done``: a stream's ``data: [DONE]`` was relayed, or the whole JSON body was sent)."""
 
     text: list[str] = field(default_factory=list)
     cached_tokens: int | None = None
+    done: bool = False
 
     def take(self, obj: dict) -> None:
         """Read one OpenAI response object or stream chunk (``choices[].message|delta.content`` or
@@ -87,8 +92,9 @@ class Reply:
 
 
 class StreamTap:
-    """Splits the relayed SSE bytes into events, reads them into a :class:`Reply`, and drops
-    the usage-only event when only the gateway asked for usage (``drop_usage``)."""
+    """Splits the relayed SSE bytes into events, reads them into a :class:`Reply` (``data: [DONE]`` sets
+    :attr:`Reply.done`: the events fed so far are the whole answer), and drops the usage-only event when only
+    the gateway asked for usage (``drop_usage``)."""
 
     def __init__(self, reply: Reply, drop_usage: bool) -> None:
         self.reply = reply
@@ -116,6 +122,8 @@ class StreamTap:
                     self.reply.take(obj)
                     if self.drop_usage and obj.get("usage") and not obj.get("choices"):
                         continue
+            elif event == b"data: [DONE]":
+                self.reply.done = True
             kept.append(event)
         if len(kept) == len(events):
             return data if end == len(data) else data[:end]
@@ -176,6 +184,19 @@ async def write(response: web.StreamResponse, data: bytes) -> None:
     """
     try:
         await response.write(data)
+    except ConnectionResetError:
+        raise ClientGone() from None
+
+
+async def send_now(request: web.Request, response: web.Response) -> None:
+    """Send the whole of ``response`` (headers and body) to the client now, before the handler returns it.
+
+    Raises:
+        ClientGone: the client closed the connection.
+    """
+    try:
+        await response.prepare(request)
+        await response.write_eof()
     except ConnectionResetError:
         raise ClientGone() from None
 

@@ -39,14 +39,17 @@ class DecodePlacement(Protocol):
     """Chooses the engine that decodes a request; told how its requests progress.
 
     Call order per request: ``pick`` once (when the request is routed: at arrival for
-    data-parallel engines, when its prefill is done in PD mode), then any number of
-    ``on_progress``, then ``on_done`` exactly once (finished, failed or cancelled) if ``pick``
-    returned an engine. ``on_progress`` and ``on_done`` for unknown rids are ignored.
+    data-parallel engines; in PD mode at dispatch too, when the request goes to its prefill
+    engine and its decode engine at once), then any number of ``on_progress``, then
+    ``on_done`` exactly once (finished, failed or cancelled) if ``pick`` returned an engine.
+    ``on_progress`` and ``on_done`` for unknown rids are ignored.
     """
 
-    def pick(self, rid: str, context_tokens: int, engines: Sequence[EngineView], now: float) -> str | None:
+    def pick(self, rid: str, context_tokens: int, engines: Sequence[EngineView], now: float, *, reports_progress: bool = True) -> str | None:
         """The engine id that will decode ``rid`` (``context_tokens`` >= 0: its KV context when
-        decoding starts), or ``None`` when no engine is healthy."""
+        decoding starts), or ``None`` when no engine is healthy. ``reports_progress`` false: the
+        runner hears of ``rid``'s first token only when its whole answer is in (a non-streaming
+        request), so a long wait for it is no sign of starvation."""
         ...
 
     def on_progress(self, rid: str, generated_tokens: int, now: float) -> None:
@@ -72,7 +75,7 @@ class LeastLoadPlacement:
 
     NAME = "least_load"
 
-    def pick(self, rid: str, context_tokens: int, engines: Sequence[EngineView], now: float) -> str | None:
+    def pick(self, rid: str, context_tokens: int, engines: Sequence[EngineView], now: float, *, reports_progress: bool = True) -> str | None:
         healthy = [e for e in engines if e.healthy]
         return _least_loaded(healthy).id if healthy else None
 
@@ -135,7 +138,8 @@ class AlignedPlacement:
     1. guards: an engine is *eligible* unless it is over the balance slack in requests or in
        estimated KV tokens (see
        :class:`AlignedPlacementConfig`) or *starving*: it holds a request that has waited longer
-       than ``starvation_s`` since ``pick`` without a token, or whose last progress report was
+       than ``starvation_s`` since ``pick`` without a token (only requests picked with
+       ``reports_progress``: a non-streaming one reports its first token with its last), or whose last progress report was
        more than ``starvation_tokens`` behind a stream paced at ``tpot_slo_ms`` from its first
        token (AlignedServe's threshold, :mod:`policies.aligned_serve`). With no eligible engine
        the request goes to the least-loaded healthy engine (the guards never refuse a request);
@@ -175,7 +179,7 @@ class AlignedPlacement:
 
     # -- the DecodePlacement interface ----------------------------------------------------------
 
-    def pick(self, rid: str, context_tokens: int, engines: Sequence[EngineView], now: float) -> str | None:
+    def pick(self, rid: str, context_tokens: int, engines: Sequence[EngineView], now: float, *, reports_progress: bool = True) -> str | None:
         """See :class:`DecodePlacement`; ``ValueError`` for a negative ``context_tokens`` or a rid already placed."""
         if context_tokens < 0:
             raise ValueError(f"context_tokens must be >= 0, got {context_tokens}")
@@ -191,7 +195,7 @@ class AlignedPlacement:
         else:
             chosen = _least_loaded(healthy).id
             self.guarded_placements_total += 1
-        self._place(rid, chosen, context_tokens, now)
+        self._place(rid, chosen, context_tokens, now, reports_progress)
         return chosen
 
     def on_progress(self, rid: str, generated_tokens: int, now: float) -> None:
@@ -278,13 +282,15 @@ class AlignedPlacement:
         kv_cap = least_kv + max(c.kv_slack_tokens, c.kv_slack_ratio * least_kv)
         return [e for e in healthy if e.in_flight <= cap and kv[e.id] <= kv_cap and not self.starving(e.id, now)]
 
-    def _place(self, rid: str, engine_id: str, context_tokens: int, now: float) -> None:
+    def _place(self, rid: str, engine_id: str, context_tokens: int, now: float, reports_progress: bool) -> None:
         version = next(self._versions)
         self._placed[rid] = _Placed(engine_id, context_tokens, now, False, 0, None, version)
         self._by_engine.setdefault(engine_id, {})[rid] = None
         self._grow_heap.setdefault(engine_id, [])
         self._push(self._still_heap.setdefault(engine_id, []), (-context_tokens, version, rid), False)
-        self._unstarted.setdefault(engine_id, {})[rid] = now
+        unstarted = self._unstarted.setdefault(engine_id, {})
+        if reports_progress:  # only then can a long wait for its first token mean starvation
+            unstarted[rid] = now
         self._lagging.setdefault(engine_id, set())
         self._count(self._placed[rid], 1)
 
@@ -313,7 +319,7 @@ class PlacementScheduler(ImmediateScheduler):
     """A :class:`DecodePlacement` as a ``scheduling.policy`` for data-parallel engines.
 
     Dispatches every request on arrival (:class:`ImmediateScheduler`) to the engine the placement
-    picks for a context of ``prompt_tokens``; a first token is reported to the placement as
+    picks for a context of ``prompt_tokens`` (``reports_progress``: :attr:`RequestView.stream`); a first token is reported to the placement as
     ``on_progress(rid, 1, now)``, a completion as ``on_done``.
     """
 
@@ -342,7 +348,7 @@ class _PlacementPicker:
     placement: DecodePlacement
 
     def pick(self, request: RequestView, engines: Sequence[EngineView], now: float) -> str | None:
-        return self.placement.pick(request.rid, request.prompt_tokens, engines, now)
+        return self.placement.pick(request.rid, request.prompt_tokens, engines, now, reports_progress=request.stream)
 
 
 def make_decode_placement(scheduling: SchedulingConfig) -> DecodePlacement:

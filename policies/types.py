@@ -23,6 +23,8 @@ class RequestView:
     ``max_tokens``: the client's output cap (``None``: none sent); ``reply_tokens``:
     token counts of the conversation's earlier assistant replies, oldest first
     (filled only for policies that predict output lengths, else empty).
+    ``stream``: the client streams, so its first token is reported when it is
+    generated; ``False``: only when the whole answer is in.
     """
 
     rid: str
@@ -34,6 +36,7 @@ class RequestView:
     cached_by_engine: Mapping[str, int] = field(default_factory=dict)
     max_tokens: int | None = None
     reply_tokens: tuple[int, ...] = ()
+    stream: bool = True
 
     @property
     def new_tokens(self) -> int:

@@ -17,6 +17,8 @@ class FakeEngine:
     ``reported_cached_tokens``: the ``cached_tokens`` its stream usage reports.
     ``hold_answers``: every generation waits for :attr:`answer` before answering
     (:attr:`received` is set when one has arrived).
+    ``hold_eof``: a stream waits for :attr:`release` after its ``data: [DONE]``
+    before it ends (:attr:`done_sent` is set then).
     """
 
     def __init__(self, name: str) -> None:
@@ -31,6 +33,8 @@ class FakeEngine:
         self.reported_cached_tokens = 0
         self.hold_answers = False
         self.answer = asyncio.Event()
+        self.hold_eof = False
+        self.done_sent = asyncio.Event()
         self.received = asyncio.Event()
         self.app = web.Application()
         self.app.router.add_get("/ready", self._ready)
@@ -72,5 +76,8 @@ class FakeEngine:
             usage = {"prompt_tokens": 7, "completion_tokens": 1, "total_tokens": 8, "prompt_tokens_details": {"cached_tokens": self.reported_cached_tokens}}
             await response.write(b"data: " + orjson.dumps({"id": body["rid"], "choices": [], "usage": usage}) + b"\n\n")
         await response.write(b"data: [DONE]\n\n")
+        self.done_sent.set()
+        if self.hold_eof:
+            await self.release.wait()
         await response.write_eof()
         return response

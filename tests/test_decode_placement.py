@@ -184,8 +184,8 @@ def test_aligned_policy_runs_in_the_virtual_time_simulator():
     picks: dict[str, str] = {}
     pick = placement.pick
 
-    def spy(rid, context_tokens, engines, now):
-        picks[rid] = pick(rid, context_tokens, engines, now)
+    def spy(rid, context_tokens, engines, now, **options):
+        picks[rid] = pick(rid, context_tokens, engines, now, **options)
         return picks[rid]
 
     placement.pick = spy
@@ -209,3 +209,24 @@ def test_stale_heap_entries_stay_bounded_in_a_long_run():
         p.on_done(f"r{i}", i + 0.9)
     assert p.longest_tokens("e0", 5000.0) == 10
     assert len(p._grow_heap["e0"]) <= 2 * 1 + 16 + 1 and len(p._still_heap["e0"]) <= 2 * 1 + 16 + 1
+
+
+def test_a_non_streaming_request_waiting_for_its_whole_answer_does_not_starve_its_engine():
+    # A non-streaming request reports its first token with its last; 6 s without one is no sign of starvation
+    # (starvation_s is 5 s), while a streaming one that long without a token does starve its engine.
+    p = AlignedPlacement()
+    assert [p.pick(rid, 100, views(0, 0), 0.0, reports_progress=False) for rid in ("a", "b")] == ["e0", "e0"]
+    assert p.starving("e0", 6.0) is False
+    assert p.pick("c", 100, views(0, 0), 6.0) == "e0"  # a tie on waste and load: the first engine, not starving
+    assert p.starving("e0", 11.5) is True  # c streams: 5.5 s after its pick without a token
+    p.on_progress("a", 1, 12.0)  # a's whole answer is in: not lagging behind a paced stream either
+    p.on_done("a", 12.0)
+    assert p.starving("e0", 12.0) is True and p.pick("d", 100, views(0, 0), 12.0) == "e1"
+
+
+def test_the_aligned_policy_tells_the_placement_which_requests_stream():
+    scheduler = make_scheduler(SchedulingConfig(policy="aligned"))
+    for rid, stream in (("quiet", False), ("loud", True)):
+        scheduler.submit(RequestView(rid, 100, stream=stream), 0.0)
+    scheduler.decide(views(0), 0.0)
+    assert scheduler.placement._unstarted["e0"] == {"loud": 0.0}

@@ -298,3 +298,25 @@ async def test_wrong_types_are_refused_by_the_gateway_naming_the_field(stack, pa
     assert (error["param"], error["type"]) == (param, "invalid_request_error")
     assert fragment in error["message"] and "Value error" not in error["message"]
     assert fakes["sp0"].bodies == [] and fakes["lp0"].bodies == []
+
+
+async def test_a_client_leaving_right_after_done_while_the_engine_stream_is_still_open_is_ok_and_learnt_from(stack):
+    session, fakes, _ = stack
+    fakes["sp0"].hold_eof = True  # the engine ends its stream only after the client has left
+    history = [{"role": "user", "content": "Tell me about the history of pens. " * 5}]
+    async with aiohttp.ClientSession(str(session._base_url), connector=aiohttp.TCPConnector(force_close=True)) as closing:
+        async with closing.post("/v1/chat/completions", json={"model": MODEL, "messages": history, "stream": True}) as resp:
+            first_prompt = int(resp.headers["x-laps-prompt-tokens"])
+            assert (await resp.content.readuntil(b"data: [DONE]\n\n")).endswith(b"data: [DONE]\n\n")
+    await asyncio.sleep(0.1)  # the gateway sees the client go while it waits for the end of the engine's stream
+    fakes["sp0"].release.set()
+    await settle_background()
+    async with session.get("/metrics") as resp:
+        text = await resp.text()
+    assert 'laps_requests_total{cls="short",outcome="ok"} 1.0' in text and "client_gone" not in text
+    assert fakes["sp0"].aborted == []
+    history += [{"role": "assistant", "content": "hi from sp0"}, {"role": "user", "content": "More?"}]
+    async with session.post("/v1/chat/completions", json={"model": MODEL, "messages": history}) as resp:
+        estimate = int(resp.headers["x-laps-cached-tokens-est"])
+    reply_tokens = len(load_tokenizer().encode("hi from sp0<|im_end|>\n"))
+    assert estimate == (first_prompt + reply_tokens) // 16 * 16  # the prompt and the reply were learnt on sp0

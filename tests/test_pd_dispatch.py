@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import aiohttp
 import orjson
 import pytest
 from aiohttp.test_utils import TestServer
 
+from gateway import pd_dispatch
 from gateway.app import create_app
 from gateway.relay import settle_background
 from gateway.state import GATEWAY
@@ -217,6 +219,94 @@ async def test_an_unreachable_prefill_engine_aborts_the_waiting_decode_side_and_
     assert fakes["d0"].aborted == [rid]
     fakes["d0"].answer.set()
     async with await request as resp:
-        # ps0 is marked down; the retry prefills on pl0 with pl0's bootstrap port.
-        assert resp.status == 200 and resp.headers["x-laps-engine"] == "pl0" and resp.headers["x-request-id"] == rid
+        # ps0 is marked down; the retry prefills on pl0 with pl0's bootstrap port, under a fresh engine rid (the
+        # abort of the first try's rid may still be on its way to an engine the retry uses).
+        assert resp.status == 200 and resp.headers["x-laps-engine"] == "pl0" and resp.headers["x-request-id"] == f"{rid}-retry"
     assert fakes["pl0"].bodies[0]["bootstrap_port"] == 8999
+    assert [b["rid"] for b in fakes["d0"].bodies] == [rid, f"{rid}-retry"] and fakes["pl0"].bodies[0]["rid"] == f"{rid}-retry"
+    async with session.get("/metrics") as resp:
+        counted = [line for line in (await resp.text()).splitlines() if line.startswith("laps_requests_total{")]
+    assert counted == ['laps_requests_total{cls="short",outcome="ok"} 1.0']  # one client request, counted once
+
+
+async def test_a_client_leaving_after_done_before_the_prefill_answers_is_ok_and_learnt_from(pd_stack):
+    session, fakes, _, app = pd_stack
+    fakes["ps0"].hold_answers = True  # the prefill engine answers only after the client has its whole answer
+    fakes["ps0"].reported_cached_tokens = 0
+    history = [{"role": "user", "content": "Tell me about the history of pens. " * 5}]
+    async with aiohttp.ClientSession(str(session._base_url), connector=aiohttp.TCPConnector(force_close=True)) as closing:
+        async with closing.post("/v1/chat/completions", json={"model": MODEL, "messages": history, "stream": True}) as resp:
+            first_prompt = int(resp.headers["x-laps-prompt-tokens"])
+            text = (await resp.read()).decode()
+    assert "hi from d0" in text and events(text)[-1] == "data: [DONE]"
+    await asyncio.sleep(0.1)  # the gateway sees the client go while it waits for the prefill engine's answer
+    fakes["ps0"].answer.set()
+    await settle_background()
+    async with session.get("/metrics") as resp:
+        metrics = await resp.text()
+    assert 'laps_requests_total{cls="short",outcome="ok"} 1.0' in metrics and "client_gone" not in metrics
+    assert 'laps_prefix_estimate_error_tokens_count{cls="short"} 1.0' in metrics  # ps0's report was read
+    assert fakes["ps0"].aborted == fakes["d0"].aborted == []
+    # The chat cache keeps the chat with the decode engine's real reply: the follow-up tokenizes only its new turn.
+    history += [{"role": "assistant", "content": "hi from d0"}, {"role": "user", "content": "More?"}]
+    assert len(app[GATEWAY].prompt_cache.lookup(history).turns) == 1
+    async with session.post("/v1/chat/completions", json={"model": MODEL, "messages": history}) as resp:
+        estimate = int(resp.headers["x-laps-cached-tokens-est"])
+    assert estimate == first_prompt // 16 * 16  # the prefix index learnt the prompt on ps0, not the reply
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_decode_answer_is_not_held_back_by_a_prefill_engine_that_never_answers(pd_stack, monkeypatch, stream):
+    session, fakes, _, _ = pd_stack
+    fakes["ps0"].hold_answers = True  # e.g. its KV hand-off failed: it never answers
+
+    async def ask() -> tuple[bytes, str]:
+        async with session.post("/v1/chat/completions", json=chat("Hi", stream=stream)) as resp:
+            return await resp.read(), resp.headers["x-request-id"]
+
+    monkeypatch.setattr(pd_dispatch, "PREFILL_GRACE_S", 60.0)
+    body, _ = await asyncio.wait_for(ask(), timeout=5)  # the whole answer while the prefill side still hangs
+    assert b"hi from d0" in body and fakes["ps0"].aborted == []
+    fakes["ps0"].answer.set()  # it answers within the grace period after all: nothing is aborted
+    await settle_background()
+    assert fakes["ps0"].aborted == fakes["d0"].aborted == []
+    fakes["ps0"].answer.clear()
+    monkeypatch.setattr(pd_dispatch, "PREFILL_GRACE_S", 0.05)
+    body, rid = await asyncio.wait_for(ask(), timeout=5)
+    assert b"hi from d0" in body
+    await asyncio.wait_for(fakes["ps0"].abort_seen.wait(), timeout=5)  # past the grace period: aborted
+    assert fakes["ps0"].aborted == [rid] and fakes["d0"].aborted == []
+    await settle_background()
+    async with session.get("/metrics") as resp:
+        assert 'laps_requests_total{cls="short",outcome="ok"} 2.0' in await resp.text()
+    fakes["ps0"].answer.set()
+
+
+async def test_log_lines_name_the_decode_engine_of_the_pair(pd_stack, caplog):
+    session, fakes, _, _ = pd_stack
+    fakes["d0"].hold_streams = True
+    caplog.set_level(logging.INFO, logger="laps.gateway")
+    resp = await session.post("/v1/chat/completions", json=chat("Hi", stream=True))
+    rid = resp.headers["x-request-id"]
+    await resp.content.readuntil(b"\n\n")
+    resp.close()
+    await asyncio.wait_for(fakes["d0"].abort_seen.wait(), timeout=5)
+    await settle_background()
+    fakes["d0"].release.set()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith(rid)]
+    assert f"{rid}: client went away; aborting on ps0 and d0" in lines
+    assert any("class=short engine=ps0 decode=d0 prompt_tokens=" in line and "outcome=client_gone" in line for line in lines)
+
+
+async def test_the_startup_log_says_pd_mode_policy_and_controller(caplog):
+    caplog.set_level(logging.INFO, logger="laps.gateway")
+    fakes = {name: FakeEngine(name) for name in ENGINES}
+    servers = {name: TestServer(f.app) for name, f in fakes.items()}
+    for s in servers.values():
+        await s.start_server()
+    gateway = TestServer(create_app(pd_config(), engine_urls={name: str(s.make_url("")).rstrip("/") for name, s in servers.items()}))
+    await gateway.start_server()
+    await gateway.close()
+    for s in servers.values():
+        await s.close()
+    assert "scheduling policy laps; PD on (decode placement least_load, KV transfer mooncake); controller off" in [r.getMessage() for r in caplog.records]
