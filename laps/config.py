@@ -304,6 +304,9 @@ class Config(_Strict):
 def _check_controller_roles(config: Config) -> None:
     """Each controller role must exist and serve its pool: both when the controller is on, else those set explicitly.
 
+    An enabled controller's ``min_pool_size`` must be below the number of short and long engines, else
+    no pool could ever give one up.
+
     A disabled controller that the file never mentions keeps its default role names unchecked, so a
     deployment whose roles are named otherwise still loads.
     """
@@ -315,6 +318,12 @@ def _check_controller_roles(config: Config) -> None:
             raise ValueError(f"controller.{key}: {role!r} is not a role defined under roles; allowed: {', '.join(sorted(config.roles))}")
         if config.roles[role].pool != pool:
             raise ValueError(f"controller.{key}: role {role!r} serves the {config.roles[role].pool} pool, not the {pool} pool")
+    if config.controller.enabled:
+        movable = sum(config.pool(e) in ("short", "long") for e in config.engines)
+        if movable <= config.controller.min_pool_size:
+            raise ValueError(f"controller.min_pool_size: {config.controller.min_pool_size} allows no move: a pool gives up an engine "
+                             f"only while it has more than min_pool_size, and the short and long pools have {movable} engine(s) in all; "
+                             f"set it below {movable} or disable the controller")
 
 
 def _check_pd(config: Config) -> None:
@@ -408,8 +417,8 @@ def _format_error(source: str, err: ValidationError) -> str:
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "(root)"
         msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] == "value_error":
-            lines.append(f"  {msg}")
+        if e["type"] == "value_error":  # a root validator's messages name their keys; a nested model's get its path
+            lines.append(f"  {loc}: {msg}" if e["loc"] else f"  {msg}")
         elif e["type"] == "extra_forbidden":
             allowed = _allowed_keys(e["loc"][:-1])
             lines.append(f"  {loc}: unknown key" + (f"; allowed: {', '.join(allowed)}" if allowed else ""))

@@ -40,22 +40,53 @@ chats with --long-share long requests of 1k-14k tokens), replay:PATH (a --trace-
 exit status: 0 when every request succeeded, 1 when any failed or the run could not start, 2 for bad arguments."""
 
 
+def _number(text: str, kind: type) -> float:
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not {'an integer' if kind is int else 'a number'}: {text!r}") from None
+
+
+def positive_float(text: str) -> float:
+    """argparse ``type``: a number > 0 (else :class:`argparse.ArgumentTypeError`, so exit status 2)."""
+    value = _number(text, float)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """argparse ``type``: a number >= 0 (else :class:`argparse.ArgumentTypeError`, so exit status 2)."""
+    value = _number(text, float)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """argparse ``type``: an integer >= 1 (else :class:`argparse.ArgumentTypeError`, so exit status 2)."""
+    value = int(_number(text, int))
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
 def add_workload_arguments(parser: argparse.ArgumentParser, default_out: Path) -> None:
     """The flags ``laps loadgen`` and ``laps simulate`` share: what load to send and where the report goes."""
     parser.add_argument(
         "--dataset", default="mixed", metavar="NAME", help=f"one of {', '.join(DATASETS)} or replay:PATH (default: %(default)s)"
     )
     parser.add_argument("--rate", type=float, help="conversation arrivals per second (Poisson); required except for trace replay")
-    parser.add_argument("--duration", type=float, default=60.0, help="seconds during which conversations and turns may start (default: %(default)s)")
+    parser.add_argument("--duration", type=positive_float, default=60.0, help="seconds during which conversations and turns may start (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the workload and of the arrival process (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=default_out, help="report JSON; the PNG goes next to it (default: %(default)s)")
     parser.add_argument("--trace-out", type=Path, help="also write every request record as JSONL (replay with --dataset replay:PATH)")
-    parser.add_argument("--think-time-s", type=float, default=1.0, help="mean pause between an answer and the next turn (default: %(default)s)")
+    parser.add_argument("--think-time-s", type=non_negative_float, default=1.0, help="mean pause between an answer and the next turn (default: %(default)s)")
     parser.add_argument("--think-dist", choices=THINK_DISTRIBUTIONS, default="exp", help="think time: exponential or fixed (default: %(default)s)")
     parser.add_argument("--time-scale", type=float, default=1.0, help="multiply trace arrival times (0.5 = twice as fast; default: %(default)s)")
     parser.add_argument("--long-share", type=float, default=0.2, help="mixed: expected share of requests that are long (default: %(default)s)")
     parser.add_argument(
-        "--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="output tokens to request where the data has no length (default: %(default)s)"
+        "--max-tokens", type=positive_int, default=DEFAULT_MAX_TOKENS, help="output tokens to request where the data has no length (default: %(default)s)"
     )
     parser.add_argument("--ignore-eos", action="store_true", help="send ignore_eos=true so outputs run to max_tokens (SGLang extension)")
     parser.add_argument("--request-timeout-s", type=float, default=300.0, help="give up on one request after this long (default: %(default)s)")

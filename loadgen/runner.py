@@ -134,10 +134,15 @@ def plan_arrivals(
     think times are drawn from ``rng`` in arrival order.
 
     Raises:
-        ValueError: ``rate`` missing or <= 0 for a Poisson workload, ``time_scale`` <= 0.
+        ValueError: ``rate`` missing or <= 0 for a Poisson workload, ``time_scale``
+            or ``duration_s`` <= 0, ``think_time_s`` < 0.
     """
     if time_scale <= 0:
         raise ValueError(f"time_scale must be > 0, got {time_scale}")
+    if not duration_s > 0:
+        raise ValueError(f"duration must be > 0 s, got {duration_s}")
+    if not think_time_s >= 0:
+        raise ValueError(f"think time must be >= 0 s, got {think_time_s}")
     if workload.timed:
         starts: Iterator[tuple[float, Conversation]] = ((c.start_s * time_scale, c) for c in workload.conversations)
     else:

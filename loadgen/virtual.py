@@ -185,6 +185,7 @@ class VirtualRun:
         self._engine_ids = [e.id for e in self.registry]
         self._heap: list[tuple[float, int, int, Any]] = []
         self._seq = itertools.count()
+        self._pending_turns = 0  # _TURN events in the heap
         self._requests: dict[str, _Request] = {}
         self._wake_gen = 0
         self._to_kick: list[_Engine] = []
@@ -224,6 +225,7 @@ class VirtualRun:
             if kind == _STEP:
                 self._on_step(*payload)
             elif kind == _TURN:
+                self._pending_turns -= 1
                 self._on_turn(payload)
             elif kind == _CLIENT_IN:
                 self._deliver(*payload)
@@ -244,6 +246,8 @@ class VirtualRun:
         return self.records
 
     def _push(self, t: float, kind: int, payload: Any) -> None:
+        if kind == _TURN:
+            self._pending_turns += 1
         heapq.heappush(self._heap, (t, next(self._seq), kind, payload))
 
     # ---- client side ---------------------------------------------------------------------------
@@ -450,13 +454,17 @@ class VirtualRun:
         return engine_signals(self.registry.views(), queued, loads, self.first_tokens, self.now)
 
     def _control(self) -> None:
-        """One controller decision; the next one ``interval_s`` later while anything else is left to happen."""
+        """One controller decision; the next one ``interval_s`` later while a request is active or a turn is yet to start.
+
+        Leftover request-timeout events of finished requests do not count, so
+        the decisions stop with the load (a move in progress still completes).
+        """
         assert self.controller is not None
         move = self.controller.decide(self.pool_signals(), self.now)
         self.control_log.append({"t": self.now, **self.controller.stats()})
         if move is not None:
             self._start_move(move)
-        if self._heap:
+        if self._requests or self._pending_turns:
             self._push(self.now + self.config.controller.interval_s, _CALL, self._control)
 
     def _start_move(self, move: Move) -> None:

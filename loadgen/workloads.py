@@ -42,6 +42,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import orjson
 
@@ -104,10 +105,30 @@ class Workload:
     notes: list[str] = field(default_factory=list)
 
 
-def _read_jsonl(path: Path) -> list[dict]:
+def _read_jsonl_lines(path: Path) -> list[tuple[int, Any]]:
+    """The values of a JSONL file (gzip when it ends in ``.gz``) with their 1-based line numbers; blank lines skipped.
+
+    Raises:
+        ValueError: the file cannot be read, or a line is not JSON (the message names the file and line).
+    """
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as f:
-        return [orjson.loads(line) for line in f if line.strip()]
+    rows = []
+    try:
+        with opener(path, "rb") as f:
+            for line_no, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rows.append((line_no, orjson.loads(line)))
+                except orjson.JSONDecodeError as err:
+                    raise ValueError(f"{path} line {line_no}: not valid JSON ({err})") from None
+    except OSError as err:
+        raise ValueError(f"{path}: cannot read: {err.strerror or err}") from None
+    return rows
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    return [row for _, row in _read_jsonl_lines(path)]
 
 
 def load_hh_rlhf(tokenizer: ChatTokenizer, path: Path = DATA_DIR / "hh_rlhf_harmless_base_test_conversations.jsonl.gz") -> list[Conversation]:
@@ -346,6 +367,24 @@ def shifting_workload(rng: random.Random, *, rate: float, phases: Sequence[Phase
     return Workload("shifting", conversations, timed=True, notes=notes)
 
 
+_REPLAY_FIELDS = {"conversation_id": str, "source": str, "turn": int, "user": str, "max_tokens": int, "start_s": (int, float)}
+"""The fields :func:`load_replay` reads from each ``--trace-out`` record, with their JSON types."""
+
+
+def _check_replay_record(rec: Any, where: str) -> None:
+    """Raise ``ValueError`` (starting with ``where``) unless ``rec`` is an object with every :data:`_REPLAY_FIELDS` field."""
+    if not isinstance(rec, dict):
+        raise ValueError(f"{where}: expected a --trace-out record (a JSON object), got {type(rec).__name__}")
+    missing = [key for key in _REPLAY_FIELDS if key not in rec]
+    if missing:
+        raise ValueError(f"{where}: not a --trace-out record: missing {', '.join(missing)}")
+    for key, kind in _REPLAY_FIELDS.items():
+        if not isinstance(rec[key], kind) or isinstance(rec[key], bool):
+            raise ValueError(f"{where}: {key} has the wrong type ({rec[key]!r})")
+    if rec["max_tokens"] < 1:
+        raise ValueError(f"{where}: max_tokens must be >= 1, got {rec['max_tokens']}")
+
+
 def load_replay(path: Path) -> Workload:
     """A timed workload from a ``--trace-out`` JSONL file.
 
@@ -353,9 +392,15 @@ def load_replay(path: Path) -> Workload:
     (``turn``), user text and ``max_tokens``; each conversation starts at its
     first record's ``start_s``. Later turns follow the runner's think time, not
     the recorded send times.
+
+    Raises:
+        ValueError: the file cannot be read, or a line is not JSON or not a
+            record with the fields above (the message names the file and line).
     """
+    path = Path(path)
     by_conv: dict[str, list[dict]] = {}
-    for rec in _read_jsonl(Path(path)):
+    for line_no, rec in _read_jsonl_lines(path):
+        _check_replay_record(rec, f"{path} line {line_no}")
         by_conv.setdefault(rec["conversation_id"], []).append(rec)
     conversations = []
     for cid, recs in by_conv.items():
@@ -386,7 +431,8 @@ def build_workload(
     ``--duration`` cuts chats short the realised share comes out a little higher).
 
     Raises:
-        ValueError: unknown ``name`` or ``long_share`` outside [0, 1].
+        ValueError: unknown ``name``, ``long_share`` outside [0, 1], or a
+            ``replay:PATH`` file that :func:`load_replay` refuses.
     """
     if name.startswith(REPLAY_PREFIX):
         return load_replay(Path(name[len(REPLAY_PREFIX) :]))

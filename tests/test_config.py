@@ -48,6 +48,11 @@ def test_default_config_is_the_documented_deployment():
         (lambda d: d.update(controller={"enabled": True, "long_role": "mixed"}), ["controller.long_role: role 'mixed' serves the short pool, not the long pool"]),
         (lambda d: d["scheduling"].update(decode_placement="aligned"), ["scheduling.decode_placement: 'aligned' chooses among the decode engines of a prefill-decode deployment and needs the pd: section; without it use scheduling.policy: aligned"]),
         (lambda d: d.update(controller={"enabled": True, "short_role": "tiny"}), ["controller.short_role: 'tiny' is not a role defined under roles; allowed: long-prefill, mixed, short-prefill"]),
+        (lambda d: d.update(controller={"enabled": True, "min_pool_size": 2}),
+         ["controller.min_pool_size: 2 allows no move: a pool gives up an engine only while it has more than min_pool_size, "
+          "and the short and long pools have 2 engine(s) in all; set it below 2 or disable the controller"]),
+        (lambda d: d["scheduling"].update(laps={"window_min_ms": 10_000}), ["scheduling.laps: window_min_ms must not exceed window_max_ms"]),
+        (lambda d: d["scheduling"].update(laps={"token_buckets": [128, 64]}), ["scheduling.laps: token_buckets and length_buckets must be strictly increasing"]),
     ],
 )
 def test_bad_config_names_key_value_and_allowed(edit, expected):

@@ -254,3 +254,31 @@ def test_cli_exits_1_on_request_errors_and_2_without_rate(tmp_path):
         report = orjson.loads((tmp_path / "r.json").read_bytes())
         assert report["errors_by_message"] == {"HTTP 500: boom": 1}
         assert cli.main(parse("--url", url, "--dataset", "arena", "--out", str(tmp_path / "x.json"), "--quiet")) == 2
+
+
+@pytest.mark.parametrize(("keys", "message"), [({"duration_s": 0.0}, "duration must be > 0 s, got 0.0"),
+                                               ({"think_time_s": -1.0}, "think time must be >= 0 s, got -1.0")])
+def test_plan_refuses_a_non_positive_duration_and_a_negative_think_time(keys, message):
+    with pytest.raises(ValueError, match=message):
+        plan_arrivals(Workload("p", iter([]), timed=False), **{"duration_s": 1.0, **keys}, rng=random.Random(0), rate=1.0)
+
+
+@pytest.mark.parametrize(("flag", "value", "message"), [
+    ("--duration", "0", "argument --duration: must be > 0, got 0"),
+    ("--duration", "-5", "argument --duration: must be > 0, got -5"),
+    ("--duration", "soon", "argument --duration: not a number: 'soon'"),
+    ("--think-time-s", "-1", "argument --think-time-s: must be >= 0, got -1"),
+    ("--max-tokens", "0", "argument --max-tokens: must be >= 1, got 0"),
+    ("--max-tokens", "1.5", "argument --max-tokens: not an integer: '1.5'"),
+])
+def test_cli_refuses_bad_durations_think_times_and_max_tokens(flag, value, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        parse("--url", "http://127.0.0.1:9", flag, value)
+    assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_cli_reports_a_bad_replay_file_and_exits_2(tmp_path, capsys):
+    missing = tmp_path / "nope.jsonl"
+    args = parse("--url", "http://127.0.0.1:9", "--dataset", f"replay:{missing}", "--out", str(tmp_path / "r.json"), "--quiet")
+    assert cli.main(args) == 2
+    assert capsys.readouterr().err == f"laps loadgen: {missing}: cannot read: No such file or directory\n"

@@ -166,3 +166,33 @@ def test_shifting_workload_changes_its_long_share_phase_by_phase(tok):
     assert [(c.id, c.start_s) for c in again.conversations] == [(c.id, c.start_s) for c in conversations]
     with pytest.raises(ValueError, match="phases"):
         shifting_workload(random.Random(0), rate=2.0, phases=[], tokenizer=tok)
+
+
+REPLAY_RECORD = b'{"conversation_id": "c", "source": "s", "turn": 0, "user": "hi", "max_tokens": 4, "start_s": 0.0}'
+
+
+@pytest.mark.parametrize(
+    "content, expected",
+    [
+        (None, "replay.jsonl: cannot read: No such file or directory"),
+        (REPLAY_RECORD + b"\n\ngarbage\n", "replay.jsonl line 3: not valid JSON (unexpected character"),
+        (b'{"bad": 1}\n', "replay.jsonl line 1: not a --trace-out record: missing conversation_id, source, turn, user, max_tokens, start_s"),
+        (b"[1, 2]\n", "replay.jsonl line 1: expected a --trace-out record (a JSON object), got list"),
+        (REPLAY_RECORD + b"\n" + REPLAY_RECORD.replace(b'"max_tokens": 4', b'"max_tokens": "4"'), "replay.jsonl line 2: max_tokens has the wrong type ('4')"),
+        (REPLAY_RECORD.replace(b'"max_tokens": 4', b'"max_tokens": 0'), "replay.jsonl line 1: max_tokens must be >= 1, got 0"),
+    ],
+)
+def test_a_bad_replay_file_is_a_value_error_naming_the_file_and_line(tmp_path, content, expected):
+    path = tmp_path / "replay.jsonl"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(ValueError) as info:
+        build_workload(f"replay:{path}", random.Random(0))
+    assert str(info.value).startswith(f"{tmp_path}/{expected}")
+
+
+def test_a_good_replay_file_loads(tmp_path):
+    path = tmp_path / "replay.jsonl"
+    path.write_bytes(REPLAY_RECORD + b"\n")
+    (conv,) = build_workload(f"replay:{path}", random.Random(0)).conversations
+    assert (conv.id, conv.source, conv.turns[0].content, conv.turns[0].max_tokens, conv.start_s) == ("c", "s", "hi", 4, 0.0)

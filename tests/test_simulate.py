@@ -133,3 +133,16 @@ def test_the_run_summary_prints_each_move():
         "  12.0 s: sp1 short -> long as long-prefill (drain 1.2 s, restart 40.0 s, back at 53.2 s, 2 requests failed by the drain timeout)",
         "KV transfers: 0, 0.000 GB",
     ]
+
+
+def test_laps_simulate_reports_a_bad_replay_file_and_refuses_bad_numbers(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"bad": 1}\n')
+    out = str(tmp_path / "r.json")
+    assert laps_main(["simulate", "--dataset", f"replay:{bad}", "--duration", "5", "--out", out, "--quiet"]) == 2
+    assert capsys.readouterr().err == (f"laps simulate: {bad} line 1: not a --trace-out record: "
+                                       "missing conversation_id, source, turn, user, max_tokens, start_s\n")
+    for flag, value in (("--duration", "0"), ("--duration", "-5"), ("--think-time-s", "-1"), ("--max-tokens", "0")):
+        with pytest.raises(SystemExit) as info:
+            laps_main(["simulate", "--dataset", "mtbench", "--rate", "1", flag, value, "--out", out, "--quiet"])
+        assert info.value.code == 2 and f"argument {flag}: must be" in capsys.readouterr().err

@@ -75,3 +75,13 @@ def test_an_empty_long_pool_is_refilled_and_the_run_summary_reports_the_move():
     assert len(records) == 2 and all(r.ok for r in records) and records[-1].laps_class == "long"
     assert virtual.summary() == {"controller": {"decisions": len(virtual.control_log), "moves": virtual.moves,
                                                 "restart_engine_s": 5.0, "drain_engine_s": 0.0}}
+
+
+def test_decisions_stop_once_no_request_is_active_or_pending():
+    # Each request leaves a request-timeout event 300 s ahead; those must not keep the controller deciding.
+    chat = Arrival(0.1, Conversation("chat", "test", (Turn("Tell me about the moon.", 8),)), ())
+    virtual, records = run(chat, *documents(2, 3.0))
+    last_end_s = max(r.end_s for r in records)
+    times = [row["t"] for row in virtual.control_log]
+    assert times == [float(t) for t in range(1, len(times) + 1)]  # one per second from 1 s, none skipped
+    assert times[-1] - 1.0 < last_end_s <= times[-1]  # the first decision that finds nothing left is the last
