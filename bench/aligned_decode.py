@@ -1,4 +1,4 @@
-"""AlignedServe decode placement vs round robin and least load, in virtual time (issue 8).
+"""AlignedServe decode placement vs round robin and least load, in virtual time.
 
 Harness: E data-parallel engine models (:class:`engines.sim.core.EngineCore`, SGLang 0.5.23
 defaults for the GPU) behind the gateway's own scheduler objects

@@ -24,7 +24,7 @@ first, in a fresh process, so the RSS growth is not hidden by freed memory):
 the RSS growth of a `PrefixIndex` with the shipped byte budget and of a
 `ChatPrefixCache` with its default budget while that many conversations pass
 through them; both must stay within their budgets.
-Targets (issue 10): decision p99 <= 50 µs; bounded memory under 1M conversations.
+Targets: decision p99 <= 50 µs; bounded memory under 1M conversations.
 """
 
 from __future__ import annotations

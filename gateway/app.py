@@ -1,8 +1,8 @@
 """The app factory and the server's life: start engines, serve, shut down cleanly.
 
 Start-up order (aiohttp ``cleanup_ctx``, each part cleaned only if it started):
-engine client -> engine processes (unless given URLs) -> tokenizer -> health
-poller -> pressure controller (with ``controller.enabled``). Shutdown runs the
+tokenizer (a bad ``model.path`` fails before any engine starts) -> engine
+client -> engine processes (unless given URLs) -> health poller -> pressure controller (with ``controller.enabled``). Shutdown runs the
 same list backwards, so no engine outlives the gateway.
 """
 
@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
+import socket
 from typing import AsyncIterator
 
 import aiohttp
@@ -77,12 +79,12 @@ def create_app(config: Config, engine_urls: dict[str, str] | None = None) -> web
     app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
+        tokenizer = await asyncio.get_running_loop().run_in_executor(None, load_tokenizer, config.model.path)
         client = EngineClient(config.gateway.request_timeout_s)
         await client.start()
         manager = EngineManager(config) if engine_urls is None else None
         try:
             urls = engine_urls if manager is None else await manager.start(client.session)
-            tokenizer = await asyncio.get_running_loop().run_in_executor(None, load_tokenizer, config.model.path)
             registry = EngineRegistry([EngineState(e.name, urls[e.name], config.pool(e)) for e in config.engines])
             first_tokens = FirstTokenWindow(config.controller.window_s) if config.controller.enabled else None
             dispatcher = Dispatcher(make_scheduler(config.scheduling), registry, first_tokens=first_tokens)
@@ -132,8 +134,25 @@ def app_runner(config: Config) -> web.AppRunner:
     return web.AppRunner(create_app(config), handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host``:``port`` (``0``: a free port the kernel picks; read it off the socket).
+
+    Raises:
+        OSError: the address cannot be bound (the port is taken, the host is not local); the message names it.
+    """
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+        return socket.create_server((host, port), family=family)
+    except OSError as err:
+        reason = os.strerror(err.errno) if err.errno and err.errno > 0 else err.strerror or str(err)  # < 0: getaddrinfo
+        raise OSError(f"cannot listen on {host}:{port}: {reason}") from None
+
+
 async def serve(config: Config) -> None:
     """Run the gateway until SIGINT or SIGTERM, then shut everything down.
+
+    The port is bound before any engine starts, so a taken port fails at once. The ready line names the bound
+    port (with ``gateway.port: 0``, the one the kernel picked).
 
     Raises:
         RuntimeError: an engine failed to start (its log tail is in the message).
@@ -143,14 +162,16 @@ async def serve(config: Config) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    runner = app_runner(config)
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, config.gateway.host, config.gateway.port)
-        await site.start()
-        log.info("laps gateway listening on http://%s:%d (Ctrl-C to stop)", config.gateway.host, config.gateway.port)
-        print(f"laps: ready on http://{config.gateway.host}:{config.gateway.port}", flush=True)
-        await stop.wait()
-        log.info("shutting down")
-    finally:
-        await runner.cleanup()
+    sock = listen_socket(config.gateway.host, config.gateway.port)
+    with sock:
+        runner = app_runner(config)
+        await runner.setup()
+        try:
+            await web.SockSite(runner, sock).start()
+            url = f"http://{config.gateway.host}:{sock.getsockname()[1]}"
+            log.info("laps gateway listening on %s (Ctrl-C to stop)", url)
+            print(f"laps: ready on {url}", flush=True)
+            await stop.wait()
+            log.info("shutting down")
+        finally:
+            await runner.cleanup()

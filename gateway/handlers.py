@@ -69,13 +69,38 @@ async def _json_body(request: web.Request) -> dict:
     return body
 
 
+def _body_path(loc: tuple, body: dict, missing: bool) -> tuple:
+    """``loc`` of a pydantic error without its union member tags (``stop.str``, ``stop.list[str]``): only the keys
+    and indexes found in ``body`` are kept, plus the last one when the error is a missing key."""
+    path, value = [], body
+    for i, part in enumerate(loc):
+        if isinstance(value, list) and isinstance(part, int) and 0 <= part < len(value):
+            path.append(part)
+            value = value[part]
+        elif isinstance(value, dict) and part in value:
+            path.append(part)
+            value = value[part]
+        elif missing and i == len(loc) - 1:
+            path.append(part)
+    return tuple(path)
+
+
 def _validate(model: type[BaseModel], body: dict) -> BaseModel:
+    """``body`` validated as ``model``.
+
+    Raises:
+        APIError: 400 naming the parameter as a path into the body (``messages.0.role``). Of the errors under the
+            first one's top-level key, the deepest is reported (the union member that got furthest); errors of
+            several union members at that same path are joined with "or".
+    """
     try:
         return model.model_validate(body)
     except ValidationError as err:
-        first = err.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
-        message = first["msg"].removeprefix("Value error, ")
+        errors = [(_body_path(e["loc"], body, e["type"] == "missing"), e["msg"].removeprefix("Value error, ")) for e in err.errors()]
+        top = errors[0][0][:1]
+        path = max((p for p, _ in errors if p[:1] == top), key=len)
+        message = " or ".join(dict.fromkeys(m for p, m in errors if p == path))
+        param = ".".join(str(p) for p in path) or None
         raise APIError(400, f"{param}: {message}" if param else message, param=param) from None
 
 

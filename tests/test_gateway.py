@@ -282,10 +282,15 @@ async def test_a_stream_read_to_the_end_then_closed_is_ok_and_not_aborted(stack)
     [
         ("/v1/chat/completions", chat("x", max_tokens="10"), "max_tokens", "valid integer"),
         ("/v1/chat/completions", chat("x", stream="yes"), "stream", "valid boolean"),
+        ("/v1/chat/completions", chat("x", stop=5), "stop", "stop: Input should be a valid string or Input should be a valid list"),  # no union tag
+        ("/v1/chat/completions", chat("x", stop=["end", 5]), "stop.1", "stop.1: Input should be a valid string"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"content": "x"}]}, "messages.0.role", "Field required"),
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": 5}]}, "messages.0.content", "text only"),
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages.0.content", "text parts"),
         ("/v1/completions", {"model": MODEL, "prompt": [5, -1]}, "prompt", "token id -1 is outside the vocabulary"),
         ("/v1/completions", {"model": MODEL, "prompt": [999999999]}, "prompt", "outside the vocabulary"),
+        # Qwen2.5's last added token, <|file_sep|> (151664), is inside; <tool_call> (151657) too.
+        ("/v1/completions", {"model": MODEL, "prompt": [151657, 151665]}, "prompt", "token id 151665 is outside the vocabulary (0 .. 151664)"),
         ("/v1/completions", {"model": MODEL, "prompt": [[1, 2]]}, "prompt", "a list of token ids"),
         ("/v1/completions", {"model": MODEL, "prompt": ""}, "prompt", "prompt is empty"),
     ],

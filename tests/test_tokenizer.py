@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from engines.tiny_model import write_tiny_qwen2_model
-from laps.tokenizer import HFChatTokenizer, load_tokenizer
+from laps.tokenizer import CHATML_GENERATION_PROMPT, QWEN25_DEFAULT_SYSTEM, HFChatTokenizer, load_tokenizer, render_chatml_turn
 
 DATA = Path(__file__).resolve().parent.parent / "loadgen" / "data"
 
@@ -55,6 +55,29 @@ def test_hf_model_directory_gives_identical_ids_on_real_multiturn_chats(hf_dir):
     assert {151645} <= hf.eos_token_ids
 
 
+def test_qwen25_added_tokens_are_single_tokens_like_the_hf_tokenizer(hf_dir):
+    builtin, hf = load_tokenizer(), HFChatTokenizer(hf_dir)
+    assert builtin.encode("<tool_call>") == [151657]
+    text = '<tool_call>\n{"name": "f"}\n</tool_call><|fim_prefix|>def f():<|fim_suffix|>\n<|fim_middle|><|file_sep|>x'
+    ids = builtin.encode(text)
+    assert ids == hf.encode(text)
+    assert [i for i in ids if i >= 151643] == [151657, 151658, 151659, 151661, 151660, 151664]
+    assert builtin.decode(ids) == text
+    # Ids up to <|file_sep|> (151664) are inside the vocabulary the gateway checks completions prompts against.
+    assert builtin.vocab_size == hf.vocab_size == 151665
+    assert builtin.decode([151657]) == "<tool_call>"
+
+
+def test_chat_ids_stay_the_concatenation_of_turn_ids_with_added_tokens_in_content():
+    tok = load_tokenizer()
+    chat = [{"role": "user", "content": "call<tool_call>"}, {"role": "assistant", "content": "</tool_call>ok<|fim_pad|>"}]
+    turns = [render_chatml_turn("system", QWEN25_DEFAULT_SYSTEM)] + [render_chatml_turn(m["role"], m["content"]) for m in chat]
+    assert tok.encode_chat(chat) == [i for t in turns for i in tok.encode(t)] + tok.encode(CHATML_GENERATION_PROMPT)
+
+
 def test_bad_model_directory_raises_value_error(tmp_path):
+    with pytest.raises(ValueError, match="no tokenizer.json or tokenizer_config.json in the directory"):
+        HFChatTokenizer(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("not json")
     with pytest.raises(ValueError, match="cannot load a tokenizer"):
         HFChatTokenizer(tmp_path)

@@ -1,0 +1,96 @@
+"""`laps serve` and `laps demo` start-up failures: one clear line, before any engine starts; the bound port shown."""
+
+from __future__ import annotations
+
+import re
+import signal
+import socket
+import subprocess
+import sys
+
+import httpx
+import pytest
+import yaml
+
+import laps.cli
+from laps.config import DEFAULT_CONFIG_PATH
+from laps.demo import serving
+
+
+def write_config(tmp_path, **changes) -> tuple:
+    """The default config with ``changes`` merged into its top-level sections; returns (config path, log dir)."""
+    data = yaml.safe_load(DEFAULT_CONFIG_PATH.read_text())
+    for section, values in changes.items():
+        data[section] = {**data.get(section, {}), **values}
+    data["log_dir"] = str(tmp_path / "logs")
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path, tmp_path / "logs"
+
+
+def laps_serve(config_path, *extra: str, timeout_s: float = 60.0) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "laps.cli", "serve", "--config", str(config_path), *extra], capture_output=True, text=True, timeout=timeout_s)
+
+
+@pytest.mark.parametrize(
+    "make_path, reason",
+    [
+        (lambda tmp: tmp / "nonexistent", "no such directory"),
+        (lambda tmp: (tmp / "file.txt", (tmp / "file.txt").write_text("x"))[0], "not a directory"),
+        (lambda tmp: (tmp / "empty", (tmp / "empty").mkdir())[0], "no tokenizer.json or tokenizer_config.json in the directory"),
+    ],
+)
+def test_a_bad_model_path_is_one_line_and_exit_2_before_any_engine_starts(tmp_path, make_path, reason):
+    model_path = make_path(tmp_path)
+    config_path, log_dir = write_config(tmp_path, model={"path": str(model_path)})
+    result = laps_serve(config_path)
+    assert (result.returncode, result.stderr) == (2, f"laps: model.path {model_path}: {reason}\n")
+    assert sorted(p.name for p in log_dir.iterdir()) == ["gateway.log"]  # no engine-*.log: none started
+
+
+def test_a_taken_port_fails_before_any_engine_starts(tmp_path):
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        config_path, log_dir = write_config(tmp_path)
+        result = laps_serve(config_path, "--port", str(port))
+    assert result.returncode == 1
+    assert result.stderr.rstrip().endswith(f"ERROR laps: cannot listen on 127.0.0.1:{port}: Address already in use")
+    assert sorted(p.name for p in log_dir.iterdir()) == ["gateway.log"]
+
+
+def test_port_0_prints_the_port_it_bound(tmp_path):
+    config_path, _ = write_config(tmp_path, gateway={"port": 0})
+    proc = subprocess.Popen([sys.executable, "-m", "laps.cli", "serve", "--config", str(config_path)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = proc.stdout.readline()  # blocks until the gateway is ready (or exits: then the match below fails)
+        match = re.fullmatch(r"laps: ready on http://127\.0\.0\.1:(\d+)\n", line)
+        assert match, line
+        port = int(match.group(1))
+        assert port != 0
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).json()["data"][0]["id"] == "Qwen2.5-7B-Instruct"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+
+
+def test_the_demo_shows_why_the_gateway_did_not_start(tmp_path):
+    config_path, log_dir = write_config(tmp_path, model={"path": str(tmp_path / "nonexistent")})
+    with pytest.raises(RuntimeError) as info:
+        with serving(config_path):
+            pass
+    assert str(info.value) == (
+        f"the gateway exited with code 2 during start-up; see {log_dir / 'gateway.log'}; its stderr ends with:\n"
+        f"laps: model.path {tmp_path / 'nonexistent'}: no such directory"
+    )
+
+
+def test_ctrl_c_while_the_subcommands_import_ends_quietly(monkeypatch):
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(laps.cli, "build_parser", interrupted)
+    try:
+        code = laps.cli.main(["serve"])
+    except KeyboardInterrupt:  # escaping, it would end the whole test run
+        pytest.fail("a Ctrl-C while building the parser escaped main()")
+    assert code == 130

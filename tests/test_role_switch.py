@@ -1,0 +1,50 @@
+"""gateway.role_switch.switch_role against a stand-in manager: what it logs and what it leaves on the engine's state."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from types import SimpleNamespace
+
+import pytest
+
+from gateway.registry import EngineRegistry, EngineState
+from gateway.role_switch import switch_role
+from laps.config import load_config
+
+
+class RecordingManager:
+    """Restarts nothing; records the restarts asked for."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.engines = dict.fromkeys(names)
+        self.restarts: list[tuple[str, str]] = []
+
+    async def restart(self, engine_id: str, role: str, session: object) -> None:
+        self.restarts.append((engine_id, role))
+
+
+class ForgettingIndex:
+    def __init__(self) -> None:
+        self.forgotten: list[str] = []
+
+    def forget_engine(self, engine_id: str) -> None:
+        self.forgotten.append(engine_id)
+
+
+def stand_in_gateway(healthy: bool) -> SimpleNamespace:
+    config = load_config()
+    registry = EngineRegistry([EngineState(e.name, f"http://engine-{e.name}", config.pool(e), healthy=healthy) for e in config.engines])
+    return SimpleNamespace(config=config, registry=registry, manager=RecordingManager([e.name for e in config.engines]),
+                           client=SimpleNamespace(session=None), prefix_index=ForgettingIndex())
+
+
+@pytest.mark.parametrize("healthy_before, recovery_logged", [(False, True), (True, False)])
+def test_a_switch_logs_the_engine_healthy_again_when_the_poller_had_seen_it_down(caplog, healthy_before, recovery_logged):
+    gw = stand_in_gateway(healthy_before)
+    with caplog.at_level(logging.INFO, logger="laps.gateway"):
+        asyncio.run(switch_role(gw, "lp0", "short-prefill", drain_timeout_s=1.0))
+    state = gw.registry["lp0"]
+    assert (state.pool, state.healthy, state.draining) == ("short", True, False)
+    assert gw.manager.restarts == [("lp0", "short-prefill")] and gw.prefix_index.forgotten == ["lp0"]
+    assert ("engine lp0 is now healthy" in caplog.messages) is recovery_logged
