@@ -13,6 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
+from engines.sim.core import RequestEvent
 from engines.sim.protocol import (
     ApiError,
     ReplyText,
@@ -80,6 +81,23 @@ def _max_new_tokens(value: int | None, engine: SimEngine) -> int | None:
     return value
 
 
+def _options(body: dict[str, Any]) -> tuple[list[str], bool, bool, bool, str, str]:
+    """The request options both OpenAI routes read: stop strings, ``ignore_eos``, ``stream``, whether the
+    client asked for usage in the stream, the model name and the request id."""
+    include_usage = bool((field(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
+    return (stop_list(body), bool(field(body, "ignore_eos", (bool,), False)), bool(field(body, "stream", (bool,), False)),
+            include_usage, field(body, "model", (str,), "default"), request_id(body))
+
+
+async def _whole_answer(track: Track, reply: ReplyText) -> tuple[str, RequestEvent]:
+    """Wait for a non-streamed request to finish: its text and its last event."""
+    last = None
+    async for last in track.events():
+        text = reply.add(last)
+    assert last is not None
+    return text, last
+
+
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     """``POST /v1/chat/completions``: OpenAI chat, streamed (SSE) or not."""
     engine = request.app[ENGINE]
@@ -88,12 +106,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     # SGLang takes `max_completion_tokens or max_tokens`, so 0 means "no limit" here.
     max_new = _max_new_tokens(field(body, "max_completion_tokens", (int,)) or field(body, "max_tokens", (int,)),
                               engine)
-    stop = stop_list(body)
-    ignore_eos = bool(field(body, "ignore_eos", (bool,), False))
-    stream = bool(field(body, "stream", (bool,), False))
-    include_usage = bool((field(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
-    model = field(body, "model", (str,), "default")
-    rid = request_id(body)
+    stop, ignore_eos, stream, include_usage, model, rid = _options(body)
     try:
         ids = engine.tokenizer.encode_chat(messages)
     except Exception as err:  # an HF chat template can raise anything on odd messages
@@ -104,10 +117,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     reply = ReplyText(engine.tokenizer, stop)
     try:
         if not stream:
-            last = None
-            async for last in track.events():
-                text = reply.add(last)
-            assert last is not None
+            text, last = await _whole_answer(track, reply)
             return json_response({
                 "id": rid, "object": "chat.completion", "created": created, "model": model,
                 "choices": [{
@@ -172,22 +182,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if max_tokens <= 0:
         raise ApiError("max_tokens: Value error, max_tokens must be positive", "Bad Request")
     max_new = _max_new_tokens(max_tokens, engine)
-    stop = stop_list(body)
-    ignore_eos = bool(field(body, "ignore_eos", (bool,), False))
-    stream = bool(field(body, "stream", (bool,), False))
-    include_usage = bool((field(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
-    model = field(body, "model", (str,), "default")
-    rid = request_id(body)
+    stop, ignore_eos, stream, include_usage, model, rid = _options(body)
     track = _submit(engine, body, rid, ids, max_new, ignore_eos, stop)
     created = int(time.time())
     cache_report = engine.sim.args.enable_cache_report
     reply = ReplyText(engine.tokenizer, stop)
     try:
         if not stream:
-            last = None
-            async for last in track.events():
-                text = reply.add(last)
-            assert last is not None
+            text, last = await _whole_answer(track, reply)
             return json_response({
                 "id": rid, "object": "text_completion", "created": created, "model": model,
                 "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason,
