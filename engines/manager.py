@@ -12,6 +12,7 @@ orphan engines behind.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import logging
 import os
@@ -280,10 +281,8 @@ class EngineProcess:
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):  # an empty group: nothing left to signal
         os.killpg(pgid, sig)
-    except ProcessLookupError:  # the group is empty: nothing left to signal
-        pass
 
 
 class EngineManager:

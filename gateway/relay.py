@@ -19,6 +19,7 @@ Used by :mod:`gateway.handlers` (one engine) and :mod:`gateway.pd_dispatch`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Coroutine
 
@@ -203,7 +204,5 @@ async def send_now(request: web.Request, response: web.Response) -> None:
 
 async def end_stream(response: web.StreamResponse) -> None:
     """End the stream; a client that already left after the last event has everything it needs."""
-    try:
+    with contextlib.suppress(ConnectionResetError):
         await response.write_eof()
-    except ConnectionResetError:
-        pass

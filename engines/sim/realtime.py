@@ -13,6 +13,7 @@ same core without this loop (:mod:`loadgen.virtual`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -124,10 +125,8 @@ class SimEngine:
         self.ready = False
         if self._task is not None and not self._task.done():  # a crashed loop was reported by _loop_ended
             self._task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-            except asyncio.CancelledError:
-                pass
         self._deliver(self.core.abort_all())
 
     def submit(self, rid: str, input_ids: list[int], max_new_tokens: int | None, ignore_eos: bool,
