@@ -33,6 +33,7 @@ from gateway.registry import EngineRegistry, EngineState
 from gateway.state import GATEWAY, Gateway
 from gateway.supervisor import EngineSupervisor
 from laps.config import Config
+from laps.cost import engine_traits
 from laps.tokenizer import load_tokenizer
 from policies.pool_signals import FirstTokenWindow
 from policies.registry import make_classifier, make_scheduler
@@ -87,7 +88,7 @@ def create_app(config: Config, engine_urls: dict[str, str] | None = None) -> web
             urls = engine_urls if manager is None else await manager.start(client.session)
             registry = EngineRegistry([EngineState(e.name, urls[e.name], config.pool(e)) for e in config.engines])
             first_tokens = FirstTokenWindow(config.controller.window_s) if config.controller.enabled else None
-            dispatcher = Dispatcher(make_scheduler(config.scheduling), registry, first_tokens=first_tokens)
+            dispatcher = Dispatcher(make_scheduler(config.scheduling, engine_traits(config)), registry, first_tokens=first_tokens)
             prefix_index = PrefixIndex.from_byte_budget(config.scheduling.prefix_block_tokens, config.scheduling.prefix_index_bytes, len(config.engines))
             await _mirror_kv_capacity(client, registry, prefix_index)
             gw = Gateway(config, tokenizer, registry, client, make_classifier(config.scheduling), dispatcher, prefix_index, GatewayMetrics(), manager)

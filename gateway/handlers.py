@@ -189,6 +189,8 @@ async def _dispatch(request: web.Request, gw: Gateway, body: dict, path: str, pr
     deadline_s = _deadline_s(request, gw, arrival_s)
     view = classified_view_of_keys(rid, prompt.prompt.tokens, prompt.prompt.keys, arrival_s, deadline_s, [e.id for e in gw.registry],
                                    gw.prefix_index, gw.classifier, *_output_hints(gw, body))
+    if gw.config.slo.ttft_per_1k_new_tokens_s is not None and SLO_HEADER not in request.headers:
+        view = dataclasses.replace(view, deadline_s=gw.config.slo.deadline_s(arrival_s, view.new_tokens))  # length-aware
     if not stream:
         view = dataclasses.replace(view, stream=False)
     try:

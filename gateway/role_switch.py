@@ -27,6 +27,10 @@ def check_same_side(gw: Gateway, engine_id: str, role: str) -> None:
 async def switch_role(gw: Gateway, engine_id: str, role: str, drain_timeout_s: float = 60.0) -> None:
     """Restart engine ``engine_id`` with ``role``'s flags and move it to that role's pool.
 
+    When ``role`` gives the engine the flags it runs with already
+    (:meth:`laps.config.Config.instant_move`), the move is instant: the engine
+    joins the new pool at once, keeping its requests and its cache. Otherwise:
+
     1. No new work goes to the engine (it is marked draining; the scheduler
        sends everything to the other engines meanwhile).
     2. Its in-flight requests finish, for at most ``drain_timeout_s`` seconds;
@@ -50,6 +54,12 @@ async def switch_role(gw: Gateway, engine_id: str, role: str, drain_timeout_s: f
         raise ValueError(f"role {role!r} is not defined under roles; allowed: {', '.join(sorted(gw.config.roles))}")
     check_same_side(gw, engine_id, role)
     state = gw.registry[engine_id]
+    process = manager.engines[engine_id]
+    if gw.config.instant_move(process.role, role):
+        process.role = role  # same flags: the engine runs on as it is; it only serves another pool
+        state.pool = gw.config.roles[role].pool
+        log.info("engine %s: serving as %s in the %s pool (same engine flags: no drain, no restart)", engine_id, role, state.pool)
+        return
     state.draining = True
     started = time.monotonic()
     deadline = started + drain_timeout_s

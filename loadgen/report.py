@@ -37,9 +37,25 @@ def _violations(records: Sequence[RequestRecord], slo_ttft_s: float) -> int:
     return sum(not (r.ok and r.ttft_s is not None and r.ttft_s <= slo_ttft_s) for r in records)
 
 
-def _block(records: Sequence[RequestRecord], slo_ttft_s: float) -> dict:
-    """Counts, latency statistics and SLO violation rate of one group of records."""
+def length_objective_s(record: RequestRecord, slo_ttft_s: float, per_1k_new_tokens_s: float) -> float:
+    """The length-aware TTFT objective of ``record``: ``slo_ttft_s`` plus ``per_1k_new_tokens_s`` per 1,000 new
+    prompt tokens (prompt minus the cached tokens its engine reported; a request with no usage counts gets none)."""
+    new_tokens = max(0, (record.prompt_tokens or 0) - (record.cached_tokens or 0))
+    return slo_ttft_s + per_1k_new_tokens_s * new_tokens / 1000
+
+
+def _length_violations(records: Sequence[RequestRecord], slo_ttft_s: float, per_1k_new_tokens_s: float) -> int:
+    return sum(not (r.ok and r.ttft_s is not None and r.ttft_s <= length_objective_s(r, slo_ttft_s, per_1k_new_tokens_s))
+               for r in records)
+
+
+def _block(records: Sequence[RequestRecord], slo_ttft_s: float, per_1k_new_tokens_s: float | None = None) -> dict:
+    """Counts, latency statistics and SLO violation rates (fixed; length-aware when ``per_1k_new_tokens_s`` is set)."""
     ok = [r for r in records if r.ok]
+    extra = {}
+    if per_1k_new_tokens_s is not None:
+        extra["length_slo_violation_rate"] = (_length_violations(records, slo_ttft_s, per_1k_new_tokens_s) / len(records)
+                                              if records else None)
     return {
         "count": len(records),
         "ok": len(ok),
@@ -48,10 +64,12 @@ def _block(records: Sequence[RequestRecord], slo_ttft_s: float) -> dict:
         "tpot_s": summarize(r.tpot_s for r in ok if r.tpot_s is not None),
         "e2e_s": summarize(r.e2e_s for r in ok),
         "slo_violation_rate": _violations(records, slo_ttft_s) / len(records) if records else None,
+        **extra,
     }
 
 
-def build_report(records: Sequence[RequestRecord], *, slo_ttft_s: float, meta: dict | None = None) -> dict:
+def build_report(records: Sequence[RequestRecord], *, slo_ttft_s: float, slo_ttft_per_1k_s: float | None = None,
+                 meta: dict | None = None) -> dict:
     """The run's report as a JSON-ready dict.
 
     Keys: ``meta``'s entries (dataset, rate, seed, ...), ``requests``
@@ -61,7 +79,9 @@ def build_report(records: Sequence[RequestRecord], *, slo_ttft_s: float, meta: d
     ``ttft_s``/``tpot_s``/``e2e_s``/``itl_s`` statistics over successes,
     ``slo`` {ttft_s, violations, violation_rate}, ``by_class`` (``short`` and
     ``long`` always, ``unknown`` when some requests had no class header),
-    ``errors_by_message`` {message: count}.
+    ``errors_by_message`` {message: count}. With ``slo_ttft_per_1k_s`` (the length-aware objective,
+    :func:`length_objective_s`) also ``length_slo`` {ttft_s, per_1k_new_tokens_s, violations,
+    violation_rate} and each class's ``length_slo_violation_rate``.
     """
     everything = _block(records, slo_ttft_s)
     ok = [r for r in records if r.ok]
@@ -83,7 +103,11 @@ def build_report(records: Sequence[RequestRecord], *, slo_ttft_s: float, meta: d
             "violations": _violations(records, slo_ttft_s),
             "violation_rate": everything["slo_violation_rate"],
         },
-        "by_class": {c: _block([r for r in records if r.laps_class == c], slo_ttft_s) for c in classes},
+        **({} if slo_ttft_per_1k_s is None else {"length_slo": {
+            "ttft_s": slo_ttft_s, "per_1k_new_tokens_s": slo_ttft_per_1k_s,
+            "violations": _length_violations(records, slo_ttft_s, slo_ttft_per_1k_s),
+            "violation_rate": _length_violations(records, slo_ttft_s, slo_ttft_per_1k_s) / len(records) if records else None}}),
+        "by_class": {c: _block([r for r in records if r.laps_class == c], slo_ttft_s, slo_ttft_per_1k_s) for c in classes},
         "errors_by_message": dict(Counter(r.error for r in records if not r.ok).most_common()),
     }
 

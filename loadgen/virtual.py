@@ -50,6 +50,7 @@ measures it on the live stack at idle).
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import random
@@ -63,6 +64,7 @@ from engines.manager import sim_model, sim_roles
 from engines.sim.core import EngineCore, RequestEvent, StepResult
 from gateway.registry import EngineRegistry, EngineState
 from laps.config import Config, EngineConfig
+from laps.cost import engine_traits
 from laps.tokenizer import ChatTokenizer, load_tokenizer
 from loadgen.runner import Arrival, RequestRecord, error_text, plan_arrivals
 from loadgen.workloads import Workload
@@ -167,7 +169,7 @@ class VirtualRun:
         self.config = config
         self.tokenizer = tokenizer
         self.registry = EngineRegistry([EngineState(e.name, f"virtual://{e.name}", config.pool(e)) for e in config.engines])
-        self.scheduler = make_scheduler(config.scheduling)
+        self.scheduler = make_scheduler(config.scheduling, engine_traits(config))
         self.classifier = make_classifier(config.scheduling)
         self.prefix_index = PrefixIndex.from_byte_budget(config.scheduling.prefix_block_tokens, config.scheduling.prefix_index_bytes, len(config.engines))
         self.engines = {name: _Engine(name, core) for name, core in engine_cores(config, tokenizer).items()}
@@ -193,6 +195,7 @@ class VirtualRun:
         self._duration_s = 0.0
         self._on_record: Callable[[RequestRecord], None] | None = None
         self._engine_configs = {e.name: e for e in config.engines}
+        self._roles = {e.name: e.role for e in config.engines}  # the role each engine runs now
         control = config.controller
         self.controller = PressureController(control.pressure_config()) if control.enabled else None
         self.first_tokens = FirstTokenWindow(control.window_s)
@@ -266,6 +269,8 @@ class VirtualRun:
         replies = reply_token_counts(conv.history, self.tokenizer.encode) if self.config.scheduling.policy == "backlog" else ()
         view, keys = classified_view(rid, prompt_ids, now, now + self.config.slo.ttft_s, self._engine_ids,
                                      self.prefix_index, self.classifier, turn.max_tokens, replies)
+        if self.config.slo.ttft_per_1k_new_tokens_s is not None:
+            view = dataclasses.replace(view, deadline_s=self.config.slo.deadline_s(now, view.new_tokens))  # length-aware
         record.laps_class = view.request_class
         req = _Request(conv, record, view, keys, prompt_ids)
         self._requests[rid] = req
@@ -468,7 +473,21 @@ class VirtualRun:
             self._push(self.now + self.config.controller.interval_s, _CALL, self._control)
 
     def _start_move(self, move: Move) -> None:
-        """Stop routing to the engine; it restarts once its in-flight requests are done or the drain timeout fails them."""
+        """Stop routing to the engine; it restarts once its in-flight requests are done or the drain timeout fails them.
+
+        A move to a role with the engine's own flags is instant (as ``gateway/role_switch.py``): the
+        engine joins the other pool now, with its requests and its cache.
+        """
+        role = self.config.controller.role_for(move.to_pool)
+        if self.config.instant_move(self._roles[move.engine_id], role):
+            self._roles[move.engine_id] = role
+            self.registry[move.engine_id].pool = move.to_pool
+            self.moves.append({"engine": move.engine_id, "from_pool": move.from_pool, "to_pool": move.to_pool, "role": role,
+                               "start_s": self.now, "drain_s": 0.0, "restart_s": 0.0, "end_s": self.now, "drain_failed": 0})
+            assert self.controller is not None
+            self.controller.on_move_done(move.engine_id, self.now)
+            self._decide()
+            return
         self.registry[move.engine_id].draining = True
         self._move_started_s = self.now
         self._drained_s = None
@@ -503,6 +522,7 @@ class VirtualRun:
         role = control.role_for(move.to_pool)
         core = engine_core(self.config, self._engine_configs[engine_id], self.tokenizer, role)
         self.engines[engine_id] = _Engine(engine_id, core)  # a step still pending on the old core finds nothing to send
+        self._roles[engine_id] = role
         self.prefix_index.forget_engine(engine_id)
         self.prefix_index.set_capacity(engine_id, core.config.max_total_tokens)
         self.first_tokens.forget_engine(engine_id)

@@ -21,6 +21,16 @@ Data sets (``--dataset`` names; files and licences in ``loadgen/data/README.md``
   single-turn requests: real text cut to a ``ContextTokens`` value drawn from
   the Azure rows above 1,024 tokens (so 1,025–14,050), ``max_tokens`` from the
   same row.
+* ``docs``      the ``mixed`` stream with half the requests long (document-heavy).
+* ``chat-single`` single-turn chats: every first user turn of hh-rlhf, Arena,
+  ShareGPT and MT-Bench (3,891 prompts, 90% under 256 templated tokens),
+  each asking the default ``max_tokens`` (256).
+* ``shared-docs`` prefix-heavy long context, our own construction: documents
+  of 10k–30k templated tokens cut from real text, each asked 3–8 questions
+  (a real chat first turn after the document); four documents are open at a
+  time and their questions arrive interleaved, so most of a request's tokens
+  are a document an earlier request already sent; 10% of arrivals are a
+  short chat question alone. Replies ask 128 tokens.
 * shifting (:func:`shifting_workload`, not a ``--dataset`` name: it takes
   its own rate and phases) the ``mixed`` stream with a long share that
   changes phase by phase, e.g. chat-heavy, then document-heavy, then back.
@@ -51,7 +61,7 @@ from laps.tokenizer import ChatTokenizer, load_tokenizer
 DATA_DIR = Path(__file__).resolve().parent / "data"
 DEFAULT_MAX_TOKENS = 256
 LONG_MIN_CONTEXT_TOKENS = 1024
-DATASETS = ("hh-rlhf", "mtbench", "arena", "sharegpt", "azure-conv", "mixed")
+DATASETS = ("hh-rlhf", "mtbench", "arena", "sharegpt", "azure-conv", "mixed", "docs", "chat-single", "shared-docs")
 REPLAY_PREFIX = "replay:"
 # Special-token strings: a text holding one would be tokenized as a control token.
 _SPECIAL_MARK = "<|"
@@ -299,6 +309,41 @@ def _mixed_stream(
             yield next(chat_stream)
 
 
+def first_turns(tokenizer: ChatTokenizer, max_tokens: int = DEFAULT_MAX_TOKENS) -> list[Conversation]:
+    """Every first user turn of hh-rlhf, Arena, ShareGPT and MT-Bench as a single-turn conversation asking ``max_tokens``.
+
+    Texts holding ``<|`` (which would tokenize as control tokens) are left out.
+    """
+    sources = load_hh_rlhf(tokenizer) + load_arena() + load_sharegpt() + load_mtbench()
+    return [Conversation(c.id, c.source, (Turn(c.turns[0].content, max_tokens),)) for c in sources
+            if _SPECIAL_MARK not in c.turns[0].content]
+
+
+SHARED_DOC_TOKENS = (10_000, 30_000)
+SHARED_DOC_QUESTIONS = (3, 8)
+SHARED_DOCS_OPEN = 4
+SHARED_DOCS_SHORT_SHARE = 0.1
+SHARED_DOCS_MAX_TOKENS = 128
+
+
+def _shared_docs_stream(prompts: ExactLengthPrompts, questions: Sequence[str], rng: random.Random) -> Iterator[Conversation]:
+    """The ``shared-docs`` stream (module doc): questions on the open documents, interleaved, and a few short chats."""
+    def new_doc(k: int) -> list:
+        return [k, prompts.make(rng.randint(*SHARED_DOC_TOKENS)), rng.randint(*SHARED_DOC_QUESTIONS)]
+
+    opened = itertools.count()
+    docs = [new_doc(next(opened)) for _ in range(SHARED_DOCS_OPEN)]
+    for i in itertools.count():
+        question = rng.choice(questions)
+        if rng.random() < SHARED_DOCS_SHORT_SHARE:
+            yield Conversation(f"chat-{i}", "shared-docs", (Turn(question, SHARED_DOCS_MAX_TOKENS),))
+            continue
+        slot = rng.randrange(len(docs))
+        k, text, left = docs[slot]
+        yield Conversation(f"doc{k}-q{i}", "shared-docs", (Turn(f"{text}\n\n{question}", SHARED_DOCS_MAX_TOKENS),))
+        docs[slot] = [k, text, left - 1] if left > 1 else new_doc(next(opened))
+
+
 def short_and_long_prompts(tokenizer: ChatTokenizer, rng: random.Random, n_short: int, n_long: int,
                            short_below: int = 64, long_above: int = LONG_MIN_CONTEXT_TOKENS) -> tuple[list[list[int]], list[list[int]]]:
     """Templated single-turn prompts (token ids) for the short/long interference experiment.
@@ -450,13 +495,19 @@ def build_workload(
             f"of {prompts.min_tokens} tokens; their prompts are {prompts.min_tokens} tokens"
         ]
         return Workload(name, _azure_stream(rows, prompts), timed=True, notes=notes)
-    if name == "mixed":
+    if name == "chat-single":
+        return Workload(name, cycle_shuffled(first_turns(tok, default_max_tokens), rng), timed=False)
+    if name == "shared-docs":
+        questions = [c.turns[0].content for c in first_turns(tok) if len(c.turns[0].content) < 400]
+        return Workload(name, _shared_docs_stream(ExactLengthPrompts(tok, rng), questions, rng), timed=False)
+    if name in ("mixed", "docs"):
+        long_share = 0.5 if name == "docs" else long_share
         chats = load_hh_rlhf(tok) + load_mtbench(default_max_tokens)
         p_long = long_arrival_probability(long_share, sum(len(c.turns) for c in chats) / len(chats))
         long_rows = [r for r in load_azure_trace() if r.context_tokens > LONG_MIN_CONTEXT_TOKENS]
         stream = _mixed_stream(chats, long_rows, ExactLengthPrompts(tok, rng), itertools.repeat(p_long), rng)
         notes = [
-            f"mixed: {p_long:.3f} of arrivals are long single-turn requests (long_share {long_share} of requests); "
+            f"{name}: {p_long:.3f} of arrivals are long single-turn requests (long_share {long_share} of requests); "
             f"their ContextTokens come from the {len(long_rows)} Azure rows above {LONG_MIN_CONTEXT_TOKENS}"
         ]
         return Workload(name, stream, timed=False, notes=notes)

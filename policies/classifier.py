@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, Sequence
 
 from policies.types import RequestClass, RequestView
 
@@ -53,6 +53,18 @@ class PrefillCostModel:
 
     def memory_s(self, new_tokens: float, cached_tokens: float) -> float:
         return self.memory_floor_s + self.gamma_w * new_tokens + self.gamma_r * cached_tokens
+
+    def prefill_s(self, batch: Sequence[tuple[int, int]]) -> float:
+        """One extend pass over ``batch`` ((L_i, H_i) pairs): max(Σ compute, m0 + Σ memory terms), seconds
+        (the scheduler's :class:`~policies.ttft_model.PassCost`)."""
+        compute = sum(self.compute_s(new, cached) for new, cached in batch)
+        memory = self.memory_floor_s + sum(self.gamma_w * new + self.gamma_r * cached for new, cached in batch)
+        return max(compute, memory)
+
+    def decode_s(self, seqs: int, context_tokens: int) -> float:
+        """One decode pass: ``seqs`` sequences of one new token on ``context_tokens`` cached tokens in all, seconds."""
+        compute = self.alpha * (seqs + 2 * context_tokens) + self.beta * seqs
+        return max(compute, self.memory_floor_s + self.gamma_w * seqs + self.gamma_r * context_tokens)
 
     def boundary_tokens(self, cached_tokens: float) -> float:
         """L_m(H): the L at which compute equals memory; below it a prefill is memory-bound.

@@ -14,6 +14,11 @@ Our reading of LAPS Algorithm 1 (DESIGN §2.4), per short-request group:
   (our addition: at low load the formula alone would hold every request W_max);
 * dispatch when depth >= D ("depth"), when the window closes ("window"), or when
   any request's slack DDL_i − t − Ŝ falls under σ ("slack");
+* but hold a window only while every engine is busy prefilling: when some
+  engine has no prefill backlog the queue goes to it at once ("idle"; our
+  addition: SGLang batches whatever waits at its next pass, so holding a short
+  request while an engine could start it makes its first token later and buys
+  no batching that the engine would not do itself);
 * after each dispatch D adapts: filled in under half of W_max → one bucket up;
   window closed short of D → down to the largest bucket the queue reached;
   slack-forced → one bucket down. W adapts through W_GR and W_SLA.
@@ -22,16 +27,40 @@ Our reading of LAPS Algorithm 1 (DESIGN §2.4), per short-request group:
 Grouping ("memory first"): one queue per length bucket (8/16/32/…/256 new
 tokens) so a batch's sequences pad to similar lengths; "latency first": one queue.
 
-Long prefills go to the long pool as soon as the engine's long prefills still
-in progress (dispatched, no first token yet) leave room: their new tokens plus
-the request's stay within ``max_long_prefill_tokens`` on a long-pool engine, or
-``temporal_long_prefill_tokens`` on an engine that also takes short prefills
-(temporal mode: by default one long prefill at a time, so a short batch never
-queues behind several); one request is always let through, so long prefills run one or few at a time in large chunks and
-queue in the gateway, not behind each other inside the engine. A queued long
-request whose own slack DDL − t − Ŝ_long falls under σ goes at once, gate or
-not (Ŝ_long: the EWMA of long dispatch-to-first-token times), so the gate
-protects short prefills without starving long ones.
+Pools are preferences, not walls: every decision is work-conserving and
+picks engines by predicted time to first token (:mod:`policies.ttft_model`:
+each engine's prefill backlog, a decode pass in progress, and the request's own
+prefill with that engine's cached prefix H_e, priced by the engine's latency
+function), so a re-prefill goes where its context is cached unless recomputing
+it elsewhere gives an earlier first token:
+
+* a short batch goes to the engine of *any* pool with the lowest predicted TTFT
+  (ties: the short pool, then fewer requests in flight); an engine busy with a
+  long prefill's chunks predicts late, so short prefills avoid it while a clean
+  engine exists ("spill-over" into the long pool when the long pool is idle);
+* long prefills are held in the gateway, in deadline order with those that can
+  no longer meet their deadline (their isolated prefill would end past it)
+  behind those that can, and go to the long-pool engine with the lowest
+  predicted TTFT as soon as its long prefills still in progress (dispatched, no
+  first token yet) leave room: their new tokens plus the request's stay within
+  ``max_long_prefill_tokens`` (one request is always let through), so long
+  prefills run one or few at a time in large chunks and queue in the gateway,
+  where the next free engine takes them, not behind each other inside an engine;
+* when the long pool is gated or its predicted TTFT for a long request would
+  miss the request's deadline, the request borrows the short-pool engine with
+  the earliest predicted first token among those with no long prefill in
+  progress, if that one meets the deadline (and beats the long pool), and
+  the short pool keeps at least one other engine free of long work: the
+  separation holds where it costs no deadline and gives way where it would
+  ("spill-over" into the short pool); short prefills then avoid the borrowed
+  engine (it predicts late for them) while a clean one exists;
+* a held long request whose own slack DDL − t − Ŝ_long falls under σ goes at
+  once to the long-pool engine with the lowest predicted TTFT, gate or not
+  (Ŝ_long: the EWMA of long dispatch-to-first-token times), so the gate
+  protects short prefills without starving long ones;
+* without a long pool (one engine in temporal mode, or every engine moved to
+  the short pool) any engine takes long prefills, gated by
+  ``temporal_long_prefill_tokens`` (one at a time by default).
 
 Temporal mode (one engine serving both classes, the ``mixed`` role) was decided
 in the simulator (one simulated H200, Qwen2.5-7B, the mixed real-chat workload,
@@ -57,10 +86,10 @@ from typing import Literal, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from policies.pool_router import PoolRouter
+from policies.ttft_model import EngineQueueModel, EngineTraits, SeqShape, isolated_prefill_s
 from policies.types import Decision, Dispatch, EngineView, RequestView
 
-Trigger = Literal["depth", "window", "slack"]
+Trigger = Literal["idle", "depth", "window", "slack"]
 _EPS_RATE = 1e-9
 
 
@@ -121,13 +150,17 @@ class _InFlight:
 
 
 class LapsScheduler:
-    """LAPS scheduler: AWD windows for short prefills, gated long prefills (see module docstring)."""
+    """LAPS scheduler: AWD windows for short prefills, gated long prefills, predicted-TTFT engine choice (module docstring).
+
+    ``engines``: what the per-engine TTFT predictions need to know of the
+    engines (their pass times, chunk size and queue order).
+    """
 
     NAME = "laps"
 
-    def __init__(self, config: LapsConfig | None = None, router: PoolRouter | None = None) -> None:
+    def __init__(self, config: LapsConfig | None, engines: EngineTraits) -> None:
         self.config = config or LapsConfig()
-        self._router = router or PoolRouter()
+        self.model = EngineQueueModel(engines)
         self._queues: dict[int, list[RequestView]] = defaultdict(list)
         self._long: list[RequestView] = []
         self.depth_tokens = self.config.initial_depth_tokens
@@ -135,8 +168,10 @@ class LapsScheduler:
         self.long_service_s = self.config.initial_long_service_ms / 1e3
         self._rate = _DecayingRate(self.config.rate_window_s)
         self._in_flight: dict[str, _InFlight] = {}
-        self.triggers: dict[Trigger, int] = {"depth": 0, "window": 0, "slack": 0}
+        self.triggers: dict[Trigger, int] = {"idle": 0, "depth": 0, "window": 0, "slack": 0}
         self.requests_batched = 0
+        self.short_spilled = 0  # short batches sent to a long-pool engine
+        self.long_borrowed = 0  # long prefills sent to a short-pool engine
 
     # -- events -------------------------------------------------------------------------------
 
@@ -144,7 +179,9 @@ class LapsScheduler:
         if request.request_class == "long":
             self._long.append(request)
             return
-        self._queues[self._group(request)].append(request)
+        queue = self._queues[self._group(request)]
+        # Deadline order (arrival order under one SLO; a request's own x-laps-slo-ttft-s may come earlier).
+        queue.insert(bisect.bisect_right([r.deadline_s for r in queue], request.deadline_s), request)
         self._rate.add(now, request.new_tokens)
 
     def cancel(self, rid: str, now: float) -> None:
@@ -159,6 +196,7 @@ class LapsScheduler:
         if flight is None or not flight.prefilling:
             return
         flight.prefilling = False
+        self.model.first_token(rid, now)
         a = self.config.service_smoothing
         if flight.short:
             self.service_s = (1 - a) * self.service_s + a * (now - flight.dispatched_s)
@@ -167,9 +205,11 @@ class LapsScheduler:
 
     def on_complete(self, rid: str, engine_id: str, now: float) -> None:
         self._in_flight.pop(rid, None)
+        self.model.finished(rid)
 
     def stats(self) -> dict[str, float]:
-        """Queue depths, the adaptive depth D and service estimates (gauges); batch counts by trigger (``_total``: counters)."""
+        """Queue depths, the adaptive depth D and service estimates (gauges); batch counts by trigger and
+        spill-overs between pools (``_total``: counters)."""
         return {
             "queued_short_requests": sum(len(q) for q in self._queues.values()),
             "queued_long_requests": len(self._long),
@@ -178,6 +218,8 @@ class LapsScheduler:
             "long_service_estimate_seconds": self.long_service_s,
             "short_batches_total": sum(self.triggers.values()),
             "short_requests_batched_total": self.requests_batched,
+            "short_batches_to_long_pool_total": self.short_spilled,
+            "long_prefills_to_short_pool_total": self.long_borrowed,
             **{f"short_batches_by_{trigger}_total": n for trigger, n in self.triggers.items()},
         }
 
@@ -194,7 +236,8 @@ class LapsScheduler:
         for group in sorted(self._queues):
             queue = self._queues[group]
             while queue:
-                trigger, when = self.trigger(queue, now)
+                idle = any(e.healthy and self.model.prefilling(e.id) == 0 for e in load.values())
+                trigger, when = ("idle", now) if idle else self.trigger(queue, now)
                 if trigger is None:
                     wake = when if wake is None else min(wake, when)
                     break
@@ -228,22 +271,40 @@ class LapsScheduler:
         buckets = self.config.length_buckets
         return min(bisect.bisect_left(buckets, request.new_tokens), len(buckets) - 1)
 
+    @staticmethod
+    def _new_on(request: RequestView, engine_id: str) -> int:
+        """L of ``request`` on ``engine_id``: its prompt minus what that engine caches of it."""
+        return request.prompt_tokens - min(request.cached_by_engine.get(engine_id, 0), request.prompt_tokens)
+
+    @staticmethod
+    def _shapes(batch: Sequence[RequestView], engine_id: str) -> list[SeqShape]:
+        """(L, H) of each request of ``batch`` on ``engine_id``: its own cached prefix there."""
+        return [(LapsScheduler._new_on(r, engine_id), r.prompt_tokens - LapsScheduler._new_on(r, engine_id)) for r in batch]
+
+    def _decoding_context(self, engine: EngineView) -> int:
+        """KV tokens of the engine's decoding requests: their share of its in-flight prompt tokens."""
+        decoding = self.model.decoding(engine.id)
+        return engine.in_flight_prompt_tokens * decoding // engine.in_flight if engine.in_flight and decoding else 0
+
+    def _ttft(self, engine: EngineView, batch: Sequence[RequestView], now: float, short: bool = False) -> float:
+        return self.model.predict_ttft_s(engine.id, self._shapes(batch, engine.id), now, self._decoding_context(engine), short)
+
     def _dispatch_short(self, queue: list[RequestView], trigger: Trigger, load: dict[str, EngineView], now: float) -> Dispatch:
         batch, tokens = [], 0
         while queue and (not batch or tokens + queue[0].new_tokens <= self.depth_tokens):
             tokens += queue[0].new_tokens
             batch.append(queue.pop(0))
-        hits: dict[str, int] = defaultdict(int)
-        for r in batch:
-            for engine_id, h in r.cached_by_engine.items():
-                hits[engine_id] += h
-        engine_id = self._router.select(list(load.values()), "short", hits)
+        engines = [e for e in load.values() if e.healthy]
+        order = {e.id: i for i, e in enumerate(engines)}
+        best = min(engines, key=lambda e: (self._ttft(e, batch, now, short=True), e.pool != "short", e.in_flight, order[e.id]))
+        if best.pool == "long":
+            self.short_spilled += 1
         waited_s = now - min(r.arrival_s for r in batch)
         self._adapt_depth(trigger, tokens, waited_s)
         self.triggers[trigger] += 1
         self.requests_batched += len(batch)
-        self._account(load, engine_id, batch, short=True, now=now)
-        return Dispatch(engine_id, tuple(r.rid for r in batch))
+        self._account(load, best.id, batch, short=True, now=now)
+        return Dispatch(best.id, tuple(r.rid for r in batch))
 
     def _adapt_depth(self, trigger: Trigger, batch_tokens: int, waited_s: float) -> None:
         buckets = self.config.token_buckets
@@ -256,32 +317,77 @@ class LapsScheduler:
             i = max(0, i - 1)
         self.depth_tokens = buckets[i]
 
+    def _isolated_s(self, request: RequestView, engine_id: str | None = None) -> float:
+        """``request``'s prefill alone, on ``engine_id``'s cached prefix (None: the best H of any engine)."""
+        cached = request.cached_tokens if engine_id is None else request.cached_by_engine.get(engine_id, 0)
+        cached = min(cached, request.prompt_tokens)
+        return isolated_prefill_s(self.model.cost, request.prompt_tokens - cached, cached, self.model.chunk_tokens)
+
+    def _long_order(self, now: float) -> list[RequestView]:
+        """Held long requests by deadline, those that can no longer meet it (isolated prefill ends past it) last."""
+        return sorted(self._long, key=lambda r: (now + self._isolated_s(r) > r.deadline_s, r.deadline_s, r.arrival_s))
+
     def _dispatch_long(self, load: dict[str, EngineView], now: float) -> tuple[list[Dispatch], float | None]:
-        """Long requests the gate (or their slack) lets go now; and when the first held one runs out of slack."""
+        """Long requests the gate, a borrowed engine or their slack lets go now; and when the first held one runs out of slack."""
+        if not self._long:
+            return [], None
         dispatches = []
+        healthy = [e for e in load.values() if e.healthy]
+        long_pool = [e for e in healthy if e.pool == "long"]
         # Without a healthy long pool (e.g. one engine in temporal mode), any engine takes long prefills.
-        pool = "long" if any(e.healthy and e.pool == "long" for e in load.values()) else None
-        limit = self.config.max_long_prefill_tokens if pool == "long" else self.config.temporal_long_prefill_tokens
+        home = long_pool or healthy
+        limit = self.config.max_long_prefill_tokens if long_pool else self.config.temporal_long_prefill_tokens
         prefilling: dict[str, int] = defaultdict(int)
         for f in self._in_flight.values():
             if f.prefilling and not f.short:
                 prefilling[f.engine_id] += f.new_tokens
+        self._long = self._long_order(now)
         while self._long:
             request = self._long[0]
-            candidates = [e for e in load.values() if pool in (None, e.pool)]
             slack_due_s = request.deadline_s - self.long_service_s - self.config.slack_ms / 1e3
-            if now < slack_due_s:
-                candidates = [e for e in candidates if prefilling[e.id] == 0 or prefilling[e.id] + request.new_tokens <= limit]
-            engine_id = self._router.select(candidates, "long", request.cached_by_engine)
-            if engine_id is None:
-                return dispatches, (slack_due_s if now < slack_due_s else None)
+            open_ = [e for e in home if prefilling[e.id] == 0 or prefilling[e.id] + self._new_on(request, e.id) <= limit]
+            engine = self._fastest(open_, request, now)
+            if long_pool and (engine is None or engine[0] > request.deadline_s - now):
+                # The long pool would miss the deadline (or is gated): a borrowed engine may still meet it.
+                borrowed = self._fastest(self._borrowable(healthy, prefilling), request, now)
+                if borrowed is not None and borrowed[0] <= request.deadline_s - now and (engine is None or borrowed[0] < engine[0]):
+                    engine = borrowed
+            if engine is None and now >= slack_due_s:
+                engine = self._fastest(home, request, now)
+            if engine is None:
+                return dispatches, slack_due_s if now < slack_due_s else None
+            chosen = engine[1]
+            if chosen.pool == "short" and long_pool:
+                self.long_borrowed += 1
             self._long.pop(0)
-            prefilling[engine_id] += request.new_tokens
-            self._account(load, engine_id, [request], short=False, now=now)
-            dispatches.append(Dispatch(engine_id, (request.rid,)))
+            prefilling[chosen.id] += self._new_on(request, chosen.id)
+            self._account(load, chosen.id, [request], short=False, now=now)
+            dispatches.append(Dispatch(chosen.id, (request.rid,)))
+            healthy = [load[e.id] for e in healthy]
+            long_pool = [load[e.id] for e in long_pool]
+            home = long_pool or healthy
         return dispatches, None
 
+    def _fastest(self, engines: Sequence[EngineView], request: RequestView, now: float) -> tuple[float, EngineView] | None:
+        """The engine of ``engines`` with the earliest predicted first token for ``request`` (ties: fewer in flight,
+        then list order) and that TTFT; ``None`` for no engines."""
+        best = None
+        for i, e in enumerate(engines):
+            key = (self._ttft(e, [request], now), e.in_flight, i)
+            if best is None or key < best[0]:
+                best = (key, e)
+        return None if best is None else (best[0][0], best[1])
+
+    @staticmethod
+    def _borrowable(healthy: list[EngineView], prefilling: dict[str, int]) -> list[EngineView]:
+        """Short-pool engines without a long prefill in progress, when at least two are (one stays free of long work)."""
+        clean = [e for e in healthy if e.pool == "short" and prefilling[e.id] == 0]
+        return clean if len(clean) >= 2 else []
+
     def _account(self, load: dict[str, EngineView], engine_id: str, batch: list[RequestView], short: bool, now: float) -> None:
-        load[engine_id] = load[engine_id].with_dispatched(len(batch), sum(r.prompt_tokens for r in batch))
+        engine = load[engine_id]
+        self.model.dispatched(engine_id, [r.rid for r in batch], self._shapes(batch, engine_id), now,
+                              self._decoding_context(engine), stream=all(r.stream for r in batch), short=short)
+        load[engine_id] = engine.with_dispatched(len(batch), sum(r.prompt_tokens for r in batch))
         for r in batch:
-            self._in_flight[r.rid] = _InFlight(engine_id, short, now, r.new_tokens)
+            self._in_flight[r.rid] = _InFlight(engine_id, short, now, self._new_on(r, engine_id))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Optional
 
 from policies.backlog_scheduler import BacklogScheduler
 from policies.classifier import Classifier, CostModelClassifier, PrefillCostModel, ThresholdClassifier
@@ -11,6 +11,7 @@ from policies.laps import LapsScheduler
 from policies.pool_router import PoolRouter
 from policies.router_baselines import BucketPicker, CacheAwarePicker, RoundRobinPicker
 from policies.scheduler import ImmediateScheduler, Scheduler
+from policies.ttft_model import EngineTraits
 
 if TYPE_CHECKING:
     from laps.config import SchedulingConfig
@@ -24,15 +25,22 @@ def make_classifier(scheduling: SchedulingConfig) -> Classifier:
     return CostModelClassifier(PrefillCostModel(fit.alpha, fit.beta, fit.gamma_w, fit.gamma_r, fit.memory_floor_s))
 
 
-POLICIES: dict[str, Callable[[SchedulingConfig], Scheduler]] = {
-    "laps": lambda s: LapsScheduler(s.laps),
-    "pools": lambda s: ImmediateScheduler(PoolRouter()),
-    "least_load": lambda s: ImmediateScheduler(PoolRouter(unified=True)),
-    "round_robin": lambda s: ImmediateScheduler(RoundRobinPicker()),
-    "cache_aware": lambda s: ImmediateScheduler(CacheAwarePicker()),
-    "bucket": lambda s: ImmediateScheduler(BucketPicker()),
-    "aligned": lambda s: PlacementScheduler(AlignedPlacement(s.aligned)),
-    "backlog": lambda s: BacklogScheduler(s.backlog),
+def _laps(scheduling: SchedulingConfig, engines: Optional[EngineTraits]) -> Scheduler:
+    if engines is None:
+        raise ValueError("scheduling.policy laps predicts TTFT per engine and needs the engines' traits "
+                         "(laps.cost.engine_traits builds them from the config)")
+    return LapsScheduler(scheduling.laps, engines)
+
+
+POLICIES: dict[str, Callable[[SchedulingConfig, Optional[EngineTraits]], Scheduler]] = {
+    "laps": _laps,
+    "pools": lambda s, c: ImmediateScheduler(PoolRouter()),
+    "least_load": lambda s, c: ImmediateScheduler(PoolRouter(unified=True)),
+    "round_robin": lambda s, c: ImmediateScheduler(RoundRobinPicker()),
+    "cache_aware": lambda s, c: ImmediateScheduler(CacheAwarePicker()),
+    "bucket": lambda s, c: ImmediateScheduler(BucketPicker()),
+    "aligned": lambda s, c: PlacementScheduler(AlignedPlacement(s.aligned)),
+    "backlog": lambda s, c: BacklogScheduler(s.backlog),
 }
 """Scheduling policies by ``scheduling.policy`` name: ``laps``, the length-aware pools without a
 window, the router baselines over all engines (``least_load`` is unified FCFS), and ``aligned``
@@ -40,6 +48,13 @@ window, the router baselines over all engines (``least_load`` is unified FCFS), 
 admission against each engine's KV pool)."""
 
 
-def make_scheduler(scheduling: SchedulingConfig) -> Scheduler:
-    """A fresh scheduler named by ``scheduling.policy``, with its configured parameters."""
-    return POLICIES[scheduling.policy](scheduling)
+def make_scheduler(scheduling: SchedulingConfig, engines: EngineTraits | None = None) -> Scheduler:
+    """A fresh scheduler named by ``scheduling.policy``, with its configured parameters.
+
+    ``engines``: what the policies that predict TTFT (``laps``) must know of the engines
+    (see :func:`laps.cost.engine_traits`).
+
+    Raises:
+        ValueError: ``laps`` without ``engines``.
+    """
+    return POLICIES[scheduling.policy](scheduling, engines)

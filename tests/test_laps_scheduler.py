@@ -1,4 +1,5 @@
-"""LAPS AWD scheduling on scripted arrival sequences: exact dispatch times, batch compositions, adaptation."""
+"""LAPS scheduling on scripted arrival sequences: AWD windows (exact dispatch times, batch compositions,
+adaptation), predicted-TTFT engine choice, spill-over between the pools both ways, deadline order."""
 
 import math
 
@@ -6,10 +7,38 @@ import pytest
 from pydantic import ValidationError
 
 from policies.laps import LapsConfig, LapsScheduler
+from policies.ttft_model import EngineTraits
 from policies.types import Decision, Dispatch, EngineView, RequestView
 
 ENGINES = [EngineView("s", "short"), EngineView("l", "long")]
 SLO_S = 0.4
+
+
+class LinearCost:
+    """A pass: 5 ms plus 10 µs per new token and 1 µs per cached token; a decode pass 5 ms plus 10 µs per sequence."""
+
+    def prefill_s(self, batch):
+        return 0.005 + 1e-5 * sum(n for n, _ in batch) + 1e-6 * sum(h for _, h in batch)
+
+    def decode_s(self, seqs, context_tokens):
+        return 0.005 + 1e-5 * seqs
+
+
+TRAITS = EngineTraits(LinearCost(), chunk_tokens=4096)
+BUSY_TOKENS = 100_000  # 25 chunks: 25 × 5 ms + 1 s = 1.125 s of prefill backlog
+
+
+def occupy(s: LapsScheduler, *engine_ids: str, at: float = 0.0) -> None:
+    """Give each engine a prefill backlog of 1.125 s that is not the scheduler's own request (another gateway's, say)."""
+    for e in engine_ids:
+        s.model.dispatched(e, [f"busy-{e}"], [(BUSY_TOKENS, 0)], at)
+
+
+def laps(cfg: LapsConfig, busy=("s", "l")) -> LapsScheduler:
+    """A scheduler whose engines ``busy`` are all prefilling, so AWD windows hold (nothing idle to send to)."""
+    s = LapsScheduler(cfg, TRAITS)
+    occupy(s, *busy)
+    return s
 
 
 def config(**overrides) -> LapsConfig:
@@ -27,7 +56,7 @@ def long(rid: str, tokens: int, at: float) -> RequestView:
 
 
 def test_batch_dispatches_when_depth_reaches_target_and_depth_grows():
-    s = LapsScheduler(config(rate_window_s=0.01))
+    s = laps(config(rate_window_s=0.01))
     s.submit(short("r0", 96, 0.0), 0.0)  # rate 96 / 0.01 s = 9600 tok/s: 32 more tokens in 3.33 ms
     assert s.decide(ENGINES, 0.0).wake_at_s == pytest.approx(32 / 9600)
     s.submit(short("r1", 32, 0.002), 0.002)
@@ -36,7 +65,7 @@ def test_batch_dispatches_when_depth_reaches_target_and_depth_grows():
 
 
 def test_window_expiry_dispatches_a_partial_batch_and_depth_shrinks():
-    s = LapsScheduler(config(rate_window_s=0.01))
+    s = laps(config(rate_window_s=0.01))
     s.submit(short("r0", 100, 0.0), 0.0)  # 10,000 tok/s: the 28 missing tokens are due in 2.8 ms
     assert s.decide(ENGINES, 0.0).wake_at_s == pytest.approx(0.0028)
     # Nothing came: the decayed rate pushes the expected fill to 6.5 ms, still within W_max ...
@@ -48,41 +77,42 @@ def test_window_expiry_dispatches_a_partial_batch_and_depth_shrinks():
 
 
 def test_unreachable_depth_means_the_minimum_window():
-    s = LapsScheduler(config())
+    s = laps(config())
     s.submit(short("r0", 40, 0.0), 0.0)  # 40 tok/s: 88 more tokens would take 2.2 s > W_max
     assert s.decide(ENGINES, 0.0) == Decision(wake_at_s=0.0005)
     assert s.decide(ENGINES, 0.0005) == Decision((Dispatch("s", ("r0",)),))
 
 
 def test_tight_deadline_forces_immediate_dispatch_and_depth_steps_down():
-    s = LapsScheduler(config())
+    s = laps(config())
     s.submit(short("r0", 10, 0.0, deadline=0.05), 0.0)  # slack 0.05 - 0.01 = 0.04 < σ = 0.05
     assert s.decide(ENGINES, 0.0) == Decision((Dispatch("s", ("r0",)),))
     assert s.depth_tokens == 64 and s.triggers["slack"] == 1
 
 
 def test_slack_wakeup_comes_before_the_window_when_the_deadline_is_near():
-    s = LapsScheduler(config(window_max_ms=100.0, rate_window_s=0.001))
+    s = laps(config(window_max_ms=100.0, rate_window_s=0.001))
     s.submit(short("r0", 10, 0.0, deadline=0.065), 0.0)  # fill in 11.8 ms, but slack 0.055 falls under σ at t = 0.005
     assert s.decide(ENGINES, 0.0).wake_at_s == pytest.approx(0.005)
 
 
 def test_fill_time_at_the_arrival_rate_sets_the_window():
-    s = LapsScheduler(config(rate_window_s=0.01))
+    s = laps(config(rate_window_s=0.01))
     s.submit(short("r0", 96, 0.0), 0.0)  # rate 96 / 0.01 s = 9600 tok/s; (128 - 96) / 9600 = 3.33 ms
     assert s.decide(ENGINES, 0.0).wake_at_s == pytest.approx(32 / 9600)
 
 
 def test_memory_first_groups_by_length_bucket():
-    s = LapsScheduler(config(grouping="memory-first", length_buckets=[16, 64, 256]))
+    s = laps(config(grouping="memory-first", length_buckets=[16, 64, 256]))
     for rid, n in (("a", 10), ("b", 200), ("c", 12), ("d", 50)):
         s.submit(short(rid, n, 0.0), 0.0)
     decision = s.decide(ENGINES, 0.008)
-    assert decision.dispatches == (Dispatch("s", ("a", "c")), Dispatch("s", ("d",)), Dispatch("s", ("b",)))
+    # Each batch goes to the engine whose backlog (grown by the batches before it) ends first.
+    assert decision.dispatches == (Dispatch("s", ("a", "c")), Dispatch("l", ("d",)), Dispatch("s", ("b",)))
 
 
 def test_batch_is_cut_at_the_target_depth():
-    s = LapsScheduler(config())
+    s = laps(config())
     for i in range(5):
         s.submit(short(f"r{i}", 40, 0.0), 0.0)
     first = s.decide(ENGINES, 0.0)
@@ -91,18 +121,42 @@ def test_batch_is_cut_at_the_target_depth():
     assert first.wake_at_s == 0.0005  # 176 more tokens at 200 tok/s: unreachable, minimum window
 
 
-def test_batch_goes_to_the_short_engine_with_the_best_prefix_hit():
+def test_a_re_prefill_goes_where_its_context_is_cached_unless_recomputing_elsewhere_is_sooner():
     engines = [EngineView("s0", "short"), EngineView("s1", "short"), EngineView("l", "long")]
-    s = LapsScheduler(config())
-    s.submit(short("r0", 100, 0.0, cached_by_engine={"s1": 300}), 0.0)
-    s.submit(short("r1", 100, 0.0), 0.0)
-    assert s.decide(engines, 0.0).dispatches == (Dispatch("s1", ("r0",)),)  # r1 waits: D grew to 256
-    busy = [EngineView("s0", "short"), EngineView("s1", "short", in_flight=1), EngineView("l", "long")]
-    assert s.decide(busy, 0.008).dispatches == (Dispatch("s0", ("r1",)),)
+    s = LapsScheduler(config(), TRAITS)
+    # 2,000-token prompt, 1,900 cached on s1: 5 ms + 1 ms + 1.9 ms there, 5 ms + 20 ms on s0 or l.
+    s.submit(short("r0", 2000, 0.0, cached_by_engine={"s1": 1900}), 0.0)
+    assert s.decide(engines, 0.0).dispatches == (Dispatch("s1", ("r0",)),)
+    s2 = LapsScheduler(config(), TRAITS)
+    occupy(s2, "s1")  # 1.125 s of backlog on s1: recomputing 2,000 tokens elsewhere is far sooner
+    s2.submit(short("r0", 2000, 0.0, cached_by_engine={"s1": 1900}), 0.0)
+    assert s2.decide(engines, 0.0).dispatches == (Dispatch("s0", ("r0",)),)
 
 
-def test_long_prefills_are_gated_by_tokens_in_progress_and_never_go_to_the_short_pool():
-    s = LapsScheduler(config(max_long_prefill_tokens=8000))
+def test_an_idle_engine_takes_a_short_request_at_once_and_ties_go_to_the_short_pool():
+    s = LapsScheduler(config(), TRAITS)
+    s.submit(short("r0", 10, 0.0), 0.0)
+    assert s.decide(ENGINES, 0.0) == Decision((Dispatch("s", ("r0",)),))  # no window: an engine could start it now
+    s.submit(short("r1", 10, 0.0), 0.0)
+    # s now prefills r0 (5.1 ms to go), l is idle: r1 goes to the long pool's idle engine ("spill-over").
+    assert s.decide(ENGINES, 0.0) == Decision((Dispatch("l", ("r1",)),))
+    stats = s.stats()
+    assert (stats["short_batches_by_idle_total"], stats["short_batches_to_long_pool_total"]) == (2, 1)
+
+
+def test_a_short_batch_goes_to_the_engine_whose_backlog_ends_first_even_behind_a_long_prefill():
+    s = LapsScheduler(config(), TRAITS)
+    s.submit(long("L", 3000, 0.0), 0.0)
+    assert s.decide(ENGINES, 0.0).dispatches == (Dispatch("l", ("L",)),)
+    occupy(s, "s")  # now both engines are busy; s's backlog ends at 1.125 s, l's at 0.035 s
+    s.submit(short("r0", 200, 0.001, deadline=10.0), 0.001)
+    s.submit(short("r1", 100, 0.001, deadline=10.0), 0.001)
+    decision = s.decide(ENGINES, 0.001)  # depth 300 >= D 128: r0 goes (alone: r1 would pass D) to l, behind the long prefill
+    assert decision.dispatches == (Dispatch("l", ("r0",)),)
+
+
+def test_long_prefills_are_gated_by_tokens_in_progress_and_stay_in_a_busy_long_pool_without_a_spare_short_engine():
+    s = laps(config(max_long_prefill_tokens=8000))
     for rid, n in (("L0", 3000), ("L1", 4000), ("L2", 3000), ("L3", 9000)):
         s.submit(long(rid, n, 0.0), 0.0)
     # 3000 + 4000 fit in 8000; L2 would make 10000 and waits (and L3 behind it, in order) until its
@@ -117,7 +171,7 @@ def test_long_prefills_are_gated_by_tokens_in_progress_and_never_go_to_the_short
 
 
 def test_with_nothing_long_in_progress_one_request_over_the_gate_goes_alone():
-    s = LapsScheduler(config(max_long_prefill_tokens=8000))
+    s = laps(config(max_long_prefill_tokens=8000))
     s.submit(long("big", 9000, 0.0), 0.0)
     s.submit(long("next", 10, 0.0), 0.0)
     assert s.decide(ENGINES, 0.0) == Decision((Dispatch("l", ("big",)),), wake_at_s=pytest.approx(0.25))
@@ -126,7 +180,7 @@ def test_with_nothing_long_in_progress_one_request_over_the_gate_goes_alone():
 
 
 def test_without_a_long_pool_the_single_engine_takes_long_prefills_one_at_a_time():
-    s = LapsScheduler(config())
+    s = laps(config())
     s.submit(long("L0", 300, 0.0), 0.0)
     s.submit(long("L1", 300, 0.0), 0.0)
     only = [EngineView("only", "short")]
@@ -135,8 +189,41 @@ def test_without_a_long_pool_the_single_engine_takes_long_prefills_one_at_a_time
     assert s.decide(only, 0.05).dispatches == (Dispatch("only", ("L1",)),)
 
 
+def test_a_long_prefill_borrows_a_short_engine_when_the_long_pool_would_miss_its_deadline():
+    engines = [EngineView("s0", "short"), EngineView("s1", "short"), EngineView("l", "long")]
+    s = LapsScheduler(config(), TRAITS)
+    occupy(s, "l")  # the long pool's only engine is 1.125 s behind: a 3,000-token prefill there misses 0.4 s
+    s.submit(long("L", 3000, 0.0), 0.0)
+    assert s.decide(engines, 0.0) == Decision((Dispatch("s0", ("L",)),))  # 35 ms on s0; s1 stays free of long work
+    assert s.stats()["long_prefills_to_short_pool_total"] == 1
+    s.submit(long("L2", 3000, 0.0), 0.0)
+    # s0 now prefills a long request: borrowing s1 would leave no short engine free of long work.
+    assert s.decide(engines, 0.0) == Decision((Dispatch("l", ("L2",)),))
+
+
+def test_with_the_long_pool_in_time_the_long_prefill_stays_there():
+    engines = [EngineView("s0", "short"), EngineView("s1", "short"), EngineView("l", "long")]
+    s = LapsScheduler(config(), TRAITS)
+    s.submit(long("L", 3000, 0.0), 0.0)
+    assert s.decide(engines, 0.0) == Decision((Dispatch("l", ("L",)),))
+
+
+def test_held_long_requests_go_in_deadline_order_those_that_cannot_make_it_last():
+    s = LapsScheduler(config(max_long_prefill_tokens=1000), TRAITS)
+    s.submit(long("first", 3000, 0.0), 0.0)  # occupies the gate
+    s.submit(RequestView("late", 3000, 0, 0.0, 2.0, "long"), 0.0)
+    s.submit(RequestView("hopeless", 30000, 0, 0.0, 0.2, "long"), 0.0)  # alone it takes 8 × 5 ms + 0.3 s > 0.2 s
+    s.submit(RequestView("early", 3000, 0, 0.0, 1.0, "long"), 0.0)
+    assert s.decide(ENGINES, 0.0).dispatches == (Dispatch("l", ("first",)),)
+    order = []
+    for t, rid in ((0.04, "first"), (0.08, "early"), (0.12, "late")):
+        s.on_first_token(rid, "l", t, 0)
+        order += [d.rids[0] for d in s.decide(ENGINES, t).dispatches]
+    assert order == ["early", "late", "hopeless"]
+
+
 def test_service_estimate_is_an_ewma_of_dispatch_to_first_token():
-    s = LapsScheduler(config())
+    s = laps(config())
     s.submit(short("r0", 10, 0.0, deadline=0.05), 0.0)
     s.decide(ENGINES, 0.0)
     s.on_first_token("r0", "s", 0.02, 0)
@@ -144,7 +231,7 @@ def test_service_estimate_is_an_ewma_of_dispatch_to_first_token():
 
 
 def test_cancel_and_reject_without_healthy_engines():
-    s = LapsScheduler(config())
+    s = laps(config())
     s.submit(short("gone", 10, 0.0), 0.0)
     s.submit(short("r", 10, 0.0), 0.0)
     s.submit(long("L", 3000, 0.0), 0.0)
@@ -161,7 +248,7 @@ def test_config_validation():
 
 
 def test_stats_report_queues_depth_and_triggers():
-    s = LapsScheduler(config())
+    s = laps(config())
     s.submit(short("a", 10, 0.0, deadline=0.05), 0.0)
     s.submit(short("b", 10, 0.0), 0.0)
     s.submit(long("L", 3000, 0.0), 0.0)

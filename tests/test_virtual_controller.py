@@ -50,7 +50,8 @@ def test_a_burst_of_documents_moves_a_short_engine_to_the_long_pool():
 
 
 def test_requests_still_running_at_the_drain_timeout_fail_explicitly_and_none_is_lost():
-    # Two chats at 0.1 s go to one short engine as a batch, two at 0.2 s to the other: both are busy when one moves.
+    # Each chat goes at once to an engine with nothing to prefill: chat0 to sp0, chat1 to sp1, the rest to the
+    # engines free then; every short engine runs one when one of them moves.
     chats = [Arrival(0.1 * (1 + i // 2), Conversation(f"chat{i}", "test", (Turn(f"Tell me a long story about ship {i}.", 3000),)), ())
              for i in range(4)]
     virtual, records = run(*chats, *documents(20, 0.5), drain_timeout_s=2.0, ignore_eos=True)
@@ -60,7 +61,7 @@ def test_requests_still_running_at_the_drain_timeout_fail_explicitly_and_none_is
     # Every request sent has a record: answered, or failed with the gateway's 502 when its engine stopped.
     assert sorted(r.conversation_id for r in records) == sorted([f"chat{i}" for i in range(4)] + [f"doc0.5-{i}" for i in range(20)])
     failed = [r for r in records if not r.ok]
-    assert move["engine"] == "sp0" and sorted(r.conversation_id for r in failed) == ["chat0", "chat1"] and move["drain_failed"] == 2
+    assert move["engine"] == "sp1" and [r.conversation_id for r in failed] == ["chat1"] and move["drain_failed"] == 1
     assert all(r.error.startswith(f"HTTP 502: engine {move['engine']} ") and r.end_s == pytest.approx(3.0) for r in failed)
     assert all(r.ok for r in records if r not in failed)
 
@@ -85,3 +86,22 @@ def test_decisions_stop_once_no_request_is_active_or_pending():
     times = [row["t"] for row in virtual.control_log]
     assert times == [float(t) for t in range(1, len(times) + 1)]  # one per second from 1 s, none skipped
     assert times[-1] - 1.0 < last_end_s <= times[-1]  # the first decision that finds nothing left is the last
+
+
+def test_a_move_between_roles_with_the_same_flags_is_instant():
+    data = yaml.safe_load(DEFAULT_CONFIG_PATH.read_text())
+    flags = {"chunked-prefill-size": 8192, "schedule-policy": "shortest-prefill-first"}
+    data["roles"] = {"short-prefill": {"pool": "short", "flags": flags}, "long-prefill": {"pool": "long", "flags": dict(flags)},
+                     "other": {"pool": "long", "flags": {"chunked-prefill-size": 4096}}}
+    data["engines"] = [{"name": n, "kind": "sim", "role": r, "gpus": [i]} for i, (n, r) in enumerate(THREE)]
+    data["controller"] = dict(enabled=True, interval_s=1.0, queue_weight=1.0, sla_weight=0.0, utilisation_weight=0.0,
+                              hysteresis=0.5, cooldown_s=0.0, sim_restart_s=5.0)
+    config = parse_config(data)
+    assert config.instant_move("short-prefill", "long-prefill") and not config.instant_move("short-prefill", "other")
+    virtual = VirtualRun(config, TOK)
+    records = virtual.run(documents(20, 0.5), duration_s=60.0)
+    # The same burst as above moves sp0 at the 1 s decision, but with no drain and no restart: it serves the
+    # long pool from that instant.
+    assert virtual.moves[0] == {"engine": "sp0", "from_pool": "short", "to_pool": "long", "role": "long-prefill", "start_s": 1.0,
+                                "drain_s": 0.0, "restart_s": 0.0, "end_s": 1.0, "drain_failed": 0}
+    assert virtual.restart_engine_s == 0.0 and all(r.ok for r in records)

@@ -1,0 +1,340 @@
+"""Does laps as shipped beat every router baseline on every workload, at every load? One benchmark, one verdict.
+
+    python bench/dominance.py --out runs/dominance/dominance.json            # ~40 min on 2 cores
+    python bench/dominance.py --quick --out runs/dominance/quick.json        # ~6 min: 3 workloads, 4 loads, 8 s points
+
+8 simulated H200s with Qwen2.5-7B (the engine model of ``laps simulate``), TTFT SLO 0.4 s, and
+the length-aware objective 0.4 s + 0.06 s per 1,000 new prompt tokens (about twice the
+per-token prefill time of a long prompt on this engine, so a 30k-token prefill is allowed
+2.2 s). Workloads (``laps simulate --dataset`` names): ``hh-rlhf`` chats, ``mixed`` (20% long),
+``docs`` (50% long), ``chat-single`` (single-turn first turns, 90% short, 256-token replies),
+``shared-docs`` (10k–30k-token documents asked several questions each, interleaved; our own
+prefix-heavy construction) and the ``azure-conv`` replay sped up.
+
+Policies: ``laps`` as shipped (``examples/sim-h200x8.yaml``, unedited: pools as preferences,
+predicted-TTFT routing, the controller on with instant moves) and the baselines over all 8 engines
+with SGLang's default flags: ``least_load`` (unified FCFS), ``least_load+spf`` (least load to
+engines running ``--schedule-policy shortest-prefill-first``), ``cache_aware``, ``bucket``,
+``round_robin`` (the rules of SGLang's router). ``--pd`` adds the PD runs (6 prefill + 2 decode)
+of ``mixed`` and ``docs``.
+
+Loads: least_load's saturation load is searched first (the offered load at which its violations
+reach 5%, geometric steps then bisection), then every policy runs at 0.2, 0.5, 0.8, 1.0, 1.2 and
+1.5 times it (``--quick``: 0.5, 1.0, 1.2, 1.5). The offered load is conversations per second for
+Poisson workloads and the replay speed-up for ``azure-conv``; rows also give the achieved request
+rate. Rows: ``{workload, policy, load, rate_rps, slo_violation_rate, length_slo_violation_rate,
+ttft_p90_s, short_ttft_p90_s, goodput_rps}`` (``goodput_rps``: requests per second that met the fixed
+objective). One PNG per workload next to the JSON. The verdict (printed, and under ``verdict``):
+
+* ``never_worse``: at every load laps' violation rate ≤ the best baseline's + 0.5 points (fixed
+  and length-aware);
+* ``knee``: at the first load where the best baseline reaches 5%, laps ≤ 0.6× its violations;
+* ``goodput``: laps' goodput (the highest offered load with ≤ 5% violations, interpolated; the
+  achieved request rate there) ≥ 1.2× the best baseline's (≥ 1.0× on ``shared-docs``);
+* ``short_p90``: from 0.5× saturation up, laps' short-class P90 TTFT ≤ 0.5× the best baseline's,
+  or ≤ 2× the physical floor (the P90 of the short requests' isolated forward passes plus the
+  gateway's measured overhead, 0.56 ms) where the baseline is within 2× of that floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import numpy as np  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.progress import Progress  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from engines.sim.latency import make_latency_model  # noqa: E402
+from laps.config import Config, load_config, parse_config  # noqa: E402
+from laps.tokenizer import load_tokenizer  # noqa: E402
+from loadgen.report import build_report  # noqa: E402
+from loadgen.virtual import simulate_run  # noqa: E402
+from loadgen.workloads import build_workload, load_azure_trace  # noqa: E402
+from policy_compare import ROLES, deployment  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+SHIPPED = ROOT / "examples" / "sim-h200x8.yaml"
+SLO_TTFT_S = 0.4
+PER_1K_S = 0.06
+VIOLATION_TARGET = 0.05
+GATEWAY_OVERHEAD_S = 0.56e-3  # README, Gateway overhead: added latency p50 at concurrency 1
+WORKLOADS = ("hh-rlhf", "mixed", "docs", "chat-single", "shared-docs", "azure-conv")
+QUICK_WORKLOADS = ("mixed", "chat-single", "shared-docs")
+PD_WORKLOADS = ("mixed", "docs")
+# Our policy names -> policy_compare's (scheduling.policy over engines of one SGLang role).
+BASELINES = {"least_load": "least_load", "least_load+spf": "sglang-spf", "cache_aware": "cache_aware",
+             "bucket": "bucket", "round_robin": "round_robin"}
+POLICIES = ("laps", *BASELINES)
+LOADS = (0.2, 0.5, 0.8, 1.0, 1.2, 1.5)
+QUICK_LOADS = (0.5, 1.0, 1.2, 1.5)
+# First guess of least_load's saturation load (conversations/s, or replay speed-up) per workload.
+FIRST_GUESS = {"hh-rlhf": 200.0, "mixed": 200.0, "docs": 60.0, "chat-single": 400.0, "shared-docs": 8.0, "azure-conv": 60.0}
+AZURE_RATE_RPS = len(load_azure_trace()) / load_azure_trace()[-1].arrival_s
+
+
+def pd_deployment(policy: str) -> Config:
+    """6 prefill + 2 decode simulated engines: laps with the shipped pools and controller, or a baseline placing prefills."""
+    shipped = load_config(SHIPPED)
+    roles = {**({k: v.model_dump() for k, v in shipped.roles.items()} if policy == "laps" else
+                {"prefill": ROLES["sglang-spf" if policy == "least_load+spf" else "sglang-default"]}),
+             "decode": {"pool": "decode", "flags": {}}}
+    prefill_roles = ["short-prefill"] * 3 + ["long-prefill"] * 3 if policy == "laps" else ["prefill"] * 6
+    data = {
+        "model": {"name": "Qwen2.5-7B-Instruct"}, "slo": {"ttft_s": SLO_TTFT_S}, "sim": {"model": "qwen2.5-7b", "gpu": "h200"},
+        "scheduling": {"policy": "laps" if policy == "laps" else BASELINES[policy].replace("sglang-spf", "least_load")},
+        "pd": {"link": "nvlink"}, "roles": roles,
+        "engines": [{"name": f"p{i}", "kind": "sim", "role": r, "gpus": [i]} for i, r in enumerate(prefill_roles)]
+                   + [{"name": f"d{i}", "kind": "sim", "role": "decode", "gpus": [6 + i]} for i in range(2)],
+    }
+    if policy == "laps":
+        data["controller"] = shipped.controller.model_dump()
+    return parse_config(data, f"dominance-pd[{policy}]")
+
+
+def point_config(policy: str, pd: bool) -> Config:
+    """The deployment ``policy`` runs on: the shipped file for laps, 8 engines of one SGLang role for a baseline."""
+    if pd:
+        return pd_deployment(policy)
+    if policy == "laps":
+        return load_config(SHIPPED)
+    return deployment(8, BASELINES[policy])
+
+
+def run_point(workload: str, policy: str, load: float, duration_s: float, seed: int, pd: bool = False) -> dict:
+    """Simulate one (workload, policy, offered load) point; its row."""
+    tokenizer = load_tokenizer()
+    config = point_config(policy, pd)
+    wl = build_workload(workload, random.Random(f"workload/{seed}"), tokenizer=tokenizer)
+    if wl.timed:
+        run = simulate_run(config, wl, duration_s=duration_s, seed=seed, time_scale=1.0 / load, tokenizer=tokenizer)
+    else:
+        run = simulate_run(config, wl, duration_s=duration_s, seed=seed, rate=load, tokenizer=tokenizer)
+    records = run.records
+    report = build_report(records, slo_ttft_s=SLO_TTFT_S, slo_ttft_per_1k_s=PER_1K_S)
+    met = sum(r.ok and r.ttft_s is not None and r.ttft_s <= SLO_TTFT_S for r in records)
+    return {
+        "workload": workload, "policy": policy, "pd": pd, "load": load,
+        "rate_rps": report["throughput_rps"], "requests": report["requests"]["sent"],
+        "slo_violation_rate": report["slo"]["violation_rate"],
+        "length_slo_violation_rate": report["length_slo"]["violation_rate"],
+        "ttft_p90_s": report["ttft_s"]["p90"],
+        "short_ttft_p90_s": report["by_class"]["short"]["ttft_s"]["p90"],
+        "goodput_rps": met / report["duration_s"] if report["duration_s"] > 0 else 0.0,
+        "short_floor_s": short_floor_s(records),
+        "moves": len(run.moves) if hasattr(run, "moves") else 0,
+    }
+
+
+def short_floor_s(records) -> float | None:
+    """P90 over the short requests of their isolated forward pass (engine model), plus the gateway's overhead."""
+    model = make_latency_model()
+    passes = [model.predict([(max(1, (r.prompt_tokens or 1) - (r.cached_tokens or 0)), r.cached_tokens or 0)])
+              for r in records if r.laps_class == "short" and r.ok and r.prompt_tokens]
+    return float(np.percentile(passes, 90)) + GATEWAY_OVERHEAD_S if passes else None
+
+
+def saturation_load(workload: str, duration_s: float, seed: int, pd: bool, pool: ProcessPoolExecutor) -> tuple[float, list[dict]]:
+    """least_load's offered load at 5% violations (geometric search, then 3 bisections in log space); and the probe rows."""
+    probes: list[dict] = []
+
+    def violation(load: float) -> float:
+        row = pool.submit(run_point, workload, "least_load", load, duration_s, seed, pd).result()
+        probes.append(row)
+        return row["slo_violation_rate"]
+
+    lo, hi = None, None
+    load = FIRST_GUESS[workload] * (0.75 if pd else 1.0)
+    for _ in range(8):
+        if violation(load) > VIOLATION_TARGET:
+            hi = load
+            if lo is not None:
+                break
+            load /= 2
+        else:
+            lo = load
+            if hi is not None:
+                break
+            load *= 2
+    if lo is None or hi is None:
+        return (lo or hi or load), probes
+    for _ in range(3):
+        mid = math.sqrt(lo * hi)
+        if violation(mid) > VIOLATION_TARGET:
+            hi = mid
+        else:
+            lo = mid
+    return math.sqrt(lo * hi), probes
+
+
+def goodput(rows: list[dict], key: str = "slo_violation_rate") -> float:
+    """The achieved request rate at the highest load with ≤ 5% violations, interpolated between the loads around it."""
+    rows = sorted(rows, key=lambda r: r["load"])
+    best = 0.0
+    for prev, cur in zip([None, *rows], rows):
+        if cur[key] <= VIOLATION_TARGET:
+            best = cur["rate_rps"]
+            continue
+        if prev is not None and prev[key] <= VIOLATION_TARGET:
+            f = (VIOLATION_TARGET - prev[key]) / (cur[key] - prev[key])
+            best = prev["rate_rps"] + f * (cur["rate_rps"] - prev["rate_rps"])
+        break
+    return best
+
+
+def verdict(rows: list[dict], workload: str, saturation: float) -> dict:
+    """The four checks of the module doc for one workload's rows (laps against the best baseline at each load)."""
+    laps = {r["load"]: r for r in rows if r["policy"] == "laps"}
+    base = {}
+    for r in rows:
+        if r["policy"] != "laps":
+            base.setdefault(r["load"], []).append(r)
+    out: dict = {"workload": workload, "saturation_load": saturation, "points": []}
+    never_worse, short_ok, knee = True, True, None
+    for load in sorted(laps):
+        mine, others = laps[load], base.get(load, [])
+        if not others:
+            continue
+        best = min(others, key=lambda r: r["slo_violation_rate"])
+        best_len = min(r["length_slo_violation_rate"] for r in others)
+        ok = (mine["slo_violation_rate"] <= best["slo_violation_rate"] + 0.005
+              and mine["length_slo_violation_rate"] <= best_len + 0.005)
+        never_worse &= ok
+        short_best = min((r["short_ttft_p90_s"] for r in others if r["short_ttft_p90_s"] is not None), default=None)
+        floor = mine["short_floor_s"]
+        s_ok = None
+        if load >= 0.499 * saturation and short_best is not None and mine["short_ttft_p90_s"] is not None:
+            near_floor = floor is not None and short_best <= 2 * floor
+            s_ok = mine["short_ttft_p90_s"] <= (2 * floor if near_floor else 0.5 * short_best)
+            short_ok &= s_ok
+        if knee is None and best["slo_violation_rate"] >= VIOLATION_TARGET:
+            knee = {"load": load, "laps": mine["slo_violation_rate"], "best": best["slo_violation_rate"],
+                    "best_policy": best["policy"], "ok": mine["slo_violation_rate"] <= 0.6 * best["slo_violation_rate"]}
+        out["points"].append({"load": load, "laps": mine["slo_violation_rate"], "best": best["slo_violation_rate"],
+                              "best_policy": best["policy"], "laps_length": mine["length_slo_violation_rate"],
+                              "best_length": best_len, "never_worse": ok, "laps_short_p90_s": mine["short_ttft_p90_s"],
+                              "best_short_p90_s": short_best, "short_floor_s": floor, "short_ok": s_ok})
+    g_laps = goodput([r for r in rows if r["policy"] == "laps"])
+    g_base = {p: goodput([r for r in rows if r["policy"] == p]) for p in BASELINES}
+    best_policy = max(g_base, key=g_base.get)
+    need = 1.0 if workload == "shared-docs" else 1.2
+    ratio = g_laps / g_base[best_policy] if g_base[best_policy] > 0 else math.inf
+    out.update(never_worse=never_worse, knee=knee, short_p90=short_ok,
+               goodput={"laps_rps": g_laps, "best_rps": g_base[best_policy], "best_policy": best_policy,
+                        "ratio": ratio, "needed": need, "ok": ratio >= need})
+    return out
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    """Violations (fixed and length-aware), P90 and short P90 TTFT against offered load, one line per policy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.4))
+    for policy in POLICIES:
+        pts = sorted((r for r in rows if r["policy"] == policy), key=lambda r: r["load"])
+        if not pts:
+            continue
+        style = dict(marker="o", linewidth=2.5 if policy == "laps" else 1.2, label=policy)
+        x = [r["rate_rps"] for r in pts]
+        axes[0].plot(x, [100 * r["slo_violation_rate"] for r in pts], **style)
+        axes[1].plot(x, [100 * r["length_slo_violation_rate"] for r in pts], **style)
+        axes[2].plot(x, [1e3 * (r["short_ttft_p90_s"] or math.nan) for r in pts], **style)
+    axes[0].set(ylabel=f"TTFT > {SLO_TTFT_S} s (%)", title=f"{title}: fixed objective")
+    axes[1].set(ylabel="violations (%)", title=f"length-aware: {SLO_TTFT_S} s + {PER_1K_S} s/1k new tokens")
+    axes[2].set(ylabel="short-class P90 TTFT (ms)", yscale="log", title="short requests")
+    for ax in axes:
+        ax.set_xlabel("achieved request rate (req/s)")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def sweep(workload: str, pd: bool, loads: tuple[float, ...], duration_s: float, seed: int, pool: ProcessPoolExecutor,
+          progress: Progress) -> tuple[list[dict], dict]:
+    """Saturation search, then every policy at every load; the rows and the verdict."""
+    label = f"{workload}{' (PD 6+2)' if pd else ''}"
+    task = progress.add_task(f"{label}: saturation", total=len(loads) * len(POLICIES))
+    sat, _ = saturation_load(workload, duration_s, seed, pd, pool)
+    progress.update(task, description=f"{label}: {len(POLICIES)} policies × {len(loads)} loads")
+    futures = [pool.submit(run_point, workload, p, round(f * sat, 3), duration_s, seed, pd) for p in POLICIES for f in loads]
+    rows = []
+    for fut in futures:
+        rows.append(fut.result())
+        progress.advance(task)
+    return rows, verdict(rows, label, sat)
+
+
+def print_verdicts(verdicts: list[dict], console: Console) -> bool:
+    table = Table(title=f"laps (examples/sim-h200x8.yaml) against the best baseline at each load; SLO {SLO_TTFT_S} s")
+    for col in ("workload", "sat. load", "never worse (+0.5 pt)", "knee: laps / best", "goodput laps / best", "short P90"):
+        table.add_column(col, justify="right")
+    all_ok = True
+    for v in verdicts:
+        knee = v["knee"]
+        knee_s = "no knee" if knee is None else f"{100 * knee['laps']:.1f}% / {100 * knee['best']:.1f}% {'ok' if knee['ok'] else 'MISS'}"
+        g = v["goodput"]
+        all_ok &= v["never_worse"] and (knee is None or knee["ok"]) and g["ok"] and v["short_p90"]
+        table.add_row(v["workload"], f"{v['saturation_load']:.3g}", "yes" if v["never_worse"] else "NO", knee_s,
+                      f"{g['laps_rps']:.0f} / {g['best_rps']:.0f} ({g['best_policy']}) = {g['ratio']:.2f}× {'ok' if g['ok'] else 'MISS'}",
+                      "ok" if v["short_p90"] else "MISS")
+    console.print(table)
+    for v in verdicts:
+        for p in v["points"]:
+            if not p["never_worse"]:
+                console.print(f"  {v['workload']} at load {p['load']:g}: laps {100 * p['laps']:.1f}% "
+                              f"(length-aware {100 * p['laps_length']:.1f}%) vs best {100 * p['best']:.1f}% "
+                              f"({p['best_policy']}; length-aware {100 * p['best_length']:.1f}%)")
+    console.print("verdict: " + ("laps meets every target" if all_ok else "laps misses at least one target (rows above)"))
+    return all_ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True, help="JSON output; one PNG per workload goes next to it")
+    parser.add_argument("--quick", action="store_true", help="3 workloads, 4 loads, 8 simulated s per point")
+    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, help="default: all (with --quick: %s)" % ", ".join(QUICK_WORKLOADS))
+    parser.add_argument("--pd", action="store_true", help="also the PD runs (6 prefill + 2 decode) of mixed and docs")
+    parser.add_argument("--duration", type=float, help="simulated seconds per point (default: 20, --quick 8)")
+    parser.add_argument("--jobs", type=int, default=2, help="simulations in parallel (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="workload and arrival seed (default: %(default)s)")
+    args = parser.parse_args(argv)
+    if args.jobs < 1 or (args.duration is not None and args.duration <= 0):
+        parser.error("--jobs must be >= 1 and --duration > 0")
+    workloads = args.workloads or (QUICK_WORKLOADS if args.quick else WORKLOADS)
+    loads = QUICK_LOADS if args.quick else LOADS
+    duration = args.duration or (8.0 if args.quick else 20.0)
+    console = Console(width=160)
+    runs = [(w, False) for w in workloads] + ([(w, True) for w in PD_WORKLOADS] if args.pd else [])
+    all_rows, verdicts = [], []
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with ProcessPoolExecutor(args.jobs) as pool, Progress(console=console, transient=True) as progress:
+        for workload, pd in runs:
+            rows, v = sweep(workload, pd, loads, duration, args.seed, pool, progress)
+            all_rows += rows
+            verdicts.append(v)
+            png = args.out.with_name(f"{args.out.stem}_{workload}{'_pd' if pd else ''}.png")
+            plot(rows, png, v["workload"])
+            console.print(f"{v['workload']}: least_load saturates at load {v['saturation_load']:.3g}; wrote {png}")
+    ok = print_verdicts(verdicts, console)
+    args.out.write_text(json.dumps({"slo_ttft_s": SLO_TTFT_S, "per_1k_new_tokens_s": PER_1K_S, "duration_s": duration,
+                                    "rows": all_rows, "verdict": verdicts, "all_targets_met": ok}, indent=1))
+    console.print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

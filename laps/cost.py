@@ -1,0 +1,37 @@
+"""What the scheduler must know of the prefill engines to predict their TTFT, built from the deployment's configuration.
+
+Pass times: ``scheduling.cost_model`` (fitted on a running engine by ``laps
+calibrate``) when set; otherwise the engine model of ``sim.model`` on
+``sim.gpu`` (:mod:`engines.sim.latency`, fitted to published anchors), at the
+tensor-parallel size of the first prefill engine. For ``kind: sim`` engines that
+is the engines' own latency; for real SGLang it is a prior until calibrated.
+The chunk size and queue order come from the prefill roles' flags.
+"""
+
+from __future__ import annotations
+
+from engines.sim.latency import make_latency_model
+from laps.config import Config
+from policies.classifier import PrefillCostModel
+from policies.ttft_model import EngineTraits, PassCost
+
+SGLANG_CHUNKED_PREFILL_SIZE = 8192  # SGLang 0.5.23's default on GPUs with H200's memory (and the simulated engine's)
+
+
+def pass_cost(config: Config) -> PassCost:
+    """The :class:`~policies.ttft_model.PassCost` of ``config``'s prefill engines (module doc)."""
+    fit = config.scheduling.cost_model
+    if fit is not None:
+        return PrefillCostModel(fit.alpha, fit.beta, fit.gamma_w, fit.gamma_r, fit.memory_floor_s)
+    prefill = [e for e in config.engines if config.pool(e) != "decode"]
+    tp = len(prefill[0].gpus) if prefill and prefill[0].gpus else 1
+    return make_latency_model(config.sim.model, config.sim.gpu, tp_size=tp)
+
+
+def engine_traits(config: Config) -> EngineTraits:
+    """Pass cost, the largest ``chunked-prefill-size`` and whether every prefill role runs ``shortest-prefill-first``."""
+    roles = [config.roles[e.role] for e in config.engines if config.pool(e) != "decode"]
+    chunks = [r.flags.get("chunked-prefill-size", SGLANG_CHUNKED_PREFILL_SIZE) for r in roles]
+    chunk = max((int(c) for c in chunks if isinstance(c, int) and c > 0), default=SGLANG_CHUNKED_PREFILL_SIZE)
+    short_first = bool(roles) and all(r.flags.get("schedule-policy") == "shortest-prefill-first" for r in roles)
+    return EngineTraits(pass_cost(config), chunk, short_first)
