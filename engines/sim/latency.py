@@ -388,6 +388,16 @@ class LatencyModel:
         """Seconds of a pass given by its totals (see :meth:`breakdown_totals`); the engine's hot path."""
         return self.breakdown_totals(seqs, tokens, attn_pairs, kv_tokens, decode, decode_padding_tokens).total_s
 
+    def prefill_s(self, batch: Sequence[SeqShape]) -> float:
+        """One extend pass over ``batch`` ((L_i >= 1, H_i) pairs): :meth:`predict` (the scheduler's
+        :class:`~policies.ttft_model.PassCost`)."""
+        return self.predict(batch)
+
+    def decode_s(self, seqs: int, context_tokens: int) -> float:
+        """One decode pass of ``seqs`` sequences holding ``context_tokens`` KV tokens in all (equal lengths assumed:
+        no spread charge); the scheduler's :class:`~policies.ttft_model.PassCost`."""
+        return self.predict_totals(seqs, seqs, context_tokens + seqs, context_tokens + 2 * seqs, decode=True)
+
     def max_total_tokens(self, mem_fraction_static: float) -> int:
         """KV-pool size in tokens: (GPU memory · mem_fraction_static − weights/tp) / (KV bytes per token/tp).
 
