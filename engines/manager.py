@@ -118,7 +118,7 @@ def engine_command(config: Config, engine: EngineConfig, port: int, role: str | 
     ``sglang``: ``python -m sglang.launch_server`` (``sglang.python``), the
     :func:`server_args`, then ``sglang.extra_args``. ``sim``: ``python -m
     engines.sim`` with this interpreter, the :func:`server_args`, then the
-    simulated model and GPU (and, with ``pd:``, the KV link's bandwidth).
+    :func:`sim_flags` (and, with ``pd:``, the KV link's bandwidth).
 
     Raises:
         ValueError: ``engine`` is ``external`` (laps starts no process for it).
@@ -128,29 +128,43 @@ def engine_command(config: Config, engine: EngineConfig, port: int, role: str | 
         return [str(config.sglang.python or sys.executable), "-m", "sglang.launch_server", *args, *config.sglang.extra_args]
     if engine.kind == "sim":
         link = ["--sim-kv-link-gb-s", f"{config.pd.link_bytes_per_s / 1e9:g}"] if config.pd is not None else []
-        return [sys.executable, "-m", "engines.sim", *args, "--sim-model", config.sim.model, "--sim-gpu", config.sim.gpu, *link]
+        return [sys.executable, "-m", "engines.sim", *args, *sim_flags(config), *link]
     raise ValueError(f"engine {engine.name} is external (at {engine.url}): laps starts no process for it")
+
+
+def sim_flags(config: Config) -> list[str]:
+    """The simulated engine's flags from ``config.sim``: model, GPU and, when set, the calibration file."""
+    flags = ["--sim-model", config.sim.model, "--sim-gpu", config.sim.gpu]
+    if config.sim.calibration is not None:
+        flags += ["--sim-calibration", str(config.sim.calibration)]
+    return flags
 
 
 def sim_model(config: Config, engine: EngineConfig, role: str | None = None) -> ResolvedSim:
     """The simulated engine model of ``engine`` started with ``role``'s flags (default: its configured role).
 
-    Any kind is modelled on ``config.sim``'s model and GPU with the :func:`server_args`
+    Any kind is modelled on ``config.sim``'s model, GPU and calibration with the :func:`server_args`
     it would be started with (the virtual-time simulator models ``sglang`` and
     ``external`` engines this way too).
 
     Raises:
-        ValueError: ``roles.<role>.flags.<flag> (engine <name>): <why>`` naming the flag
+        ValueError: ``sim.calibration: <path>: <why>`` for a calibration file that cannot be used;
+            ``roles.<role>.flags.<flag> (engine <name>): <why>`` naming the flag
             without which the command line would be accepted, else ``roles.<role>.flags (engine <name>): <why>``.
     """
     from engines.sim.args import parse_server_args, resolve_args
+    from engines.sim.calibration_file import CalibrationError
 
     role = role or engine.role
     flags = config.roles[role].flags
     args = server_args(config, engine, 0, role)
-    base, sim = args[:len(args) - len(flag_args(flags))], ["--sim-model", config.sim.model, "--sim-gpu", config.sim.gpu]
+    base, sim = args[:len(args) - len(flag_args(flags))], sim_flags(config)
     try:
         return resolve_args(parse_server_args([*base, *flag_args(flags), *sim]))
+    except CalibrationError as err:
+        if config.sim.calibration is not None:  # it wins over a role's own --sim-calibration
+            raise ValueError(f"sim.calibration: {err}") from None
+        error = err
     except ValueError as err:
         error = err
     for name in flags:  # the culprit: the one flag whose removal makes the rest acceptable

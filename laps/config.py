@@ -133,10 +133,12 @@ class RoleConfig(_Strict):
 
 
 class SimConfig(_Strict):
-    """Hardware the simulated engines model: a model preset and a GPU preset."""
+    """Hardware the simulated engines model: a model preset and a GPU preset; ``calibration``: a
+    calibration file from ``bench/gpu_check.py`` whose measured efficiencies replace the shipped ones."""
 
     model: Literal["qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b"] = "qwen2.5-7b"
     gpu: Literal["h200", "h100", "a100"] = "h200"
+    calibration: Path | None = None
 
 
 class SGLangConfig(_Strict):

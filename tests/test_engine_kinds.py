@@ -4,6 +4,7 @@ and every shipped role's command line accepted by SGLang 0.5.23's own parser."""
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 from pathlib import Path
 
@@ -173,11 +174,30 @@ def test_a_bad_sim_flag_value_names_its_key_before_any_engine_starts(role, flags
     data = shipped_data()
     data["roles"][role]["flags"].update(flags)
     data["controller"] = {"enabled": controller}
-    config = parse_config(data)
+    assert_refused_before_anything_runs(parse_config(data), expected)
+
+
+@pytest.mark.parametrize(("calibration", "gpu", "message"), [
+    (None, "h200", "{path}: cannot read calibration: No such file or directory"),
+    ({"format": "laps-sim-calibration/1", "gpu": "h200", "compute_efficiency": 0.5, "memory_efficiency": 0.4}, "a100",
+     "{path}: fitted against the h200 preset, but the simulated GPU is a100"),
+])
+def test_a_bad_sim_calibration_names_its_key_before_any_engine_starts(tmp_path, calibration, gpu, message):
+    path = tmp_path / "calibration.json"
+    if calibration is not None:
+        path.write_text(json.dumps(calibration))
+    data = shipped_data()
+    data["sim"] = {"gpu": gpu, "calibration": str(path)}
+    assert_refused_before_anything_runs(parse_config(data), "sim.calibration: " + message.format(path=path))
+
+
+def assert_refused_before_anything_runs(config: Config, expected: str) -> None:
+    """The engine manager refuses ``config`` with ``expected`` before starting any engine, and laps simulate
+    (:func:`engine_cores`) with the same message before its run."""
     manager = EngineManager(config)
     with pytest.raises(RuntimeError) as info:
         asyncio.run(manager.start(session=None))
     assert str(info.value) == expected and manager.engines == {}
-    with pytest.raises(ValueError) as info:  # laps simulate: the same message, before the run
+    with pytest.raises(ValueError) as info:
         engine_cores(config, load_tokenizer())
     assert str(info.value) == expected

@@ -15,7 +15,9 @@ an explicit ``--max-running-requests``); the prefill graph (backend
 ``mem_fraction_static`` = (memory − reserve) / memory with reserve (MiB) =
 512 + 1.5·max(chunk, 2048) + 128·tp + 2·decode max_bs + 8·(prefill buckets),
 at least 10 GiB on GPUs above 60 GiB, rounded to 3 decimals; the KV pool is
-what that fraction leaves after the weights.
+what that fraction leaves after the weights. ``--sim-calibration PATH`` replaces
+the latency model's two fitted efficiencies with a calibration file's
+(:mod:`engines.sim.calibration_file`, written by ``bench/gpu_check.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from engines.sim.calibration_file import load_calibration
 from engines.sim.core import SCHEDULE_POLICIES, EngineConfig, default_max_running_requests
 from engines.sim.kv_transfer import LINKS
 from engines.sim.latency import (
@@ -51,7 +54,8 @@ class SimServerArgs:
 
     None means "derive as SGLang does" (see the module doc); ``chunked_prefill_size``
     −1 disables chunking; ``sim_model`` None picks the preset whose size
-    (7b/14b/32b) appears in ``model_path``, else 7b.
+    (7b/14b/32b) appears in ``model_path``, else 7b; ``sim_calibration``: a
+    calibration file's path, None for the shipped efficiencies.
     """
 
     model_path: str = "Qwen/Qwen2.5-7B-Instruct"
@@ -88,6 +92,7 @@ class SimServerArgs:
     sim_model: str | None = None
     sim_gpu: str = "h200"
     sim_decode_spread: str = "roofline"
+    sim_calibration: str | None = None
     sim_zero_time: bool = False
     disaggregation_mode: str = "null"
     disaggregation_transfer_backend: str = "mooncake"
@@ -185,6 +190,8 @@ def resolve_args(args: SimServerArgs) -> ResolvedSim:
     Raises:
         ValueError: on a schedule policy SGLang refuses or the model does not
             implement, an unknown preset, or limits that do not fit.
+        engines.sim.calibration_file.CalibrationError: (a ValueError) a calibration file that
+            cannot be used, or was fitted against another GPU.
     """
     sim_model = args.sim_model or next(
         (name for name in MODELS if name.split("-")[-1] in args.model_path.lower()), "qwen2.5-7b")
@@ -193,8 +200,15 @@ def resolve_args(args: SimServerArgs) -> ResolvedSim:
     gpu_mib = GPUS[args.sim_gpu].memory_bytes / MIB
     default_chunk, _ = gpu_defaults(gpu_mib, args.tp_size)
     chunk = args.chunked_prefill_size if args.chunked_prefill_size is not None else default_chunk
+    calibration = load_calibration(args.sim_calibration) if args.sim_calibration is not None else None
+
+    def latency_model(decode_graph: GraphSpec, prefill_graph: GraphSpec) -> LatencyModel:
+        latency = make_latency_model(sim_model, args.sim_gpu, args.tp_size, decode_graph, prefill_graph,
+                                     args.sim_decode_spread)
+        return calibration.apply(latency) if calibration is not None else latency
+
     decode_graph, prefill_graph = _graphs(args, chunk, args.max_running_requests, gpu_mib)
-    latency = make_latency_model(sim_model, args.sim_gpu, args.tp_size, decode_graph, prefill_graph, args.sim_decode_spread)
+    latency = latency_model(decode_graph, prefill_graph)
     mfs = args.mem_fraction_static or default_mem_fraction_static(
         gpu_mib, args.tp_size, chunk, args.max_prefill_tokens, decode_graph, prefill_graph)
     max_total = args.max_total_tokens or latency.max_total_tokens(mfs)
@@ -202,7 +216,7 @@ def resolve_args(args: SimServerArgs) -> ResolvedSim:
     max_running = args.max_running_requests or default_max_running_requests(max_total, context)
     if args.max_running_requests is None:  # the request slots are known only now; decode captures clamp to them
         decode_graph, prefill_graph = _graphs(args, chunk, max_running, gpu_mib)
-        latency = make_latency_model(sim_model, args.sim_gpu, args.tp_size, decode_graph, prefill_graph, args.sim_decode_spread)
+        latency = latency_model(decode_graph, prefill_graph)
     config = EngineConfig(
         max_total_tokens=max_total,
         max_running_requests=max_running,
@@ -285,6 +299,9 @@ def build_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
                    help="share of a decode batch's padding waste n*max(ctx) - sum(ctx) that attention pays: "
                         "'roofline' (0, a split-KV kernel), 'alignedserve' (0.112, fitted to AlignedServe's "
                         f"Llama-7B/H100 figure) or a number in [0, 1] (default {d.sim_decode_spread})")
+    p.add_argument("--sim-calibration", metavar="PATH",
+                   help="a calibration file from bench/gpu_check.py: its measured compute and memory efficiencies "
+                        "replace the ones fitted to the published anchors (default: those)")
     p.add_argument("--sim-zero-time", action="store_true",
                    help="forward passes take no time (scheduling unchanged): only HTTP and scheduling cost remain, "
                         "for gateway overhead benchmarks (bench/router_overhead.py)")
