@@ -7,7 +7,18 @@ import dataclasses
 import pytest
 
 from engines.sim.args import parse_server_args, resolve_args
-from engines.sim.calibration import fit_latency, pass_anchor_rows
+from engines.sim.calibration import (
+    INTERFERENCE_ANCHORS,
+    MIXED_BATCH,
+    PASS_ANCHORS,
+    SHORT_BATCH,
+    TTFT_ANCHORS,
+    fit_latency,
+    median_abs_error_pct,
+    padded_batch,
+    pass_anchor_rows,
+    ttft_anchor_rows,
+)
 from engines.sim.core import EngineCore
 from engines.sim.latency import (
     ALIGNEDSERVE_DECODE_SPREAD,
@@ -82,6 +93,60 @@ def test_fitted_defaults_are_the_fit_and_the_anchor_misses_are_as_documented(h20
     expected = {"prefill 16": 0, "prefill 256": 10, "prefill 1024": 67, "prefill 2048": -11, "8 x prefill 64": -39}
     for name, pct in expected.items():
         assert errors[name] == pytest.approx(pct, abs=1.5), name
+
+
+def test_every_anchor_names_the_model_and_the_source_it_was_measured_on():
+    assert {(a.model, a.source) for a in PASS_ANCHORS} == {("qwen2.5-7b", "LAPS slides")}
+    assert [(a.name, a.model, a.seconds) for a in INTERFERENCE_ANCHORS] == [
+        ("8 x prefill 64", "qwen2.5-32b", 74e-3), ("7 x prefill 64 + 2048", "qwen2.5-7b", 567e-3),
+        ("7 x prefill 64 + 2048", "qwen2.5-32b", 2289e-3)]
+    assert {(a.model, a.source) for a in TTFT_ANCHORS} == {("qwen2.5-32b", "LAPS paper Figs. 1, 3")}
+    assert [round(a.p90_s * 1e3) for a in TTFT_ANCHORS] == [45, 48, 52, 125, 165, 205]
+
+
+def test_an_anchor_is_compared_only_with_the_model_it_was_measured_on(h200_7b):
+    h200_32b = make_latency_model("qwen2.5-32b")
+    message = "anchors measured on qwen2.5-7b cannot be compared with the qwen2.5-32b model"
+    with pytest.raises(ValueError, match=message):
+        pass_anchor_rows(h200_32b)
+    with pytest.raises(ValueError, match=message):
+        fit_latency(h200_32b)
+    sim = resolve_args(parse_server_args([]))
+    with pytest.raises(ValueError, match="anchors measured on qwen2.5-32b cannot be compared with the qwen2.5-7b model"):
+        ttft_anchor_rows(lambda: EngineCore(sim.config, sim.latency, load_tokenizer()), [[1]], [[2]], 0.2, 10, 0)
+
+
+def test_padded_batch_pads_every_sequence_to_the_longest():
+    assert padded_batch(MIXED_BATCH) == ((2048, 0),) * 8
+    assert padded_batch(SHORT_BATCH) == SHORT_BATCH
+    assert padded_batch([(3, 10), (5, 2)]) == ((5, 10), (5, 10))
+
+
+def test_the_interference_pair_ragged_and_padded_lands_as_documented():
+    rows = {(r["model"], r["name"]): r for m in ("qwen2.5-7b", "qwen2.5-32b")
+            for r in pass_anchor_rows(make_latency_model(m), [a for a in (*PASS_ANCHORS, *INTERFERENCE_ANCHORS)
+                                                              if a.model == m and a.batch in (SHORT_BATCH, MIXED_BATCH)])}
+    expected = {  # model ms, error %, padded ms (None: padding changes nothing), padded error %
+        ("qwen2.5-7b", "8 x prefill 64"): (11.5, -39, None, None),
+        ("qwen2.5-7b", "7 x prefill 64 + 2048"): (57.1, -90, 365.0, -36),
+        ("qwen2.5-32b", "8 x prefill 64"): (53.3, -28, None, None),
+        ("qwen2.5-32b", "7 x prefill 64 + 2048"): (269.1, -88, 1726.7, -25),
+    }
+    assert rows.keys() == expected.keys()
+    for key, (ms, pct, padded_ms, padded_pct) in expected.items():
+        r = rows[key]
+        assert (r["model_ms"], r["error_pct"]) == (pytest.approx(ms, abs=0.05), pytest.approx(pct, abs=0.5)), key
+        if padded_ms is None:
+            assert (r["padded_ms"], r["padded_error_pct"]) == (None, None), key
+        else:
+            assert (r["padded_ms"], r["padded_error_pct"]) == (pytest.approx(padded_ms, abs=0.05),
+                                                               pytest.approx(padded_pct, abs=0.5)), key
+
+
+def test_median_abs_error_is_taken_per_model():
+    rows = [{"model": "a", "error_pct": -10.0}, {"model": "a", "error_pct": 30.0}, {"model": "a", "error_pct": 20.0},
+            {"model": "b", "error_pct": -4.0}, {"model": "b", "error_pct": 2.0}]
+    assert median_abs_error_pct(rows) == {"a": 20.0, "b": 3.0}
 
 
 # ---- CUDA-graph coverage: SGLang 0.5.23's buckets and the choice among them -------------------
