@@ -41,7 +41,7 @@ measurements, the model's predictions with the shipped and the fitted
 efficiencies, a bf16 GEMM and a device-copy rate next to the GPU preset's, and
 the measured interference slowdown.
 
-    python bench/gpu_check.py --out runs/gpu_check.json                 # one H200: ~1-2 min
+    python bench/gpu_check.py --out runs/gpu_check.json                 # one H200: expected ~1 min
     python bench/gpu_check.py --out /tmp/tiny.json --device cpu --tiny  # the same code, a tiny model, seconds
 
 Needs PyTorch 2.5 or later (SDPA's enable_gqa); imports only torch, numpy, scipy and
