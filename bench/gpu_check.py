@@ -133,11 +133,11 @@ class PassInputs:
 
     Tensors: ``input_ids``, ``positions`` (H_i + 0..L_i−1) and ``slots`` (KV-pool rows the new
     tokens' K/V go to) [N]; ``last_index`` [S] (each sequence's last new token); ``cu_q``, ``cu_k``
-    [S+1] int32 (cumulative new tokens and cached + new tokens). Sequences lie back to back in the
-    KV pool from slot 0: sequence i's H_i cached tokens, then its L_i new ones.
+    [S+1] int32 (cumulative new tokens and cached + new tokens). ``max_q``, ``max_k``: the longest
+    L_i and H_i + L_i; ``kv_tokens``: Σ (H_i + L_i); ``runs``: the batch as runs of equal sequences (:class:`Run`). Sequences
+    lie back to back in the KV pool from slot 0: sequence i's H_i cached tokens, then its L_i new ones.
     """
 
-    shapes: tuple[SeqShape, ...]
     input_ids: torch.Tensor
     positions: torch.Tensor
     slots: torch.Tensor
@@ -177,7 +177,7 @@ def pass_inputs(shapes: Sequence[SeqShape], input_ids: torch.Tensor, device: tor
     def put(t: torch.Tensor, dtype: torch.dtype = torch.long) -> torch.Tensor:
         return t.to(device=device, dtype=dtype)
 
-    return PassInputs(tuple(shapes), put(input_ids), put(torch.cat(positions)), put(torch.cat(slots)),
+    return PassInputs(put(input_ids), put(torch.cat(positions)), put(torch.cat(slots)),
                       put(torch.tensor(cu_q[1:]) - 1), put(torch.tensor(cu_q), torch.int32),
                       put(torch.tensor(cu_k), torch.int32), max(n for n, _ in shapes),
                       max(n + h for n, h in shapes), cu_k[-1], tuple(runs))
