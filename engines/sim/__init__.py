@@ -5,6 +5,7 @@
 * :mod:`engines.sim.radix` — the prefix cache with LRU eviction;
 * :mod:`engines.sim.args` — SGLang's command line and derived defaults, shared by both shells;
 * :mod:`engines.sim.calibration` — published anchors, the efficiency fit, closed-loop TTFT runs;
+* :mod:`engines.sim.calibration_file` — measured efficiencies from ``bench/gpu_check.py`` (``--sim-calibration``);
 * the real-time HTTP shell (``python -m engines.sim``): :mod:`~engines.sim.realtime` (engine loop),
   :mod:`~engines.sim.server` (native routes, app), :mod:`~engines.sim.openai_api`,
   :mod:`~engines.sim.protocol`, :mod:`~engines.sim.pd_http` (the PD KV hand-off between engine processes);
