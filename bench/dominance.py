@@ -234,8 +234,8 @@ def verdict(rows: list[dict], workload: str, saturation: float) -> dict:
     return out
 
 
-def plot(rows: list[dict], path: Path, title: str) -> None:
-    """Violations (fixed and length-aware), P90 and short P90 TTFT against offered load, one line per policy."""
+def plot(rows: list[dict], path: Path, title: str, saturation: float) -> None:
+    """Violations (fixed and length-aware) and short P90 TTFT against offered load (× least_load's saturation load)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -247,7 +247,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
         if not pts:
             continue
         style = dict(marker="o", linewidth=2.5 if policy == "laps" else 1.2, label=policy)
-        x = [r["rate_rps"] for r in pts]
+        x = [r["load"] / saturation for r in pts]
         axes[0].plot(x, [100 * r["slo_violation_rate"] for r in pts], **style)
         axes[1].plot(x, [100 * r["length_slo_violation_rate"] for r in pts], **style)
         axes[2].plot(x, [1e3 * (r["short_ttft_p90_s"] or math.nan) for r in pts], **style)
@@ -255,7 +255,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     axes[1].set(ylabel="violations (%)", title=f"length-aware: {SLO_TTFT_S} s + {PER_1K_S} s/1k new tokens")
     axes[2].set(ylabel="short-class P90 TTFT (ms)", yscale="log", title="short requests")
     for ax in axes:
-        ax.set_xlabel("achieved request rate (req/s)")
+        ax.set_xlabel("offered load (× least_load's saturation load)")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.tight_layout()
@@ -327,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
             all_rows += rows
             verdicts.append(v)
             png = args.out.with_name(f"{args.out.stem}_{workload}{'_pd' if pd else ''}.png")
-            plot(rows, png, v["workload"])
+            plot(rows, png, v["workload"], v["saturation_load"])
             console.print(f"{v['workload']}: least_load saturates at load {v['saturation_load']:.3g}; wrote {png}")
     ok = print_verdicts(verdicts, console)
     args.out.write_text(json.dumps({"slo_ttft_s": SLO_TTFT_S, "per_1k_new_tokens_s": PER_1K_S, "duration_s": duration,

@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Sequence
 
 import aiohttp
 import orjson
@@ -251,7 +252,8 @@ async def _serve_once(request: web.Request, gw: Gateway, body: dict, path: str, 
         if gw.pd is not None:  # prefill-decode pair: engine_id prefills, a decode engine answers
             response, outcome = await pd_dispatch.relay(request, gw, path, body, headers, view, engine_id, reply, stream)
         elif stream:
-            response, outcome = await _relay_stream(request, gw, engine.url, path, body, headers, view, engine_id, reply)
+            response, outcome = await _relay_stream(request, gw, engine.url, path, body, headers, view, engine_id, reply,
+                                                    prompt.prompt.keys)
         else:
             response, outcome = await _relay_json(gw, engine.url, path, body, headers, view, engine_id, reply)
         if outcome == "ok":
@@ -327,7 +329,10 @@ async def _relay_json(gw: Gateway, engine_url: str, path: str, body: dict, heade
     return web.Response(body=payload, status=status, content_type="application/json", headers=headers), "ok"
 
 
-async def _relay_stream(request: web.Request, gw: Gateway, engine_url: str, path: str, body: dict, headers: dict, view: RequestView, engine_id: str, reply: Reply) -> tuple[web.StreamResponse, str]:
+async def _relay_stream(request: web.Request, gw: Gateway, engine_url: str, path: str, body: dict, headers: dict, view: RequestView,
+                        engine_id: str, reply: Reply, prompt_keys: Sequence[int]) -> tuple[web.StreamResponse, str]:
+    """Relay the engine's stream; at its first chunk the prompt is prefilled, so it is in the engine's prefix cache
+    from then on (``prompt_keys`` go into the prefix index: a request arriving meanwhile can use them)."""
     tap = StreamTap(reply, drop_usage=not ask_engine_for_usage(body))
     response: web.StreamResponse | None = None
     try:
@@ -339,6 +344,7 @@ async def _relay_stream(request: web.Request, gw: Gateway, engine_url: str, path
             async for chunk in upstream.content.iter_any():
                 if first:
                     gw.metrics.of_class(view.request_class).ttft.observe(time.monotonic() - view.arrival_s)
+                    gw.prefix_index.insert(engine_id, prompt_keys)
                     gw.dispatcher.first_token(view.rid, engine_id, None)
                     first = False
                 data = tap.feed(chunk)

@@ -413,6 +413,7 @@ class VirtualRun:
                 continue  # timed out and withdrawn
             self._record_tokens(req, ev)
             if ev.first_token:
+                self.prefix_index.insert(engine_id, req.keys)  # prefilled: cached there from now on (as the live relay)
                 if self.controller is not None:
                     self.first_tokens.record(engine_id, now, req.view.deadline_s)
                 self.scheduler.on_first_token(ev.rid, engine_id, now, ev.cached_tokens)

@@ -80,7 +80,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
@@ -91,6 +91,8 @@ from policies.types import Decision, Dispatch, EngineView, RequestView
 
 Trigger = Literal["idle", "depth", "window", "slack"]
 _EPS_RATE = 1e-9
+LATENESS_SAMPLES = 256  # long first tokens whose actual / predicted TTFT set the separation margin
+LATENESS_QUANTILE = 0.99  # ... the quantile of actual / predicted TTFT taken as that margin
 
 
 class LapsConfig(BaseModel):
@@ -146,6 +148,8 @@ class _InFlight:
     short: bool
     dispatched_s: float
     new_tokens: int
+    predicted_ttft_s: float
+    stream: bool
     prefilling: bool = True
 
 
@@ -171,6 +175,8 @@ class LapsScheduler:
         self.triggers: dict[Trigger, int] = {"idle": 0, "depth": 0, "window": 0, "slack": 0}
         self.requests_batched = 0
         self.short_spilled = 0  # short batches sent to a long-pool engine
+        self._long_lateness: deque[float] = deque(maxlen=LATENESS_SAMPLES)  # long requests' actual / predicted TTFT
+        self._late_factor: float | None = 1.0
         self.long_borrowed = 0  # long prefills sent to a short-pool engine
 
     # -- events -------------------------------------------------------------------------------
@@ -197,6 +203,9 @@ class LapsScheduler:
             return
         flight.prefilling = False
         self.model.first_token(rid, now)
+        if not flight.short and flight.stream and flight.predicted_ttft_s > 0:
+            self._long_lateness.append((now - flight.dispatched_s) / flight.predicted_ttft_s)
+            self._late_factor = None
         a = self.config.service_smoothing
         if flight.short:
             self.service_s = (1 - a) * self.service_s + a * (now - flight.dispatched_s)
@@ -222,6 +231,14 @@ class LapsScheduler:
             "long_prefills_to_short_pool_total": self.long_borrowed,
             **{f"short_batches_by_{trigger}_total": n for trigger, n in self.triggers.items()},
         }
+
+    def late_factor(self) -> float:
+        """The P90 of recent long requests' actual over predicted TTFT (dispatch to first token), at least 1:
+        how much later than predicted a long prefill may come (1 before any was observed)."""
+        if self._late_factor is None:
+            ordered = sorted(self._long_lateness)
+            self._late_factor = max(1.0, ordered[int(LATENESS_QUANTILE * (len(ordered) - 1))])
+        return self._late_factor
 
     # -- decisions ----------------------------------------------------------------------------
 
@@ -323,9 +340,11 @@ class LapsScheduler:
         cached = min(cached, request.prompt_tokens)
         return isolated_prefill_s(self.model.cost, request.prompt_tokens - cached, cached, self.model.chunk_tokens)
 
-    def _long_order(self, now: float) -> list[RequestView]:
-        """Held long requests by deadline, those that can no longer meet it (isolated prefill ends past it) last."""
-        return sorted(self._long, key=lambda r: (now + self._isolated_s(r) > r.deadline_s, r.deadline_s, r.arrival_s))
+    def _long_key(self, request: RequestView, now: float) -> tuple:
+        """Held long requests go by deadline, shortest isolated prefill first among equal deadlines; those
+        that can no longer meet theirs (their isolated prefill would end past it) go last."""
+        isolated_s = self._isolated_s(request)
+        return (now + isolated_s > request.deadline_s, request.deadline_s, isolated_s, request.arrival_s)
 
     def _dispatch_long(self, load: dict[str, EngineView], now: float) -> tuple[list[Dispatch], float | None]:
         """Long requests the gate, a borrowed engine or their slack lets go now; and when the first held one runs out of slack."""
@@ -333,61 +352,51 @@ class LapsScheduler:
             return [], None
         dispatches = []
         healthy = [e for e in load.values() if e.healthy]
-        long_pool = [e for e in healthy if e.pool == "long"]
-        # Without a healthy long pool (e.g. one engine in temporal mode), any engine takes long prefills.
-        home = long_pool or healthy
-        limit = self.config.max_long_prefill_tokens if long_pool else self.config.temporal_long_prefill_tokens
+        has_long_pool = any(e.pool == "long" for e in healthy)
         prefilling: dict[str, int] = defaultdict(int)
         for f in self._in_flight.values():
             if f.prefilling and not f.short:
                 prefilling[f.engine_id] += f.new_tokens
-        self._long = self._long_order(now)
+
+        # Without a long pool (one engine in temporal mode, say) every engine serves both classes by design.
+        limit = self.config.max_long_prefill_tokens if has_long_pool else self.config.temporal_long_prefill_tokens
+
+        def gate_open(e: EngineView, request: RequestView) -> bool:
+            return prefilling[e.id] == 0 or prefilling[e.id] + self._new_on(request, e.id) <= limit
+
+        self._long.sort(key=lambda r: self._long_key(r, now))
         while self._long:
             request = self._long[0]
             slack_due_s = request.deadline_s - self.long_service_s - self.config.slack_ms / 1e3
-            open_ = [e for e in home if prefilling[e.id] == 0 or prefilling[e.id] + self._new_on(request, e.id) <= limit]
-            engine = self._fastest(open_, request, now)
-            if long_pool and (engine is None or engine[0] > request.deadline_s - now):
-                # The long pool would miss the deadline (or is gated): a borrowed engine may still meet it.
-                borrowed = self._fastest(self._borrowable(healthy, prefilling), request, now)
-                if borrowed is not None and borrowed[0] <= request.deadline_s - now and (engine is None or borrowed[0] < engine[0]):
-                    engine = borrowed
-            if engine is None and now >= slack_due_s:
-                engine = self._fastest(home, request, now)
-            if engine is None:
+            open_ = [e for e in healthy if gate_open(e, request)]
+            if not open_ and now >= slack_due_s:
+                open_ = healthy
+            if not open_:
                 return dispatches, slack_due_s if now < slack_due_s else None
-            chosen = engine[1]
-            if chosen.pool == "short" and long_pool:
+            chosen = self._fastest(open_, request, now, prefer="long")
+            home = self._fastest([e for e in open_ if e.pool == "long"], request, now, prefer="long")
+            if home is not None and home is not chosen and self._ttft(home, [request], now) * self.late_factor() <= request.deadline_s - now:
+                chosen = home  # separation where it costs no deadline, with the observed prediction error as margin
+            if chosen.pool == "short" and has_long_pool:
                 self.long_borrowed += 1
             self._long.pop(0)
             prefilling[chosen.id] += self._new_on(request, chosen.id)
             self._account(load, chosen.id, [request], short=False, now=now)
             dispatches.append(Dispatch(chosen.id, (request.rid,)))
             healthy = [load[e.id] for e in healthy]
-            long_pool = [load[e.id] for e in long_pool]
-            home = long_pool or healthy
         return dispatches, None
 
-    def _fastest(self, engines: Sequence[EngineView], request: RequestView, now: float) -> tuple[float, EngineView] | None:
-        """The engine of ``engines`` with the earliest predicted first token for ``request`` (ties: fewer in flight,
-        then list order) and that TTFT; ``None`` for no engines."""
-        best = None
-        for i, e in enumerate(engines):
-            key = (self._ttft(e, [request], now), e.in_flight, i)
-            if best is None or key < best[0]:
-                best = (key, e)
-        return None if best is None else (best[0][0], best[1])
-
-    @staticmethod
-    def _borrowable(healthy: list[EngineView], prefilling: dict[str, int]) -> list[EngineView]:
-        """Short-pool engines without a long prefill in progress, when at least two are (one stays free of long work)."""
-        clean = [e for e in healthy if e.pool == "short" and prefilling[e.id] == 0]
-        return clean if len(clean) >= 2 else []
+    def _fastest(self, engines: Sequence[EngineView], request: RequestView, now: float, prefer: str) -> EngineView | None:
+        """The engine of ``engines`` with the earliest predicted first token for ``request`` (ties: pool ``prefer``,
+        then fewer in flight, then list order); ``None`` for no engines."""
+        order = {e.id: i for i, e in enumerate(engines)}
+        return min(engines, key=lambda e: (self._ttft(e, [request], now), e.pool != prefer, e.in_flight, order[e.id]), default=None)
 
     def _account(self, load: dict[str, EngineView], engine_id: str, batch: list[RequestView], short: bool, now: float) -> None:
         engine = load[engine_id]
-        self.model.dispatched(engine_id, [r.rid for r in batch], self._shapes(batch, engine_id), now,
-                              self._decoding_context(engine), stream=all(r.stream for r in batch), short=short)
+        stream = all(r.stream for r in batch)
+        finish = self.model.dispatched(engine_id, [r.rid for r in batch], self._shapes(batch, engine_id), now,
+                                       self._decoding_context(engine), stream=stream, short=short)
         load[engine_id] = engine.with_dispatched(len(batch), sum(r.prompt_tokens for r in batch))
         for r in batch:
-            self._in_flight[r.rid] = _InFlight(engine_id, short, now, self._new_on(r, engine_id))
+            self._in_flight[r.rid] = _InFlight(engine_id, short, now, self._new_on(r, engine_id), finish - now, stream)

@@ -155,28 +155,31 @@ def test_a_short_batch_goes_to_the_engine_whose_backlog_ends_first_even_behind_a
     assert decision.dispatches == (Dispatch("l", ("r0",)),)
 
 
-def test_long_prefills_are_gated_by_tokens_in_progress_and_stay_in_a_busy_long_pool_without_a_spare_short_engine():
+LONG_ONLY = [EngineView("s", "short", healthy=False), EngineView("l", "long")]  # the short engine is down
+
+
+def test_long_prefills_are_gated_by_tokens_in_progress_shortest_first_among_equal_deadlines():
     s = laps(config(max_long_prefill_tokens=8000))
     for rid, n in (("L0", 3000), ("L1", 4000), ("L2", 3000), ("L3", 9000)):
         s.submit(long(rid, n, 0.0), 0.0)
-    # 3000 + 4000 fit in 8000; L2 would make 10000 and waits (and L3 behind it, in order) until its
-    # slack runs out at deadline 0.4 - Ŝ_long 0.1 - σ 0.05 = 0.25.
-    assert s.decide(ENGINES, 0.0) == Decision((Dispatch("l", ("L0",)), Dispatch("l", ("L1",))), wake_at_s=pytest.approx(0.25))
-    assert s.decide(ENGINES, 0.1) == Decision(wake_at_s=pytest.approx(0.25))
+    # Equal deadlines: shortest isolated prefill first, so L0, L2, L1, L3. 3000 + 3000 fit in 8000; L1 would
+    # make 10000 and waits (and L3 behind it) until its slack runs out at 0.4 - Ŝ_long 0.1 - σ 0.05 = 0.25.
+    assert s.decide(LONG_ONLY, 0.0) == Decision((Dispatch("l", ("L0",)), Dispatch("l", ("L2",))), wake_at_s=pytest.approx(0.25))
+    assert s.decide(LONG_ONLY, 0.1) == Decision(wake_at_s=pytest.approx(0.25))
     s.on_first_token("L0", "l", 0.2, None)  # Ŝ_long = 0.8 · 0.1 + 0.2 · 0.2 = 0.12
     assert s.long_service_s == pytest.approx(0.12)
-    # L2 fits now (4000 + 3000); L3 does not, and its slack runs out at 0.4 - 0.12 - 0.05 = 0.23.
-    assert s.decide(ENGINES, 0.2) == Decision((Dispatch("l", ("L2",)),), wake_at_s=pytest.approx(0.23))
-    assert s.decide(ENGINES, 0.231) == Decision((Dispatch("l", ("L3",)),))  # over the gate, on its slack
+    # L1 fits now (3000 + 4000); L3 does not, and its slack runs out at 0.4 - 0.12 - 0.05 = 0.23.
+    assert s.decide(LONG_ONLY, 0.2) == Decision((Dispatch("l", ("L1",)),), wake_at_s=pytest.approx(0.23))
+    assert s.decide(LONG_ONLY, 0.231) == Decision((Dispatch("l", ("L3",)),))  # over the gate, on its slack
 
 
 def test_with_nothing_long_in_progress_one_request_over_the_gate_goes_alone():
     s = laps(config(max_long_prefill_tokens=8000))
     s.submit(long("big", 9000, 0.0), 0.0)
-    s.submit(long("next", 10, 0.0), 0.0)
-    assert s.decide(ENGINES, 0.0) == Decision((Dispatch("l", ("big",)),), wake_at_s=pytest.approx(0.25))
+    s.submit(RequestView("next", 10, 0, 0.0, 0.5, "long"), 0.0)
+    assert s.decide(LONG_ONLY, 0.0) == Decision((Dispatch("l", ("big",)),), wake_at_s=pytest.approx(0.35))
     s.on_complete("big", "l", 0.1)  # ended (say, failed) before its first token: its tokens are released too
-    assert s.decide(ENGINES, 0.1) == Decision((Dispatch("l", ("next",)),))
+    assert s.decide(LONG_ONLY, 0.1) == Decision((Dispatch("l", ("next",)),))
 
 
 def test_without_a_long_pool_the_single_engine_takes_long_prefills_one_at_a_time():
@@ -194,18 +197,27 @@ def test_a_long_prefill_borrows_a_short_engine_when_the_long_pool_would_miss_its
     s = LapsScheduler(config(), TRAITS)
     occupy(s, "l")  # the long pool's only engine is 1.125 s behind: a 3,000-token prefill there misses 0.4 s
     s.submit(long("L", 3000, 0.0), 0.0)
-    assert s.decide(engines, 0.0) == Decision((Dispatch("s0", ("L",)),))  # 35 ms on s0; s1 stays free of long work
-    assert s.stats()["long_prefills_to_short_pool_total"] == 1
     s.submit(long("L2", 3000, 0.0), 0.0)
-    # s0 now prefills a long request: borrowing s1 would leave no short engine free of long work.
-    assert s.decide(engines, 0.0) == Decision((Dispatch("l", ("L2",)),))
+    # 35 ms on s0, then 35 ms on s1 (s0 would now take 70 ms).
+    assert s.decide(engines, 0.0) == Decision((Dispatch("s0", ("L",)), Dispatch("s1", ("L2",))))
+    assert s.stats()["long_prefills_to_short_pool_total"] == 2
 
 
-def test_with_the_long_pool_in_time_the_long_prefill_stays_there():
-    engines = [EngineView("s0", "short"), EngineView("s1", "short"), EngineView("l", "long")]
+def test_the_long_pool_keeps_long_prefills_while_it_meets_their_deadlines_with_the_observed_error():
     s = LapsScheduler(config(), TRAITS)
-    s.submit(long("L", 3000, 0.0), 0.0)
-    assert s.decide(engines, 0.0) == Decision((Dispatch("l", ("L",)),))
+    for rid in ("L0", "L1"):
+        s.submit(long(rid, 3000, 0.0), 0.0)
+    # L0 to l (a tie: the long pool); L1 would start at once on s (35 ms) but meets its deadline on l (70 ms).
+    assert s.decide(ENGINES, 0.0) == Decision((Dispatch("l", ("L0",)), Dispatch("l", ("L1",))))
+    s.on_first_token("L0", "l", 0.42, 0)  # 12× later than predicted (35 ms) ...
+    s.on_first_token("L1", "l", 0.42, 0)  # ... and 6× (70 ms): the P99 of the two, by rank, is 6
+    assert s.late_factor() == pytest.approx(0.42 / 0.07)
+    s.on_complete("L0", "l", 0.5)
+    s.on_complete("L1", "l", 0.5)
+    s.submit(long("L2", 3000, 0.5), 0.5)
+    s.submit(long("L3", 3000, 0.5), 0.5)
+    # L2 to l (a tie); for L3, l's 70 ms × 6 would miss 0.4 s: it goes to s, which predicts 35 ms.
+    assert s.decide(ENGINES, 0.5) == Decision((Dispatch("l", ("L2",)), Dispatch("s", ("L3",))))
 
 
 def test_held_long_requests_go_in_deadline_order_those_that_cannot_make_it_last():
@@ -214,11 +226,11 @@ def test_held_long_requests_go_in_deadline_order_those_that_cannot_make_it_last(
     s.submit(RequestView("late", 3000, 0, 0.0, 2.0, "long"), 0.0)
     s.submit(RequestView("hopeless", 30000, 0, 0.0, 0.2, "long"), 0.0)  # alone it takes 8 × 5 ms + 0.3 s > 0.2 s
     s.submit(RequestView("early", 3000, 0, 0.0, 1.0, "long"), 0.0)
-    assert s.decide(ENGINES, 0.0).dispatches == (Dispatch("l", ("first",)),)
+    assert s.decide(LONG_ONLY, 0.0).dispatches == (Dispatch("l", ("first",)),)
     order = []
     for t, rid in ((0.04, "first"), (0.08, "early"), (0.12, "late")):
         s.on_first_token(rid, "l", t, 0)
-        order += [d.rids[0] for d in s.decide(ENGINES, t).dispatches]
+        order += [d.rids[0] for d in s.decide(LONG_ONLY, t).dispatches]
     assert order == ["early", "late", "hopeless"]
 
 

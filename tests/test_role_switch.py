@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -16,8 +17,8 @@ from laps.config import load_config
 class RecordingManager:
     """Restarts nothing; records the restarts asked for."""
 
-    def __init__(self, names: list[str]) -> None:
-        self.engines = dict.fromkeys(names)
+    def __init__(self, roles: dict[str, str]) -> None:
+        self.engines = {name: SimpleNamespace(role=role) for name, role in roles.items()}  # the role each runs now
         self.restarts: list[tuple[str, str]] = []
 
     async def restart(self, engine_id: str, role: str, session: object) -> None:
@@ -32,10 +33,10 @@ class ForgettingIndex:
         self.forgotten.append(engine_id)
 
 
-def stand_in_gateway(healthy: bool) -> SimpleNamespace:
-    config = load_config()
+def stand_in_gateway(healthy: bool, config=None) -> SimpleNamespace:
+    config = config or load_config()
     registry = EngineRegistry([EngineState(e.name, f"http://engine-{e.name}", config.pool(e), healthy=healthy) for e in config.engines])
-    return SimpleNamespace(config=config, registry=registry, manager=RecordingManager([e.name for e in config.engines]),
+    return SimpleNamespace(config=config, registry=registry, manager=RecordingManager({e.name: e.role for e in config.engines}),
                            client=SimpleNamespace(session=None), prefix_index=ForgettingIndex())
 
 
@@ -48,3 +49,14 @@ def test_a_switch_logs_the_engine_healthy_again_when_the_poller_had_seen_it_down
     assert (state.pool, state.healthy, state.draining) == ("short", True, False)
     assert gw.manager.restarts == [("lp0", "short-prefill")] and gw.prefix_index.forgotten == ["lp0"]
     assert ("engine lp0 is now healthy" in caplog.messages) is recovery_logged
+
+
+def test_a_switch_to_a_role_with_the_same_flags_is_instant_and_keeps_the_cache(caplog):
+    gw = stand_in_gateway(True, load_config(Path(__file__).resolve().parent.parent / "examples" / "sim-h200x8.yaml"))
+    gw.registry["e0"].in_flight = 3  # running requests stay: nothing drains
+    with caplog.at_level(logging.INFO, logger="laps.gateway"):
+        asyncio.run(switch_role(gw, "e0", "long-prefill", drain_timeout_s=1.0))
+    state = gw.registry["e0"]
+    assert (state.pool, state.draining, state.in_flight) == ("long", False, 3)
+    assert gw.manager.restarts == [] and gw.prefix_index.forgotten == [] and gw.manager.engines["e0"].role == "long-prefill"
+    assert "engine e0: serving as long-prefill in the long pool (same engine flags: no drain, no restart)" in caplog.messages

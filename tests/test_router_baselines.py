@@ -4,7 +4,8 @@ import typing
 
 import pytest
 
-from laps.config import SchedulingConfig
+from laps.config import SchedulingConfig, load_config
+from laps.cost import engine_traits
 from policies.registry import POLICIES, make_scheduler
 from policies.router_baselines import BucketPicker, CacheAwarePicker, RoundRobinPicker
 from policies.types import EngineView, RequestView
@@ -66,6 +67,8 @@ def test_bucket_learns_length_ranges_and_relearns_after_the_window():
 def test_every_configurable_policy_has_a_scheduler():
     names = set(typing.get_args(SchedulingConfig.model_fields["policy"].annotation))
     assert names == set(POLICIES)
+    with pytest.raises(ValueError, match="needs the engines' traits"):
+        make_scheduler(SchedulingConfig(policy="laps"))
     for name in names:
-        scheduler = make_scheduler(SchedulingConfig(policy=name))
+        scheduler = make_scheduler(SchedulingConfig(policy=name), engine_traits(load_config()))
         assert hasattr(scheduler, "decide") and hasattr(scheduler, "submit")
