@@ -38,29 +38,42 @@ it elsewhere gives an earlier first token:
   (ties: the short pool, then fewer requests in flight); an engine busy with a
   long prefill's chunks predicts late, so short prefills avoid it while a clean
   engine exists ("spill-over" into the long pool when the long pool is idle);
-* long prefills are held in the gateway, in deadline order with those that can
-  no longer meet their deadline (their isolated prefill would end past it)
-  behind those that can, and go to the long-pool engine with the lowest
-  predicted TTFT as soon as its long prefills still in progress (dispatched, no
-  first token yet) leave room: their new tokens plus the request's stay within
-  ``max_long_prefill_tokens`` (one request is always let through), so long
-  prefills run one or few at a time in large chunks and queue in the gateway,
-  where the next free engine takes them, not behind each other inside an engine;
-* when the long pool is gated or its predicted TTFT for a long request would
-  miss the request's deadline, the request borrows the short-pool engine with
-  the earliest predicted first token among those with no long prefill in
-  progress, if that one meets the deadline (and beats the long pool), and
-  the short pool keeps at least one other engine free of long work: the
+* long prefills are held in the gateway, in deadline order (shortest isolated
+  prefill first among equal deadlines) with those that can no longer meet
+  their deadline (their isolated prefill would end past it) behind those that
+  can, and an engine takes one when its long prefills still in progress
+  (dispatched, no first token yet) leave room: their new tokens plus the
+  request's stay within ``max_long_prefill_tokens`` (one request is always let
+  through), so long prefills run one or few at a time per engine and queue in
+  the gateway, where the next free engine takes them (late binding), not
+  behind each other inside an engine;
+* of the engines with room, a long prefill goes to the one with the earliest
+  predicted first token (ties: the long pool), except that it stays in the
+  long pool when the best long-pool engine still meets its deadline with the
+  observed prediction error as margin: predicted TTFT × the P99 of recent long
+  requests' actual over predicted TTFT ≤ the time to the deadline. So the
   separation holds where it costs no deadline and gives way where it would
-  ("spill-over" into the short pool); short prefills then avoid the borrowed
-  engine (it predicts late for them) while a clean one exists;
+  ("spill-over" into the short pool); short prefills then avoid an engine
+  busy with a long one while a clean one exists (it predicts late for them);
 * a held long request whose own slack DDL − t − Ŝ_long falls under σ goes at
-  once to the long-pool engine with the lowest predicted TTFT, gate or not
-  (Ŝ_long: the EWMA of long dispatch-to-first-token times), so the gate
-  protects short prefills without starving long ones;
+  once to the engine with the lowest predicted TTFT, room or not (Ŝ_long: the
+  EWMA of long dispatch-to-first-token times), so the gate never starves it;
 * without a long pool (one engine in temporal mode, or every engine moved to
-  the short pool) any engine takes long prefills, gated by
-  ``temporal_long_prefill_tokens`` (one at a time by default).
+  the short pool) the room per engine is ``temporal_long_prefill_tokens`` (one
+  long prefill at a time by default).
+
+How these rules were chosen (``laps simulate`` engine model, 8 H200s, the
+``mixed`` workload at least_load's saturation load, 456 conversations/s, 8 s):
+long prefills confined to the long pool (borrowing a short engine only when the
+pool was gated) gave 7.4% SLO violations against 1.4% for least-load routing to
+``shortest-prefill-first`` engines, because the long pool ran near 100% busy
+while the short pool had room; routing long prefills by predicted TTFT over
+every engine gave 0.05% but a short-class P90 TTFT of 55 ms at half that load
+(against 66–72 ms for the router baselines); keeping the long pool while it
+meets the deadline gives both: 16 ms at half load, 0.1–0.2% at saturation. The
+gate's room matters in overload (1.5× saturation: 10.0% with 16,384 tokens,
+15.4% without a gate, 16.2% with 4,096), which is why it stays at SGLang's own
+``max_prefill_tokens``.
 
 Temporal mode (one engine serving both classes, the ``mixed`` role) was decided
 in the simulator (one simulated H200, Qwen2.5-7B, the mixed real-chat workload,

@@ -79,3 +79,15 @@ def test_write_report_writes_json_with_required_keys_and_png(records, tmp_path):
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     _, empty_png = write_report(build_report([], slo_ttft_s=0.4), [], tmp_path / "empty.json")
     assert empty_png.stat().st_size > 0
+
+
+def test_the_length_aware_objective_allows_time_per_new_prompt_token():
+    records = [rec(0, "short", 0.3), rec(1, "long", 0.9), rec(2, "long", 1.2), rec(3, "long", None, error="HTTP 502: x")]
+    for r, (prompt, cached) in zip(records, [(100, 0), (12_000, 2_000), (12_000, 2_000), (5_000, 0)]):
+        r.prompt_tokens, r.cached_tokens = prompt, cached
+    # 0.4 s + 0.06 s per 1k new tokens: 0.406 s, 1.0 s, 1.0 s; the failed one is a violation whatever its objective.
+    report = build_report(records, slo_ttft_s=0.4, slo_ttft_per_1k_s=0.06)
+    assert report["slo"]["violation_rate"] == 0.75  # fixed: the two long answers and the failure
+    assert report["length_slo"] == {"ttft_s": 0.4, "per_1k_new_tokens_s": 0.06, "violations": 2, "violation_rate": 0.5}
+    assert report["by_class"]["long"]["length_slo_violation_rate"] == pytest.approx(2 / 3)
+    assert "length_slo" not in build_report(records, slo_ttft_s=0.4)

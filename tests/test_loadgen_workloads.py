@@ -196,3 +196,34 @@ def test_a_good_replay_file_loads(tmp_path):
     path.write_bytes(REPLAY_RECORD + b"\n")
     (conv,) = build_workload(f"replay:{path}", random.Random(0)).conversations
     assert (conv.id, conv.source, conv.turns[0].content, conv.turns[0].max_tokens, conv.start_s) == ("c", "s", "hi", 4, 0.0)
+
+
+def test_chat_single_is_every_first_turn_asking_the_default_length(tok):
+    w = build_workload("chat-single", random.Random(0), tokenizer=tok)
+    convs = list(itertools.islice(w.conversations, 3891))
+    assert len({c.id for c in convs}) == 3891 and all(len(c.turns) == 1 and c.turns[0].max_tokens == 256 for c in convs)
+    lengths = [len(tok.encode_chat([{"role": "user", "content": c.turns[0].content}])) for c in convs]
+    assert sum(n < 256 for n in lengths) / len(lengths) > 0.75
+
+
+def test_shared_docs_asks_each_long_document_several_times_interleaved(tok):
+    w = build_workload("shared-docs", random.Random(0), tokenizer=tok)
+    convs = list(itertools.islice(w.conversations, 200))
+    docs: dict[str, list[int]] = {}
+    for i, c in enumerate(convs):
+        if c.id.startswith("doc"):
+            docs.setdefault(c.id.split("-")[0], []).append(i)
+    assert sum(c.id.startswith("chat") for c in convs) == pytest.approx(20, abs=10)  # ~10% short chats
+    sizes = [len(v) for v in list(docs.values())[:-4]]  # the last four documents may still be open
+    assert min(sizes) >= 3 and max(sizes) <= 8
+    first = convs[next(iter(docs.values()))[0]].turns[0].content
+    doc_text = first.rsplit("\n\n", 1)[0]
+    n = len(tok.encode_chat([{"role": "user", "content": doc_text}]))
+    assert 10_000 <= n <= 30_000
+    # Interleaved: some document's questions are not all back to back.
+    assert any(v[-1] - v[0] + 1 > len(v) for v in docs.values())
+
+
+def test_docs_is_the_mixed_stream_with_half_the_requests_long(tok):
+    w = build_workload("docs", random.Random(0), tokenizer=tok)
+    assert w.notes[0].startswith("docs: ") and "(long_share 0.5 of requests)" in w.notes[0]

@@ -1,0 +1,41 @@
+"""bench/dominance.py's verdict on scripted rows: goodput interpolation and the four checks, exact values."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench" / "dominance.py"
+_spec = importlib.util.spec_from_file_location("dominance", BENCH)
+dominance = sys.modules["dominance"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(dominance)
+
+
+def row(policy, load, rate, viol, length=None, short=0.02, floor=0.006):
+    return {"policy": policy, "load": load, "rate_rps": rate, "slo_violation_rate": viol,
+            "length_slo_violation_rate": viol if length is None else length, "short_ttft_p90_s": short, "short_floor_s": floor}
+
+
+def test_goodput_interpolates_the_rate_at_five_percent():
+    rows = [row("x", 1, 100, 0.0), row("x", 2, 200, 0.03), row("x", 3, 280, 0.13), row("x", 4, 300, 0.5)]
+    # Between 200 req/s (3%) and 280 (13%): 5% is a fifth of the way, 216 req/s.
+    assert dominance.goodput(rows) == pytest.approx(216.0)
+    assert dominance.goodput([row("x", 1, 100, 0.2)]) == 0.0
+
+
+def test_verdict_checks_every_load_the_knee_goodput_and_short_p90():
+    rows = []
+    for load, rate, laps, best, short_laps, short_best in ((50, 100, 0.0, 0.0, 0.01, 0.1), (100, 200, 0.02, 0.06, 0.02, 0.2),
+                                                          (150, 260, 0.08, 0.30, 0.03, 0.3)):
+        rows.append(row("laps", load, rate, laps, short=short_laps))
+        rows.append(row("least_load+spf", load, rate, best, short=short_best))
+        rows.append(row("round_robin", load, rate, best + 0.1, short=short_best))
+    v = dominance.verdict(rows, "w", 100.0)
+    assert v["never_worse"] and v["short_p90"]
+    assert v["knee"] == {"load": 100, "laps": 0.02, "best": 0.06, "best_policy": "least_load+spf", "ok": True}
+    # laps: 5% between 200 (2%) and 260 (8%): 230 req/s; least_load+spf: between 100 (0%) and 200 (6%): 183.3 req/s.
+    assert v["goodput"]["laps_rps"] == pytest.approx(230.0) and v["goodput"]["best_rps"] == pytest.approx(100 + 100 * 5 / 6)
+    assert v["goodput"]["ok"] and v["goodput"]["best_policy"] == "least_load+spf"
+    rows[0]["slo_violation_rate"] = 0.006  # 0.6 points over the best at load 50: worse
+    assert not dominance.verdict(rows, "w", 100.0)["never_worse"]
