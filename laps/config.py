@@ -224,7 +224,8 @@ class ControllerConfig(PressureControllerConfig):
 
     The pressure parameters (``queue_weight`` … ``min_pool_size``) are those of
     :class:`policies.controller.PressureControllerConfig`. ``enabled`` turns it
-    on (gateway and simulator); ``interval_s``: seconds between decisions;
+    on (gateway and simulator); a file that does not say is on wherever it can
+    work (:meth:`Config._controller_on_where_it_can`); ``interval_s``: seconds between decisions;
     ``window_s``: the recent window of first tokens over which an engine's TTFT
     SLO-violation share is taken; ``short_role`` / ``long_role``: the role an
     engine is restarted with when it moves into that pool (each must be defined
@@ -273,6 +274,29 @@ class Config(_Strict):
     roles: dict[str, RoleConfig]
     engines: list[EngineConfig] = Field(min_length=1)
     log_dir: Path = Path("runs/logs")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _controller_on_where_it_can(cls, data: Any) -> Any:
+        """``controller.enabled`` left unset: on when its two roles exist and serve the short and long pools
+        and the prefill engines outnumber ``min_pool_size`` (so a move is possible), else off."""
+        if not isinstance(data, dict) or not isinstance(data.get("roles"), dict) or not isinstance(data.get("engines"), list):
+            return data
+        controller = data.get("controller") or {}
+        if not isinstance(controller, dict) or "enabled" in controller:
+            return data
+        roles = data["roles"]
+
+        def pool_of(role: Any) -> Any:
+            return roles[role].get("pool") if isinstance(role, str) and isinstance(roles.get(role), dict) else None
+
+        short_role = controller.get("short_role", ControllerConfig.model_fields["short_role"].default)
+        long_role = controller.get("long_role", ControllerConfig.model_fields["long_role"].default)
+        prefill = sum(isinstance(e, dict) and pool_of(e.get("role")) in ("short", "long") for e in data["engines"])
+        min_pool = controller.get("min_pool_size", ControllerConfig.model_fields["min_pool_size"].default)
+        on = (pool_of(short_role) == "short" and pool_of(long_role) == "long"
+              and isinstance(min_pool, int) and prefill > min_pool)
+        return {**data, "controller": {**controller, "enabled": on}}
 
     @model_validator(mode="after")
     def _check_references(self) -> "Config":

@@ -66,19 +66,21 @@ def test_bad_config_names_key_value_and_allowed(edit, expected):
         assert fragment in message
 
 
-def test_controller_is_off_by_default_and_its_roles_are_checked_when_on_or_set():
+def test_controller_is_on_where_it_can_work_and_its_roles_are_checked_when_on_or_set():
     data = default_data()
-    assert load_config().controller.enabled is False
+    assert load_config().controller.enabled is True  # short-prefill and long-prefill exist; 2 engines > min_pool_size 1
+    assert parse_config({**data, "controller": {"min_pool_size": 2}}).controller.enabled is False  # no move possible
+    assert parse_config({**data, "controller": {"enabled": False}}).controller.enabled is False
     data["controller"] = {"short_role": "tiny"}  # off, but set explicitly: checked
     with pytest.raises(ConfigError, match="controller.short_role: 'tiny' is not a role defined under roles"):
         parse_config(data)
     data["controller"] = {"long_role": "short-prefill"}
     with pytest.raises(ConfigError, match="controller.long_role: role 'short-prefill' serves the short pool, not the long pool"):
         parse_config(data)
-    renamed = default_data()  # roles named otherwise and no controller section: the default role names are not checked
+    renamed = default_data()  # roles named otherwise and no controller section: off, the default role names unchecked
     renamed["roles"] = {"fast": renamed["roles"]["short-prefill"], "slow": renamed["roles"]["long-prefill"]}
     renamed["engines"] = [dict(e, role={"short-prefill": "fast", "long-prefill": "slow"}.get(e["role"], "slow")) for e in renamed["engines"]]
-    assert parse_config(renamed).controller.short_role == "short-prefill"
+    assert parse_config(renamed).controller.short_role == "short-prefill" and not parse_config(renamed).controller.enabled
     renamed["controller"] = {"enabled": True}
     with pytest.raises(ConfigError, match="controller.short_role: 'short-prefill' is not a role defined under roles; allowed: fast, slow"):
         parse_config(renamed)
