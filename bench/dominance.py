@@ -110,10 +110,21 @@ def point_config(policy: str, pd: bool) -> Config:
     return deployment(8, BASELINES[policy])
 
 
-def run_point(workload: str, policy: str, load: float, duration_s: float, seed: int, pd: bool = False) -> dict:
+REQUESTS_PER_POINT = 4000
+
+
+def point_duration_s(workload: str, load: float, max_duration_s: float) -> float:
+    """Simulated seconds of arrivals for a point: enough for ~4,000 first turns, between 4 s and ``max_duration_s``
+    (high-rate chat points would otherwise simulate tens of thousands of requests each)."""
+    arrivals_per_s = load * AZURE_RATE_RPS if workload == "azure-conv" else load
+    return min(max_duration_s, max(4.0, REQUESTS_PER_POINT / arrivals_per_s))
+
+
+def run_point(workload: str, policy: str, load: float, max_duration_s: float, seed: int, pd: bool = False) -> dict:
     """Simulate one (workload, policy, offered load) point; its row."""
     tokenizer = load_tokenizer()
     config = point_config(policy, pd)
+    duration_s = point_duration_s(workload, load, max_duration_s)
     wl = build_workload(workload, random.Random(f"workload/{seed}"), tokenizer=tokenizer)
     if wl.timed:
         run = simulate_run(config, wl, duration_s=duration_s, seed=seed, time_scale=1.0 / load, tokenizer=tokenizer)
@@ -123,7 +134,7 @@ def run_point(workload: str, policy: str, load: float, duration_s: float, seed: 
     report = build_report(records, slo_ttft_s=SLO_TTFT_S, slo_ttft_per_1k_s=PER_1K_S)
     met = sum(r.ok and r.ttft_s is not None and r.ttft_s <= SLO_TTFT_S for r in records)
     return {
-        "workload": workload, "policy": policy, "pd": pd, "load": load,
+        "workload": workload, "policy": policy, "pd": pd, "load": load, "duration_s": duration_s,
         "rate_rps": report["throughput_rps"], "requests": report["requests"]["sent"],
         "slo_violation_rate": report["slo"]["violation_rate"],
         "length_slo_violation_rate": report["length_slo"]["violation_rate"],
@@ -143,37 +154,36 @@ def short_floor_s(records) -> float | None:
     return float(np.percentile(passes, 90)) + GATEWAY_OVERHEAD_S if passes else None
 
 
-def saturation_load(workload: str, duration_s: float, seed: int, pd: bool, pool: ProcessPoolExecutor) -> tuple[float, list[dict]]:
-    """least_load's offered load at 5% violations (geometric search, then 3 bisections in log space); and the probe rows."""
-    probes: list[dict] = []
+def saturation_load(workload: str, duration_s: float, seed: int, pd: bool, pool: ProcessPoolExecutor) -> float:
+    """least_load's offered load at 5% violations: a geometric ladder two probes at a time (factor 2), then two rounds
+    of two probes at the thirds of the bracket in log space; the bracket's geometric middle."""
+    def probe(loads: list[float]) -> list[float]:
+        futures = [pool.submit(run_point, workload, "least_load", load, duration_s, seed, pd) for load in loads]
+        return [f.result()["slo_violation_rate"] for f in futures]
 
-    def violation(load: float) -> float:
-        row = pool.submit(run_point, workload, "least_load", load, duration_s, seed, pd).result()
-        probes.append(row)
-        return row["slo_violation_rate"]
-
-    lo, hi = None, None
-    load = FIRST_GUESS[workload] * (0.75 if pd else 1.0)
-    for _ in range(8):
-        if violation(load) > VIOLATION_TARGET:
-            hi = load
-            if lo is not None:
-                break
-            load /= 2
+    passing, failing = [], []
+    base = FIRST_GUESS[workload] * (0.75 if pd else 1.0)
+    for _ in range(5):
+        pair = [base, 2 * base]
+        for load, v in zip(pair, probe(pair)):
+            (failing if v > VIOLATION_TARGET else passing).append(load)
+        if failing and any(p < min(failing) for p in passing):
+            break
+        base = base * 4 if not failing else base / 4
+    if not failing or not passing:
+        return (passing or failing)[-1]
+    hi = min(failing)
+    lo = max(p for p in passing if p < hi) if any(p < hi for p in passing) else hi / 2
+    for _ in range(2):
+        a, b = lo * (hi / lo) ** (1 / 3), lo * (hi / lo) ** (2 / 3)
+        va, vb = probe([a, b])
+        if va > VIOLATION_TARGET:
+            hi = a
+        elif vb > VIOLATION_TARGET:
+            lo, hi = a, b
         else:
-            lo = load
-            if hi is not None:
-                break
-            load *= 2
-    if lo is None or hi is None:
-        return (lo or hi or load), probes
-    for _ in range(3):
-        mid = math.sqrt(lo * hi)
-        if violation(mid) > VIOLATION_TARGET:
-            hi = mid
-        else:
-            lo = mid
-    return math.sqrt(lo * hi), probes
+            lo = b
+    return math.sqrt(lo * hi)
 
 
 def goodput(rows: list[dict], key: str = "slo_violation_rate") -> float:
@@ -268,12 +278,17 @@ def sweep(workload: str, pd: bool, loads: tuple[float, ...], duration_s: float, 
     """Saturation search, then every policy at every load; the rows and the verdict."""
     label = f"{workload}{' (PD 6+2)' if pd else ''}"
     task = progress.add_task(f"{label}: saturation", total=len(loads) * len(POLICIES))
-    sat, _ = saturation_load(workload, duration_s, seed, pd, pool)
+    sat = saturation_load(workload, duration_s, seed, pd, pool)
+    progress.console.print(f"{label}: least_load saturates at load {sat:.3g}")
     progress.update(task, description=f"{label}: {len(POLICIES)} policies × {len(loads)} loads")
     futures = [pool.submit(run_point, workload, p, round(f * sat, 3), duration_s, seed, pd) for p in POLICIES for f in loads]
     rows = []
     for fut in futures:
-        rows.append(fut.result())
+        r = fut.result()
+        rows.append(r)
+        progress.console.print(f"  {label} {r['policy']:>15} load {r['load']:g}: {r['rate_rps']:.0f} req/s, "
+                               f"{100 * r['slo_violation_rate']:.2f}% ({100 * r['length_slo_violation_rate']:.2f}% length-aware), "
+                               f"short P90 {1e3 * (r['short_ttft_p90_s'] or math.nan):.1f} ms")
         progress.advance(task)
     return rows, verdict(rows, label, sat)
 
@@ -308,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="3 workloads, 4 loads, 8 simulated s per point")
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, help="default: all (with --quick: %s)" % ", ".join(QUICK_WORKLOADS))
     parser.add_argument("--pd", action="store_true", help="also the PD runs (6 prefill + 2 decode) of mixed and docs")
-    parser.add_argument("--duration", type=float, help="simulated seconds per point (default: 20, --quick 8)")
+    parser.add_argument("--duration", type=float, help="most simulated seconds of arrivals per point (default: 15, --quick 8; "
+                                                       "fewer where ~4,000 arrivals come sooner, at least 4)")
     parser.add_argument("--jobs", type=int, default=2, help="simulations in parallel (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="workload and arrival seed (default: %(default)s)")
     args = parser.parse_args(argv)
@@ -316,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--jobs must be >= 1 and --duration > 0")
     workloads = args.workloads or (QUICK_WORKLOADS if args.quick else WORKLOADS)
     loads = QUICK_LOADS if args.quick else LOADS
-    duration = args.duration or (8.0 if args.quick else 20.0)
+    duration = args.duration or (8.0 if args.quick else 15.0)
     console = Console(width=160)
     runs = [(w, False) for w in workloads] + ([(w, True) for w in PD_WORKLOADS] if args.pd else [])
     all_rows, verdicts = [], []
@@ -328,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
             verdicts.append(v)
             png = args.out.with_name(f"{args.out.stem}_{workload}{'_pd' if pd else ''}.png")
             plot(rows, png, v["workload"], v["saturation_load"])
-            console.print(f"{v['workload']}: least_load saturates at load {v['saturation_load']:.3g}; wrote {png}")
+            console.print(f"{v['workload']}: wrote {png}")
     ok = print_verdicts(verdicts, console)
     args.out.write_text(json.dumps({"slo_ttft_s": SLO_TTFT_S, "per_1k_new_tokens_s": PER_1K_S, "duration_s": duration,
                                     "rows": all_rows, "verdict": verdicts, "all_targets_met": ok}, indent=1))

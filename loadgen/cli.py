@@ -102,6 +102,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="model name to request (default: the first id from GET URL/v1/models)")
     parser.add_argument("--tokenizer", type=Path, help="HF model directory whose tokenizer counts tokens (default: built-in Qwen2.5)")
     parser.add_argument("--slo-ttft-s", type=float, default=0.4, help="TTFT service-level objective in seconds (default: %(default)s)")
+    parser.add_argument("--slo-per-1k-new-tokens-s", type=float,
+                        help="also report the length-aware objective: --slo-ttft-s plus this many seconds per 1,000 new prompt tokens")
     add_workload_arguments(parser, Path("runs/loadgen.json"))
 
 
@@ -202,7 +204,7 @@ async def run(args: argparse.Namespace) -> dict:
         finally:
             ticker.cancel()
     meta = {"mode": "live", "url": args.url, **workload_meta(args, workload)}
-    report = build_report(records, slo_ttft_s=args.slo_ttft_s, meta=meta)
+    report = build_report(records, slo_ttft_s=args.slo_ttft_s, slo_ttft_per_1k_s=args.slo_per_1k_new_tokens_s, meta=meta)
     write_outputs(args, report, records, console)
     return report
 
@@ -300,7 +302,8 @@ def run_simulation(args: argparse.Namespace) -> dict:
         "serving_latency_ms": args.serving_latency_ms,
         **workload_meta(args, workload),
     }
-    report = {**build_report(records, slo_ttft_s=args.slo_ttft_s or config.slo.ttft_s, meta=meta), **virtual.summary()}
+    report = {**build_report(records, slo_ttft_s=args.slo_ttft_s or config.slo.ttft_s,
+                             slo_ttft_per_1k_s=config.slo.ttft_per_1k_new_tokens_s, meta=meta), **virtual.summary()}
     write_outputs(args, report, records, console)
     if not args.quiet:
         end = max((r.end_s for r in records), default=0.0)

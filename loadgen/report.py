@@ -123,6 +123,7 @@ def print_report(report: dict, console: Console | None = None) -> None:
         "count": report["requests"]["sent"],
         "errors": report["requests"]["errors"],
         "slo_violation_rate": report["slo"]["violation_rate"],
+        **({"length_slo_violation_rate": report["length_slo"]["violation_rate"]} if "length_slo" in report else {}),
         **{k: report[k] for k in ("ttft_s", "tpot_s", "e2e_s")},
     }
     blocks = {"all": overall, **report["by_class"]}
@@ -140,6 +141,12 @@ def print_report(report: dict, console: Console | None = None) -> None:
         f"TTFT > {report['slo']['ttft_s']:g} s or failed",
         *("—" if b["slo_violation_rate"] is None else f"{b['slo_violation_rate']:.1%}" for b in blocks.values()),
     )
+    if "length_slo" in report:
+        per_1k = report["length_slo"]["per_1k_new_tokens_s"]
+        table.add_row(
+            f"TTFT > {report['slo']['ttft_s']:g} s + {per_1k:g} s/1k new tokens or failed",
+            *("—" if b.get("length_slo_violation_rate") is None else f"{b['length_slo_violation_rate']:.1%}" for b in blocks.values()),
+        )
     console.print(table)
     console.print(
         f"{report['requests']['ok']} ok / {report['requests']['sent']} sent in {report['duration_s']:.1f} s: "

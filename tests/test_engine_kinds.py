@@ -140,7 +140,12 @@ def test_the_8xh200_example_uses_each_gpu_once_with_real_sglang_engines():
     config = load_config(EXAMPLE_H200X8)
     assert sorted(g for e in config.engines for g in e.gpus) == list(range(8))
     assert {e.kind for e in config.engines} == {"sglang"}
-    assert [config.pool(e) for e in config.engines].count("short") == 2
+    assert [config.pool(e) for e in config.engines].count("short") == 4
+    # Both pools' roles run the same flags, as in examples/sim-h200x8.yaml: moves between them are instant.
+    sim = load_config(EXAMPLE_H200X8.parent / "sim-h200x8.yaml")
+    assert config.instant_move("short-prefill", "long-prefill") and config.controller.enabled
+    flags = {k: v for k, v in config.roles["short-prefill"].flags.items() if k != "mem-fraction-static"}
+    assert flags == sim.roles["short-prefill"].flags == sim.roles["long-prefill"].flags
 
 
 def test_a_sim_role_flag_the_engine_model_does_not_take_fails_before_any_process_starts():
