@@ -1,7 +1,7 @@
 """Does laps as shipped beat every router baseline on every workload, at every load? One benchmark, one verdict.
 
-    python bench/dominance.py --out runs/dominance/dominance.json            # ~40 min on 2 cores
-    python bench/dominance.py --quick --out runs/dominance/quick.json        # ~6 min: 3 workloads, 4 loads, 8 s points
+    python bench/dominance.py --pd --out runs/dominance/dominance.json       # about an hour on 2 cores
+    python bench/dominance.py --quick --out runs/dominance/quick.json        # 3 workloads, 4 loads, shorter points
 
 8 simulated H200s with Qwen2.5-7B (the engine model of ``laps simulate``), TTFT SLO 0.4 s, and
 the length-aware objective 0.4 s + 0.06 s per 1,000 new prompt tokens (about twice the
@@ -30,7 +30,7 @@ objective). One PNG per workload next to the JSON. The verdict (printed, and und
   and length-aware);
 * ``knee``: at the first load where the best baseline reaches 5%, laps ≤ 0.6× its violations;
 * ``goodput``: laps' goodput (the highest offered load with ≤ 5% violations, interpolated; the
-  achieved request rate there) ≥ 1.2× the best baseline's (≥ 1.0× on ``shared-docs``);
+  offered request rate there) ≥ 1.2× the best baseline's (≥ 1.0× on ``shared-docs``);
 * ``short_p90``: from 0.5× saturation up, laps' short-class P90 TTFT ≤ 0.5× the best baseline's,
   or ≤ 2× the physical floor (the P90 of the short requests' isolated forward passes plus the
   gateway's measured overhead, 0.56 ms) where the baseline is within 2× of that floor.
@@ -68,7 +68,7 @@ SLO_TTFT_S = 0.4
 PER_1K_S = 0.06
 VIOLATION_TARGET = 0.05
 GATEWAY_OVERHEAD_S = 0.56e-3  # README, Gateway overhead: added latency p50 at concurrency 1
-WORKLOADS = ("hh-rlhf", "mixed", "docs", "chat-single", "shared-docs", "azure-conv")
+WORKLOADS = ("mixed", "docs", "chat-single", "shared-docs", "azure-conv", "hh-rlhf")
 QUICK_WORKLOADS = ("mixed", "chat-single", "shared-docs")
 PD_WORKLOADS = ("mixed", "docs")
 # Our policy names -> policy_compare's (scheduling.policy over engines of one SGLang role).
@@ -110,14 +110,14 @@ def point_config(policy: str, pd: bool) -> Config:
     return deployment(8, BASELINES[policy])
 
 
-REQUESTS_PER_POINT = 4000
+REQUESTS_PER_POINT = 3000
 
 
 def point_duration_s(workload: str, load: float, max_duration_s: float) -> float:
-    """Simulated seconds of arrivals for a point: enough for ~4,000 first turns, between 4 s and ``max_duration_s``
+    """Simulated seconds of arrivals for a point: enough for ~3,000 first turns, between 1.5 s and ``max_duration_s``
     (high-rate chat points would otherwise simulate tens of thousands of requests each)."""
     arrivals_per_s = load * AZURE_RATE_RPS if workload == "azure-conv" else load
-    return min(max_duration_s, max(4.0, REQUESTS_PER_POINT / arrivals_per_s))
+    return min(max_duration_s, max(1.5, REQUESTS_PER_POINT / arrivals_per_s))
 
 
 def run_point(workload: str, policy: str, load: float, max_duration_s: float, seed: int, pd: bool = False) -> dict:
@@ -186,17 +186,23 @@ def saturation_load(workload: str, duration_s: float, seed: int, pd: bool, pool:
     return math.sqrt(lo * hi)
 
 
+def offered_rps(row: dict) -> float:
+    """The request rate a point offered: requests sent over its arrival window (the same for every policy at a load,
+    unlike the achieved rate, which a long tail of late answers lowers)."""
+    return row["requests"] / row["duration_s"]
+
+
 def goodput(rows: list[dict], key: str = "slo_violation_rate") -> float:
-    """The achieved request rate at the highest load with ≤ 5% violations, interpolated between the loads around it."""
+    """The offered request rate at the highest load with ≤ 5% violations, interpolated between the loads around it."""
     rows = sorted(rows, key=lambda r: r["load"])
     best = 0.0
     for prev, cur in zip([None, *rows], rows):
         if cur[key] <= VIOLATION_TARGET:
-            best = cur["rate_rps"]
+            best = offered_rps(cur)
             continue
         if prev is not None and prev[key] <= VIOLATION_TARGET:
             f = (VIOLATION_TARGET - prev[key]) / (cur[key] - prev[key])
-            best = prev["rate_rps"] + f * (cur["rate_rps"] - prev["rate_rps"])
+            best = offered_rps(prev) + f * (offered_rps(cur) - offered_rps(prev))
         break
     return best
 
@@ -317,23 +323,40 @@ def print_verdicts(verdicts: list[dict], console: Console) -> bool:
     return all_ok
 
 
+def write(path: Path, duration_s: float, rows: list[dict], verdicts: list[dict], ok: bool | None) -> None:
+    """The JSON: settings, every row, the verdicts so far and whether all targets are met (``None`` until the end)."""
+    path.write_text(json.dumps({"slo_ttft_s": SLO_TTFT_S, "per_1k_new_tokens_s": PER_1K_S, "max_duration_s": duration_s,
+                                "rows": rows, "verdict": verdicts, "all_targets_met": ok}, indent=1))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="JSON output; one PNG per workload goes next to it")
     parser.add_argument("--quick", action="store_true", help="3 workloads, 4 loads, 8 simulated s per point")
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, help="default: all (with --quick: %s)" % ", ".join(QUICK_WORKLOADS))
     parser.add_argument("--pd", action="store_true", help="also the PD runs (6 prefill + 2 decode) of mixed and docs")
-    parser.add_argument("--duration", type=float, help="most simulated seconds of arrivals per point (default: 15, --quick 8; "
-                                                       "fewer where ~4,000 arrivals come sooner, at least 4)")
+    parser.add_argument("--duration", type=float, help="most simulated seconds of arrivals per point (default: 10, --quick 6; "
+                                                       "fewer where ~3,000 arrivals come sooner, at least 1.5)")
     parser.add_argument("--jobs", type=int, default=2, help="simulations in parallel (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="workload and arrival seed (default: %(default)s)")
+    parser.add_argument("--verdict-of", type=Path, metavar="JSON", help="simulate nothing: the verdict of an earlier run's JSON")
     args = parser.parse_args(argv)
+    console = Console(width=160)
+    if args.verdict_of is not None:
+        earlier = json.loads(args.verdict_of.read_text())
+        verdicts = []
+        for v in earlier["verdict"]:
+            rows = [r for r in earlier["rows"] if f"{r['workload']}{' (PD 6+2)' if r['pd'] else ''}" == v["workload"]]
+            verdicts.append(verdict(rows, v["workload"], v["saturation_load"]))
+        ok = print_verdicts(verdicts, console)
+        write(args.out, earlier["max_duration_s"], earlier["rows"], verdicts, ok)
+        console.print(f"wrote {args.out}")
+        return 0
     if args.jobs < 1 or (args.duration is not None and args.duration <= 0):
         parser.error("--jobs must be >= 1 and --duration > 0")
     workloads = args.workloads or (QUICK_WORKLOADS if args.quick else WORKLOADS)
     loads = QUICK_LOADS if args.quick else LOADS
-    duration = args.duration or (8.0 if args.quick else 15.0)
-    console = Console(width=160)
+    duration = args.duration or (6.0 if args.quick else 10.0)
     runs = [(w, False) for w in workloads] + ([(w, True) for w in PD_WORKLOADS] if args.pd else [])
     all_rows, verdicts = [], []
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -345,9 +368,9 @@ def main(argv: list[str] | None = None) -> int:
             png = args.out.with_name(f"{args.out.stem}_{workload}{'_pd' if pd else ''}.png")
             plot(rows, png, v["workload"], v["saturation_load"])
             console.print(f"{v['workload']}: wrote {png}")
+            write(args.out, duration, all_rows, verdicts, None)  # what is done so far survives an interrupted run
     ok = print_verdicts(verdicts, console)
-    args.out.write_text(json.dumps({"slo_ttft_s": SLO_TTFT_S, "per_1k_new_tokens_s": PER_1K_S, "duration_s": duration,
-                                    "rows": all_rows, "verdict": verdicts, "all_targets_met": ok}, indent=1))
+    write(args.out, duration, all_rows, verdicts, ok)
     console.print(f"wrote {args.out}")
     return 0
 

@@ -13,7 +13,7 @@ _spec.loader.exec_module(dominance)
 
 
 def row(policy, load, rate, viol, length=None, short=0.02, floor=0.006):
-    return {"policy": policy, "load": load, "rate_rps": rate, "slo_violation_rate": viol,
+    return {"policy": policy, "load": load, "rate_rps": rate, "requests": rate * 10, "duration_s": 10.0, "slo_violation_rate": viol,
             "length_slo_violation_rate": viol if length is None else length, "short_ttft_p90_s": short, "short_floor_s": floor}
 
 
