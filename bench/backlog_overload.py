@@ -63,7 +63,7 @@ from bench.sorted_f_table import workload as paper_lengths  # noqa: E402
 from laps.config import Config, parse_config  # noqa: E402
 from laps.tokenizer import ChatTokenizer, load_tokenizer  # noqa: E402
 from loadgen.runner import RequestRecord  # noqa: E402
-from loadgen.virtual import simulate  # noqa: E402
+from loadgen.simulate import simulate  # noqa: E402
 from loadgen.workloads import Conversation, Workload, build_workload  # noqa: E402
 from policies.backlog_baselines import fcfs_order, mc_sf_order  # noqa: E402
 from policies.backlog_executor import AdmissionPolicy, IterationTime, StaticOrder, execute  # noqa: E402

@@ -58,7 +58,7 @@ from engines.sim.latency import make_latency_model  # noqa: E402
 from laps.config import Config, load_config, parse_config  # noqa: E402
 from laps.tokenizer import load_tokenizer  # noqa: E402
 from loadgen.report import build_report  # noqa: E402
-from loadgen.virtual import simulate_run  # noqa: E402
+from loadgen.simulate import simulate_run  # noqa: E402
 from loadgen.workloads import build_workload, load_azure_trace  # noqa: E402
 from policy_compare import ROLES, deployment  # noqa: E402
 

@@ -39,7 +39,7 @@ from rich.table import Table  # noqa: E402
 from laps.config import Config, load_config, parse_config  # noqa: E402
 from laps.tokenizer import load_tokenizer  # noqa: E402
 from loadgen.report import build_report  # noqa: E402
-from loadgen.virtual import simulate  # noqa: E402
+from loadgen.simulate import simulate  # noqa: E402
 from loadgen.workloads import build_workload  # noqa: E402
 
 SLO_TTFT_S = 0.4

@@ -24,7 +24,7 @@ from pathlib import Path
 from laps.config import parse_config
 from laps.tokenizer import load_tokenizer
 from loadgen.report import build_report
-from loadgen.virtual import simulate
+from loadgen.simulate import simulate
 from loadgen.workloads import build_workload
 from policies.registry import POLICIES
 

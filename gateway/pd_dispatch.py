@@ -4,7 +4,7 @@ The scheduler has already chosen the prefill engine (it sees only the prefill
 pools; :meth:`gateway.registry.EngineRegistry.views`). :func:`relay` then
 
 1. picks the decode engine with the decode placement
-   (:func:`policies.decode_placement.make_decode_placement`, ``scheduling.decode_placement``)
+   (:func:`policies.registry.make_decode_placement`, ``scheduling.decode_placement``)
    over :meth:`~gateway.registry.EngineRegistry.decode_views`;
 2. adds SGLang's PD routing fields to the request body, as SGLang's own PD
    router does (sglang-router ``mini_lb``; SGLang 0.5.23
@@ -54,7 +54,8 @@ from gateway.errors import APIError
 from gateway.relay import ClientGone, EngineUnavailable, Reply, StreamTap, ask_engine_for_usage, end_stream, error_event, in_background, send_now, start_stream, upstream_error, write
 from gateway.state import Gateway
 from laps.config import Config
-from policies.decode_placement import DecodePlacement, make_decode_placement
+from policies.decode_placement import DecodePlacement
+from policies.registry import make_decode_placement
 from policies.types import RequestView
 
 log = logging.getLogger("laps.gateway")

@@ -16,7 +16,7 @@ import statistics
 from laps.config import Config
 from laps.tokenizer import ChatTokenizer
 from loadgen.runner import RequestRecord, run_loadgen
-from loadgen.virtual import simulate
+from loadgen.simulate import simulate
 from loadgen.workloads import Conversation, Turn, Workload, load_mtbench
 
 METRICS = ("ttft_s", "tpot_s", "e2e_s")

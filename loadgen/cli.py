@@ -17,7 +17,7 @@ from laps.config import DEFAULT_CONFIG_PATH, load_config, parse_config
 from laps.tokenizer import ChatTokenizer, load_tokenizer
 from loadgen.report import build_report, print_report, write_report, write_trace
 from loadgen.runner import THINK_DISTRIBUTIONS, LoadgenError, RequestRecord, run_loadgen
-from loadgen.virtual import simulate_run
+from loadgen.simulate import simulate_run
 from loadgen.workloads import DATASETS, DEFAULT_MAX_TOKENS, Workload, build_workload
 from policies.registry import POLICIES
 

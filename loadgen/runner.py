@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 import aiohttp
 import orjson
 
-from loadgen.workloads import Conversation, Workload
+from loadgen.workloads import Conversation, Workload, poisson_times
 
 THINK_DISTRIBUTIONS = ("exp", "fixed")
 _ERROR_TEXT_LIMIT = 200
@@ -91,20 +91,6 @@ class RequestRecord:
     def to_dict(self) -> dict:
         """The record as a JSON-ready dict (one line of a ``--trace-out`` file)."""
         return asdict(self)
-
-
-def poisson_times(rate: float, rng: random.Random) -> Iterator[float]:
-    """Endless Poisson arrival times (seconds from 0) at ``rate`` per second: cumulative ``rng.expovariate`` gaps.
-
-    Raises:
-        ValueError: ``rate`` <= 0.
-    """
-    if rate <= 0:
-        raise ValueError(f"rate must be > 0 conversations/s, got {rate}")
-    t = 0.0
-    while True:
-        t += rng.expovariate(rate)
-        yield t
 
 
 def draw_think_time(mean_s: float, dist: str, rng: random.Random) -> float:

@@ -53,7 +53,6 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
-import random
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -65,9 +64,8 @@ from engines.sim.core import EngineCore, RequestEvent, StepResult
 from gateway.registry import EngineRegistry, EngineState
 from laps.config import Config, EngineConfig
 from laps.cost import engine_traits
-from laps.tokenizer import ChatTokenizer, load_tokenizer
-from loadgen.runner import Arrival, RequestRecord, error_text, plan_arrivals
-from loadgen.workloads import Workload
+from laps.tokenizer import ChatTokenizer
+from loadgen.runner import Arrival, RequestRecord, error_text
 from policies.admission import classified_view
 from policies.output_predictor import reply_token_counts
 from policies.controller import EngineSignals, Move, PressureController
@@ -76,7 +74,7 @@ from policies.prefix_index import PrefixIndex, block_keys
 from policies.registry import make_classifier, make_scheduler
 from policies.types import RequestView
 
-_TURN, _STEP, _WAKE, _TIMEOUT, _ENGINE_IN, _CLIENT_IN, _CALL = range(7)  # _CALL: payload() at that time
+_TURN, _STEP, _WAKE, _TIMEOUT, _ENGINE_IN, _CLIENT_IN, CALL = range(7)  # CALL: payload() at that time
 NO_ENGINE_MESSAGE = "no healthy engine is available; retry later"  # the gateway dispatcher's 503
 
 
@@ -119,7 +117,7 @@ class _Conversation:
         self.turn = 0
 
 
-class _Request:
+class SimRequest:
     __slots__ = ("conv", "record", "view", "keys", "prompt_ids", "engine_id", "output_ids", "last_text_s", "done")
 
     def __init__(self, conv: _Conversation, record: RequestRecord, view: RequestView, keys: list[int],
@@ -135,7 +133,7 @@ class _Request:
         self.done = False
 
 
-class _Engine:
+class EngineSlot:
     __slots__ = ("id", "core", "busy")
 
     def __init__(self, engine_id: str, core: EngineCore) -> None:
@@ -172,7 +170,7 @@ class VirtualRun:
         self.scheduler = make_scheduler(config.scheduling, engine_traits(config))
         self.classifier = make_classifier(config.scheduling)
         self.prefix_index = PrefixIndex.from_byte_budget(config.scheduling.prefix_block_tokens, config.scheduling.prefix_index_bytes, len(config.engines))
-        self.engines = {name: _Engine(name, core) for name, core in engine_cores(config, tokenizer).items()}
+        self.engines = {name: EngineSlot(name, core) for name, core in engine_cores(config, tokenizer).items()}
         for name, engine in self.engines.items():  # as the live gateway does from /v1/loads
             self.prefix_index.set_capacity(name, engine.core.config.max_total_tokens)
             self.registry[name].kv_capacity_tokens = engine.core.config.max_total_tokens
@@ -188,10 +186,10 @@ class VirtualRun:
         self._heap: list[tuple[float, int, int, Any]] = []
         self._seq = itertools.count()
         self._pending_turns = 0  # _TURN events in the heap
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, SimRequest] = {}
         self._wake_gen = 0
-        self._to_kick: list[_Engine] = []
-        self._failures: list[tuple[_Request, int, str]] = []
+        self._to_kick: list[EngineSlot] = []
+        self._failures: list[tuple[SimRequest, int, str]] = []
         self._duration_s = 0.0
         self._on_record: Callable[[RequestRecord], None] | None = None
         self._engine_configs = {e.name: e for e in config.engines}
@@ -219,7 +217,7 @@ class VirtualRun:
         for arrival in plan:
             self._push(arrival.start_s, _TURN, _Conversation(arrival))
         if self.controller is not None:
-            self._push(self.config.controller.interval_s, _CALL, self._control)
+            self._push(self.config.controller.interval_s, CALL, self._control)
         next_progress = 0.0
         heap = self._heap
         while heap:
@@ -237,7 +235,7 @@ class VirtualRun:
             elif kind == _WAKE:
                 if payload == self._wake_gen:
                     self._decide()
-            elif kind == _CALL:
+            elif kind == CALL:
                 payload()
             else:
                 self._on_timeout(payload)
@@ -272,13 +270,13 @@ class VirtualRun:
         if self.config.slo.ttft_per_1k_new_tokens_s is not None:
             view = dataclasses.replace(view, deadline_s=self.config.slo.deadline_s(now, view.new_tokens))  # length-aware
         record.laps_class = view.request_class
-        req = _Request(conv, record, view, keys, prompt_ids)
+        req = SimRequest(conv, record, view, keys, prompt_ids)
         self._requests[rid] = req
         self._push(now + self.request_timeout_s, _TIMEOUT, req)
         self.scheduler.submit(view, now)
         self._decide()
 
-    def _end(self, req: _Request) -> None:
+    def _end(self, req: SimRequest) -> None:
         """The request is over for its client: record it; on success the conversation goes on."""
         req.done = True
         self._requests.pop(req.view.rid, None)
@@ -293,7 +291,7 @@ class VirtualRun:
             conv.turn += 1
             self._push(self.now + conv.arrival.think_s[conv.turn - 1], _TURN, conv)
 
-    def _on_timeout(self, req: _Request) -> None:
+    def _on_timeout(self, req: SimRequest) -> None:
         if req.done:
             return
         rec = req.record
@@ -327,7 +325,7 @@ class VirtualRun:
             self._fail(req, status, message)
             self._release(req)
 
-    def _dispatch(self, req: _Request, engine_id: str) -> None:
+    def _dispatch(self, req: SimRequest, engine_id: str) -> None:
         self.registry.acquire(engine_id, req.view.prompt_tokens)
         req.engine_id = engine_id
         if self._hop_s:
@@ -335,7 +333,7 @@ class VirtualRun:
         else:
             self._engine_in(req, self.engines[engine_id])
 
-    def _engine_in(self, req: _Request, engine: _Engine) -> None:
+    def _engine_in(self, req: SimRequest, engine: EngineSlot) -> None:
         """The request reaches its engine, which queues it or answers 400."""
         if req.done:
             return  # timed out on the way
@@ -353,7 +351,7 @@ class VirtualRun:
         if not engine.busy and engine not in self._to_kick:
             self._to_kick.append(engine)
 
-    def _fail(self, req: _Request, status: int, message: str) -> None:
+    def _fail(self, req: SimRequest, status: int, message: str) -> None:
         """The gateway answered ``status`` with an OpenAI error carrying ``message``."""
         rec = req.record
         rec.status = status
@@ -361,7 +359,7 @@ class VirtualRun:
         rec.end_s = self.now
         self._end(req)
 
-    def _release(self, req: _Request) -> None:
+    def _release(self, req: SimRequest) -> None:
         """The gateway's ``Dispatcher.complete``: the request no longer counts on its engine."""
         assert req.engine_id is not None
         self.registry.release(req.engine_id, req.view.prompt_tokens)
@@ -379,7 +377,7 @@ class VirtualRun:
             if not engine.busy:
                 self._step(engine)
 
-    def _step(self, engine: _Engine) -> None:
+    def _step(self, engine: EngineSlot) -> None:
         result = engine.core.step(self.now)
         if result.admitted:  # tokens streamed at the pass's start (a PD decode engine's arrived requests)
             self._send(engine.id, result.admitted)
@@ -390,7 +388,7 @@ class VirtualRun:
             engine.busy = True
             self._push(self.now + result.duration_s, _STEP, (engine, result))
 
-    def _on_step(self, engine: _Engine, result: StepResult) -> None:
+    def _on_step(self, engine: EngineSlot, result: StepResult) -> None:
         engine.busy = False
         if engine.core.has_work():
             self._step(engine)  # the next pass starts before the gateway sees this one's tokens
@@ -421,7 +419,7 @@ class VirtualRun:
             if ev.finished:
                 self._complete(req, ev)
 
-    def _record_tokens(self, req: _Request, ev: RequestEvent) -> None:
+    def _record_tokens(self, req: SimRequest, ev: RequestEvent) -> None:
         """The client receives ``ev``'s tokens now: TTFT at the first text token, ITL between text tokens."""
         now, rec = self.now, req.record
         for token in ev.new_token_ids:
@@ -434,7 +432,7 @@ class VirtualRun:
                 rec.itl_s.append(now - req.last_text_s)
             req.last_text_s = now
 
-    def _complete(self, req: _Request, ev: RequestEvent) -> None:
+    def _complete(self, req: SimRequest, ev: RequestEvent) -> None:
         rec = req.record
         rec.end_s = self.now
         rec.prompt_tokens, rec.completion_tokens, rec.cached_tokens = ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens
@@ -471,7 +469,7 @@ class VirtualRun:
         if move is not None:
             self._start_move(move)
         if self._requests or self._pending_turns:
-            self._push(self.now + self.config.controller.interval_s, _CALL, self._control)
+            self._push(self.now + self.config.controller.interval_s, CALL, self._control)
 
     def _start_move(self, move: Move) -> None:
         """Stop routing to the engine; it restarts once its in-flight requests are done or the drain timeout fails them.
@@ -493,7 +491,7 @@ class VirtualRun:
         self._move_started_s = self.now
         self._drained_s = None
         self._drain_failed = 0
-        self._push(self.now + self.config.controller.drain_timeout_s, _CALL, partial(self._drain_timeout, move))
+        self._push(self.now + self.config.controller.drain_timeout_s, CALL, partial(self._drain_timeout, move))
         self._restart_if_drained(move)
 
     def _drain_timeout(self, move: Move) -> None:
@@ -514,7 +512,7 @@ class VirtualRun:
             return
         self._drained_s = self.now
         self.drain_engine_s += self.now - self._move_started_s
-        self._push(self.now + self.config.controller.sim_restart_s, _CALL, partial(self._rejoin, move))
+        self._push(self.now + self.config.controller.sim_restart_s, CALL, partial(self._rejoin, move))
 
     def _rejoin(self, move: Move) -> None:
         """The engine is back with the new role's flags (a fresh core, empty cache) and serves the other pool."""
@@ -522,7 +520,7 @@ class VirtualRun:
         engine_id, control = move.engine_id, self.config.controller
         role = control.role_for(move.to_pool)
         core = engine_core(self.config, self._engine_configs[engine_id], self.tokenizer, role)
-        self.engines[engine_id] = _Engine(engine_id, core)  # a step still pending on the old core finds nothing to send
+        self.engines[engine_id] = EngineSlot(engine_id, core)  # a step still pending on the old core finds nothing to send
         self._roles[engine_id] = role
         self.prefix_index.forget_engine(engine_id)
         self.prefix_index.set_capacity(engine_id, core.config.max_total_tokens)
@@ -547,47 +545,3 @@ class VirtualRun:
             return {}
         return {"controller": {"decisions": len(self.control_log), "moves": list(self.moves),
                                "restart_engine_s": self.restart_engine_s, "drain_engine_s": self.drain_engine_s}}
-
-
-def simulate(config: Config, workload: Workload, *, duration_s: float, seed: int, rate: float | None = None,
-             time_scale: float = 1.0, think_time_s: float = 1.0, think_dist: str = "exp",
-             request_timeout_s: float = 300.0, ignore_eos: bool = False, serving_latency_s: float = 0.0,
-             tokenizer: ChatTokenizer | None = None, on_record: Callable[[RequestRecord], None] | None = None,
-             on_progress: Callable[[float], None] | None = None) -> list[RequestRecord]:
-    """Run ``workload`` against ``config``'s deployment in virtual time; one record per request sent.
-
-    As :func:`simulate_run` (which also gives the run's :meth:`VirtualRun.summary`), returning only the records.
-    """
-    return simulate_run(config, workload, duration_s=duration_s, seed=seed, rate=rate, time_scale=time_scale,
-                        think_time_s=think_time_s, think_dist=think_dist, request_timeout_s=request_timeout_s,
-                        ignore_eos=ignore_eos, serving_latency_s=serving_latency_s, tokenizer=tokenizer,
-                        on_record=on_record, on_progress=on_progress).records
-
-
-def simulate_run(config: Config, workload: Workload, *, duration_s: float, seed: int, rate: float | None = None,
-                 time_scale: float = 1.0, think_time_s: float = 1.0, think_dist: str = "exp",
-                 request_timeout_s: float = 300.0, ignore_eos: bool = False, serving_latency_s: float = 0.0,
-                 tokenizer: ChatTokenizer | None = None, on_record: Callable[[RequestRecord], None] | None = None,
-                 on_progress: Callable[[float], None] | None = None) -> VirtualRun:
-    """Run ``workload`` against ``config``'s deployment in virtual time; the finished run (``records``: one per request sent).
-
-    Arguments mean what they mean for :func:`loadgen.runner.run_loadgen`;
-    arrivals come from ``random.Random(f"arrivals/{seed}")`` as there;
-    ``serving_latency_s`` as for :class:`VirtualRun`.
-    ``tokenizer`` defaults to the gateway's (``config.model.path``).
-    A prefill–decode deployment (``pd:``) runs as a :class:`loadgen.virtual_pd.VirtualPDRun`.
-
-    Raises:
-        ValueError: bad ``rate``/``time_scale``/``think_dist``, or an engine role the simulator cannot run.
-    """
-    plan = plan_arrivals(workload, duration_s=duration_s, rng=random.Random(f"arrivals/{seed}"), rate=rate,
-                         time_scale=time_scale, think_time_s=think_time_s, think_dist=think_dist)
-    run_class = VirtualRun
-    if config.pd is not None:
-        from loadgen.virtual_pd import VirtualPDRun  # here, not at the top: that module imports this one
-
-        run_class = VirtualPDRun
-    run = run_class(config, tokenizer or load_tokenizer(config.model.path), request_timeout_s=request_timeout_s,
-                    ignore_eos=ignore_eos, serving_latency_s=serving_latency_s)
-    run.run(plan, duration_s, on_record=on_record, on_progress=on_progress)
-    return run

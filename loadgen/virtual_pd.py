@@ -14,7 +14,7 @@ KV link. One request goes through:
    decode pool keeps its configured size.
 2. **Decode placement**, at the same moment (the gateway sends the request to
    both engines at once, as SGLang's PD protocol wants):
-   :func:`policies.decode_placement.make_decode_placement` over the decode
+   :func:`policies.registry.make_decode_placement` over the decode
    engines (:meth:`EngineRegistry.decode_views`), with the prompt length as the
    context; the request counts as in flight on both engines.
 3. The prefill engine prefills it and samples the first token (SGLang's
@@ -53,8 +53,8 @@ from engines.sim.latency import MODELS
 from laps.config import Config
 from laps.tokenizer import ChatTokenizer
 from loadgen.report import summarize
-from loadgen.virtual import NO_ENGINE_MESSAGE, VirtualRun, _CALL, _Engine, _Request
-from policies.decode_placement import make_decode_placement
+from loadgen.virtual import NO_ENGINE_MESSAGE, VirtualRun, CALL, EngineSlot, SimRequest
+from policies.registry import make_decode_placement
 
 
 @dataclass(slots=True)
@@ -103,7 +103,7 @@ class VirtualPDRun(VirtualRun):
             "inflation": summarize(t.inflation for t in self.transfers),
         }}
 
-    def _engine_in(self, req: _Request, engine: _Engine) -> None:
+    def _engine_in(self, req: SimRequest, engine: EngineSlot) -> None:
         if req.done:
             return
         rid = req.view.rid
@@ -115,7 +115,7 @@ class VirtualPDRun(VirtualRun):
         self._pd[rid] = _PD(engine.id, decode_id)
         super()._engine_in(req, engine)
 
-    def _fail_now(self, req: _Request, status: int, message: str) -> None:
+    def _fail_now(self, req: SimRequest, status: int, message: str) -> None:
         """Fail a request on its way in (inside a decision: after it, as :class:`VirtualRun` does)."""
         if self._hop_s:
             self._fail(req, status, message)
@@ -146,7 +146,7 @@ class VirtualPDRun(VirtualRun):
         t = self.network.next_done_s()
         if t is not None:
             gen = self._transfer_gen
-            self._push(max(t, self.now), _CALL, lambda: self._on_transfers(gen))
+            self._push(max(t, self.now), CALL, lambda: self._on_transfers(gen))
 
     def _on_transfers(self, gen: int) -> None:
         if gen != self._transfer_gen:
@@ -193,7 +193,7 @@ class VirtualPDRun(VirtualRun):
             if ev.finished:
                 self._complete(req, ev)
 
-    def _complete(self, req: _Request, ev: RequestEvent) -> None:
+    def _complete(self, req: SimRequest, ev: RequestEvent) -> None:
         rec = req.record
         rec.end_s = self.now
         rec.prompt_tokens, rec.completion_tokens = ev.prompt_tokens, ev.completion_tokens
@@ -208,7 +208,7 @@ class VirtualPDRun(VirtualRun):
 
     # ---- withdrawal and release ----------------------------------------------------------------
 
-    def _on_timeout(self, req: _Request) -> None:
+    def _on_timeout(self, req: SimRequest) -> None:
         state = self._pd.get(req.view.rid)
         if req.done or state is None:
             super()._on_timeout(req)  # not dispatched yet (or already over)
@@ -218,14 +218,14 @@ class VirtualPDRun(VirtualRun):
         self._end(req)
         self._release(req)  # the gateway aborts it on both engines
 
-    def _release_prefill(self, req: _Request) -> None:
+    def _release_prefill(self, req: SimRequest) -> None:
         """The request no longer counts on its prefill engine (scheduler told, controller drain checked)."""
         state = self._pd[req.view.rid]
         if state.prefill_held:
             state.prefill_held = False
             super()._release(req)
 
-    def _release(self, req: _Request) -> None:
+    def _release(self, req: SimRequest) -> None:
         """Let go of whatever the request still holds: prefill engine, link, decode engine and placement."""
         rid = req.view.rid
         state = self._pd.get(rid)

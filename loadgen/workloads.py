@@ -264,6 +264,20 @@ class ExactLengthPrompts:
         raise RuntimeError(f"could not cut real text to exactly {target_tokens} templated tokens")
 
 
+def poisson_times(rate: float, rng: random.Random) -> Iterator[float]:
+    """Endless Poisson arrival times (seconds from 0) at ``rate`` per second: cumulative ``rng.expovariate`` gaps.
+
+    Raises:
+        ValueError: ``rate`` <= 0.
+    """
+    if rate <= 0:
+        raise ValueError(f"rate must be > 0 conversations/s, got {rate}")
+    t = 0.0
+    while True:
+        t += rng.expovariate(rate)
+        yield t
+
+
 def cycle_shuffled(conversations: Sequence[Conversation], rng: random.Random) -> Iterator[Conversation]:
     """Endless stream over ``conversations``: each pass is a fresh ``rng`` shuffle.
 
@@ -393,7 +407,6 @@ def shifting_workload(rng: random.Random, *, rate: float, phases: Sequence[Phase
         ValueError: no phases, a phase of ``duration_s`` <= 0, a long share
             outside [0, 1], or ``rate`` <= 0.
     """
-    from loadgen.runner import poisson_times  # the runner imports this module
 
     if not phases or any(p.duration_s <= 0 for p in phases):
         raise ValueError(f"phases must be at least one phase, each with duration_s > 0; got {list(phases)}")

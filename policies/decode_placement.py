@@ -4,7 +4,7 @@ Where several engines decode (data-parallel engines, or the decode engines of a 
 the gateway chooses one per request. A :class:`DecodePlacement` makes that choice from the
 request's context length (history + prompt, tokens) and the engines' :class:`EngineView`, and
 learns from progress reports. Two placements exist, chosen by ``scheduling.decode_placement``
-(:func:`make_decode_placement`):
+(:func:`policies.registry.make_decode_placement`):
 
 * ``least_load``, :class:`LeastLoadPlacement`: the healthy engine with the fewest requests in
   flight (ties: fewer in-flight prompt tokens, then the earlier engine);
@@ -24,16 +24,12 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import Protocol, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from policies.scheduler import ImmediateScheduler
 from policies.types import EngineView, RequestView
-
-if TYPE_CHECKING:
-    from laps.config import SchedulingConfig
-
 
 class DecodePlacement(Protocol):
     """Chooses the engine that decodes a request; told how its requests progress.
@@ -349,11 +345,3 @@ class _PlacementPicker:
 
     def pick(self, request: RequestView, engines: Sequence[EngineView], now: float) -> str | None:
         return self.placement.pick(request.rid, request.prompt_tokens, engines, now, reports_progress=request.stream)
-
-
-def make_decode_placement(scheduling: SchedulingConfig) -> DecodePlacement:
-    """A fresh placement named by ``scheduling.decode_placement`` (``least_load`` or ``aligned``,
-    the latter with ``scheduling.aligned``)."""
-    if scheduling.decode_placement == "aligned":
-        return AlignedPlacement(scheduling.aligned)
-    return LeastLoadPlacement()

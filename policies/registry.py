@@ -1,4 +1,4 @@
-"""Names to policies: the one place that builds a classifier and a scheduler from the configuration."""
+"""Names to policies: the one place that builds a classifier, a scheduler and a decode placement from the configuration."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 from policies.backlog_scheduler import BacklogScheduler
 from policies.classifier import Classifier, CostModelClassifier, PrefillCostModel, ThresholdClassifier
-from policies.decode_placement import AlignedPlacement, PlacementScheduler
+from policies.decode_placement import AlignedPlacement, DecodePlacement, LeastLoadPlacement, PlacementScheduler
 from policies.laps import LapsScheduler
 from policies.pool_router import PoolRouter
 from policies.router_baselines import BucketPicker, CacheAwarePicker, RoundRobinPicker
@@ -58,3 +58,11 @@ def make_scheduler(scheduling: SchedulingConfig, engines: EngineTraits | None = 
         ValueError: ``laps`` without ``engines``.
     """
     return POLICIES[scheduling.policy](scheduling, engines)
+
+
+def make_decode_placement(scheduling: SchedulingConfig) -> DecodePlacement:
+    """A fresh placement named by ``scheduling.decode_placement`` (``least_load`` or ``aligned``,
+    the latter with ``scheduling.aligned``)."""
+    if scheduling.decode_placement == "aligned":
+        return AlignedPlacement(scheduling.aligned)
+    return LeastLoadPlacement()

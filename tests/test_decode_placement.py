@@ -14,9 +14,8 @@ from policies.decode_placement import (
     AlignedPlacementConfig,
     LeastLoadPlacement,
     PlacementScheduler,
-    make_decode_placement,
 )
-from policies.registry import make_scheduler
+from policies.registry import make_decode_placement, make_scheduler
 from policies.types import EngineView, RequestView
 
 

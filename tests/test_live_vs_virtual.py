@@ -13,7 +13,7 @@ from laps.tokenizer import load_tokenizer
 from loadgen.agreement import compare, serving_latency
 from loadgen.report import build_report
 from loadgen.runner import run_loadgen
-from loadgen.virtual import simulate
+from loadgen.simulate import simulate
 from loadgen.workloads import build_workload
 
 DURATION_S = 12.0

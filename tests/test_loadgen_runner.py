@@ -15,7 +15,8 @@ from aiohttp.test_utils import TestServer
 
 from loadgen import cli
 from loadgen.report import write_trace
-from loadgen.runner import draw_think_time, plan_arrivals, poisson_times, run_loadgen
+from loadgen.runner import draw_think_time, plan_arrivals, run_loadgen
+from loadgen.workloads import poisson_times
 from loadgen.workloads import Conversation, Turn, Workload, load_replay
 
 

@@ -13,7 +13,8 @@ from engines.sim.replies import ReplyPlanner
 from laps.config import parse_config
 from laps.tokenizer import load_tokenizer
 from loadgen.runner import Arrival, plan_arrivals
-from loadgen.virtual import VirtualRun, simulate
+from loadgen.simulate import simulate
+from loadgen.virtual import VirtualRun
 from loadgen.virtual_pd import VirtualPDRun
 from loadgen.workloads import Conversation, Turn, build_workload
 

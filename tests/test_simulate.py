@@ -16,7 +16,7 @@ from laps.cli import main as laps_main
 from laps.config import DEFAULT_CONFIG_PATH, load_config, parse_config
 from laps.tokenizer import load_tokenizer
 from loadgen.report import build_report, print_run_summary
-from loadgen.virtual import simulate
+from loadgen.simulate import simulate
 from loadgen.workloads import Conversation, Turn, Workload, build_workload
 
 TOK = load_tokenizer()
