@@ -17,10 +17,10 @@ def row(policy, load, rate, viol, length=None, short=0.02, floor=0.006):
             "length_slo_violation_rate": viol if length is None else length, "short_ttft_p90_s": short, "short_floor_s": floor}
 
 
-def test_goodput_interpolates_the_rate_at_five_percent():
+def test_goodput_interpolates_the_offered_load_at_five_percent():
     rows = [row("x", 1, 100, 0.0), row("x", 2, 200, 0.03), row("x", 3, 280, 0.13), row("x", 4, 300, 0.5)]
-    # Between 200 req/s (3%) and 280 (13%): 5% is a fifth of the way, 216 req/s.
-    assert dominance.goodput(rows) == pytest.approx(216.0)
+    # Between load 2 (3%) and load 3 (13%): 5% is a fifth of the way.
+    assert dominance.goodput(rows) == pytest.approx(2.2)
     assert dominance.goodput([row("x", 1, 100, 0.2)]) == 0.0
 
 
@@ -34,8 +34,8 @@ def test_verdict_checks_every_load_the_knee_goodput_and_short_p90():
     v = dominance.verdict(rows, "w", 100.0)
     assert v["never_worse"] and v["short_p90"]
     assert v["knee"] == {"load": 100, "laps": 0.02, "best": 0.06, "best_policy": "least_load+spf", "ok": True}
-    # laps: 5% between 200 (2%) and 260 (8%): 230 req/s; least_load+spf: between 100 (0%) and 200 (6%): 183.3 req/s.
-    assert v["goodput"]["laps_rps"] == pytest.approx(230.0) and v["goodput"]["best_rps"] == pytest.approx(100 + 100 * 5 / 6)
+    # laps: 5% halfway between loads 100 (2%) and 150 (8%): 125; least_load+spf: between 50 (0%) and 100 (6%): 91.7.
+    assert v["goodput"]["laps_load"] == pytest.approx(125.0) and v["goodput"]["best_load"] == pytest.approx(50 + 50 * 5 / 6)
     assert v["goodput"]["ok"] and v["goodput"]["best_policy"] == "least_load+spf"
     rows[0]["slo_violation_rate"] = 0.006  # 0.6 points over the best at load 50: worse
     assert not dominance.verdict(rows, "w", 100.0)["never_worse"]
