@@ -83,9 +83,10 @@ async def set_role(request: web.Request) -> web.Response:
     switches = request.app[SWITCHES]
     if engine_id in switches:
         raise APIError(409, f"engine {engine_id!r} is already switching role", type="conflict_error")
+    instant = gw.config.instant_move(gw.manager.engines[engine_id].role, role)  # same flags: no drain, no restart
     start_switch(switches, gw, engine_id, role, float(drain_timeout_s))
-    log.info("admin: engine %s switching to role %s", engine_id, role)
-    return web.json_response({"engine": engine_id, "role": role, "status": "switching"}, status=202)
+    log.info("admin: engine %s %s role %s", engine_id, "moving at once to" if instant else "switching to", role)
+    return web.json_response({"engine": engine_id, "role": role, "status": "moving" if instant else "switching"}, status=202)
 
 
 def start_switch(switches: dict[str, asyncio.Task], gw: Gateway, engine_id: str, role: str, drain_timeout_s: float) -> asyncio.Task:

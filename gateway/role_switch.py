@@ -25,7 +25,7 @@ def check_same_side(gw: Gateway, engine_id: str, role: str) -> None:
 
 
 async def switch_role(gw: Gateway, engine_id: str, role: str, drain_timeout_s: float = 60.0) -> None:
-    """Restart engine ``engine_id`` with ``role``'s flags and move it to that role's pool.
+    """Move engine ``engine_id`` to ``role``'s pool: at once when the role keeps its flags, else by a restart with them.
 
     When ``role`` gives the engine the flags it runs with already
     (:meth:`laps.config.Config.instant_move`), the move is instant: the engine

@@ -279,7 +279,7 @@ class Config(_Strict):
     @classmethod
     def _controller_on_where_it_can(cls, data: Any) -> Any:
         """``controller.enabled`` left unset: on when its two roles exist and serve the short and long pools
-        and the prefill engines outnumber ``min_pool_size`` (so a move is possible), else off."""
+        and the prefill engines laps runs (not ``external``) outnumber ``min_pool_size`` (so a move is possible), else off."""
         if not isinstance(data, dict) or not isinstance(data.get("roles"), dict) or not isinstance(data.get("engines"), list):
             return data
         controller = data.get("controller") or {}
@@ -292,10 +292,11 @@ class Config(_Strict):
 
         short_role = controller.get("short_role", ControllerConfig.model_fields["short_role"].default)
         long_role = controller.get("long_role", ControllerConfig.model_fields["long_role"].default)
-        prefill = sum(isinstance(e, dict) and pool_of(e.get("role")) in ("short", "long") for e in data["engines"])
+        movable = sum(isinstance(e, dict) and e.get("kind") != "external" and pool_of(e.get("role")) in ("short", "long")
+                      for e in data["engines"])
         min_pool = controller.get("min_pool_size", ControllerConfig.model_fields["min_pool_size"].default)
         on = (pool_of(short_role) == "short" and pool_of(long_role) == "long"
-              and isinstance(min_pool, int) and prefill > min_pool)
+              and isinstance(min_pool, (int, float)) and movable > min_pool)
         return {**data, "controller": {**controller, "enabled": on}}
 
     @model_validator(mode="after")

@@ -1,16 +1,17 @@
 """What the scheduler must know of the prefill engines to predict their TTFT, built from the deployment's configuration.
 
 Pass times: ``scheduling.cost_model`` (fitted on a running engine by ``laps
-calibrate``) when set; otherwise the engine model of ``sim.model`` on
-``sim.gpu`` (:mod:`engines.sim.latency`, fitted to published anchors), at the
-tensor-parallel size of the first prefill engine. For ``kind: sim`` engines that
-is the engines' own latency; for real SGLang it is a prior until calibrated.
+calibrate``) when set; otherwise the engine model the first prefill engine would
+run as a simulated engine (:func:`engines.manager.sim_model`: ``sim.model`` on
+``sim.gpu``, ``sim.calibration`` when set, its role's CUDA-graph flags, its
+tensor-parallel size). For ``kind: sim`` engines that is the engines' own
+latency; for real SGLang it is a prior until calibrated.
 The chunk size and queue order come from the prefill roles' flags.
 """
 
 from __future__ import annotations
 
-from engines.sim.latency import make_latency_model
+from engines.manager import sim_model
 from laps.config import Config
 from policies.classifier import PrefillCostModel
 from policies.ttft_model import EngineTraits, PassCost
@@ -23,9 +24,8 @@ def pass_cost(config: Config) -> PassCost:
     fit = config.scheduling.cost_model
     if fit is not None:
         return PrefillCostModel(fit.alpha, fit.beta, fit.gamma_w, fit.gamma_r, fit.memory_floor_s)
-    prefill = [e for e in config.engines if config.pool(e) != "decode"]
-    tp = len(prefill[0].gpus) if prefill and prefill[0].gpus else 1
-    return make_latency_model(config.sim.model, config.sim.gpu, tp_size=tp)
+    prefill = next(e for e in config.engines if config.pool(e) != "decode")  # a config always has one
+    return sim_model(config, prefill).latency
 
 
 def engine_traits(config: Config) -> EngineTraits:

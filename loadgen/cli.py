@@ -36,7 +36,10 @@ examples:
 
 datasets: hh-rlhf (multi-turn red-team chats; offensive text), mtbench (2 turns), arena, sharegpt
 (single turn), azure-conv (Azure 2023 trace replay, exact prompt token counts), mixed (hh-rlhf + mtbench
-chats with --long-share long requests of 1k-14k tokens), replay:PATH (a --trace-out file).
+chats with --long-share long requests of 1k-14k tokens), docs (mixed with half the requests long;
+--long-share does not apply), chat-single (first turns of hh-rlhf, arena, sharegpt and mtbench, single
+turn), shared-docs (10k-30k-token documents asked 3-8 questions each, interleaved), replay:PATH (a
+--trace-out file).
 exit status: 0 when every request succeeded, 1 when any failed or the run could not start, 2 for bad arguments."""
 
 
@@ -101,8 +104,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
     parser.add_argument("--model", help="model name to request (default: the first id from GET URL/v1/models)")
     parser.add_argument("--tokenizer", type=Path, help="HF model directory whose tokenizer counts tokens (default: built-in Qwen2.5)")
-    parser.add_argument("--slo-ttft-s", type=float, default=0.4, help="TTFT service-level objective in seconds (default: %(default)s)")
-    parser.add_argument("--slo-per-1k-new-tokens-s", type=float,
+    parser.add_argument("--slo-ttft-s", type=positive_float, default=0.4, help="TTFT service-level objective in seconds (default: %(default)s)")
+    parser.add_argument("--slo-per-1k-new-tokens-s", type=non_negative_float,
                         help="also report the length-aware objective: --slo-ttft-s plus this many seconds per 1,000 new prompt tokens")
     add_workload_arguments(parser, Path("runs/loadgen.json"))
 
@@ -246,7 +249,7 @@ def configure_simulate_parser(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG_PATH, help="deployment YAML (default: %(default)s)")
     parser.add_argument("--policy", choices=sorted(POLICIES), help="scheduling policy (default: the config's scheduling.policy)")
-    parser.add_argument("--slo-ttft-s", type=float, help="TTFT objective of the report (default: the config's slo.ttft_s)")
+    parser.add_argument("--slo-ttft-s", type=positive_float, help="TTFT objective of the report (default: the config's slo.ttft_s)")
     parser.add_argument("--serving-latency-ms", type=float, default=0.0,
                         help="HTTP and tokenization latency per request, half on the way in, half on the way back "
                              "(default: %(default)s)")
@@ -302,7 +305,7 @@ def run_simulation(args: argparse.Namespace) -> dict:
         "serving_latency_ms": args.serving_latency_ms,
         **workload_meta(args, workload),
     }
-    report = {**build_report(records, slo_ttft_s=args.slo_ttft_s or config.slo.ttft_s,
+    report = {**build_report(records, slo_ttft_s=config.slo.ttft_s if args.slo_ttft_s is None else args.slo_ttft_s,
                              slo_ttft_per_1k_s=config.slo.ttft_per_1k_new_tokens_s, meta=meta), **virtual.summary()}
     write_outputs(args, report, records, console)
     if not args.quiet:

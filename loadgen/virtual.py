@@ -481,6 +481,7 @@ class VirtualRun:
         if self.config.instant_move(self._roles[move.engine_id], role):
             self._roles[move.engine_id] = role
             self.registry[move.engine_id].pool = move.to_pool
+            self.first_tokens.forget_engine(move.engine_id)  # as the gateway does after every move
             self.moves.append({"engine": move.engine_id, "from_pool": move.from_pool, "to_pool": move.to_pool, "role": role,
                                "start_s": self.now, "drain_s": 0.0, "restart_s": 0.0, "end_s": self.now, "drain_failed": 0})
             assert self.controller is not None

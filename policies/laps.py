@@ -55,9 +55,12 @@ it elsewhere gives an earlier first token:
   separation holds where it costs no deadline and gives way where it would
   ("spill-over" into the short pool); short prefills then avoid an engine
   busy with a long one while a clean one exists (it predicts late for them);
-* a held long request whose own slack DDL − t − Ŝ_long falls under σ goes at
-  once to the engine with the lowest predicted TTFT, room or not (Ŝ_long: the
-  EWMA of long dispatch-to-first-token times), so the gate never starves it;
+* the queue's head (the most urgent request that can still make it), once its
+  slack DDL − t − Ŝ_long falls under σ, goes at once to the engine with the
+  lowest predicted TTFT, room or not (Ŝ_long: the EWMA of long
+  dispatch-to-first-token times), so the gate never starves the requests that
+  can still meet their deadline; the others wait their turn in order (the
+  queue is head-of-line: nothing behind a held head goes before it);
 * without a long pool (one engine in temporal mode, or every engine moved to
   the short pool) the room per engine is ``temporal_long_prefill_tokens`` (one
   long prefill at a time by default).
@@ -125,7 +128,7 @@ class LapsConfig(BaseModel):
     initial_service_ms: float = Field(10.0, gt=0, description="Ŝ before the first observation")
     initial_long_service_ms: float = Field(100.0, gt=0, description="Ŝ_long before the first observation")
     service_smoothing: float = Field(0.2, gt=0, le=1, description="EWMA weight of a new Ŝ observation")
-    max_long_prefill_tokens: int = Field(16384, ge=1, description="new tokens of long prefills in progress per long-pool engine")
+    max_long_prefill_tokens: int = Field(16384, ge=1, description="new tokens of long prefills in progress per engine while a long pool exists")
     temporal_long_prefill_tokens: int = Field(1, ge=1, description="the same on an engine that also serves short prefills (1: one at a time)")
 
     @model_validator(mode="after")
@@ -246,7 +249,7 @@ class LapsScheduler:
         }
 
     def late_factor(self) -> float:
-        """The P90 of recent long requests' actual over predicted TTFT (dispatch to first token), at least 1:
+        """The P99 of recent long requests' actual over predicted TTFT (dispatch to first token), at least 1:
         how much later than predicted a long prefill may come (1 before any was observed)."""
         if self._late_factor is None:
             ordered = sorted(self._long_lateness)
@@ -266,7 +269,7 @@ class LapsScheduler:
         for group in sorted(self._queues):
             queue = self._queues[group]
             while queue:
-                idle = any(e.healthy and self.model.prefilling(e.id) == 0 for e in load.values())
+                idle = any(e.healthy and self.model.prefilling(e.id, now) == 0 for e in load.values())
                 trigger, when = ("idle", now) if idle else self.trigger(queue, now)
                 if trigger is None:
                     wake = when if wake is None else min(wake, when)

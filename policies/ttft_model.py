@@ -125,14 +125,18 @@ class EngineQueueModel:
         self._expire_unstreamed(engine_id, now)
         return max((p.finish_s for p in entries.values()), default=now)
 
-    def prefilling(self, engine_id: str) -> int:
-        """Requests dispatched to ``engine_id`` that have no first token yet."""
-        return len(self._by_engine.get(engine_id, ()))
+    def prefilling(self, engine_id: str, now: float) -> int:
+        """Requests dispatched to ``engine_id`` that have no first token yet (unstreamed ones: not yet past their
+        predicted first token)."""
+        if engine_id not in self._by_engine:
+            return 0
+        self._expire_unstreamed(engine_id, now)
+        return len(self._by_engine[engine_id])
 
     def start_s(self, engine_id: str, now: float, decoding_context_tokens: int = 0) -> float:
         """When a prefill sent to ``engine_id`` now would start: after the backlog, or after half a decode pass."""
         backlog_end = self.backlog_end_s(engine_id, now)
-        if self.prefilling(engine_id):
+        if self.prefilling(engine_id, now):
             return max(now, backlog_end)  # past its predicted end, a late backlog is still running
         decoding = self._decoding.get(engine_id, 0)
         if decoding == 0:
@@ -167,7 +171,6 @@ class EngineQueueModel:
             for q in entries.values():
                 if q.finish_s > finish - own_s:
                     q.finish_s += own_s
-        entries = self._by_engine.setdefault(engine_id, {})
         for rid in rids:
             p = _Prefill(engine_id, finish, stream)
             self._pending[rid] = p

@@ -71,6 +71,9 @@ def test_controller_is_on_where_it_can_work_and_its_roles_are_checked_when_on_or
     assert load_config().controller.enabled is True  # short-prefill and long-prefill exist; 2 engines > min_pool_size 1
     assert parse_config({**data, "controller": {"min_pool_size": 2}}).controller.enabled is False  # no move possible
     assert parse_config({**data, "controller": {"enabled": False}}).controller.enabled is False
+    external = {**data, "engines": [{"name": n, "kind": "external", "role": r, "url": f"http://10.0.0.{i}:30000"}
+                                    for i, (n, r) in enumerate((("a", "short-prefill"), ("b", "long-prefill")))]}
+    assert parse_config(external).controller.enabled is False  # laps cannot move external engines
     data["controller"] = {"short_role": "tiny"}  # off, but set explicitly: checked
     with pytest.raises(ConfigError, match="controller.short_role: 'tiny' is not a role defined under roles"):
         parse_config(data)

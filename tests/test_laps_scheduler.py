@@ -268,3 +268,13 @@ def test_stats_report_queues_depth_and_triggers():
     stats = s.stats()
     assert stats["short_batches_by_slack_total"] == 1 and stats["short_requests_batched_total"] == 2
     assert (stats["queued_short_requests"], stats["queued_long_requests"], stats["awd_depth_tokens"]) == (0, 0, 64)
+
+
+def test_an_engine_that_only_decodes_unstreamed_requests_is_idle_for_short_ones():
+    s = LapsScheduler(config(), TRAITS)
+    s.submit(RequestView("r0", 10, 0, 0.0, 0.4, "short", stream=False), 0.0)
+    only = [EngineView("only", "short")]
+    assert s.decide(only, 0.0) == Decision((Dispatch("only", ("r0",)),))
+    # r0's first token comes only with its whole answer; past its predicted prefill (5.1 ms) the engine is idle.
+    s.submit(short("r1", 10, 0.5), 0.5)
+    assert s.decide(only, 0.5) == Decision((Dispatch("only", ("r1",)),)) and s.triggers["idle"] == 2

@@ -19,12 +19,12 @@ def test_a_request_queues_behind_the_backlog_and_the_backlog_follows_late_first_
     assert m.predict_ttft_s("e", [(100, 0)], 0.01) == pytest.approx(0.017)
     m.first_token("a", 0.025)  # 10 ms late: b is pushed back as much
     assert m.backlog_end_s("e", 0.025) == pytest.approx(0.031)
-    assert (m.prefilling("e"), m.decoding("e")) == (1, 1)
+    assert (m.prefilling("e", 0.025), m.decoding("e")) == (1, 1)
     m.first_token("b", 0.026)  # early: nothing is pulled forward, the backlog is simply gone
     assert m.backlog_end_s("e", 0.026) == 0.026
     m.finished("a")
     m.finished("b")
-    assert (m.prefilling("e"), m.decoding("e")) == (0, 0)
+    assert (m.prefilling("e", 0.03), m.decoding("e")) == (0, 0)
 
 
 def test_an_idle_engine_that_decodes_adds_half_a_decode_pass():
@@ -47,8 +47,11 @@ def test_short_prefills_overtake_a_long_backlog_on_shortest_prefill_first_engine
 def test_unstreamed_requests_count_as_prefilled_at_their_predicted_time():
     m = EngineQueueModel(TRAITS)
     m.dispatched("e", ["a"], [(1000, 0)], 0.0, stream=False)
-    assert m.backlog_end_s("e", 0.01) == pytest.approx(0.015)
-    assert m.backlog_end_s("e", 0.02) == 0.02 and m.decoding("e") == 1
+    assert m.prefilling("e", 0.01) == 1 and m.prefilling("e", 0.016) == 0  # done at its predicted 15 ms
+    m.dispatched("e", ["a2"], [(1000, 0)], 0.02, stream=False)
+    m.finished("a2")
+    assert m.backlog_end_s("e", 0.01) == 0.01
+    assert m.decoding("e") == 1
     m.first_token("a", 0.5)  # reported with the whole answer: corrects nothing
     assert m.backlog_end_s("e", 0.5) == 0.5
 
