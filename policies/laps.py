@@ -363,7 +363,8 @@ class LapsScheduler:
         return (now + isolated_s > request.deadline_s, request.deadline_s, isolated_s, request.arrival_s)
 
     def _dispatch_long(self, load: dict[str, EngineView], now: float) -> tuple[list[Dispatch], float | None]:
-        """Long requests the gate, a borrowed engine or their slack lets go now; and when the first held one runs out of slack."""
+        """Long requests the gate (or the head's slack) lets go now, each to its engine (module docstring); and when the
+        held head runs out of slack."""
         if not self._long:
             return [], None
         dispatches = []
