@@ -16,6 +16,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import random
 import signal
 import socket
 import sys
@@ -44,11 +45,39 @@ def die_with_parent() -> None:
         pass
 
 
+FREE_PORT_RANGE = (20000, 32767)  # below Linux's default ephemeral range (32768-60999)
+_port_rng = random.Random()
+
+
+def _ephemeral_ports() -> range:
+    """The ports the OS hands out to outgoing connections (``ip_local_port_range``; Linux's default off Linux)."""
+    try:
+        low, high = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return range(low, high + 1)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` that was free a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A TCP port on ``host`` that was free a moment ago, outside the OS's ephemeral range.
+
+    An ephemeral port (what binding to port 0 gives) can be taken meanwhile as the local end of any
+    outgoing connection, e.g. a readiness poll, while a slow engine (real SGLang takes a minute on
+    CPU) has not bound it yet; a port outside that range can only be taken by another bind.
+
+    Raises:
+        OSError: no port of :data:`FREE_PORT_RANGE` outside the ephemeral range could be bound (200 tries).
+    """
+    ephemeral = _ephemeral_ports()
+    candidates = [p for p in range(FREE_PORT_RANGE[0], FREE_PORT_RANGE[1] + 1) if p not in ephemeral]
+    for port in _port_rng.sample(candidates, min(200, len(candidates))):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free TCP port on {host} in {FREE_PORT_RANGE[0]}-{FREE_PORT_RANGE[1]} outside the ephemeral range")
 
 
 def flag_args(flags: dict[str, FlagValue]) -> list[str]:

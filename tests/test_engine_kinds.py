@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import sys
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import pytest
 import yaml
 from aiohttp.test_utils import TestServer
 
-from engines.manager import EngineManager, engine_command, engine_env, server_args
+from engines.manager import FREE_PORT_RANGE, EngineManager, _ephemeral_ports, engine_command, engine_env, free_port, server_args
 from gateway.app import create_app
 from gateway.state import GATEWAY
 from laps.config import DEFAULT_CONFIG_PATH, Config, load_config, parse_config
@@ -206,3 +207,11 @@ def assert_refused_before_anything_runs(config: Config, expected: str) -> None:
     with pytest.raises(ValueError) as info:
         engine_cores(config, load_tokenizer())
     assert str(info.value) == expected
+
+
+def test_free_ports_are_outside_the_ephemeral_range_and_bindable():
+    for _ in range(20):
+        port = free_port()
+        assert FREE_PORT_RANGE[0] <= port <= FREE_PORT_RANGE[1] and port not in _ephemeral_ports()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", port))
