@@ -152,6 +152,10 @@ def print_report(report: dict, console: Console | None = None) -> None:
         f"{report['requests']['ok']} ok / {report['requests']['sent']} sent in {report['duration_s']:.1f} s: "
         f"{report['throughput_rps']:.2f} req/s, {report['output_tokens_per_s']:.0f} output tok/s"
     )
+    rows = report.get("trace_rows")
+    if rows is not None and rows["over_context"]:
+        console.print(f"[yellow]{rows['over_context']} of {rows['read']} trace rows left out: prompt plus output "
+                      f"tokens pass the {rows['context_tokens']}-token context[/yellow]")
     for message, count in report["errors_by_message"].items():
         console.print(f"[red]{count} × {message}[/red]")
     print_run_summary(report, console)
