@@ -245,6 +245,7 @@ async def _serve_once(request: web.Request, gw: Gateway, body: dict, path: str, 
     in_flight = gw.metrics.in_flight_of(engine_id)
     in_flight.inc()
     class_metrics.prompt_tokens.inc(view.prompt_tokens)
+    class_metrics.cached_estimated.inc(view.cached_by_engine.get(engine_id, 0))
     if view.cached_tokens:
         class_metrics.reprefills.inc()
     outcome = "error"
@@ -300,7 +301,9 @@ async def _learn_from_reply(gw: Gateway, engine_id: str, view: RequestView, prom
     with the reply (it is about tokenizing, not about which engine caches what).
     """
     if reply.cached_tokens is not None:
-        gw.metrics.of_class(view.request_class).prefix_estimate_error.observe(abs(view.cached_by_engine.get(engine_id, 0) - reply.cached_tokens))
+        class_metrics = gw.metrics.of_class(view.request_class)
+        class_metrics.prefix_estimate_error.observe(abs(view.cached_by_engine.get(engine_id, 0) - reply.cached_tokens))
+        class_metrics.cached_reported.inc(reply.cached_tokens)
     text = "".join(reply.text)
     if len(text) <= INLINE_ENCODE_CHARS:
         chain = gw.prompt_cache.reply_chain(prompt, text)
