@@ -27,6 +27,7 @@ from pydantic import BaseModel, ValidationError
 
 from gateway import pd_dispatch
 from gateway.errors import APIError
+from gateway.priority import set_engine_priority, view_priority
 from gateway.relay import ClientGone, EngineUnavailable, Reply, StreamTap, ask_engine_for_usage, dumps, end_stream, error_event, in_background, start_stream, upstream_error, write
 from gateway.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 from gateway.state import GATEWAY, Gateway
@@ -194,6 +195,9 @@ async def _dispatch(request: web.Request, gw: Gateway, body: dict, path: str, pr
         view = dataclasses.replace(view, deadline_s=gw.config.slo.deadline_s(arrival_s, view.new_tokens))  # length-aware
     if not stream:
         view = dataclasses.replace(view, stream=False)
+    priority = view_priority(request, body, gw.config)
+    if priority is not None:
+        view = dataclasses.replace(view, priority=priority)
     try:
         return await _attempt(request, gw, body, path, prompt, stream, view, may_retry=True)
     except EngineUnavailable as err:
@@ -233,6 +237,7 @@ async def _serve_once(request: web.Request, gw: Gateway, body: dict, path: str, 
     engine_id = await gw.dispatcher.admit(view)
     engine = gw.registry[engine_id]
     body["rid"] = rid
+    set_engine_priority(gw, engine_id, body, view.priority)
     cached_est = str(view.cached_by_engine.get(engine_id, 0))
     headers = {
         "x-laps-class": req_class,
