@@ -31,6 +31,7 @@ from gateway.priority import set_engine_priority, view_priority
 from gateway.relay import ClientGone, EngineUnavailable, Reply, StreamTap, ask_engine_for_usage, dumps, end_stream, error_event, in_background, start_stream, upstream_error, write
 from gateway.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 from gateway.state import GATEWAY, Gateway
+from gateway.tracing import child_span
 from laps.chat_cache import EncodedPrompt
 from policies.admission import classified_view_of_keys
 from policies.output_predictor import reply_token_counts
@@ -124,10 +125,15 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def _serve(request: web.Request, schema: type[ChatCompletionRequest] | type[CompletionRequest], path: str) -> web.StreamResponse:
     gw = request.app[GATEWAY]
     arrival_s = time.monotonic()
-    body = await _json_body(request)
-    req = _validate(schema, body)
-    _check_model(gw, req.model)
-    return await _dispatch(request, gw, body, path, await _prompt_chain(gw, req, body), req.stream, arrival_s)
+    with child_span(gw.tracer, "validation"):
+        body = await _json_body(request)
+        req = _validate(schema, body)
+        _check_model(gw, req.model)
+    with child_span(gw.tracer, "tokenization") as span:
+        prompt = await _prompt_chain(gw, req, body)
+        if span is not None:
+            span.set_attribute("laps.prompt_tokens", prompt.prompt.tokens)
+    return await _dispatch(request, gw, body, path, prompt, req.stream, arrival_s)
 
 
 async def _prompt_chain(gw: Gateway, req: ChatCompletionRequest | CompletionRequest, body: dict) -> EncodedPrompt:
@@ -234,7 +240,13 @@ async def _serve_once(request: web.Request, gw: Gateway, body: dict, path: str, 
     ``laps_requests_total`` (the retry is).
     """
     rid, req_class, arrival_s = view.rid, view.request_class, view.arrival_s
-    engine_id = await gw.dispatcher.admit(view)
+    with child_span(gw.tracer, "queueing") as span:
+        if span is not None:
+            span.set_attributes({"laps.class": req_class, "laps.prompt_tokens": view.prompt_tokens,
+                                 "laps.new_tokens": view.new_tokens, "laps.queued_ahead": gw.dispatcher.queued})
+        engine_id = await gw.dispatcher.admit(view)
+        if span is not None:
+            span.set_attribute("laps.engine", engine_id)
     engine = gw.registry[engine_id]
     body["rid"] = rid
     set_engine_priority(gw, engine_id, body, view.priority)
