@@ -13,10 +13,10 @@ from typing import Callable
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
+from engines.manager import sim_model
 from laps.config import DEFAULT_CONFIG_PATH, load_config, parse_config
 from laps.tokenizer import ChatTokenizer, load_tokenizer
 from loadgen.report import build_report, print_report, write_report, write_trace
-from engines.manager import sim_model
 from loadgen.runner import THINK_DISTRIBUTIONS, LoadgenError, RequestRecord, discover_context_tokens, run_loadgen
 from loadgen.simulate import simulate_run
 from loadgen.workloads import DATASETS, DEFAULT_MAX_TOKENS, TRACE_FORMATS, Workload, build_workload

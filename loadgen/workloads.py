@@ -59,7 +59,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-
 from laps.tokenizer import CHATML_GENERATION_PROMPT, ChatTokenizer, load_tokenizer, render_chatml_turn
 from loadgen.block_prompts import BlockPrompts
 from loadgen.trace_files import (
@@ -284,6 +283,22 @@ def _over_context_note(name: str, over: int, read: int, context_tokens: int | No
     return [f"{name}: {over} of {read} {unit} left out: prompt plus output tokens pass the context of {context_tokens} tokens"]
 
 
+def _length_trace(name: str, stream: Iterator[Conversation], lengths: Sequence[tuple[int, int]], kept: int,
+                  min_tokens: int, columns: tuple[str, str], max_context_tokens: int | None) -> Workload:
+    """The timed workload of a length trace with its notes: rows below the template's minimum (their prompts get
+    it), rows asking no output (they ask 1 token) and rows left out past the context. ``lengths``: each row's
+    (prompt, output) tokens as the trace gives them; ``columns``: the trace's names for the two."""
+    below = sum(n < min_tokens for n, _ in lengths)
+    notes = [f"{name}: {below} of {len(lengths)} trace rows have {columns[0]} below the chat template's minimum "
+             f"of {min_tokens} tokens; their prompts are {min_tokens} tokens"]
+    no_output = sum(o < 1 for _, o in lengths)
+    if no_output:
+        notes.append(f"{name}: {no_output} of {len(lengths)} trace rows have {columns[1]} 0; they ask max_tokens 1")
+    over = len(lengths) - kept
+    notes += _over_context_note(name, over, len(lengths), max_context_tokens)
+    return Workload(name, stream, timed=True, notes=notes, rows=TraceRowCounts(len(lengths), over, max_context_tokens))
+
+
 def azure_workload(name: str, rows: Sequence[TraceRow], tokenizer: ChatTokenizer, rng: random.Random,
                    max_context_tokens: int | None = None, source: str = "azure") -> Workload:
     """Replay of an Azure LLM trace: each row a single-turn request at its arrival time.
@@ -303,17 +318,8 @@ def azure_workload(name: str, rows: Sequence[TraceRow], tokenizer: ChatTokenizer
             text = prompts.make(max(row.context_tokens, prompts.min_tokens))
             yield Conversation(f"{source}-{i}", source, (Turn(text, max(1, row.generated_tokens)),), row.arrival_s)
 
-    below = sum(r.context_tokens < prompts.min_tokens for r in rows)
-    no_output = sum(r.generated_tokens < 1 for r in rows)
-    notes = [
-        f"{name}: {below} of {len(rows)} trace rows have ContextTokens below the chat template's minimum "
-        f"of {prompts.min_tokens} tokens; their prompts are {prompts.min_tokens} tokens"
-    ]
-    if no_output:
-        notes.append(f"{name}: {no_output} of {len(rows)} trace rows have GeneratedTokens 0; they ask max_tokens 1")
-    over = len(rows) - len(kept)
-    notes += _over_context_note(name, over, len(rows), max_context_tokens)
-    return Workload(name, stream(), timed=True, notes=notes, rows=TraceRowCounts(len(rows), over, max_context_tokens))
+    return _length_trace(name, stream(), [(r.context_tokens, r.generated_tokens) for r in rows], len(kept), prompts.min_tokens,
+                         ("ContextTokens", "GeneratedTokens"), max_context_tokens)
 
 
 def mooncake_workload(name: str, rows: Sequence[MooncakeRow], tokenizer: ChatTokenizer, rng: random.Random,
@@ -336,17 +342,8 @@ def mooncake_workload(name: str, rows: Sequence[MooncakeRow], tokenizer: ChatTok
             text = prompts.make(max(row.input_length, prompts.min_tokens), row.hash_ids)
             yield Conversation(f"mooncake-{i}", "mooncake", (Turn(text, max(1, row.output_length)),), row.arrival_s)
 
-    notes = []
-    below = sum(r.input_length < prompts.min_tokens for r in rows)
-    if below:
-        notes.append(f"{name}: {below} of {len(rows)} rows have input_length below the chat template's minimum of "
-                     f"{prompts.min_tokens} tokens; their prompts are {prompts.min_tokens} tokens")
-    no_output = sum(r.output_length < 1 for r in rows)
-    if no_output:
-        notes.append(f"{name}: {no_output} of {len(rows)} rows have output_length 0; they ask max_tokens 1")
-    over = len(rows) - len(kept)
-    notes += _over_context_note(name, over, len(rows), max_context_tokens)
-    return Workload(name, stream(), timed=True, notes=notes, rows=TraceRowCounts(len(rows), over, max_context_tokens))
+    return _length_trace(name, stream(), [(r.input_length, r.output_length) for r in rows], len(kept), prompts.min_tokens,
+                         ("input_length", "output_length"), max_context_tokens)
 
 
 def _chat_tokens(tokenizer: ChatTokenizer, exchanges: Sequence[tuple[str, str]]) -> Iterator[int]:
