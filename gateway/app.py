@@ -14,14 +14,14 @@ import logging
 import os
 import signal
 import socket
-from typing import AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator
 
 import aiohttp
 from aiohttp import web
 
 from engines.client import EngineClient
 from engines.manager import EngineManager
-from gateway import handlers, relay
+from gateway import handlers, relay, tracing
 from gateway.admin import SWITCHES, add_admin_routes
 from gateway.controller_loop import CONTROLLER, ControllerLoop
 from gateway.dispatcher import Dispatcher
@@ -38,6 +38,9 @@ from laps.tokenizer import load_tokenizer
 from policies.pool_signals import FirstTokenWindow
 from policies.registry import make_classifier, make_scheduler
 from policies.prefix_index import PrefixIndex
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace.export import SpanExporter
 
 log = logging.getLogger("laps.gateway")
 
@@ -69,19 +72,23 @@ async def _mirror_kv_capacity(client: EngineClient, registry: EngineRegistry, pr
         engine.kv_capacity_tokens = load.max_total_tokens
 
 
-def create_app(config: Config, engine_urls: dict[str, str] | None = None) -> web.Application:
+def create_app(config: Config, engine_urls: dict[str, str] | None = None, span_exporter: SpanExporter | None = None) -> web.Application:
     """Build the gateway application for ``config``.
 
     ``engine_urls`` (``{engine name: base URL}``) serves engines that are
     already running; ``None`` launches the configured engines at start-up
     (``external`` ones are only addressed at their ``url``) and stops them at
-    clean-up.
+    clean-up. With ``tracing.enabled``, request spans go to ``span_exporter``
+    (default: OTLP to ``tracing.endpoint``; see :mod:`gateway.tracing`).
     """
-    app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
+    provider = tracing.tracer_provider(config.tracing, span_exporter) if config.tracing.enabled else None
+    tracer = provider.get_tracer("laps.gateway") if provider is not None else None
+    middlewares = [error_middleware] if tracer is None else [tracing.tracing_middleware(tracer), error_middleware]
+    app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         tokenizer = await asyncio.get_running_loop().run_in_executor(None, load_tokenizer, config.model.path)
-        client = EngineClient(config.gateway.request_timeout_s)
+        client = EngineClient(config.gateway.request_timeout_s, tracer=tracer)
         await client.start()
         manager = EngineManager(config) if engine_urls is None else None
         try:
@@ -91,7 +98,8 @@ def create_app(config: Config, engine_urls: dict[str, str] | None = None) -> web
             dispatcher = Dispatcher(make_scheduler(config.scheduling, engine_traits(config)), registry, first_tokens=first_tokens)
             prefix_index = PrefixIndex.from_byte_budget(config.scheduling.prefix_block_tokens, config.scheduling.prefix_index_bytes, len(config.engines))
             await _mirror_kv_capacity(client, registry, prefix_index)
-            gw = Gateway(config, tokenizer, registry, client, make_classifier(config.scheduling), dispatcher, prefix_index, GatewayMetrics(), manager)
+            gw = Gateway(config, tokenizer, registry, client, make_classifier(config.scheduling), dispatcher, prefix_index, GatewayMetrics(), manager,
+                         tracer=tracer)
             gw.pd = PDDispatch.from_config(config, urls) if config.pd is not None else None
             gw.metrics.watch_scheduler(dispatcher.scheduler.stats)
             app[GATEWAY] = gw
@@ -119,6 +127,8 @@ def create_app(config: Config, engine_urls: dict[str, str] | None = None) -> web
             if manager is not None:
                 await manager.stop()
             await client.close()
+            if provider is not None:
+                await asyncio.get_running_loop().run_in_executor(None, provider.shutdown)  # exports the spans still batched
 
     app.cleanup_ctx.append(lifecycle)
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)

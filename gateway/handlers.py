@@ -27,9 +27,11 @@ from pydantic import BaseModel, ValidationError
 
 from gateway import pd_dispatch
 from gateway.errors import APIError
+from gateway.priority import set_engine_priority, view_priority
 from gateway.relay import ClientGone, EngineUnavailable, Reply, StreamTap, ask_engine_for_usage, dumps, end_stream, error_event, in_background, start_stream, upstream_error, write
 from gateway.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 from gateway.state import GATEWAY, Gateway
+from gateway.tracing import child_span
 from laps.chat_cache import EncodedPrompt
 from policies.admission import classified_view_of_keys
 from policies.output_predictor import reply_token_counts
@@ -123,10 +125,15 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def _serve(request: web.Request, schema: type[ChatCompletionRequest] | type[CompletionRequest], path: str) -> web.StreamResponse:
     gw = request.app[GATEWAY]
     arrival_s = time.monotonic()
-    body = await _json_body(request)
-    req = _validate(schema, body)
-    _check_model(gw, req.model)
-    return await _dispatch(request, gw, body, path, await _prompt_chain(gw, req, body), req.stream, arrival_s)
+    with child_span(gw.tracer, "validation"):
+        body = await _json_body(request)
+        req = _validate(schema, body)
+        _check_model(gw, req.model)
+    with child_span(gw.tracer, "tokenization") as span:
+        prompt = await _prompt_chain(gw, req, body)
+        if span is not None:
+            span.set_attribute("laps.prompt_tokens", prompt.prompt.tokens)
+    return await _dispatch(request, gw, body, path, prompt, req.stream, arrival_s)
 
 
 async def _prompt_chain(gw: Gateway, req: ChatCompletionRequest | CompletionRequest, body: dict) -> EncodedPrompt:
@@ -194,6 +201,9 @@ async def _dispatch(request: web.Request, gw: Gateway, body: dict, path: str, pr
         view = dataclasses.replace(view, deadline_s=gw.config.slo.deadline_s(arrival_s, view.new_tokens))  # length-aware
     if not stream:
         view = dataclasses.replace(view, stream=False)
+    priority = view_priority(request, body, gw.config)
+    if priority is not None:
+        view = dataclasses.replace(view, priority=priority)
     try:
         return await _attempt(request, gw, body, path, prompt, stream, view, may_retry=True)
     except EngineUnavailable as err:
@@ -230,9 +240,16 @@ async def _serve_once(request: web.Request, gw: Gateway, body: dict, path: str, 
     ``laps_requests_total`` (the retry is).
     """
     rid, req_class, arrival_s = view.rid, view.request_class, view.arrival_s
-    engine_id = await gw.dispatcher.admit(view)
+    with child_span(gw.tracer, "queueing") as span:
+        if span is not None:
+            span.set_attributes({"laps.class": req_class, "laps.prompt_tokens": view.prompt_tokens,
+                                 "laps.new_tokens": view.new_tokens, "laps.queued_ahead": gw.dispatcher.queued})
+        engine_id = await gw.dispatcher.admit(view)
+        if span is not None:
+            span.set_attribute("laps.engine", engine_id)
     engine = gw.registry[engine_id]
     body["rid"] = rid
+    set_engine_priority(gw, engine_id, body, view.priority)
     cached_est = str(view.cached_by_engine.get(engine_id, 0))
     headers = {
         "x-laps-class": req_class,
@@ -245,6 +262,7 @@ async def _serve_once(request: web.Request, gw: Gateway, body: dict, path: str, 
     in_flight = gw.metrics.in_flight_of(engine_id)
     in_flight.inc()
     class_metrics.prompt_tokens.inc(view.prompt_tokens)
+    class_metrics.cached_estimated.inc(view.cached_by_engine.get(engine_id, 0))
     if view.cached_tokens:
         class_metrics.reprefills.inc()
     outcome = "error"
@@ -300,7 +318,9 @@ async def _learn_from_reply(gw: Gateway, engine_id: str, view: RequestView, prom
     with the reply (it is about tokenizing, not about which engine caches what).
     """
     if reply.cached_tokens is not None:
-        gw.metrics.of_class(view.request_class).prefix_estimate_error.observe(abs(view.cached_by_engine.get(engine_id, 0) - reply.cached_tokens))
+        class_metrics = gw.metrics.of_class(view.request_class)
+        class_metrics.prefix_estimate_error.observe(abs(view.cached_by_engine.get(engine_id, 0) - reply.cached_tokens))
+        class_metrics.cached_reported.inc(reply.cached_tokens)
     text = "".join(reply.text)
     if len(text) <= INLINE_ENCODE_CHARS:
         chain = gw.prompt_cache.reply_chain(prompt, text)

@@ -27,6 +27,8 @@ class GatewayMetrics:
         self.in_flight = Gauge("laps_engine_in_flight_requests", "Requests in flight per engine", ["engine"], registry=self.registry)
         self.engine_healthy = Gauge("laps_engine_healthy", "1 if the engine answers /ready", ["engine"], registry=self.registry)
         self.reprefills = Counter("laps_reprefills", "Requests with an estimated prefix-cache hit (H > 0), by class", ["cls"], registry=self.registry)
+        self.cached_estimated = Counter("laps_prefix_cached_tokens_estimated", "Prompt tokens the prefix index estimated cached on the chosen engine, by class", ["cls"], registry=self.registry)
+        self.cached_reported = Counter("laps_prefix_cached_tokens_reported", "Prompt tokens the engines reported served from their prefix cache (usage cached_tokens), by class", ["cls"], registry=self.registry)
         self.prefix_estimate_error = Histogram(
             "laps_prefix_estimate_error_tokens", "|estimated - engine-reported| cached prompt tokens, per request", ["cls"],
             buckets=(0, 16, 64, 256, 1024, 4096, 16384), registry=self.registry)
@@ -59,7 +61,8 @@ class GatewayMetrics:
 
 class ClassMetrics:
     """The per-class metrics' children of one request class (``cls``): ``ttft``, ``e2e``, ``prompt_tokens``,
-    ``reprefills``, ``prefix_estimate_error``, ``client_aborts``, and :meth:`requests` by outcome."""
+    ``reprefills``, ``cached_estimated``, ``cached_reported``, ``prefix_estimate_error``, ``client_aborts``, and
+    :meth:`requests` by outcome."""
 
     def __init__(self, metrics: GatewayMetrics, cls: str) -> None:
         self._requests = metrics.requests
@@ -69,6 +72,8 @@ class ClassMetrics:
         self.e2e = metrics.e2e.labels(cls)
         self.prompt_tokens = metrics.prompt_tokens.labels(cls)
         self.reprefills = metrics.reprefills.labels(cls)
+        self.cached_estimated = metrics.cached_estimated.labels(cls)
+        self.cached_reported = metrics.cached_reported.labels(cls)
         self.prefix_estimate_error = metrics.prefix_estimate_error.labels(cls)
         self.client_aborts = metrics.client_aborts.labels(cls)
 

@@ -57,6 +57,7 @@ class _SamplingFields(BaseModel):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     stop: str | list[str] | None = None
+    priority: int | None = Field(None, ge=-(1 << 63), lt=1 << 63)  # SGLang's; see gateway/priority.py
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -19,6 +19,8 @@ from policies.classifier import Classifier
 from policies.prefix_index import PrefixIndex
 
 if TYPE_CHECKING:
+    from opentelemetry.trace import Tracer
+
     from gateway.pd_dispatch import PDDispatch
 
 
@@ -29,6 +31,7 @@ class Gateway:
     ``manager`` runs the engine processes; ``None`` when the gateway was given
     the URLs of engines that run on their own. ``pd``: the decode placement and
     bootstrap addresses of a prefill-decode deployment (``None``: no ``pd:``).
+    ``tracer``: the request spans' tracer (``None``: tracing off).
     """
 
     config: Config
@@ -42,6 +45,7 @@ class Gateway:
     manager: EngineManager | None = None
     pd: "PDDispatch | None" = None
     prompt_cache: ChatPrefixCache | None = None  # built from ``tokenizer`` and the prefix block size when None
+    tracer: "Tracer | None" = None  # with tracing: on, gateway/tracing.py's spans
 
 
     def __post_init__(self) -> None:

@@ -54,6 +54,17 @@ class GatewayConfig(_Strict):
     admin_key: str | None = Field(None, min_length=8)
 
 
+class TracingConfig(_Strict):
+    """OpenTelemetry tracing of requests (``gateway/tracing.py``), off by default: spans go by OTLP over HTTP
+    (protobuf) to ``endpoint`` under ``service_name``; ``sample_ratio`` of the traces a request starts are kept
+    (a ``traceparent`` from the client decides for its own trace)."""
+
+    enabled: bool = False
+    endpoint: str = "http://127.0.0.1:4318/v1/traces"
+    service_name: str = "laps-gateway"
+    sample_ratio: float = Field(1.0, ge=0, le=1)
+
+
 class SLOConfig(_Strict):
     """Service-level objectives; ``ttft_s`` is the time-to-first-token target in seconds.
 
@@ -264,6 +275,7 @@ class Config(_Strict):
 
     model: ModelConfig = ModelConfig()
     gateway: GatewayConfig = GatewayConfig()
+    tracing: TracingConfig = TracingConfig()
     slo: SLOConfig = SLOConfig()
     scheduling: SchedulingConfig = SchedulingConfig()
     sim: SimConfig = SimConfig()

@@ -13,18 +13,19 @@ from typing import Callable
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
+from engines.manager import sim_model
 from laps.config import DEFAULT_CONFIG_PATH, load_config, parse_config
 from laps.tokenizer import ChatTokenizer, load_tokenizer
 from loadgen.report import build_report, print_report, write_report, write_trace
-from loadgen.runner import THINK_DISTRIBUTIONS, LoadgenError, RequestRecord, run_loadgen
+from loadgen.runner import THINK_DISTRIBUTIONS, LoadgenError, RequestRecord, discover_context_tokens, run_loadgen
 from loadgen.simulate import simulate_run
-from loadgen.workloads import DATASETS, DEFAULT_MAX_TOKENS, Workload, build_workload
+from loadgen.workloads import DATASETS, DEFAULT_MAX_TOKENS, TRACE_FORMATS, Workload, build_workload
 from policies.registry import POLICIES
 
 DESCRIPTION = """\
 Open-loop load of real chats against an OpenAI-compatible server (the laps gateway, SGLang, ...).
 Conversations arrive as a Poisson process at --rate per second (or at the trace's own times for
-azure-conv and replay:PATH); each turn is streamed, and the next turn follows the received answer
+azure-conv, replay:PATH, mooncake:PATH and azure:PATH); each turn is streamed, and the next turn follows the received answer
 after a think time, with the real history. Reports TTFT, TPOT and E2E per class (x-laps-class header)
 as a table, as JSON at --out and as a TTFT CDF plot next to it (.png)."""
 
@@ -33,13 +34,16 @@ examples:
   laps loadgen --url http://127.0.0.1:8000 --dataset mixed --rate 2 --duration 60 --out runs/mixed.json --trace-out runs/mixed.jsonl
   laps loadgen --url http://127.0.0.1:8000 --dataset azure-conv --duration 300 --time-scale 0.5 --out runs/azure.json
   laps loadgen --url http://127.0.0.1:8000 --dataset replay:runs/mixed.jsonl --duration 60 --out runs/replay.json
+  laps loadgen --url http://127.0.0.1:30000 --dataset mooncake:conversation_trace.jsonl --duration 600 --time-scale 0.5 --max-requests 2000
 
 datasets: hh-rlhf (multi-turn red-team chats; offensive text), mtbench (2 turns), arena, sharegpt
 (single turn), azure-conv (Azure 2023 trace replay, exact prompt token counts), mixed (hh-rlhf + mtbench
 chats with --long-share long requests of 1k-14k tokens), docs (mixed with half the requests long;
 --long-share does not apply), chat-single (first turns of hh-rlhf, arena, sharegpt and mtbench, single
 turn), shared-docs (10k-30k-token documents asked 3-8 questions each, interleaved), replay:PATH (a
---trace-out file).
+--trace-out file); trace files: mooncake:PATH (Mooncake JSONL: times, exact lengths, equal hash ids as
+equal 512-token blocks), azure:PATH (Azure LLM inference CSV, 2023 or 2024), sharegpt:PATH (ShareGPT JSON
+or JSONL conversations, multi-turn, recorded reply lengths; Poisson at --rate).
 exit status: 0 when every request succeeded, 1 when any failed or the run could not start, 2 for bad arguments."""
 
 
@@ -74,10 +78,15 @@ def positive_int(text: str) -> int:
     return value
 
 
-def add_workload_arguments(parser: argparse.ArgumentParser, default_out: Path) -> None:
-    """The flags ``laps loadgen`` and ``laps simulate`` share: what load to send and where the report goes."""
+def add_workload_arguments(parser: argparse.ArgumentParser, default_out: Path, context_default: str) -> None:
+    """The flags ``laps loadgen`` and ``laps simulate`` share: what load to send and where the report goes.
+
+    ``context_default`` says in ``--help`` where ``--max-context-tokens`` comes from when not given.
+    """
+    traces = ", ".join(f"{k}:PATH" for k in TRACE_FORMATS)
     parser.add_argument(
-        "--dataset", default="mixed", metavar="NAME", help=f"one of {', '.join(DATASETS)} or replay:PATH (default: %(default)s)"
+        "--dataset", default="mixed", metavar="NAME",
+        help=f"one of {', '.join(DATASETS)}, replay:PATH or a trace file {traces} (default: %(default)s)"
     )
     parser.add_argument("--rate", type=float, help="conversation arrivals per second (Poisson); required except for trace replay")
     parser.add_argument("--duration", type=positive_float, default=60.0, help="seconds during which conversations and turns may start (default: %(default)s)")
@@ -86,7 +95,11 @@ def add_workload_arguments(parser: argparse.ArgumentParser, default_out: Path) -
     parser.add_argument("--trace-out", type=Path, help="also write every request record as JSONL (replay with --dataset replay:PATH)")
     parser.add_argument("--think-time-s", type=non_negative_float, default=1.0, help="mean pause between an answer and the next turn (default: %(default)s)")
     parser.add_argument("--think-dist", choices=THINK_DISTRIBUTIONS, default="exp", help="think time: exponential or fixed (default: %(default)s)")
-    parser.add_argument("--time-scale", type=float, default=1.0, help="multiply trace arrival times (0.5 = twice as fast; default: %(default)s)")
+    parser.add_argument("--time-scale", type=positive_float, default=1.0, help="multiply trace arrival times (0.5 = twice as fast; default: %(default)s)")
+    parser.add_argument("--max-requests", type=positive_int, help="send at most this many requests (turns), whatever --duration allows")
+    parser.add_argument("--max-context-tokens", type=positive_int, metavar="TOKENS",
+                        help="leave out trace requests whose prompt plus output tokens pass this context, counted in the report "
+                             f"(default: {context_default})")
     parser.add_argument("--long-share", type=float, default=0.2, help="mixed: expected share of requests that are long (default: %(default)s)")
     parser.add_argument(
         "--max-tokens", type=positive_int, default=DEFAULT_MAX_TOKENS, help="output tokens to request where the data has no length (default: %(default)s)"
@@ -107,21 +120,29 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slo-ttft-s", type=positive_float, default=0.4, help="TTFT service-level objective in seconds (default: %(default)s)")
     parser.add_argument("--slo-per-1k-new-tokens-s", type=non_negative_float,
                         help="also report the length-aware objective: --slo-ttft-s plus this many seconds per 1,000 new prompt tokens")
-    add_workload_arguments(parser, Path("runs/loadgen.json"))
+    add_workload_arguments(parser, Path("runs/loadgen.json"), "the server's max_model_len from GET /v1/models "
+                           "when it lists one (SGLang does, the laps gateway does not), else no limit")
 
 
-def load_workload(args: argparse.Namespace, tokenizer: ChatTokenizer) -> Workload:
-    """The workload the shared flags name, from ``random.Random(f"workload/{seed}")``.
+def load_workload(args: argparse.Namespace, tokenizer: ChatTokenizer, context_tokens: int | None) -> Workload:
+    """The workload the shared flags name, from ``random.Random(f"workload/{seed}")``; trace requests past
+    ``context_tokens`` (prompt plus output) are left out and counted.
 
     Raises:
         ValueError: as :func:`~loadgen.workloads.build_workload`.
     """
     return build_workload(args.dataset, random.Random(f"workload/{args.seed}"), tokenizer=tokenizer,
-                          default_max_tokens=args.max_tokens, long_share=args.long_share)
+                          default_max_tokens=args.max_tokens, long_share=args.long_share, max_context_tokens=context_tokens)
 
 
 def workload_meta(args: argparse.Namespace, workload: Workload) -> dict:
-    """The report's description of the load (``dataset``, ``rate``, ``seed``, durations, think times, notes)."""
+    """The report's description of the load (``dataset``, ``rate``, ``seed``, durations, think times, notes,
+    ``max_requests``, and ``trace_rows`` {read, over_context, context_tokens} for trace files)."""
+    ignored = []
+    if workload.timed and args.rate:
+        ignored.append(f"--rate {args.rate} ignored: {args.dataset} replays its own arrival times")
+    if not workload.timed and args.time_scale != 1.0:
+        ignored.append(f"--time-scale {args.time_scale:g} ignored: {args.dataset} arrives as a Poisson process at --rate")
     return {
         "dataset": args.dataset,
         "rate": None if workload.timed else args.rate,
@@ -131,8 +152,9 @@ def workload_meta(args: argparse.Namespace, workload: Workload) -> dict:
         "think_time_s": args.think_time_s,
         "think_dist": args.think_dist,
         "ignore_eos": args.ignore_eos,
-        "notes": workload.notes
-        + ([f"--rate {args.rate} ignored: {args.dataset} replays its own arrival times"] if workload.timed and args.rate else []),
+        "max_requests": args.max_requests,
+        **({} if workload.rows is None else {"trace_rows": workload.rows.to_dict()}),
+        "notes": workload.notes + ignored,
     }
 
 
@@ -176,7 +198,10 @@ async def run(args: argparse.Namespace) -> dict:
         LoadgenError: the server could not be reached or lists no model.
         ValueError: inconsistent arguments (e.g. no ``--rate`` for a Poisson dataset).
     """
-    workload = await asyncio.to_thread(load_workload, args, load_tokenizer(args.tokenizer))
+    context = args.max_context_tokens
+    if context is None and args.dataset.partition(":")[0] in (*TRACE_FORMATS, "azure-conv"):
+        context = await discover_context_tokens(args.url)
+    workload = await asyncio.to_thread(load_workload, args, load_tokenizer(args.tokenizer), context)
     console = Console(stderr=True)
     progress, task, on_record = _progress_bar(args, console, "elapsed s")
 
@@ -203,6 +228,7 @@ async def run(args: argparse.Namespace) -> dict:
                 request_timeout_s=args.request_timeout_s,
                 extra_body={"ignore_eos": True} if args.ignore_eos else None,
                 on_record=on_record,
+                max_requests=args.max_requests,
             )
         finally:
             ticker.cancel()
@@ -238,6 +264,7 @@ examples:
   laps simulate --config config.yaml --dataset mixed --rate 2 --duration 600 --policy laps --seed 0 --out runs/sim/laps.json
   laps simulate --dataset hh-rlhf --rate 20 --duration 300 --policy round_robin --out runs/sim/rr.json
   laps simulate --dataset replay:runs/mixed.jsonl --duration 60 --out runs/sim/replay.json
+  laps simulate --dataset mooncake:conversation_trace.jsonl --duration 120 --max-requests 500 --out runs/sim/mooncake.json
 
 exit status: 0 when every request succeeded, 1 when any failed, 2 for bad arguments or configuration."""
 
@@ -253,7 +280,7 @@ def configure_simulate_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--serving-latency-ms", type=float, default=0.0,
                         help="HTTP and tokenization latency per request, half on the way in, half on the way back "
                              "(default: %(default)s)")
-    add_workload_arguments(parser, Path("runs/simulate.json"))
+    add_workload_arguments(parser, Path("runs/simulate.json"), "the smallest context length of the simulated engines")
 
 
 def run_simulation(args: argparse.Namespace) -> dict:
@@ -269,7 +296,10 @@ def run_simulation(args: argparse.Namespace) -> dict:
         data.setdefault("scheduling", {})["policy"] = args.policy
         config = parse_config(data, f"{args.config} with --policy {args.policy}")
     tokenizer = load_tokenizer(config.model.path)
-    workload = load_workload(args, tokenizer)
+    context = args.max_context_tokens
+    if context is None:
+        context = min(sim_model(config, engine).config.context_length for engine in config.engines)
+    workload = load_workload(args, tokenizer, context)
     console = Console(stderr=True)
     progress, task, on_record = _progress_bar(args, console, "simulated s")
 
@@ -293,6 +323,7 @@ def run_simulation(args: argparse.Namespace) -> dict:
             tokenizer=tokenizer,
             on_record=on_record,
             on_progress=on_progress,
+            max_requests=args.max_requests,
         )
     wall = time.perf_counter() - wall
     records = virtual.records

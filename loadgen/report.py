@@ -19,6 +19,7 @@ from matplotlib.figure import Figure
 from rich.console import Console
 from rich.table import Table
 
+from loadgen.bench_serving import bench_serving_metrics, format_bench_serving
 from loadgen.runner import RequestRecord
 
 CLASSES = ("short", "long")
@@ -79,7 +80,8 @@ def build_report(records: Sequence[RequestRecord], *, slo_ttft_s: float, slo_ttf
     ``ttft_s``/``tpot_s``/``e2e_s``/``itl_s`` statistics over successes,
     ``slo`` {ttft_s, violations, violation_rate}, ``by_class`` (``short`` and
     ``long`` always, ``unknown`` when some requests had no class header),
-    ``errors_by_message`` {message: count}. With ``slo_ttft_per_1k_s`` (the length-aware objective,
+    ``errors_by_message`` {message: count}, ``bench_serving`` (the figures SGLang's
+    bench_serving prints, under its result keys: :mod:`loadgen.bench_serving`). With ``slo_ttft_per_1k_s`` (the length-aware objective,
     :func:`length_objective_s`) also ``length_slo`` {ttft_s, per_1k_new_tokens_s, violations,
     violation_rate} and each class's ``length_slo_violation_rate``.
     """
@@ -109,6 +111,7 @@ def build_report(records: Sequence[RequestRecord], *, slo_ttft_s: float, slo_ttf
             "violation_rate": _length_violations(records, slo_ttft_s, slo_ttft_per_1k_s) / len(records) if records else None}}),
         "by_class": {c: _block([r for r in records if r.laps_class == c], slo_ttft_s, slo_ttft_per_1k_s) for c in classes},
         "errors_by_message": dict(Counter(r.error for r in records if not r.ok).most_common()),
+        "bench_serving": bench_serving_metrics(records, duration),
     }
 
 
@@ -152,9 +155,16 @@ def print_report(report: dict, console: Console | None = None) -> None:
         f"{report['requests']['ok']} ok / {report['requests']['sent']} sent in {report['duration_s']:.1f} s: "
         f"{report['throughput_rps']:.2f} req/s, {report['output_tokens_per_s']:.0f} output tok/s"
     )
+    rows = report.get("trace_rows")
+    if rows is not None and rows["over_context"]:
+        console.print(f"[yellow]{rows['over_context']} of {rows['read']} trace rows left out: prompt plus output "
+                      f"tokens pass the {rows['context_tokens']}-token context[/yellow]")
     for message, count in report["errors_by_message"].items():
         console.print(f"[red]{count} × {message}[/red]")
     print_run_summary(report, console)
+    console.print(format_bench_serving(report["bench_serving"], f"laps {command}",
+                                       "trace" if report.get("rate") is None else report["rate"]),
+                  markup=False, highlight=False, soft_wrap=True)
 
 
 def print_run_summary(report: dict, console: Console) -> None:

@@ -23,7 +23,7 @@ import asyncio
 import itertools
 import random
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import aiohttp
 import orjson
@@ -111,17 +111,20 @@ def plan_arrivals(
     time_scale: float = 1.0,
     think_time_s: float = 1.0,
     think_dist: str = "exp",
+    max_requests: int | None = None,
 ) -> list[Arrival]:
     """Every conversation start before ``duration_s``, in time order, with its think times.
 
     Timed workloads (trace replay) start at ``conversation.start_s * time_scale``
     (``time_scale`` 0.5 replays twice as fast) and ignore ``rate``; the others
     arrive as a Poisson process at ``rate`` conversations per second. Gaps and
-    think times are drawn from ``rng`` in arrival order.
+    think times are drawn from ``rng`` in arrival order. With ``max_requests``
+    the plan holds at most that many requests (turns): the conversation that
+    reaches it keeps only its first turns, and none starts after it.
 
     Raises:
         ValueError: ``rate`` missing or <= 0 for a Poisson workload, ``time_scale``
-            or ``duration_s`` <= 0, ``think_time_s`` < 0.
+            or ``duration_s`` <= 0, ``think_time_s`` < 0, ``max_requests`` < 1.
     """
     if time_scale <= 0:
         raise ValueError(f"time_scale must be > 0, got {time_scale}")
@@ -129,6 +132,8 @@ def plan_arrivals(
         raise ValueError(f"duration must be > 0 s, got {duration_s}")
     if not think_time_s >= 0:
         raise ValueError(f"think time must be >= 0 s, got {think_time_s}")
+    if max_requests is not None and max_requests < 1:
+        raise ValueError(f"max_requests must be >= 1, got {max_requests}")
     if workload.timed:
         starts: Iterator[tuple[float, Conversation]] = ((c.start_s * time_scale, c) for c in workload.conversations)
     else:
@@ -136,14 +141,21 @@ def plan_arrivals(
             raise ValueError(f"dataset {workload.name} needs a rate (conversations/s)")
         starts = zip(poisson_times(rate, rng), workload.conversations)
     plan = []
+    left = max_requests
     for t, conv in itertools.takewhile(lambda tc: tc[0] < duration_s, starts):
+        if left is not None:
+            if len(conv.turns) > left:
+                conv = replace(conv, turns=conv.turns[:left])
+            left -= len(conv.turns)
         thinks = tuple(draw_think_time(think_time_s, think_dist, rng) for _ in conv.turns[1:])
         plan.append(Arrival(t, conv, thinks))
+        if left == 0:
+            break
     return plan
 
 
-async def discover_model(session: aiohttp.ClientSession, url: str) -> str:
-    """The first model id listed by ``GET {url}/v1/models``.
+async def discover_model_card(session: aiohttp.ClientSession, url: str) -> dict:
+    """The first entry of ``GET {url}/v1/models`` (``id``; SGLang also gives ``max_model_len``).
 
     Raises:
         LoadgenError: unreachable server, non-200 answer or an empty list.
@@ -157,7 +169,23 @@ async def discover_model(session: aiohttp.ClientSession, url: str) -> str:
         raise LoadgenError(f"GET {url}/v1/models failed: {type(err).__name__}: {err}") from err
     if not data:
         raise LoadgenError(f"{url}/v1/models lists no model; pass --model")
-    return data[0]["id"]
+    return data[0]
+
+
+async def discover_model(session: aiohttp.ClientSession, url: str) -> str:
+    """The first model id listed by ``GET {url}/v1/models`` (raises as :func:`discover_model_card`)."""
+    return (await discover_model_card(session, url))["id"]
+
+
+async def discover_context_tokens(url: str) -> int | None:
+    """The ``max_model_len`` of the first model ``GET {url}/v1/models`` lists, or None when it gives none.
+
+    Raises:
+        LoadgenError: as :func:`discover_model_card`.
+    """
+    async with aiohttp.ClientSession() as session:
+        value = (await discover_model_card(session, url.rstrip("/"))).get("max_model_len")
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def error_text(body: bytes) -> str:
@@ -298,6 +326,7 @@ async def run_loadgen(
     extra_body: dict | None = None,
     on_record: Callable[[RequestRecord], None] | None = None,
     session: aiohttp.ClientSession | None = None,
+    max_requests: int | None = None,
 ) -> list[RequestRecord]:
     """Run ``workload`` against the OpenAI-compatible server at ``url`` and return one record per request sent.
 
@@ -305,7 +334,7 @@ async def run_loadgen(
     scaled by ``time_scale`` for timed workloads; think times exponential
     (``think_dist="exp"``, mean ``think_time_s``) or fixed. Arrival gaps and
     think times come from ``random.Random(f"arrivals/{seed}")`` (the workload
-    has its own RNG). ``model`` defaults to the first id of ``GET /v1/models``.
+    has its own RNG); ``max_requests`` caps the requests sent (:func:`plan_arrivals`). ``model`` defaults to the first id of ``GET /v1/models``.
     ``extra_body`` is merged into every request body (e.g. ``{"ignore_eos":
     True}``). ``on_record`` is called as each request finishes. ``session`` is
     used as given (left open); otherwise one is created and closed.
@@ -325,6 +354,7 @@ async def run_loadgen(
         time_scale=time_scale,
         think_time_s=think_time_s,
         think_dist=think_dist,
+        max_requests=max_requests,
     )
     own_session = session is None
     if own_session:

@@ -21,7 +21,7 @@ def simulate(config: Config, workload: Workload, *, duration_s: float, seed: int
              time_scale: float = 1.0, think_time_s: float = 1.0, think_dist: str = "exp",
              request_timeout_s: float = 300.0, ignore_eos: bool = False, serving_latency_s: float = 0.0,
              tokenizer: ChatTokenizer | None = None, on_record: Callable[[RequestRecord], None] | None = None,
-             on_progress: Callable[[float], None] | None = None) -> list[RequestRecord]:
+             on_progress: Callable[[float], None] | None = None, max_requests: int | None = None) -> list[RequestRecord]:
     """Run ``workload`` against ``config``'s deployment in virtual time; one record per request sent.
 
     As :func:`simulate_run` (which also gives the run's :meth:`~loadgen.virtual.VirtualRun.summary`), returning only the records.
@@ -29,14 +29,14 @@ def simulate(config: Config, workload: Workload, *, duration_s: float, seed: int
     return simulate_run(config, workload, duration_s=duration_s, seed=seed, rate=rate, time_scale=time_scale,
                         think_time_s=think_time_s, think_dist=think_dist, request_timeout_s=request_timeout_s,
                         ignore_eos=ignore_eos, serving_latency_s=serving_latency_s, tokenizer=tokenizer,
-                        on_record=on_record, on_progress=on_progress).records
+                        on_record=on_record, on_progress=on_progress, max_requests=max_requests).records
 
 
 def simulate_run(config: Config, workload: Workload, *, duration_s: float, seed: int, rate: float | None = None,
                  time_scale: float = 1.0, think_time_s: float = 1.0, think_dist: str = "exp",
                  request_timeout_s: float = 300.0, ignore_eos: bool = False, serving_latency_s: float = 0.0,
                  tokenizer: ChatTokenizer | None = None, on_record: Callable[[RequestRecord], None] | None = None,
-                 on_progress: Callable[[float], None] | None = None) -> VirtualRun:
+                 on_progress: Callable[[float], None] | None = None, max_requests: int | None = None) -> VirtualRun:
     """Run ``workload`` against ``config``'s deployment in virtual time; the finished run (``records``: one per request sent).
 
     Arguments mean what they mean for :func:`loadgen.runner.run_loadgen`;
@@ -49,7 +49,8 @@ def simulate_run(config: Config, workload: Workload, *, duration_s: float, seed:
         ValueError: bad ``rate``/``time_scale``/``think_dist``, or an engine role the simulator cannot run.
     """
     plan = plan_arrivals(workload, duration_s=duration_s, rng=random.Random(f"arrivals/{seed}"), rate=rate,
-                         time_scale=time_scale, think_time_s=think_time_s, think_dist=think_dist)
+                         time_scale=time_scale, think_time_s=think_time_s, think_dist=think_dist,
+                         max_requests=max_requests)
     run_class = VirtualPDRun if config.pd is not None else VirtualRun
     run = run_class(config, tokenizer or load_tokenizer(config.model.path), request_timeout_s=request_timeout_s,
                     ignore_eos=ignore_eos, serving_latency_s=serving_latency_s)

@@ -36,6 +36,14 @@ Data sets (``--dataset`` names; files and licences in ``loadgen/data/README.md``
   changes phase by phase, e.g. chat-heavy, then document-heavy, then back.
 * ``replay:PATH`` the turns recorded in a ``--trace-out`` JSONL file, each
   conversation starting at its recorded time.
+* public trace files (readers in :mod:`loadgen.trace_files`):
+  ``mooncake:PATH`` a Mooncake JSONL trace replayed at its times, prompts of
+  exactly ``input_length`` tokens whose 512-token blocks are equal where the
+  hash ids are (:mod:`loadgen.block_prompts`); ``azure:PATH`` any Azure LLM
+  inference CSV (2023 or 2024) replayed as ``azure-conv``; ``sharegpt:PATH``
+  ShareGPT conversations, multi-turn, each turn asking its recorded reply's
+  length, Poisson arrivals. Requests that would pass the model's context are
+  left out and counted (:attr:`Workload.rows`).
 
 Poisson data sets are endless: each pass over the file is a fresh seeded
 shuffle. Every random choice comes from the ``random.Random`` passed in.
@@ -44,25 +52,25 @@ shuffle. Every random choice comes from the ``random.Random`` passed in.
 from __future__ import annotations
 
 import bisect
-import csv
-import gzip
 import itertools
 import random
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import orjson
-
-from laps.tokenizer import ChatTokenizer, load_tokenizer
+from laps.tokenizer import CHATML_GENERATION_PROMPT, ChatTokenizer, load_tokenizer, render_chatml_turn
+from loadgen.block_prompts import BlockPrompts
+from loadgen.trace_files import (
+    MooncakeRow, RecordedConversation, TraceRow, read_azure, read_jsonl_lines, read_mooncake, read_sharegpt,
+)
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 DEFAULT_MAX_TOKENS = 256
 LONG_MIN_CONTEXT_TOKENS = 1024
 DATASETS = ("hh-rlhf", "mtbench", "arena", "sharegpt", "azure-conv", "mixed", "docs", "chat-single", "shared-docs")
 REPLAY_PREFIX = "replay:"
+TRACE_FORMATS = ("mooncake", "azure", "sharegpt")  # --dataset FORMAT:PATH
 # Special-token strings: a text holding one would be tokenized as a control token.
 _SPECIAL_MARK = "<|"
 
@@ -91,15 +99,6 @@ class Conversation:
     start_s: float | None = None
 
 
-@dataclass(frozen=True)
-class TraceRow:
-    """One Azure trace request: ``arrival_s`` after the first request, prompt and output token counts."""
-
-    arrival_s: float
-    context_tokens: int
-    generated_tokens: int
-
-
 @dataclass
 class Workload:
     """A named stream of conversations.
@@ -113,32 +112,25 @@ class Workload:
     conversations: Iterator[Conversation]
     timed: bool
     notes: list[str] = field(default_factory=list)
+    rows: TraceRowCounts | None = None
 
 
-def _read_jsonl_lines(path: Path) -> list[tuple[int, Any]]:
-    """The values of a JSONL file (gzip when it ends in ``.gz``) with their 1-based line numbers; blank lines skipped.
+@dataclass(frozen=True)
+class TraceRowCounts:
+    """How many rows a trace file had (``read``) and how many were left out because the request would pass the
+    model's context (``over_context``: prompt + output tokens > ``context_tokens``; None: no limit known)."""
 
-    Raises:
-        ValueError: the file cannot be read, or a line is not JSON (the message names the file and line).
-    """
-    opener = gzip.open if path.suffix == ".gz" else open
-    rows = []
-    try:
-        with opener(path, "rb") as f:
-            for line_no, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rows.append((line_no, orjson.loads(line)))
-                except orjson.JSONDecodeError as err:
-                    raise ValueError(f"{path} line {line_no}: not valid JSON ({err})") from None
-    except OSError as err:
-        raise ValueError(f"{path}: cannot read: {err.strerror or err}") from None
-    return rows
+    read: int
+    over_context: int
+    context_tokens: int | None
+
+    def to_dict(self) -> dict:
+        """The report's ``trace_rows`` entry."""
+        return {"read": self.read, "over_context": self.over_context, "context_tokens": self.context_tokens}
 
 
 def _read_jsonl(path: Path) -> list[dict]:
-    return [row for _, row in _read_jsonl_lines(path)]
+    return [row for _, row in read_jsonl_lines(path)]
 
 
 def load_hh_rlhf(tokenizer: ChatTokenizer, path: Path = DATA_DIR / "hh_rlhf_harmless_base_test_conversations.jsonl.gz") -> list[Conversation]:
@@ -187,23 +179,9 @@ def load_sharegpt(
     return [Conversation(f"sharegpt-{row['id']}", "sharegpt", (Turn(row["prompt"], max_tokens),)) for row in _read_jsonl(path)]
 
 
-def _parse_azure_time(stamp: str) -> datetime:
-    # "2023-11-16 18:15:46.6805900": 7 fractional digits (100 ns ticks); datetime keeps microseconds.
-    whole, _, frac = stamp.partition(".")
-    return datetime.fromisoformat(whole).replace(microsecond=int((frac + "000000")[:6]))
-
-
 def load_azure_trace(path: Path = DATA_DIR / "azure_llm_2023_conv.csv") -> list[TraceRow]:
-    """The Azure 2023 conversation trace, 19,366 rows sorted by arrival (the file already is).
-
-    ``arrival_s`` is seconds after the first row, at microsecond resolution
-    (the file's 100 ns digit is dropped).
-    """
-    with open(path, newline="") as f:
-        raw = [(_parse_azure_time(r["TIMESTAMP"]), int(r["ContextTokens"]), int(r["GeneratedTokens"])) for r in csv.DictReader(f)]
-    raw.sort(key=lambda r: r[0])
-    t0 = raw[0][0]
-    return [TraceRow((t - t0).total_seconds(), ctx, gen) for t, ctx, gen in raw]
+    """The Azure 2023 conversation trace, 19,366 rows sorted by arrival (see :func:`loadgen.trace_files.read_azure`)."""
+    return read_azure(path)
 
 
 def real_text_corpus() -> list[str]:
@@ -293,10 +271,135 @@ def cycle_shuffled(conversations: Sequence[Conversation], rng: random.Random) ->
             yield c if n == 0 else Conversation(f"{c.id}#{n}", c.source, c.turns, c.start_s)
 
 
-def _azure_stream(rows: Iterable[TraceRow], prompts: ExactLengthPrompts) -> Iterator[Conversation]:
-    for i, row in enumerate(rows):
-        text = prompts.make(max(row.context_tokens, prompts.min_tokens))
-        yield Conversation(f"azure-{i}", "azure-conv", (Turn(text, row.generated_tokens),), row.arrival_s)
+def _fits(prompt_tokens: int, output_tokens: int, context_tokens: int | None) -> bool:
+    """Whether SGLang takes a request of ``prompt_tokens`` asking ``output_tokens``: input + max_new_tokens within
+    the context (it refuses ``input >= context`` and ``input + max_new_tokens > context``)."""
+    return context_tokens is None or prompt_tokens + output_tokens <= context_tokens
+
+
+def _over_context_note(name: str, over: int, read: int, context_tokens: int | None, unit: str = "rows") -> list[str]:
+    if not over:
+        return []
+    return [f"{name}: {over} of {read} {unit} left out: prompt plus output tokens pass the context of {context_tokens} tokens"]
+
+
+def _length_trace(name: str, stream: Iterator[Conversation], lengths: Sequence[tuple[int, int]], kept: int,
+                  min_tokens: int, columns: tuple[str, str], max_context_tokens: int | None) -> Workload:
+    """The timed workload of a length trace with its notes: rows below the template's minimum (their prompts get
+    it), rows asking no output (they ask 1 token) and rows left out past the context. ``lengths``: each row's
+    (prompt, output) tokens as the trace gives them; ``columns``: the trace's names for the two."""
+    below = sum(n < min_tokens for n, _ in lengths)
+    notes = [f"{name}: {below} of {len(lengths)} trace rows have {columns[0]} below the chat template's minimum "
+             f"of {min_tokens} tokens; their prompts are {min_tokens} tokens"]
+    no_output = sum(o < 1 for _, o in lengths)
+    if no_output:
+        notes.append(f"{name}: {no_output} of {len(lengths)} trace rows have {columns[1]} 0; they ask max_tokens 1")
+    over = len(lengths) - kept
+    notes += _over_context_note(name, over, len(lengths), max_context_tokens)
+    return Workload(name, stream, timed=True, notes=notes, rows=TraceRowCounts(len(lengths), over, max_context_tokens))
+
+
+def azure_workload(name: str, rows: Sequence[TraceRow], tokenizer: ChatTokenizer, rng: random.Random,
+                   max_context_tokens: int | None = None, source: str = "azure") -> Workload:
+    """Replay of an Azure LLM trace: each row a single-turn request at its arrival time.
+
+    The prompt is real text of exactly ``ContextTokens`` templated tokens
+    (:class:`ExactLengthPrompts`; rows below the template's minimum get the
+    minimum), ``max_tokens`` is ``GeneratedTokens`` (at least 1); rows whose
+    prompt plus output pass ``max_context_tokens`` are left out and counted
+    (:attr:`Workload.rows`). Conversation ids are ``{source}-{row index}``.
+    """
+    prompts = ExactLengthPrompts(tokenizer, rng)
+    kept = [(i, r) for i, r in enumerate(rows)
+            if _fits(max(r.context_tokens, prompts.min_tokens), max(1, r.generated_tokens), max_context_tokens)]
+
+    def stream() -> Iterator[Conversation]:
+        for i, row in kept:
+            text = prompts.make(max(row.context_tokens, prompts.min_tokens))
+            yield Conversation(f"{source}-{i}", source, (Turn(text, max(1, row.generated_tokens)),), row.arrival_s)
+
+    return _length_trace(name, stream(), [(r.context_tokens, r.generated_tokens) for r in rows], len(kept), prompts.min_tokens,
+                         ("ContextTokens", "GeneratedTokens"), max_context_tokens)
+
+
+def mooncake_workload(name: str, rows: Sequence[MooncakeRow], tokenizer: ChatTokenizer, rng: random.Random,
+                      max_context_tokens: int | None = None) -> Workload:
+    """Replay of a Mooncake trace: each row a single-turn request at its arrival time, prefix reuse kept.
+
+    The prompt is a :class:`~loadgen.block_prompts.BlockPrompts` message from
+    :func:`real_text_corpus`: exactly ``input_length`` templated tokens, equal
+    512-token blocks where the hash ids are equal; ``max_tokens`` is
+    ``output_length`` (at least 1). Rows whose prompt plus output pass
+    ``max_context_tokens`` are left out and counted (:attr:`Workload.rows`).
+    Conversation ids are ``mooncake-{row index}``.
+    """
+    prompts = BlockPrompts(tokenizer, rng, real_text_corpus())
+    kept = [(i, r) for i, r in enumerate(rows)
+            if _fits(max(r.input_length, prompts.min_tokens), max(1, r.output_length), max_context_tokens)]
+
+    def stream() -> Iterator[Conversation]:
+        for i, row in kept:
+            text = prompts.make(max(row.input_length, prompts.min_tokens), row.hash_ids)
+            yield Conversation(f"mooncake-{i}", "mooncake", (Turn(text, max(1, row.output_length)),), row.arrival_s)
+
+    return _length_trace(name, stream(), [(r.input_length, r.output_length) for r in rows], len(kept), prompts.min_tokens,
+                         ("input_length", "output_length"), max_context_tokens)
+
+
+def _chat_tokens(tokenizer: ChatTokenizer, exchanges: Sequence[tuple[str, str]]) -> Iterator[int]:
+    """Templated prompt tokens of the chat before each reply: user 1; user 1, reply 1, user 2; ... (as sent).
+
+    ``exchanges`` are (user, reply) texts. ChatML tokenizers count turn by
+    turn (their chats are the concatenation of their turns); others encode
+    each chat whole.
+    """
+    if tokenizer.chatml is not None:
+        system = tokenizer.chatml.default_system
+        used = len(tokenizer.encode(render_chatml_turn("system", system))) if system is not None else 0
+        closing = len(tokenizer.encode(CHATML_GENERATION_PROMPT))
+        for user, reply in exchanges:
+            used += len(tokenizer.encode(render_chatml_turn("user", user)))
+            yield used + closing
+            used += len(tokenizer.encode(render_chatml_turn("assistant", reply)))
+        return
+    history: list[dict[str, str]] = []
+    for user, reply in exchanges:
+        history.append({"role": "user", "content": user})
+        yield len(tokenizer.encode_chat(history))
+        history.append({"role": "assistant", "content": reply})
+
+
+def sharegpt_workload(name: str, recorded: Sequence[RecordedConversation], tokenizer: ChatTokenizer,
+                      rng: random.Random, max_tokens: int = DEFAULT_MAX_TOKENS,
+                      max_context_tokens: int | None = None) -> Workload:
+    """ShareGPT conversations, multi-turn, arriving as a Poisson process (endless seeded shuffles, :func:`cycle_shuffled`).
+
+    Each user message is a turn whose ``max_tokens`` is the token count of the
+    recorded reply (at least 1; ``max_tokens`` when the conversation ends
+    without one). With ``max_context_tokens``, a conversation stops before the
+    first turn whose chat so far (the recorded replies standing in for the
+    ones that will come) plus its ``max_tokens`` passes the context; the turns
+    left out are counted (:attr:`Workload.rows` counts turns).
+    """
+    conversations, turns_read, turns_over = [], 0, 0
+    for conv in recorded:
+        turns = [Turn(e.user, max(1, len(tokenizer.encode(e.reply))) if e.reply is not None else max_tokens)
+                 for e in conv.exchanges]
+        turns_read += len(turns)
+        if max_context_tokens is not None:
+            sent = _chat_tokens(tokenizer, [(e.user, e.reply or "") for e in conv.exchanges])
+            fit = next((k for k, (t, n) in enumerate(zip(turns, sent)) if not _fits(n, t.max_tokens, max_context_tokens)),
+                       len(turns))
+            turns_over += len(turns) - fit
+            turns = turns[:fit]
+        if turns:
+            conversations.append(Conversation(f"sharegpt-{conv.id}", "sharegpt", tuple(turns)))
+    if not conversations:
+        raise ValueError(f"{name}: every conversation passes the context of {max_context_tokens} tokens from its first turn")
+    notes = [f"{name}: {len(conversations)} conversations, {turns_read - turns_over} turns"]
+    notes += _over_context_note(name, turns_over, turns_read, max_context_tokens, unit="turns")
+    return Workload(name, cycle_shuffled(conversations, rng), timed=False, notes=notes,
+                    rows=TraceRowCounts(turns_read, turns_over, max_context_tokens))
 
 
 def long_arrival_probability(long_share: float, mean_chat_turns: float) -> float:
@@ -457,7 +560,7 @@ def load_replay(path: Path) -> Workload:
     """
     path = Path(path)
     by_conv: dict[str, list[dict]] = {}
-    for line_no, rec in _read_jsonl_lines(path):
+    for line_no, rec in read_jsonl_lines(path):
         _check_replay_record(rec, f"{path} line {line_no}")
         by_conv.setdefault(rec["conversation_id"], []).append(rec)
     conversations = []
@@ -479,35 +582,41 @@ def build_workload(
     tokenizer: ChatTokenizer | None = None,
     default_max_tokens: int = DEFAULT_MAX_TOKENS,
     long_share: float = 0.2,
+    max_context_tokens: int | None = None,
 ) -> Workload:
-    """The workload called ``name`` (one of :data:`DATASETS` or ``replay:PATH``).
+    """The workload called ``name``: one of :data:`DATASETS`, ``replay:PATH`` or a trace file ``FORMAT:PATH``
+    (``FORMAT`` one of :data:`TRACE_FORMATS`; :func:`mooncake_workload`, :func:`azure_workload`,
+    :func:`sharegpt_workload`).
 
     ``tokenizer`` (default: the built-in Qwen2.5 one) counts reply lengths and
     cuts exact-length prompts; ``default_max_tokens`` is used where the data
     has no output length; ``long_share`` (``mixed`` only) is the expected share
     of *requests* that are long (see :func:`long_arrival_probability`; when
-    ``--duration`` cuts chats short the realised share comes out a little higher).
+    ``--duration`` cuts chats short the realised share comes out a little higher);
+    ``max_context_tokens`` (trace files and ``azure-conv``) leaves out the
+    requests that would pass the model's context, counted in :attr:`Workload.rows`.
 
     Raises:
         ValueError: unknown ``name``, ``long_share`` outside [0, 1], or a
-            ``replay:PATH`` file that :func:`load_replay` refuses.
+            ``replay:PATH`` or trace file that its reader refuses (the message
+            names the file and line).
     """
     if name.startswith(REPLAY_PREFIX):
         return load_replay(Path(name[len(REPLAY_PREFIX) :]))
     tok = tokenizer if tokenizer is not None else load_tokenizer(None)
+    kind, _, path = name.partition(":")
+    if path and kind in TRACE_FORMATS:
+        if kind == "mooncake":
+            return mooncake_workload(name, read_mooncake(Path(path)), tok, rng, max_context_tokens)
+        if kind == "azure":
+            return azure_workload(name, read_azure(Path(path)), tok, rng, max_context_tokens)
+        return sharegpt_workload(name, read_sharegpt(Path(path)), tok, rng, default_max_tokens, max_context_tokens)
     if name == "hh-rlhf":
         return Workload(name, cycle_shuffled(load_hh_rlhf(tok), rng), timed=False)
     if name in _TEXT_SETS:
         return Workload(name, cycle_shuffled(_TEXT_SETS[name](default_max_tokens), rng), timed=False)
     if name == "azure-conv":
-        rows = load_azure_trace()
-        prompts = ExactLengthPrompts(tok, rng)
-        below = sum(r.context_tokens < prompts.min_tokens for r in rows)
-        notes = [
-            f"azure-conv: {below} of {len(rows)} trace rows have ContextTokens below the chat template's minimum "
-            f"of {prompts.min_tokens} tokens; their prompts are {prompts.min_tokens} tokens"
-        ]
-        return Workload(name, _azure_stream(rows, prompts), timed=True, notes=notes)
+        return azure_workload(name, load_azure_trace(), tok, rng, max_context_tokens, source="azure-conv")
     if name == "chat-single":
         return Workload(name, cycle_shuffled(first_turns(tok, default_max_tokens), rng), timed=False)
     if name == "shared-docs":
@@ -524,4 +633,5 @@ def build_workload(
             f"their ContextTokens come from the {len(long_rows)} Azure rows above {LONG_MIN_CONTEXT_TOKENS}"
         ]
         return Workload(name, stream, timed=False, notes=notes)
-    raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)} or replay:PATH")
+    raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}, replay:PATH or "
+                     f"{', '.join(f'{k}:PATH' for k in TRACE_FORMATS)}")

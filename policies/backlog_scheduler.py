@@ -19,7 +19,8 @@ requests with the same candidates form one backlog (one engine, or a unified fle
 backlog for both classes). Admission (Phase 2 of Sorted-F, and how the paper's baselines
 admit): per backlog, in the policy's order, stop at the first request that fits no
 candidate (no skipping, so the order is kept); among the candidates with room, the one
-with the most room left (ties: configuration order).
+with the most room left (ties: configuration order). Requests of a higher
+:attr:`~policies.types.RequestView.priority` go first, each priority in the policy's order.
 
 Orders: ``fcfs`` arrival order; ``mc_sf`` ascending ô (ties arrival); ``sorted_f`` the
 receding horizon of Sorted-F-Online (§5): Phase 1 over the ``lookahead`` earliest
@@ -175,6 +176,7 @@ class BacklogScheduler:
             return []
         else:
             order = self.order(key, members, int(memory))
+        order = sorted(order, key=lambda w: w.view.priority_rank)  # stable: the policy's order within a priority
         dispatches = []
         for w in order:
             fits = [(room[e.id], -i, e.id) for i, e in enumerate(pool)

@@ -51,7 +51,8 @@ class ImmediateScheduler:
     No batching window: the shape of every router baseline (round robin,
     least load, cache aware, bucket), and with the default :class:`PoolRouter`
     the plain length-aware split. Requests are rejected only when the picker
-    finds no engine (none healthy).
+    finds no engine (none healthy). Requests pending together go in priority order
+    (:attr:`~policies.types.RequestView.priority_rank`), in arrival order within a priority.
     """
 
     NAME = "immediate"
@@ -69,7 +70,8 @@ class ImmediateScheduler:
     def decide(self, engines: Sequence[EngineView], now: float) -> Decision:
         dispatches, rejected = [], []
         load = {e.id: e for e in engines}
-        for rid, request in self._pending.items():
+        for request in sorted(self._pending.values(), key=lambda r: r.priority_rank):  # stable: arrival order within a priority
+            rid = request.rid
             engine_id = self.picker.pick(request, list(load.values()), now)
             if engine_id is None:
                 rejected.append(rid)

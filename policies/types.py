@@ -25,6 +25,11 @@ class RequestView:
     (filled only for policies that predict output lengths, else empty).
     ``stream``: the client streams, so its first token is reported when it is
     generated; ``False``: only when the whole answer is in.
+    ``priority``: how urgent the request is, higher values first (the gateway
+    gives SGLang's ``priority`` here, negated for engines that schedule low
+    values first); ``None`` after every request that has one, as SGLang
+    ranks requests without one. Schedulers order their queues of a class by
+    :attr:`priority_rank`, keeping their own order among equal priorities.
     """
 
     rid: str
@@ -37,11 +42,17 @@ class RequestView:
     max_tokens: int | None = None
     reply_tokens: tuple[int, ...] = ()
     stream: bool = True
+    priority: int | None = None
 
     @property
     def new_tokens(self) -> int:
         """L, the uncached prompt tokens this request's prefill must compute."""
         return self.prompt_tokens - self.cached_tokens
+
+    @property
+    def priority_rank(self) -> tuple[int, int]:
+        """Sort key of :attr:`priority`, smallest first: higher priorities, then requests without one."""
+        return (1, 0) if self.priority is None else (0, -self.priority)
 
 
 @dataclass(frozen=True, slots=True)

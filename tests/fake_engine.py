@@ -24,6 +24,7 @@ class FakeEngine:
     def __init__(self, name: str) -> None:
         self.name = name
         self.bodies: list[dict] = []
+        self.headers: list[dict[str, str]] = []  # each generation request's headers
         self.aborted: list[str] = []
         self.abort_seen = asyncio.Event()
         self.release = asyncio.Event()
@@ -53,6 +54,7 @@ class FakeEngine:
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
+        self.headers.append(dict(request.headers))
         self.received.set()
         if self.hold_answers:
             await self.answer.wait()

@@ -234,6 +234,8 @@ async def test_reported_cached_tokens_feed_the_estimate_error_metric(stack):
     async with session.get("/metrics") as resp:
         text = await resp.text()
     assert 'laps_prefix_estimate_error_tokens_sum{cls="short"} 40.0' in text
+    assert 'laps_prefix_cached_tokens_reported_total{cls="short"} 40.0' in text
+    assert 'laps_prefix_cached_tokens_estimated_total{cls="short"} 0.0' in text  # a first request: nothing cached yet
 
 
 async def test_follow_up_estimate_covers_the_previous_reply(stack):
@@ -250,6 +252,9 @@ async def test_follow_up_estimate_covers_the_previous_reply(stack):
     # (reply, "<|im_end|>", "\n"), in whole 16-token blocks.
     reply_tokens = len(load_tokenizer().encode(reply + "<|im_end|>\n"))
     assert estimate == (first_prompt + reply_tokens) // 16 * 16 > first_prompt // 16 * 16
+    async with session.get("/metrics") as resp:
+        text = await resp.text()
+    assert f'laps_prefix_cached_tokens_estimated_total{{cls="short"}} {float(estimate)}' in text
 
 
 @pytest.mark.parametrize("value, status", [("0.05", 200), ("none", 200), ("-1", 400), ("soon", 400), ("inf", 400)])

@@ -30,12 +30,16 @@ class FakeOpenAI:
 
     def __init__(self) -> None:
         self.bodies: list[dict] = []
+        self.max_model_len: int | None = None  # listed by /v1/models when set, as SGLang lists it
         self.app = web.Application()
         self.app.router.add_get("/v1/models", self.models)
         self.app.router.add_post("/v1/chat/completions", self.chat)
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
+        card = {"id": "fake-model", "object": "model"}
+        if self.max_model_len is not None:
+            card["max_model_len"] = self.max_model_len
+        return web.json_response({"object": "list", "data": [card]})
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -287,3 +291,22 @@ def test_cli_reports_a_bad_replay_file_and_exits_2(tmp_path, capsys):
     args = parse("--url", "http://127.0.0.1:9", "--dataset", f"replay:{missing}", "--out", str(tmp_path / "r.json"), "--quiet")
     assert cli.main(args) == 2
     assert capsys.readouterr().err == f"laps loadgen: {missing}: cannot read: No such file or directory\n"
+
+
+def test_cli_leaves_out_trace_rows_past_the_servers_context_and_caps_requests(tmp_path):
+    trace = tmp_path / "az.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.0000000,100,4\n"
+                     "2023-11-16 18:15:46.0500000,900,200\n2023-11-16 18:15:46.1000000,40,3\n"
+                     "2023-11-16 18:15:46.1500000,50,3\n")
+    out = tmp_path / "r.json"
+    with fake_in_thread() as (server, url):
+        server.max_model_len = 1000
+        assert cli.main(parse("--url", url, "--dataset", f"azure:{trace}", "--duration", "5", "--max-requests", "2",
+                              "--out", str(out), "--quiet")) == 0
+        report = orjson.loads(out.read_bytes())
+        assert report["trace_rows"] == {"read": 4, "over_context": 1, "context_tokens": 1000}
+        assert [b["max_tokens"] for b in server.bodies] == [4, 3] and report["requests"]["sent"] == 2
+        server.bodies.clear()
+        assert cli.main(parse("--url", url, "--dataset", f"azure:{trace}", "--duration", "5", "--max-context-tokens",
+                              "1100", "--out", str(out), "--quiet")) == 0
+        assert orjson.loads(out.read_bytes())["trace_rows"]["over_context"] == 0 and len(server.bodies) == 4
