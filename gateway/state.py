@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -19,6 +19,7 @@ from policies.classifier import Classifier
 from policies.prefix_index import PrefixIndex
 
 if TYPE_CHECKING:
+    from gateway.guard import RequestGuard
     from gateway.pd_dispatch import PDDispatch
 
 
@@ -29,6 +30,9 @@ class Gateway:
     ``manager`` runs the engine processes; ``None`` when the gateway was given
     the URLs of engines that run on their own. ``pd``: the decode placement and
     bootstrap addresses of a prefill-decode deployment (``None``: no ``pd:``).
+    ``api_keys``: the client keys' ``{SHA-256 digest: label}`` (``None``: no client key needed).
+    ``guards``: the cut-offs of the requests in flight (:mod:`gateway.guard`); ``closing``: the gateway is
+    shutting down and takes no new request.
     """
 
     config: Config
@@ -41,12 +45,14 @@ class Gateway:
     metrics: GatewayMetrics
     manager: EngineManager | None = None
     pd: "PDDispatch | None" = None
-    prompt_cache: ChatPrefixCache | None = None  # built from ``tokenizer`` and the prefix block size when None
-
+    prompt_cache: ChatPrefixCache | None = None  # built from ``tokenizer``, the prefix block size and the budget when None
+    api_keys: dict[str, str] | None = None
+    guards: "set[RequestGuard]" = field(default_factory=set)
+    closing: bool = False
 
     def __post_init__(self) -> None:
         if self.prompt_cache is None:
-            self.prompt_cache = ChatPrefixCache(self.tokenizer, self.prefix_index.block_tokens)
+            self.prompt_cache = ChatPrefixCache(self.tokenizer, self.prefix_index.block_tokens, self.config.scheduling.chat_cache_bytes)
 
 
 GATEWAY = web.AppKey("gateway", Gateway)
