@@ -35,6 +35,7 @@ from gateway.auth import admin_key_given
 from gateway.registry import EngineState
 from gateway.state import GATEWAY, Gateway
 from laps.chat_cache import EncodedPrompt
+from laps.tokenizer import template_tools
 from policies.admission import classified_view_of_keys
 from policies.output_predictor import reply_token_counts
 from policies.prefix_index import BlockChain
@@ -142,10 +143,16 @@ async def _prompt_chain(gw: Gateway, req: ChatCompletionRequest | CompletionRequ
     """The prompt's length and prefix block keys, its tokens counted as the engine will count them.
 
     A chat goes through ``gw.prompt_cache``: only the messages that no earlier request of its conversation had are
-    tokenized. Text longer than ``INLINE_ENCODE_CHARS`` is tokenized in an executor thread, off the event loop.
+    tokenized. A chat with ``tools`` is tokenized whole, the tools rendered into the template as SGLang renders them
+    (:func:`laps.tokenizer.template_tools`); the engine gets them as sent. Text longer than ``INLINE_ENCODE_CHARS`` is tokenized in an executor thread, off the event loop.
     """
     loop = asyncio.get_running_loop()
     if isinstance(req, ChatCompletionRequest):
+        tools = template_tools(body.get("tools"), body.get("tool_choice"))
+        if tools is not None:  # the tools open the system turn: the chat cache's turns do not apply
+            ids = await loop.run_in_executor(None, gw.tokenizer.encode_chat, req.chat(), tools)
+            chain = BlockChain(gw.prefix_index.block_tokens).extend(ids)
+            return EncodedPrompt(chain, chain, None)
         lookup = gw.prompt_cache.lookup(req.chat())
         if lookup.new_chars <= INLINE_ENCODE_CHARS:
             encoded = gw.prompt_cache.encode(lookup)

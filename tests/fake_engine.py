@@ -67,7 +67,7 @@ class FakeEngine:
             return web.Response(status=self.error_reply[0], body=self.error_reply[1])
         chunk = {"id": body["rid"], "choices": [{"index": 0, "delta": {"content": f"hi from {self.name}"}, "finish_reason": None}]}
         if not body.get("stream"):
-            usage = {"prompt_tokens": 7, "completion_tokens": 1, "total_tokens": 8}
+            usage = {"prompt_tokens": 7, "completion_tokens": 1, "total_tokens": 8, "prompt_tokens_details": {"cached_tokens": self.reported_cached_tokens}}
             return web.json_response({"id": body["rid"], "object": "chat.completion", "choices": [{"index": 0, "message": {"role": "assistant", "content": f"hi from {self.name}"}, "finish_reason": "stop"}], "usage": usage})
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)

@@ -7,9 +7,11 @@ import asyncio
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.app import create_app
 from gateway.relay import settle_background
+from gateway.state import GATEWAY
 from laps.config import Config, load_config, parse_config
 from laps.tokenizer import load_tokenizer
 from tests.fake_engine import FakeEngine
@@ -339,3 +341,63 @@ async def test_a_client_leaving_right_after_done_while_the_engine_stream_is_stil
         estimate = int(resp.headers["x-laps-cached-tokens-est"])
     reply_tokens = len(load_tokenizer().encode("hi from sp0<|im_end|>\n"))
     assert estimate == (first_prompt + reply_tokens) // 16 * 16  # the prompt and the reply were learnt on sp0
+
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather at a place",
+                                                 "parameters": {"type": "object", "properties": {"place": {"type": "string"}}}}}
+
+
+@pytest.mark.parametrize("tools, param, fragment", [
+    ([{"type": "function"}], "tools.0.function", "Field required"),
+    ([{"type": "retrieval", "function": {"name": "f"}}], "tools.0.type", "'function'"),
+    ([{"type": "function", "function": {"name": "has space"}}], "tools.0.function.name", "should match pattern"),
+    ([{"type": "function", "function": {"name": "f", "parameters": "x"}}], "tools.0.function.parameters", "valid dictionary"),
+    ({"type": "function"}, "tools", "valid list"),
+])
+async def test_malformed_tools_are_refused_naming_the_field(stack, tools, param, fragment):
+    session, fakes, _ = stack
+    async with session.post("/v1/chat/completions", json=chat("Hi", tools=tools)) as resp:
+        assert resp.status == 400
+        error = (await resp.json())["error"]
+    assert error["param"] == param and fragment in error["message"]
+    assert fakes["sp0"].bodies == []
+
+
+async def test_tools_are_counted_with_the_template_and_passed_on(stack):
+    session, fakes, _ = stack
+    async with session.post("/v1/chat/completions", json=chat("Hi", tools=[WEATHER_TOOL])) as resp:
+        assert resp.status == 200
+        counted = int(resp.headers["x-laps-prompt-tokens"])
+    as_sglang = [{"type": "function", "function": WEATHER_TOOL["function"], "defer_loading": None}]
+    assert counted == len(load_tokenizer().encode_chat([{"role": "user", "content": "Hi"}], as_sglang)) > 150
+    assert fakes["sp0"].bodies[0]["tools"] == [WEATHER_TOOL]
+    async with session.post("/v1/chat/completions", json=chat("Hi", tools=[WEATHER_TOOL], tool_choice="none")) as resp:
+        assert int(resp.headers["x-laps-prompt-tokens"]) == len(load_tokenizer().encode_chat([{"role": "user", "content": "Hi"}]))
+
+
+async def test_n_above_one_is_passed_on_with_its_prefill_counted_once(stack):
+    session, fakes, _ = stack
+    async with session.post("/v1/chat/completions", json=chat("Hi", n=3)) as resp:
+        assert resp.status == 200
+        prompt_tokens = int(resp.headers["x-laps-prompt-tokens"])
+    assert fakes["sp0"].bodies[0]["n"] == 3
+    async with session.get("/metrics") as resp:
+        assert f'laps_prompt_tokens_total{{cls="short"}} {float(prompt_tokens)}' in await resp.text()
+
+
+async def test_both_cache_budgets_are_config_keys_shown_in_metrics():
+    data = load_config().model_dump(exclude_unset=True)
+    data["scheduling"] = {**data.get("scheduling", {}), "chat_cache_bytes": 3 * 2**20, "prefix_index_bytes": 5 * 2**20}
+    fake = FakeEngine("sp0")
+    servers = [TestServer(fake.app), TestServer(FakeEngine("lp0").app)]
+    for s in servers:
+        await s.start_server()
+    app = create_app(parse_config(data), engine_urls={name: str(s.make_url("")).rstrip("/") for name, s in zip(("sp0", "lp0"), servers)})
+    async with TestServer(app) as gateway, aiohttp.ClientSession(str(gateway.make_url(""))) as session:
+        async with session.get("/metrics") as resp:
+            text = await resp.text()
+        assert app[GATEWAY].prompt_cache.max_bytes == 3 * 2**20
+    budgets = {s.labels["cache"]: s.value for f in text_string_to_metric_families(text) if f.name == "laps_memory_budget_bytes" for s in f.samples}
+    assert budgets == {"chat_cache": 3 * 2**20, "prefix_index": 5 * 2**20}
+    for s in servers:
+        await s.close()

@@ -315,3 +315,13 @@ async def test_the_startup_log_says_pd_mode_policy_and_controller(caplog):
     for s in servers.values():
         await s.close()
     assert "scheduling policy laps; PD on (decode placement least_load, KV transfer mooncake); controller on" in [r.getMessage() for r in caplog.records]
+
+
+async def test_pd_answers_report_the_prefill_engines_cached_tokens(pd_stack):
+    session, fakes, _, _ = pd_stack
+    fakes["ps0"].reported_cached_tokens = 71  # the decode engine reports 0: it computed no prompt
+    async with session.post("/v1/chat/completions", json=chat("Hi")) as resp:
+        assert (await resp.json())["usage"]["prompt_tokens_details"] == {"cached_tokens": 71}
+    async with session.post("/v1/chat/completions", json=chat("Hi", stream=True, stream_options={"include_usage": True})) as resp:
+        usage = [orjson.loads(e.removeprefix("data: "))["usage"] for e in events((await resp.read()).decode()) if '"usage"' in e]
+    assert [u["prompt_tokens_details"] for u in usage] == [{"cached_tokens": 71}]
