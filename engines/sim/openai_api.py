@@ -14,6 +14,7 @@ from typing import Any
 from aiohttp import web
 
 from engines.sim.core import RequestEvent
+from engines.sim.faults import answer as faulty_answer
 from engines.sim.protocol import (
     ApiError,
     ReplyText,
@@ -125,7 +126,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     try:
         if not stream:
             text, last = await _whole_answer(track, reply)
-            return json_response({
+            return await faulty_answer(request, json_response({
                 "id": rid, "object": "chat.completion", "created": created, "model": model,
                 "choices": [{
                     "index": 0,
@@ -135,7 +136,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                 }],
                 "usage": usage(last, cache_report),
                 "metadata": {"weight_version": "default"},
-            })
+            }))
         resp = await open_sse(request)
         head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
         sent = 0
@@ -203,14 +204,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
     try:
         if not stream:
             text, last = await _whole_answer(track, reply)
-            return json_response({
+            return await faulty_answer(request, json_response({
                 "id": rid, "object": "text_completion", "created": created, "model": model,
                 "choices": [{"index": 0, "text": text,
                              "logprobs": None if top is None else completion_logprobs(engine.tokenizer, reply.output_ids, top, 0),
                              "finish_reason": last.finish_reason, "matched_stop": last.matched_stop}],
                 "usage": usage(last, cache_report),
                 "metadata": {"weight_version": "default"},
-            })
+            }))
         resp = await open_sse(request)
         head = {"id": rid, "object": "text_completion", "created": created, "model": model}
         sent = 0

@@ -15,6 +15,7 @@ import orjson
 from aiohttp import web
 
 from engines.sim.core import RequestEvent
+from engines.sim.faults import sse_response
 from engines.sim.replies import IncrementalDetokenizer
 from laps.tokenizer import ChatTokenizer
 
@@ -158,8 +159,8 @@ def sse(obj: Any) -> bytes:
 
 
 async def open_sse(request: web.Request) -> web.StreamResponse:
-    """Start an SSE response."""
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    """Start an SSE response (one that fails as ``--sim-fault`` says, :mod:`engines.sim.faults`)."""
+    resp = sse_response(request, {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
     return resp
 
