@@ -207,7 +207,12 @@ async def serves(url: str) -> bool:
 
 async def run_fault(fault: str, args: argparse.Namespace) -> dict:
     """Run one fault (see the module docstring); its tally, timings and whether the gateway serves afterwards."""
-    with tempfile.TemporaryDirectory(prefix=f"laps-fault-{fault}-") as tmp:
+    with contextlib.ExitStack() as stack:
+        if args.logs is not None:
+            tmp = args.logs / fault
+            tmp.mkdir(parents=True, exist_ok=True)
+        else:
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix=f"laps-fault-{fault}-"))
         port = free_port()
         gateway = Gateway(deployment(Path(tmp), port, fault, args), port)
         await gateway.start()
@@ -306,7 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drain-timeout-s", type=float, default=0.5, help="drain timeout of the drain fault's role switch (default 0.5)")
     p.add_argument("--grace-s", type=float, default=1.0, help="gateway.shutdown_grace_s (default 1)")
     p.add_argument("--stall-timeout-s", type=float, default=5.0, help="gateway.stall_timeout_s (default 5)")
-    p.add_argument("--first-byte-timeout-s", type=float, default=10.0, help="gateway.first_byte_timeout_s (default 10)")
+    p.add_argument("--first-byte-timeout-s", type=float, default=60.0, help="gateway.first_byte_timeout_s (default 60, the gateway's)")
+    p.add_argument("--logs", type=Path, help="keep each fault's config, gateway and engine logs under DIR/FAULT (default: removed)")
     p.add_argument("--hang-s", type=float, default=60.0, help="a request with no end this long after its fault ended is hung (default 60)")
     return p
 

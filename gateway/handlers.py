@@ -341,6 +341,7 @@ async def _relay_json(gw: Gateway, engine: EngineState, path: str, body: dict, h
                 status = upstream.status
     except (aiohttp.ClientError, asyncio.TimeoutError) as err:
         raise unreachable(engine, err) from None
+    engine.last_byte_s = asyncio.get_running_loop().time()  # the engine is alive: it answered
     if status != 200:
         return upstream_error(engine.id, status, payload, headers), f"http_{status}"
     try:

@@ -22,7 +22,7 @@ class EngineState:
     work goes to it otherwise. ``kv_capacity_tokens`` is the engine's KV pool
     once it has reported it. ``open_streams``: streams relayed from it that have
     had their first byte and not ended; ``last_byte_s``: when one of them last
-    brought bytes (``time.monotonic`` seconds).
+    brought bytes (the event loop's ``loop.time()``, seconds).
     """
 
     id: str

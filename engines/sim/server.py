@@ -349,5 +349,7 @@ def run(args: SimServerArgs) -> None:
              "chunked_prefill_size=%s, serving %s at http://%s:%d", sim.sim_model, sim.latency.gpu.name,
              sim.latency.tp_size, sim.config.max_total_tokens, sim.config.max_running_requests,
              sim.config.chunked_prefill_size, sim.served_model_name, args.host, args.port)
+    # backlog: uvicorn's default, which SGLang's HTTP server runs with (aiohttp's own is 128: a burst of new
+    # connections beyond it waits for SYN retries).
     web.run_app(app, host=args.host, port=args.port, handler_cancellation=True, print=None, access_log=None,
-                loop=loop)
+                loop=loop, backlog=2048)
