@@ -38,7 +38,7 @@ from gateway.auth import api_key_middleware, is_loopback
 from gateway.errors import ShuttingDown, error_middleware
 from gateway.health import HealthMonitor
 from gateway.metrics import GatewayMetrics
-from gateway.pd_dispatch import PDDispatch
+from gateway.pd_setup import PDDispatch
 from gateway.registry import EngineRegistry, EngineState
 from gateway.state import GATEWAY, Gateway
 from gateway.supervisor import EngineSupervisor

@@ -370,7 +370,7 @@ async def _relay_stream(request: web.Request, gw: Gateway, engine: EngineState, 
         gw.prefix_index.insert(engine.id, prompt_keys)
         gw.dispatcher.first_token(view.rid, engine.id, None)
 
-    sse = SSERelay(request, headers, tap, guard, engine, on_first)
+    sse = SSERelay(request, gw, headers, tap, guard, engine, on_first)
     try:
         with guard.watching(engine, stream=True):
             async with gw.client.post(engine.url, path, body) as upstream:
@@ -383,8 +383,7 @@ async def _relay_stream(request: web.Request, gw: Gateway, engine: EngineState, 
         api_error = err
     else:
         return await sse.finish(), "error" if tap.engine_error else "ok"
-    if not isinstance(api_error, ShuttingDown) or sse.response is not None:
-        in_background(gw.client.abort(engine.url, view.rid))
+    in_background(gw.client.abort(engine.url, view.rid))
     if sse.response is None:
         raise api_error
     log.warning("%s: engine %s failed mid-stream (%s); the stream ends with an error event", view.rid, engine.id, getattr(api_error, "detail", api_error.message))

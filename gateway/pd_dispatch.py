@@ -43,10 +43,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import time
-from dataclasses import dataclass, field
-from urllib.parse import urlparse
 
 import aiohttp
 import orjson
@@ -55,11 +52,9 @@ from aiohttp import web
 from gateway.errors import APIError, EngineUnavailable, ShuttingDown
 from gateway.guard import RequestGuard
 from gateway.health import engine_failed
+from gateway.pd_setup import PDDispatch, bootstrap_room
 from gateway.relay import ClientGone, Reply, SSERelay, StreamTap, ask_engine_for_usage, error_of_answer, in_background, outcome_of, send_now, unreachable, with_cached_tokens
 from gateway.state import Gateway
-from laps.config import Config
-from policies.decode_placement import DecodePlacement
-from policies.registry import make_decode_placement
 from policies.types import RequestView
 
 log = logging.getLogger("laps.gateway")
@@ -72,29 +67,6 @@ PREFILL_GRACE_S = 1.0
 # How long a JSON answer waits for the prefill engine's answer, for its cached_tokens (seconds); it is normally in
 # already, and a hanging prefill side must not hold the client's answer back.
 PREFILL_REPORT_WAIT_S = 0.2
-
-
-def bootstrap_room() -> int:
-    """A random KV-transfer room id in ``[0, 2**63)`` (SGLang's PD router draws it the same way)."""
-    return random.getrandbits(63)
-
-
-@dataclass
-class PDDispatch:
-    """What PD dispatch needs beyond the scheduler: the decode placement and each prefill engine's bootstrap address.
-
-    ``bootstrap``: ``{prefill engine id: (host, port)}``; the host is that of
-    the engine's URL (``127.0.0.1`` for engines laps starts).
-    """
-
-    placement: DecodePlacement
-    bootstrap: dict[str, tuple[str, int]] = field(default_factory=dict)
-
-    @classmethod
-    def from_config(cls, config: Config, urls: dict[str, str]) -> "PDDispatch":
-        """The dispatch state of ``config`` (which has ``pd:``) with engines at ``urls`` (``{name: base URL}``)."""
-        bootstrap = {e.name: (urlparse(urls[e.name]).hostname or "127.0.0.1", config.bootstrap_port(e)) for e in config.engines}
-        return cls(make_decode_placement(config.scheduling), bootstrap)
 
 
 class _SideFailed(Exception):
@@ -284,7 +256,7 @@ class _Pair:
                     raise _SideFailed(self.decode_id, _engine_error(self.decode_id, "decode", upstream.status, await upstream.read()))
                 if not self.stream:
                     return await self._relay_json(await upstream.read())
-                self.sse = SSERelay(self.request, self.headers, StreamTap(self.reply, drop_usage=not self.client_wants_usage,
+                self.sse = SSERelay(self.request, self.gw, self.headers, StreamTap(self.reply, drop_usage=not self.client_wants_usage,
                                                                           cached_tokens=lambda: self.prefill_cached_tokens),
                                     self.guard, engine, self._first_bytes)
                 await self.sse.pump(upstream)

@@ -33,7 +33,9 @@ from aiohttp import web
 
 from gateway.errors import APIError, EngineUnavailable
 from gateway.guard import RequestGuard
+from gateway.health import back_in_service
 from gateway.registry import EngineState
+from gateway.state import Gateway
 
 log = logging.getLogger("laps.gateway")
 
@@ -264,9 +266,9 @@ class SSERelay:
     at the first bytes (TTFT, prefix index, the scheduler's first token).
     """
 
-    def __init__(self, request: web.Request, headers: dict, tap: StreamTap, guard: RequestGuard, engine: EngineState,
+    def __init__(self, request: web.Request, gw: Gateway, headers: dict, tap: StreamTap, guard: RequestGuard, engine: EngineState,
                  on_first: Callable[[], None]) -> None:
-        self.request, self.headers, self.tap, self.guard, self.engine = request, headers, tap, guard, engine
+        self.request, self.gw, self.headers, self.tap, self.guard, self.engine = request, gw, headers, tap, guard, engine
         self.on_first = on_first
         self.response: web.StreamResponse | None = None
 
@@ -294,8 +296,7 @@ class SSERelay:
                 guard.paused = False
                 guard.progress()
                 if engine.stalled:
-                    engine.stalled = False
-                    log.warning("engine %s is back in service: its stream brought bytes again", engine.id)
+                    back_in_service(self.gw, engine, "its stream brought bytes again")
         finally:
             guard.paused = False
             if self.response is not None:

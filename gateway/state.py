@@ -11,6 +11,7 @@ from engines.client import EngineClient
 from engines.manager import EngineManager
 from gateway.dispatcher import Dispatcher
 from gateway.metrics import GatewayMetrics
+from gateway.pd_setup import PDDispatch
 from gateway.registry import EngineRegistry
 from laps.chat_cache import ChatPrefixCache
 from laps.config import Config
@@ -20,7 +21,6 @@ from policies.prefix_index import PrefixIndex
 
 if TYPE_CHECKING:
     from gateway.guard import RequestGuard
-    from gateway.pd_dispatch import PDDispatch
 
 
 @dataclass
@@ -44,7 +44,7 @@ class Gateway:
     prefix_index: PrefixIndex
     metrics: GatewayMetrics
     manager: EngineManager | None = None
-    pd: "PDDispatch | None" = None
+    pd: PDDispatch | None = None
     prompt_cache: ChatPrefixCache | None = None  # built from ``tokenizer``, the prefix block size and the budget when None
     api_keys: dict[str, str] | None = None
     guards: "set[RequestGuard]" = field(default_factory=set)
