@@ -4,8 +4,9 @@ An engine leaves service (no new work goes to it) in three ways:
 
 * the health poll (every ``HEALTH_POLL_INTERVAL_S``): ``GET /ready`` fails or
   times out (a dead or frozen process) -> ``healthy`` false until it answers;
-  an engine whose answers brought bytes in the last ``BUSY_WITHIN_S`` is busy,
-  not dead: it needs ``READY_FAILURES_WHEN_BUSY`` failed polls in a row;
+  a probe that times out on an engine whose answers brought bytes in the last
+  ``BUSY_WITHIN_S`` is a busy engine, not a dead one: it needs
+  ``READY_FAILURES_WHEN_BUSY`` such polls in a row;
 * its streams go silent: it has streams past their first byte and none has
   brought a byte for ``gateway.stall_timeout_s`` / 3 (an engine that still
   answers ``/ready`` but whose scheduler is stuck), or a request on it hit its
@@ -36,8 +37,8 @@ from gateway.state import Gateway
 log = logging.getLogger("laps.gateway")
 
 HEALTH_POLL_INTERVAL_S = 1.0
-# A /ready that fails on an engine that brought answer bytes within this many seconds is an engine too busy to answer
-# the probe in time (its event loop full), not a dead one: it leaves service only after READY_FAILURES_WHEN_BUSY
+# A /ready that times out on an engine that brought answer bytes within this many seconds is an engine too busy to
+# answer the probe in time (its event loop full), not a dead one: it leaves service only after READY_FAILURES_WHEN_BUSY
 # failed polls in a row (taking it out at once would send its whole queue elsewhere).
 BUSY_WITHIN_S = 3.0
 READY_FAILURES_WHEN_BUSY = 3
@@ -109,14 +110,15 @@ class HealthMonitor:
         gw = self._gw
         engines = list(gw.registry)
         loop = asyncio.get_running_loop()
-        for engine, ok in zip(engines, await asyncio.gather(*(gw.client.ready(e.url) for e in engines))):
+        for engine, state in zip(engines, await asyncio.gather(*(gw.client.ready(e.url) for e in engines))):
+            ok = state == "ready"
             failures = self._ready_failures[engine.id] = 0 if ok else self._ready_failures.get(engine.id, 0) + 1
-            busy = loop.time() - engine.last_byte_s < BUSY_WITHIN_S
+            busy = state == "timeout" and loop.time() - engine.last_byte_s < BUSY_WITHIN_S
             if ok and not engine.healthy:
                 log.warning("engine %s is now healthy", engine.id)
                 engine.healthy = True
             elif not ok and engine.healthy and (not busy or failures >= READY_FAILURES_WHEN_BUSY):
-                take_out_of_service(gw, engine, f"GET /ready failed {failures} time(s) in a row", stalled=False)
+                take_out_of_service(gw, engine, f"GET /ready: {state} ({failures} time(s) in a row)", stalled=False)
             gw.metrics.engine_healthy.labels(engine.id).set(int(engine.serving))
         limit_s = silence_s(gw)
         now = loop.time()

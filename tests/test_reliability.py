@@ -161,3 +161,23 @@ async def test_requests_waiting_on_an_engine_taken_out_of_service_are_retried_at
     resp = await asyncio.wait_for(pending, timeout=5)
     assert resp.status == 200 and resp.headers["x-laps-engine"] == "lp0"
     assert (await resp.json())["choices"][0]["message"]["content"] == "hi from lp0"
+
+
+async def test_a_busy_engine_whose_probe_times_out_stays_in_service_until_it_keeps_failing(stack, monkeypatch):
+    _, _, app = stack
+    gw = app[GATEWAY]
+    answers = {"sp0": "timeout", "lp0": "unreachable"}
+
+    async def ready(url: str) -> str:
+        return answers[next(e.id for e in gw.registry if e.url == url)]
+
+    monkeypatch.setattr(gw.client, "ready", ready)
+    monitor = HealthMonitor(gw)
+    sp0, lp0 = gw.registry["sp0"], gw.registry["lp0"]
+    sp0.last_byte_s = asyncio.get_running_loop().time()  # it answered a moment ago: busy, not dead
+    await monitor.poll()
+    assert (sp0.healthy, lp0.healthy) == (True, False)  # a refused connection is a dead engine at once
+    await monitor.poll()
+    assert sp0.healthy
+    await monitor.poll()  # the third timeout in a row
+    assert not sp0.healthy
