@@ -67,6 +67,8 @@ def engine_failed(gw: Gateway, err: EngineUnavailable) -> None:
     unless the engine's streams brought bytes within the silence limit: a busy engine that queues a request is no
     stuck engine (taking it out would send all its queue elsewhere)."""
     engine = gw.registry[err.engine_id]
+    if not engine.serving:  # out of service already (the error may be the one its leaving caused)
+        return
     if not isinstance(err, EngineTimeout):
         take_out_of_service(gw, engine, err.detail, stalled=False)
     elif asyncio.get_running_loop().time() - engine.last_byte_s > silence_s(gw):
