@@ -83,9 +83,13 @@ class RequestGuard:
             self.engine = self.also = None
 
     def started(self) -> None:
-        """The client has the first part of its answer: no retry from now on; the limit becomes the stall timeout."""
+        """The client has the first part of its answer: no retry from now on; the limit becomes the stall timeout
+        (the timer, armed for the first-byte limit, is brought forward: it only ever re-arms itself later)."""
         self.sent = True
         self._limit_s = self.stall_s
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = self._loop.call_at(self._loop.time() + self.stall_s, self._check)
 
     def progress(self) -> None:
         """Bytes came from the engine (call it after relaying them: time spent writing to a slow client, with

@@ -26,12 +26,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
 from gateway import pd_dispatch
+from gateway.auth import admin_key_given
 from gateway.errors import APIError, EngineUnavailable, ShuttingDown
 from gateway.guard import RequestGuard
 from gateway.health import engine_failed
 from gateway.relay import ClientGone, Reply, SSERelay, StreamTap, ask_engine_for_usage, dumps, in_background, outcome_of, unreachable, upstream_error
 from gateway.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
-from gateway.auth import admin_key_given
 from gateway.registry import EngineState
 from gateway.state import GATEWAY, Gateway
 from laps.chat_cache import EncodedPrompt
@@ -144,7 +144,8 @@ async def _prompt_chain(gw: Gateway, req: ChatCompletionRequest | CompletionRequ
 
     A chat goes through ``gw.prompt_cache``: only the messages that no earlier request of its conversation had are
     tokenized. A chat with ``tools`` is tokenized whole, the tools rendered into the template as SGLang renders them
-    (:func:`laps.tokenizer.template_tools`); the engine gets them as sent. Text longer than ``INLINE_ENCODE_CHARS`` is tokenized in an executor thread, off the event loop.
+    (:func:`laps.tokenizer.template_tools`); the engine gets them as sent. Text longer than ``INLINE_ENCODE_CHARS``
+    is tokenized in an executor thread, off the event loop.
     """
     loop = asyncio.get_running_loop()
     if isinstance(req, ChatCompletionRequest):
@@ -382,7 +383,7 @@ async def _relay_stream(request: web.Request, gw: Gateway, engine: EngineState, 
     except (EngineUnavailable, ShuttingDown) as err:
         api_error = err
     else:
-        return await sse.finish(), "error" if tap.engine_error else "ok"
+        return await sse.finish(), "engine_error" if tap.engine_error else "ok"  # engine_error: its own error event
     in_background(gw.client.abort(engine.url, view.rid))
     if sse.response is None:
         raise api_error

@@ -83,6 +83,15 @@ async def test_a_started_stream_that_stalls_ends_with_an_error_event_and_done(st
         assert 'laps_requests_total{cls="short",outcome="engine_timeout"} 1.0' in await resp.text()
 
 
+@pytest.mark.parametrize("stack", [{"first_byte_timeout_s": 60.0}], indirect=True)
+async def test_the_stall_timeout_holds_even_when_the_first_byte_timeout_is_longer(stack):
+    session, fakes, _ = stack
+    fakes["sp0"].hold_streams = True
+    async with session.post("/v1/chat/completions", json=chat("Hi", stream=True)) as resp:
+        got = events((await asyncio.wait_for(resp.read(), timeout=20)).decode())  # cut after STALL_S, not 60 s
+    assert got[-1] == "data: [DONE]" and orjson.loads(got[-2].removeprefix("data: "))["error"]["code"] == "engine_timeout"
+
+
 async def test_a_slow_client_is_not_an_engine_stall(stack):
     session, fakes, _ = stack
     async with session.post("/v1/chat/completions", json=chat("Hi", stream=True)) as resp:
