@@ -62,13 +62,18 @@ class EngineClient:
             resp.raise_for_status()
             return await resp.read()
 
-    async def ready(self, base_url: str) -> bool:
-        """``GET /ready`` answered 200 within the probe timeout."""
+    async def ready(self, base_url: str) -> str:
+        """``GET /ready`` within the probe timeout: ``"ready"`` (200), ``"not_ready"`` (another status or a broken
+        answer), ``"timeout"`` (no answer in time: frozen, or too busy) or ``"unreachable"`` (connection refused)."""
         try:
             async with self.session.get(base_url + "/ready", timeout=self._probe_timeout) as resp:
-                return resp.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError):
-            return False
+                return "ready" if resp.status == 200 else "not_ready"
+        except asyncio.TimeoutError:
+            return "timeout"
+        except aiohttp.ClientConnectorError:
+            return "unreachable"
+        except aiohttp.ClientError:
+            return "not_ready"
 
     async def abort(self, base_url: str, rid: str) -> None:
         """``POST /abort_request {"rid"}``: the engine frees the request's slot and KV. Never raises."""

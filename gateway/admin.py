@@ -11,12 +11,12 @@ until it is done.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 
 import orjson
 from aiohttp import web
 
+from gateway.auth import admin_key_given
 from gateway.errors import APIError
 from gateway.role_switch import check_same_side, switch_role
 from gateway.state import GATEWAY, Gateway
@@ -29,12 +29,12 @@ SWITCHES = web.AppKey("role_switches", dict)
 
 def _authorize(request: web.Request) -> Gateway:
     gw = request.app[GATEWAY]
-    key = gw.config.gateway.admin_key
-    if key is None:
+    if gw.config.gateway.admin_key is None:
         raise APIError(403, "the admin API is off: set gateway.admin_key in the config", type="permission_error")
-    given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
-    if not hmac.compare_digest(given.encode(), key.encode()):
-        raise APIError(401, "missing or wrong admin key (Authorization: Bearer <gateway.admin_key>)", type="authentication_error")
+    if not admin_key_given(request, gw):
+        err = APIError(401, "missing or wrong admin key (Authorization: Bearer <gateway.admin_key>)", type="authentication_error")
+        err.headers["WWW-Authenticate"] = "Bearer"
+        raise err
     return gw
 
 

@@ -4,6 +4,12 @@ Start-up order (aiohttp ``cleanup_ctx``, each part cleaned only if it started):
 tokenizer (a bad ``model.path`` fails before any engine starts) -> engine
 client -> engine processes (unless given URLs) -> health poller -> pressure controller (with ``controller.enabled``). Shutdown runs the
 same list backwards, so no engine outlives the gateway.
+
+Shutdown (:func:`serve`, on SIGINT or SIGTERM): the gateway stops listening and
+answers new requests on open connections with 503, lets the requests in flight
+run for up to ``gateway.shutdown_grace_s``, then ends those left with an
+explicit error (:func:`end_requests`), then stops the engines. A second signal
+exits at once (the engines, started with a parent-death signal, follow).
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ import signal
 import socket
 from typing import TYPE_CHECKING, AsyncIterator
 
+import time
+
 import aiohttp
 from aiohttp import web
 
@@ -26,12 +34,15 @@ from gateway.admin import SWITCHES, add_admin_routes
 from gateway.controller_loop import CONTROLLER, ControllerLoop
 from gateway.dispatcher import Dispatcher
 from gateway.engine_load import fetch_engine_load
-from gateway.errors import error_middleware
+from gateway.auth import api_key_middleware, is_loopback
+from gateway.errors import ShuttingDown, error_middleware
+from gateway.health import HealthMonitor
 from gateway.metrics import GatewayMetrics
-from gateway.pd_dispatch import PDDispatch
+from gateway.pd_setup import PDDispatch
 from gateway.registry import EngineRegistry, EngineState
 from gateway.state import GATEWAY, Gateway
 from gateway.supervisor import EngineSupervisor
+from laps.api_keys import load_keys
 from laps.config import Config
 from laps.cost import engine_traits
 from laps.tokenizer import load_tokenizer
@@ -44,19 +55,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("laps.gateway")
 
-HEALTH_POLL_INTERVAL_S = 1.0
 MAX_BODY_BYTES = 64 * 1024 * 1024
-
-
-async def _poll_health(gw: Gateway, supervisor: EngineSupervisor) -> None:
-    while True:
-        await asyncio.sleep(HEALTH_POLL_INTERVAL_S)
-        for engine, ok in zip(list(gw.registry), await asyncio.gather(*(gw.client.ready(e.url) for e in gw.registry))):
-            if ok != engine.healthy:
-                log.warning("engine %s is now %s", engine.id, "healthy" if ok else "UNHEALTHY")
-            engine.healthy = ok
-            gw.metrics.engine_healthy.labels(engine.id).set(int(ok))
-        supervisor.check()
+# Once the grace period is over, how long the requests still running get to write their error and finish (seconds).
+END_REQUESTS_S = 2.0
 
 
 async def _mirror_kv_capacity(client: EngineClient, registry: EngineRegistry, prefix_index: PrefixIndex) -> None:
@@ -83,7 +84,9 @@ def create_app(config: Config, engine_urls: dict[str, str] | None = None, span_e
     """
     provider = tracing.tracer_provider(config.tracing, span_exporter) if config.tracing.enabled else None
     tracer = provider.get_tracer("laps.gateway") if provider is not None else None
-    middlewares = [error_middleware] if tracer is None else [tracing.tracing_middleware(tracer), error_middleware]
+    middlewares = [error_middleware, api_key_middleware]
+    if tracer is not None:
+        middlewares.insert(0, tracing.tracing_middleware(tracer))
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
@@ -99,20 +102,28 @@ def create_app(config: Config, engine_urls: dict[str, str] | None = None, span_e
             prefix_index = PrefixIndex.from_byte_budget(config.scheduling.prefix_block_tokens, config.scheduling.prefix_index_bytes, len(config.engines))
             await _mirror_kv_capacity(client, registry, prefix_index)
             gw = Gateway(config, tokenizer, registry, client, make_classifier(config.scheduling), dispatcher, prefix_index, GatewayMetrics(), manager,
-                         tracer=tracer)
+                         tracer=tracer,
+                         api_keys=load_keys(config.gateway.api_keys) if config.gateway.api_keys is not None else None)
             gw.pd = PDDispatch.from_config(config, urls) if config.pd is not None else None
             gw.metrics.watch_scheduler(dispatcher.scheduler.stats)
+            gw.metrics.memory_budget.labels("prefix_index").set(config.scheduling.prefix_index_bytes)
+            gw.metrics.memory_budget.labels("chat_cache").set(config.scheduling.chat_cache_bytes)
             app[GATEWAY] = gw
             supervisor = EngineSupervisor(gw)
-            poller = asyncio.create_task(_poll_health(gw, supervisor))
+            monitor = HealthMonitor(gw)
+            poller = asyncio.create_task(monitor.run(supervisor.check))
             if config.controller.enabled:
                 app[CONTROLLER] = ControllerLoop(gw, app[SWITCHES])
                 app[CONTROLLER].start()
             log.info("serving %s with %d engines: %s", config.model.name, len(urls), ", ".join(f"{k}={v}" for k, v in urls.items()))
             pd_mode = "off" if config.pd is None else f"on (decode placement {config.scheduling.decode_placement}, KV transfer {config.pd.transfer_backend})"
             log.info("scheduling policy %s; PD %s; controller %s", config.scheduling.policy, pd_mode, "on" if config.controller.enabled else "off")
+            if gw.api_keys is None and not is_loopback(config.gateway.host):
+                log.warning("gateway.host is %s, reachable from other machines, and gateway.api_keys is not set: "
+                            "any client can use the /v1 API; set gateway.api_keys", config.gateway.host)
             yield
             poller.cancel()
+            await monitor.close()
             if CONTROLLER in app:
                 await app[CONTROLLER].close()
             for switch in app[SWITCHES].values():  # admin role switches still draining or restarting
@@ -159,8 +170,28 @@ def listen_socket(host: str, port: int) -> socket.socket:
         raise OSError(f"cannot listen on {host}:{port}: {reason}") from None
 
 
+async def end_requests(gw: Gateway, grace_s: float) -> None:
+    """Shut the request side down: take no new request, let those in flight run up to ``grace_s`` seconds, then end
+    the rest with :class:`~gateway.errors.ShuttingDown` (queued ones with a 503, started streams with an error
+    event and ``[DONE]``) and give them ``END_REQUESTS_S`` to write it."""
+    gw.closing = True
+    deadline = time.monotonic() + grace_s
+    if gw.guards:
+        log.info("shutting down: %d requests in flight get up to %.0f s to finish", len(gw.guards), grace_s)
+    while gw.guards and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if gw.guards:
+        log.warning("shutting down: ending the %d requests still running after %.0f s", len(gw.guards), grace_s)
+        gw.dispatcher.fail_waiting(ShuttingDown)
+        for guard in list(gw.guards):
+            guard.shut()
+        deadline = time.monotonic() + END_REQUESTS_S
+        while gw.guards and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+
 async def serve(config: Config) -> None:
-    """Run the gateway until SIGINT or SIGTERM, then shut everything down.
+    """Run the gateway until SIGINT or SIGTERM, then shut everything down (see the module docstring).
 
     The port is bound before any engine starts, so a taken port fails at once. The ready line names the bound
     port (with ``gateway.port: 0``, the one the kernel picked).
@@ -171,18 +202,30 @@ async def serve(config: Config) -> None:
     """
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        if not stop.is_set():
+            stop.set()
+            return
+        log.warning("second signal: exiting now")
+        logging.shutdown()
+        os._exit(130)
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     sock = listen_socket(config.gateway.host, config.gateway.port)
     with sock:
         runner = app_runner(config)
         await runner.setup()
         try:
-            await web.SockSite(runner, sock).start()
+            site = web.SockSite(runner, sock)
+            await site.start()
             url = f"http://{config.gateway.host}:{sock.getsockname()[1]}"
-            log.info("laps gateway listening on %s (Ctrl-C to stop)", url)
+            log.info("laps gateway listening on %s (Ctrl-C to stop; twice to stop at once)", url)
             print(f"laps: ready on {url}", flush=True)
             await stop.wait()
-            log.info("shutting down")
+            log.info("shutting down: no new connections")
+            await site.stop()
+            await end_requests(runner.app[GATEWAY], config.gateway.shutdown_grace_s)
         finally:
             await runner.cleanup()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Callable
 
 from gateway.errors import APIError
 from gateway.registry import EngineRegistry
@@ -84,6 +85,14 @@ class Dispatcher:
         self._deadlines.pop(request.rid, None)
         self.scheduler.on_complete(request.rid, engine_id, self.clock())
         self._decide()
+
+    def fail_waiting(self, error: Callable[[], APIError]) -> None:
+        """End every request still waiting to be dispatched with an ``error()`` (the gateway is shutting down)."""
+        for rid, (_, future) in list(self._waiting.items()):
+            self.scheduler.cancel(rid, self.clock())
+            if not future.done():
+                future.set_exception(error())
+        self._waiting.clear()
 
     def close(self) -> None:
         if self._timer is not None:

@@ -32,6 +32,33 @@ class APIError(Exception):
         return web.json_response(self.body(), status=self.status, headers=self.headers, dumps=lambda o: orjson.dumps(o).decode())
 
 
+class EngineUnavailable(APIError):
+    """An engine could not be reached, dropped the connection or sent a broken answer (HTTP 502).
+
+    The client's message names the engine only (``engine_id``); ``detail`` says what happened, for the gateway log.
+    """
+
+    def __init__(self, engine_id: str, detail: str, *, status: int = 502, code: str = "engine_unavailable", message: str | None = None) -> None:
+        super().__init__(status, message or f"engine {engine_id} failed to answer; retry later", type="engine_error", code=code)
+        self.engine_id = engine_id
+        self.detail = detail
+
+
+class EngineTimeout(EngineUnavailable):
+    """An engine sent nothing for longer than the request's first-byte or stall timeout, or was taken out of
+    service before its first byte (HTTP 504); ``detail`` says which limit."""
+
+    def __init__(self, engine_id: str, detail: str) -> None:
+        super().__init__(engine_id, detail, status=504, code="engine_timeout", message=f"engine {engine_id} stopped answering; retry later")
+
+
+class ShuttingDown(APIError):
+    """The gateway is shutting down: a request it will not finish (HTTP 503)."""
+
+    def __init__(self) -> None:
+        super().__init__(503, "the gateway is shutting down; retry on another instance or later", type="service_unavailable", code="shutting_down")
+
+
 @web.middleware
 async def error_middleware(request: web.Request, handler):
     """Turn :class:`APIError`, aiohttp's HTTP errors and unexpected exceptions into OpenAI error bodies."""

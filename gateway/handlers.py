@@ -26,13 +26,18 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
 from gateway import pd_dispatch
-from gateway.errors import APIError
+from gateway.auth import admin_key_given
+from gateway.errors import APIError, EngineUnavailable, ShuttingDown
+from gateway.guard import RequestGuard
+from gateway.health import engine_failed
 from gateway.priority import set_engine_priority, view_priority
-from gateway.relay import ClientGone, EngineUnavailable, Reply, StreamTap, ask_engine_for_usage, dumps, end_stream, error_event, in_background, start_stream, upstream_error, write
+from gateway.relay import ClientGone, Reply, SSERelay, StreamTap, ask_engine_for_usage, dumps, in_background, outcome_of, unreachable, upstream_error
 from gateway.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
+from gateway.registry import EngineState
 from gateway.state import GATEWAY, Gateway
 from gateway.tracing import child_span
 from laps.chat_cache import EncodedPrompt
+from laps.tokenizer import template_tools
 from policies.admission import classified_view_of_keys
 from policies.output_predictor import reply_token_counts
 from policies.prefix_index import BlockChain
@@ -62,6 +67,9 @@ INLINE_ENCODE_CHARS = 1024
 
 
 async def _json_body(request: web.Request) -> dict:
+    if request.content_type != "application/json":
+        raise APIError(415, f"Content-Type must be application/json, got {request.content_type or 'none'!r}", param="Content-Type",
+                       code="unsupported_media_type")
     raw = await request.read()
     try:
         body = orjson.loads(raw)
@@ -125,6 +133,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def _serve(request: web.Request, schema: type[ChatCompletionRequest] | type[CompletionRequest], path: str) -> web.StreamResponse:
     gw = request.app[GATEWAY]
     arrival_s = time.monotonic()
+    if gw.closing:
+        raise ShuttingDown()
     with child_span(gw.tracer, "validation"):
         body = await _json_body(request)
         req = _validate(schema, body)
@@ -140,10 +150,17 @@ async def _prompt_chain(gw: Gateway, req: ChatCompletionRequest | CompletionRequ
     """The prompt's length and prefix block keys, its tokens counted as the engine will count them.
 
     A chat goes through ``gw.prompt_cache``: only the messages that no earlier request of its conversation had are
-    tokenized. Text longer than ``INLINE_ENCODE_CHARS`` is tokenized in an executor thread, off the event loop.
+    tokenized. A chat with ``tools`` is tokenized whole, the tools rendered into the template as SGLang renders them
+    (:func:`laps.tokenizer.template_tools`); the engine gets them as sent. Text longer than ``INLINE_ENCODE_CHARS``
+    is tokenized in an executor thread, off the event loop.
     """
     loop = asyncio.get_running_loop()
     if isinstance(req, ChatCompletionRequest):
+        tools = template_tools(body.get("tools"), body.get("tool_choice"))
+        if tools is not None:  # the tools open the system turn: the chat cache's turns do not apply
+            ids = await loop.run_in_executor(None, gw.tokenizer.encode_chat, req.chat(), tools)
+            chain = BlockChain(gw.prefix_index.block_tokens).extend(ids)
+            return EncodedPrompt(chain, chain, None)
         lookup = gw.prompt_cache.lookup(req.chat())
         if lookup.new_chars <= INLINE_ENCODE_CHARS:
             encoded = gw.prompt_cache.encode(lookup)
@@ -204,25 +221,31 @@ async def _dispatch(request: web.Request, gw: Gateway, body: dict, path: str, pr
     priority = view_priority(request, body, gw.config)
     if priority is not None:
         view = dataclasses.replace(view, priority=priority)
+    guard = RequestGuard(gw.config.gateway.first_byte_timeout_s, gw.config.gateway.stall_timeout_s)
+    gw.guards.add(guard)
     try:
-        return await _attempt(request, gw, body, path, prompt, stream, view, may_retry=True)
-    except EngineUnavailable as err:
-        # Nothing reached the client: mark the engine down (the health poller brings it back) and try another once,
-        # under a fresh engine rid: the abort of the first try may still be on its way to an engine of the retry.
-        gw.registry[err.engine_id].healthy = False
-        retry = dataclasses.replace(view, rid=f"{rid}{RETRY_RID_SUFFIX}")
-        log.warning("%s: engine %s unreachable (%s); retrying on another engine as %s", rid, err.engine_id, err.message, retry.rid)
-        return await _attempt(request, gw, body, path, prompt, stream, retry, may_retry=False)
+        try:
+            return await _attempt(request, gw, body, path, prompt, stream, view, guard, may_retry=True)
+        except EngineUnavailable as err:
+            # Nothing reached the client: take the engine out of service (the health poll brings it back) and try
+            # another once, under a fresh engine rid: the abort of the first try may still be on its way to an engine
+            # of the retry.
+            engine_failed(gw, err)
+            retry = dataclasses.replace(view, rid=f"{rid}{RETRY_RID_SUFFIX}")
+            log.warning("%s: engine %s failed before the first byte (%s); retrying on another engine as %s", rid, err.engine_id, err.detail, retry.rid)
+            return await _attempt(request, gw, body, path, prompt, stream, retry, guard, may_retry=False)
+    finally:
+        gw.guards.discard(guard)
 
 
 async def _attempt(request: web.Request, gw: Gateway, body: dict, path: str, prompt: EncodedPrompt, stream: bool, view: RequestView,
-                   may_retry: bool) -> web.StreamResponse:
+                   guard: RequestGuard, may_retry: bool) -> web.StreamResponse:
     """One try (see :func:`_dispatch`), run as a task of its own so that the client leaving does not cut it short
     once the client has its whole answer (:attr:`gateway.relay.Reply.done`): the request then ends as ``ok`` and is
     learnt from; before that, leaving aborts it (:func:`_serve_once`).
     """
     reply = Reply()
-    work = asyncio.ensure_future(_serve_once(request, gw, body, path, prompt, stream, view, reply, may_retry))
+    work = asyncio.ensure_future(_serve_once(request, gw, body, path, prompt, stream, view, guard, reply, may_retry))
     try:
         return await asyncio.shield(work)
     except asyncio.CancelledError:  # the client went away (the app runs with handler_cancellation)
@@ -233,7 +256,7 @@ async def _attempt(request: web.Request, gw: Gateway, body: dict, path: str, pro
 
 
 async def _serve_once(request: web.Request, gw: Gateway, body: dict, path: str, prompt: EncodedPrompt, stream: bool, view: RequestView,
-                      reply: Reply, may_retry: bool) -> web.StreamResponse:
+                      guard: RequestGuard, reply: Reply, may_retry: bool) -> web.StreamResponse:
     """Admit ``view`` to an engine, relay its answer into ``reply`` and the client's response, and account for it.
 
     An :class:`EngineUnavailable` of a try that ``may_retry`` is logged as outcome ``retried`` and not counted in
@@ -266,22 +289,22 @@ async def _serve_once(request: web.Request, gw: Gateway, body: dict, path: str, 
     if view.cached_tokens:
         class_metrics.reprefills.inc()
     outcome = "error"
+    detail = ""
     try:
         if gw.pd is not None:  # prefill-decode pair: engine_id prefills, a decode engine answers
-            response, outcome = await pd_dispatch.relay(request, gw, path, body, headers, view, engine_id, reply, stream)
+            response, outcome = await pd_dispatch.relay(request, gw, path, body, headers, view, engine_id, guard, reply, stream)
         elif stream:
-            response, outcome = await _relay_stream(request, gw, engine.url, path, body, headers, view, engine_id, reply,
-                                                    prompt.prompt.keys)
+            response, outcome = await _relay_stream(request, gw, engine, path, body, headers, view, guard, reply, prompt.prompt.keys)
         else:
-            response, outcome = await _relay_json(gw, engine.url, path, body, headers, view, engine_id, reply)
+            response, outcome = await _relay_json(gw, engine, path, body, headers, view, guard, reply)
         if outcome == "ok":
             # The client has its whole answer; learning from it must not hold (or be cancelled with) the handler.
             in_background(_learn_from_reply(gw, engine_id, view, prompt, reply, reply_cached_on_engine=gw.pd is None))
         return response
     except APIError as err:
         err.headers.update(headers)  # which class and engine failed, as on every answer
-        if may_retry and isinstance(err, EngineUnavailable):
-            outcome = "retried"
+        outcome = "retried" if may_retry and isinstance(err, EngineUnavailable) else outcome_of(err)
+        detail = f" ({err.detail})" if isinstance(err, EngineUnavailable) else ""
         raise
     except (ClientGone, asyncio.CancelledError):
         outcome = "client_gone"
@@ -299,9 +322,9 @@ async def _serve_once(request: web.Request, gw: Gateway, body: dict, path: str, 
         if outcome == "ok":
             class_metrics.e2e.observe(took_s)
         decode_id = headers.get(pd_dispatch.DECODE_ENGINE_HEADER)  # PD: the pair's decode engine, once chosen
-        log.info("%s %s class=%s engine=%s%s prompt_tokens=%d cached_est=%s cached_reported=%s outcome=%s %.1f ms",
+        log.info("%s %s class=%s engine=%s%s prompt_tokens=%d cached_est=%s cached_reported=%s outcome=%s%s %.1f ms",
                  rid, path, req_class, engine_id, "" if decode_id is None else f" decode={decode_id}", view.prompt_tokens, cached_est,
-                 reply.cached_tokens, outcome, 1e3 * took_s)
+                 reply.cached_tokens, outcome, detail, 1e3 * took_s)
 
 
 async def _learn_from_reply(gw: Gateway, engine_id: str, view: RequestView, prompt: EncodedPrompt, reply: Reply,
@@ -330,58 +353,64 @@ async def _learn_from_reply(gw: Gateway, engine_id: str, view: RequestView, prom
     gw.prefix_index.observe(engine_id, chain.keys if reply_cached_on_engine else prompt.prompt.keys, reply.cached_tokens)
 
 
-async def _relay_json(gw: Gateway, engine_url: str, path: str, body: dict, headers: dict, view: RequestView, engine_id: str, reply: Reply) -> tuple[web.Response, str]:
+async def _relay_json(gw: Gateway, engine: EngineState, path: str, body: dict, headers: dict, view: RequestView, guard: RequestGuard,
+                      reply: Reply) -> tuple[web.Response, str]:
     try:
-        async with gw.client.post(engine_url, path, body) as upstream:
-            payload = await upstream.read()
-            status = upstream.status
+        with guard.watching(engine, stream=False):
+            async with gw.client.post(engine.url, path, body) as upstream:
+                payload = await upstream.read()
+                status = upstream.status
     except (aiohttp.ClientError, asyncio.TimeoutError) as err:
-        raise EngineUnavailable(engine_id, engine_url, err) from None
+        raise unreachable(engine, err) from None
+    engine.last_byte_s = asyncio.get_running_loop().time()  # the engine is alive: it answered
     if status != 200:
-        return upstream_error(status, payload, headers), f"http_{status}"
+        return upstream_error(engine.id, status, payload, headers), f"http_{status}"
     try:
         obj = orjson.loads(payload)
     except orjson.JSONDecodeError:
         obj = None
-    if isinstance(obj, dict):
-        reply.take(obj)
-    gw.dispatcher.first_token(view.rid, engine_id, reply.cached_tokens)
+    if not isinstance(obj, dict):
+        raise EngineUnavailable(engine.id, f"answer is not a JSON object: {payload[:200]!r}")
+    reply.take(obj)
+    gw.dispatcher.first_token(view.rid, engine.id, reply.cached_tokens)
     return web.Response(body=payload, status=status, content_type="application/json", headers=headers), "ok"
 
 
-async def _relay_stream(request: web.Request, gw: Gateway, engine_url: str, path: str, body: dict, headers: dict, view: RequestView,
-                        engine_id: str, reply: Reply, prompt_keys: Sequence[int]) -> tuple[web.StreamResponse, str]:
+async def _relay_stream(request: web.Request, gw: Gateway, engine: EngineState, path: str, body: dict, headers: dict, view: RequestView,
+                        guard: RequestGuard, reply: Reply, prompt_keys: Sequence[int]) -> tuple[web.StreamResponse, str]:
     """Relay the engine's stream; at its first chunk the prompt is prefilled, so it is in the engine's prefix cache
-    from then on (``prompt_keys`` go into the prefix index: a request arriving meanwhile can use them)."""
+    from then on (``prompt_keys`` go into the prefix index: a request arriving meanwhile can use them).
+
+    Raises:
+        EngineUnavailable: the engine failed before its first byte (the caller retries elsewhere once).
+    """
     tap = StreamTap(reply, drop_usage=not ask_engine_for_usage(body))
-    response: web.StreamResponse | None = None
+
+    def on_first() -> None:
+        gw.metrics.of_class(view.request_class).ttft.observe(time.monotonic() - view.arrival_s)
+        gw.prefix_index.insert(engine.id, prompt_keys)
+        gw.dispatcher.first_token(view.rid, engine.id, None)
+
+    sse = SSERelay(request, gw, headers, tap, guard, engine, on_first)
     try:
-        async with gw.client.post(engine_url, path, body) as upstream:
-            if upstream.status != 200:
-                return upstream_error(upstream.status, await upstream.read(), headers), f"http_{upstream.status}"
-            response = await start_stream(request, headers)
-            first = True
-            async for chunk in upstream.content.iter_any():
-                if first:
-                    gw.metrics.of_class(view.request_class).ttft.observe(time.monotonic() - view.arrival_s)
-                    gw.prefix_index.insert(engine_id, prompt_keys)
-                    gw.dispatcher.first_token(view.rid, engine_id, None)
-                    first = False
-                data = tap.feed(chunk)
-                if data:
-                    await write(response, data)
+        with guard.watching(engine, stream=True):
+            async with gw.client.post(engine.url, path, body) as upstream:
+                if upstream.status != 200:
+                    return upstream_error(engine.id, upstream.status, await upstream.read(), headers), f"http_{upstream.status}"
+                await sse.pump(upstream)
     except (aiohttp.ClientError, asyncio.TimeoutError) as err:
-        api_error = EngineUnavailable(engine_id, engine_url, err)
-        if response is None:
-            raise api_error from None
-        await write(response, tap.flush() + error_event(api_error))
-        await end_stream(response)
-        return response, "engine_error"
-    rest = tap.flush()
-    if rest:
-        await write(response, rest)
-    await end_stream(response)
-    return response, "ok"
+        api_error: APIError = unreachable(engine, err)
+    except (EngineUnavailable, ShuttingDown) as err:
+        api_error = err
+    else:
+        return await sse.finish(), "engine_error" if tap.engine_error else "ok"  # engine_error: its own error event
+    in_background(gw.client.abort(engine.url, view.rid))
+    if sse.response is None:
+        raise api_error
+    log.warning("%s: engine %s failed mid-stream (%s); the stream ends with an error event", view.rid, engine.id, getattr(api_error, "detail", api_error.message))
+    if isinstance(api_error, EngineUnavailable):
+        engine_failed(gw, api_error)
+    return await sse.fail(api_error), outcome_of(api_error)
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -392,11 +421,18 @@ async def list_models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    """``GET /health``: 200 when at least one engine is healthy, else 503; lists every engine."""
+    """``GET /health``: ``ok`` (200) when every engine serves, ``degraded`` (200) when some do, ``unavailable`` (503)
+    when none does, ``shutting_down`` (503) once the gateway stops; with the admin key
+    (``Authorization: Bearer``) also every engine's id, pool, URL, state and load."""
     gw = request.app[GATEWAY]
-    engines = [{"id": e.id, "url": e.url, "pool": e.pool, "healthy": e.healthy, "in_flight": e.in_flight} for e in gw.registry]
-    ok = any(e["healthy"] for e in engines)
-    return web.json_response({"status": "ok" if ok else "unavailable", "engines": engines}, status=200 if ok else 503, dumps=dumps)
+    serving = sum(e.serving for e in gw.registry)
+    total = len(list(gw.registry))
+    status = "shutting_down" if gw.closing else "ok" if serving == total else "degraded" if serving else "unavailable"
+    body: dict = {"status": status, "engines_serving": serving, "engines_total": total}
+    if admin_key_given(request, gw):
+        body["engines"] = [{"id": e.id, "url": e.url, "pool": e.pool, "healthy": e.healthy, "stalled": e.stalled, "draining": e.draining,
+                            "in_flight": e.in_flight} for e in gw.registry]
+    return web.json_response(body, status=200 if status in ("ok", "degraded") else 503, dumps=dumps)
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -36,6 +36,8 @@ class GatewayMetrics:
         self.pool_engines = Gauge("laps_pool_engines", "Engines serving each pool (healthy, not switching) at the controller's last decision", ["pool"], registry=self.registry)
         self.pool_pressure = Gauge("laps_pool_pressure", "The controller's pool pressure (P90 of its engines' pressures; NaN: no engine)", ["pool"], registry=self.registry)
         self.controller_moves = Counter("laps_controller_moves", "Engines the controller moved between pools, by outcome (ok, failed)", ["from_pool", "to_pool", "outcome"], registry=self.registry)
+        self.api_key_requests = Counter("laps_api_key_requests", "Requests accepted, by client API key label", ["key"], registry=self.registry)
+        self.memory_budget = Gauge("laps_memory_budget_bytes", "Configured memory budgets of the gateway's caches (prefix_index, chat_cache)", ["cache"], registry=self.registry)
         self._classes: dict[str, ClassMetrics] = {}
         self._in_flight: dict[str, Gauge] = {}
 

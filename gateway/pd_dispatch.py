@@ -25,8 +25,10 @@ pools; :meth:`gateway.registry.EngineRegistry.views`). :func:`relay` then
    other and reaches the client as one OpenAI error naming the engine
    (``x-laps-failed-engine``), as an HTTP error before the stream starts and
    as an in-stream error event after;
-5. once the decode side has answered, the client has its whole answer at once
-   (a JSON answer is sent before the prefill side is settled): the prefill
+5. the client's ``usage.prompt_tokens_details.cached_tokens`` is the prefill
+   engine's (the decode engine computes no prompt); once the decode side has
+   answered, the client has its whole answer at once (a JSON answer waits at
+   most ``PREFILL_REPORT_WAIT_S`` for the prefill engine's figure): the prefill
    engine's answer is then awaited at most ``PREFILL_GRACE_S`` more (its
    ``cached_tokens``), after which the prefill side is cancelled and aborted
    (e.g. a failed KV hand-off: the prefill engine may never answer).
@@ -41,21 +43,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import time
-from dataclasses import dataclass, field
-from urllib.parse import urlparse
 
 import aiohttp
 import orjson
 from aiohttp import web
 
-from gateway.errors import APIError
-from gateway.relay import ClientGone, EngineUnavailable, Reply, StreamTap, ask_engine_for_usage, end_stream, error_event, in_background, send_now, start_stream, upstream_error, write
+from gateway.errors import APIError, EngineUnavailable, ShuttingDown
+from gateway.guard import RequestGuard
+from gateway.health import engine_failed
+from gateway.pd_setup import PDDispatch, bootstrap_room
+from gateway.relay import ClientGone, Reply, SSERelay, StreamTap, ask_engine_for_usage, error_of_answer, in_background, outcome_of, send_now, unreachable, with_cached_tokens
 from gateway.state import Gateway
-from laps.config import Config
-from policies.decode_placement import DecodePlacement
-from policies.registry import make_decode_placement
 from policies.types import RequestView
 
 log = logging.getLogger("laps.gateway")
@@ -65,29 +64,9 @@ DECODE_ENGINE_HEADER = "x-laps-decode-engine"
 # How long the prefill engine's answer is still awaited once the decode side has answered (seconds). It normally
 # came in long before (the decode side needs the prefill's KV first); only a failed hand-off leaves it hanging.
 PREFILL_GRACE_S = 1.0
-
-
-def bootstrap_room() -> int:
-    """A random KV-transfer room id in ``[0, 2**63)`` (SGLang's PD router draws it the same way)."""
-    return random.getrandbits(63)
-
-
-@dataclass
-class PDDispatch:
-    """What PD dispatch needs beyond the scheduler: the decode placement and each prefill engine's bootstrap address.
-
-    ``bootstrap``: ``{prefill engine id: (host, port)}``; the host is that of
-    the engine's URL (``127.0.0.1`` for engines laps starts).
-    """
-
-    placement: DecodePlacement
-    bootstrap: dict[str, tuple[str, int]] = field(default_factory=dict)
-
-    @classmethod
-    def from_config(cls, config: Config, urls: dict[str, str]) -> "PDDispatch":
-        """The dispatch state of ``config`` (which has ``pd:``) with engines at ``urls`` (``{name: base URL}``)."""
-        bootstrap = {e.name: (urlparse(urls[e.name]).hostname or "127.0.0.1", config.bootstrap_port(e)) for e in config.engines}
-        return cls(make_decode_placement(config.scheduling), bootstrap)
+# How long a JSON answer waits for the prefill engine's answer, for its cached_tokens (seconds); it is normally in
+# already, and a hanging prefill side must not hold the client's answer back.
+PREFILL_REPORT_WAIT_S = 0.2
 
 
 class _SideFailed(Exception):
@@ -101,8 +80,9 @@ class _SideFailed(Exception):
 
 def _engine_error(engine_id: str, side: str, status: int, payload: bytes) -> APIError:
     """An engine's non-200 answer as an :class:`APIError` with the same status, naming the side and engine."""
-    error = orjson.loads(upstream_error(status, payload, {}).body)["error"]
-    err = APIError(status, f"{side} engine {engine_id}: {error.get('message')}", type=error.get("type") or "engine_error", param=error.get("param"), code=error.get("code"))
+    err = error_of_answer(engine_id, status, payload)
+    if err.code != "engine_failed":  # that message names the engine already
+        err.message = f"{side} engine {engine_id}: {err.message}"
     err.headers[FAILED_ENGINE_HEADER] = engine_id
     return err
 
@@ -120,13 +100,16 @@ def _cached_tokens(payload: bytes) -> int | None:
 
 
 async def relay(request: web.Request, gw: Gateway, path: str, body: dict, headers: dict, view: RequestView,
-                prefill_id: str, reply: Reply, stream: bool) -> tuple[web.StreamResponse, str]:
+                prefill_id: str, guard: RequestGuard, reply: Reply, stream: bool) -> tuple[web.StreamResponse, str]:
     """Serve ``view`` (already admitted to ``prefill_id``) on a prefill–decode pair; see the module docstring.
 
     ``reply`` receives the decode engine's text and the prefill engine's
     reported ``cached_tokens`` (``None`` if the prefill engine did not answer
-    in time). Returns the client's response and the outcome (``ok``,
-    ``http_<status>``, ``engine_error``).
+    in time); the client's ``usage`` reports that figure too. ``guard`` cuts
+    the pair's wait short (:mod:`gateway.guard`): the decode engine's bytes
+    are its progress; the prefill engine is blamed for a timeout until it has
+    answered. Returns the client's response and the outcome (``ok``,
+    ``http_<status>``, ``engine_unavailable``, ``engine_timeout`` ...).
 
     Raises:
         APIError: 503 when no decode engine is healthy; a side's error before
@@ -146,7 +129,7 @@ async def relay(request: web.Request, gw: Gateway, path: str, body: dict, header
     decode = gw.registry[decode_id]
     gw.registry.acquire(decode_id, view.prompt_tokens)
     gw.metrics.in_flight_of(decode_id).inc()
-    pair = _Pair(request, gw, path, body, headers, view, prefill_id, decode_id, reply, stream)
+    pair = _Pair(request, gw, path, body, headers, view, prefill_id, decode_id, guard, reply, stream)
     try:
         return await pair.run()
     except (ClientGone, asyncio.CancelledError):
@@ -163,19 +146,31 @@ class _Pair:
     """One request in flight on a prefill engine and a decode engine (see :func:`relay`)."""
 
     def __init__(self, request: web.Request, gw: Gateway, path: str, body: dict, headers: dict, view: RequestView,
-                 prefill_id: str, decode_id: str, reply: Reply, stream: bool) -> None:
+                 prefill_id: str, decode_id: str, guard: RequestGuard, reply: Reply, stream: bool) -> None:
         self.request, self.gw, self.path, self.body, self.headers, self.view = request, gw, path, body, headers, view
-        self.prefill_id, self.decode_id, self.reply, self.stream = prefill_id, decode_id, reply, stream
+        self.prefill_id, self.decode_id, self.guard, self.reply, self.stream = prefill_id, decode_id, guard, reply, stream
         self.response: web.StreamResponse | None = None
+        self.sse: SSERelay | None = None
         self.client_wants_usage = False
         self.prefill_cached_tokens: int | None = None
+        self._prefill_task: asyncio.Future | None = None
         self._prefill_released = False
 
     async def run(self) -> tuple[web.StreamResponse, str]:
+        registry = self.gw.registry
+        try:
+            with self.guard.watching(registry[self.decode_id], self.stream, also=registry[self.prefill_id]):
+                return await self._run()
+        except (EngineUnavailable, ShuttingDown) as err:  # the guard cut the pair off
+            for engine_id in (self.prefill_id, self.decode_id):
+                in_background(self.gw.client.abort(registry[engine_id].url, self.view.rid))
+            return await self._fail(err)
+
+    async def _run(self) -> tuple[web.StreamResponse, str]:
         if self.stream:
             # Both sides report usage: the prefill engine's cached_tokens corrects the prefix index.
             self.client_wants_usage = ask_engine_for_usage(self.body)
-        prefill = asyncio.ensure_future(self._prefill())
+        prefill = self._prefill_task = asyncio.ensure_future(self._prefill())
         decode = asyncio.ensure_future(self._decode())
         try:
             await asyncio.wait((prefill, decode), return_when=asyncio.FIRST_COMPLETED)
@@ -216,14 +211,16 @@ class _Pair:
                 api_error.headers = {**self.headers, **api_error.headers}
                 return api_error.response(), outcome
         elif isinstance(err, APIError):  # EngineUnavailable: before the response, the caller retries elsewhere
-            api_error, outcome = err, "engine_error"
+            api_error, outcome = err, outcome_of(err)
             if self.response is None:
                 raise err
+            log.warning("%s: PD pair %s/%s failed mid-stream (%s); the stream ends with an error event", self.view.rid,
+                        self.prefill_id, self.decode_id, getattr(err, "detail", err.message))
+            if isinstance(err, EngineUnavailable):
+                engine_failed(self.gw, err)
         else:
             raise err
-        await write(self.response, error_event(api_error))
-        await end_stream(self.response)
-        return self.response, outcome
+        return await self.sse.fail(api_error), outcome
 
     async def _prefill(self) -> None:
         """Send the request to the prefill engine and read its whole answer (it ends when the prefill does)."""
@@ -233,10 +230,11 @@ class _Pair:
                 payload = await upstream.read()
                 status = upstream.status
         except (aiohttp.ClientError, asyncio.TimeoutError) as err:
-            raise EngineUnavailable(self.prefill_id, engine.url, err) from None
+            raise unreachable(engine, err) from None
         if status != 200:
             raise _SideFailed(self.prefill_id, _engine_error(self.prefill_id, "prefill", status, payload))
         self.prefill_cached_tokens = _cached_tokens(payload)
+        self.guard.also = None  # the prefill is done: a stall from now on is the decode engine's
         self.gw.registry.release(self.prefill_id, self.view.prompt_tokens)
         self._prefill_released = True
         self.gw.dispatcher.first_token(self.view.rid, self.prefill_id, self.prefill_cached_tokens)
@@ -249,41 +247,49 @@ class _Pair:
 
     async def _decode(self) -> str:
         """Send the request to the decode engine and relay its whole answer to the client (its text into
-        :attr:`reply`, which is then :attr:`~gateway.relay.Reply.done`); the outcome."""
+        :attr:`reply`, which is then :attr:`~gateway.relay.Reply.done`; its usage with the prefill engine's
+        ``cached_tokens``); the outcome."""
         engine = self.gw.registry[self.decode_id]
         try:
             async with self.gw.client.post(engine.url, self.path, self.body) as upstream:
                 if upstream.status != 200:
                     raise _SideFailed(self.decode_id, _engine_error(self.decode_id, "decode", upstream.status, await upstream.read()))
                 if not self.stream:
-                    payload = await upstream.read()
-                    self.gw.pd.placement.on_progress(self.view.rid, 1, time.monotonic())
-                    with contextlib.suppress(orjson.JSONDecodeError):
-                        obj = orjson.loads(payload)
-                        if isinstance(obj, dict):
-                            self.reply.take(obj)
-                    self.response = web.Response(body=payload, status=200, content_type="application/json", headers=self.headers)
-                    await send_now(self.request, self.response)  # not held back until the prefill side is settled
-                    self.reply.done = True
-                    return "ok"
-                tap = StreamTap(self.reply, drop_usage=not self.client_wants_usage)
-                self.response = await start_stream(self.request, self.headers)
-                first = True
-                async for chunk in upstream.content.iter_any():
-                    if first:
-                        now = time.monotonic()
-                        self.gw.metrics.of_class(self.view.request_class).ttft.observe(now - self.view.arrival_s)
-                        self.gw.pd.placement.on_progress(self.view.rid, 1, now)
-                        first = False
-                    data = tap.feed(chunk)
-                    if data:
-                        await write(self.response, data)
+                    return await self._relay_json(await upstream.read())
+                self.sse = SSERelay(self.request, self.gw, self.headers, StreamTap(self.reply, drop_usage=not self.client_wants_usage,
+                                                                          cached_tokens=lambda: self.prefill_cached_tokens),
+                                    self.guard, engine, self._first_bytes)
+                await self.sse.pump(upstream)
         except (aiohttp.ClientError, asyncio.TimeoutError) as err:
-            raise EngineUnavailable(self.decode_id, engine.url, err) from None
-        rest = tap.flush()
-        if rest:
-            await write(self.response, rest)
-        await end_stream(self.response)
+            raise unreachable(engine, err) from None
+        finally:
+            if self.sse is not None:
+                self.response = self.sse.response
+        await self.sse.finish()
+        return "ok"
+
+    def _first_bytes(self) -> None:
+        now = time.monotonic()
+        self.gw.metrics.of_class(self.view.request_class).ttft.observe(now - self.view.arrival_s)
+        self.gw.pd.placement.on_progress(self.view.rid, 1, now)
+
+    async def _relay_json(self, payload: bytes) -> str:
+        """Send the decode engine's JSON answer, its usage with the prefill engine's ``cached_tokens`` (awaited up to
+        ``PREFILL_REPORT_WAIT_S``: it normally came long before), without waiting until the prefill side is settled."""
+        self.gw.pd.placement.on_progress(self.view.rid, 1, time.monotonic())
+        try:
+            obj = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            obj = None
+        if not isinstance(obj, dict):
+            raise EngineUnavailable(self.decode_id, f"answer is not a JSON object: {payload[:200]!r}")
+        self.reply.take(obj)
+        await asyncio.wait((self._prefill_task,), timeout=PREFILL_REPORT_WAIT_S)
+        if self.prefill_cached_tokens is not None and isinstance(obj.get("usage"), dict):
+            payload = orjson.dumps({**obj, "usage": with_cached_tokens(obj["usage"], self.prefill_cached_tokens)})
+        self.response = web.Response(body=payload, status=200, content_type="application/json", headers=self.headers)
+        await send_now(self.request, self.response)  # not held back until the prefill side is settled
+        self.reply.done = True
         return "ok"
 
 

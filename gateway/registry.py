@@ -16,9 +16,13 @@ class EngineState:
     """Mutable gateway-side state of one engine.
 
     ``healthy`` follows the engine's ``/ready``; ``draining`` is set while the
-    engine is being emptied for a restart. Policies see an engine as healthy
-    only when it is healthy and not draining, so no new work goes to it.
-    ``kv_capacity_tokens`` is the engine's KV pool once it has reported it.
+    engine is being emptied for a restart; ``stalled`` while it answers
+    ``/ready`` but its streams have stopped (see :mod:`gateway.health`).
+    Policies see an engine as healthy only when it is :attr:`serving`, so no new
+    work goes to it otherwise. ``kv_capacity_tokens`` is the engine's KV pool
+    once it has reported it. ``open_streams``: streams relayed from it that have
+    had their first byte and not ended; ``last_byte_s``: when one of them last
+    brought bytes (the event loop's ``loop.time()``, seconds).
     """
 
     id: str
@@ -29,10 +33,17 @@ class EngineState:
     in_flight: int = 0
     in_flight_prompt_tokens: int = 0
     kv_capacity_tokens: int | None = None
+    stalled: bool = False
+    open_streams: int = 0
+    last_byte_s: float = 0.0
+
+    @property
+    def serving(self) -> bool:
+        """Whether new work may go to the engine: healthy, not draining, not stalled."""
+        return self.healthy and not self.draining and not self.stalled
 
     def view(self) -> EngineView:
-        return EngineView(self.id, self.pool, self.healthy and not self.draining, self.in_flight, self.in_flight_prompt_tokens,
-                          self.kv_capacity_tokens)
+        return EngineView(self.id, self.pool, self.serving, self.in_flight, self.in_flight_prompt_tokens, self.kv_capacity_tokens)
 
 
 class EngineRegistry:

@@ -6,11 +6,14 @@ Used by :mod:`gateway.handlers` (one engine) and :mod:`gateway.pd_dispatch`
 * :class:`Reply` and :class:`StreamTap` read what the gateway learns from an
   answer (its text, the engine's reported ``cached_tokens``) while the bytes
   pass through;
-* :func:`upstream_error` and :class:`EngineUnavailable` turn an engine's
-  failure into an OpenAI error; :func:`error_event` is that error once a
-  stream has started;
-* :func:`start_stream`, :func:`write` and :func:`end_stream` write an SSE
-  stream to the client; :class:`ClientGone` says the client left;
+* :func:`upstream_error` turns an engine's error answer into an OpenAI error
+  (:class:`~gateway.errors.EngineUnavailable` one that broke);
+  :func:`error_event` is an error once a stream has started;
+* :class:`SSERelay` relays an engine's SSE stream to the client under the
+  request's :class:`~gateway.guard.RequestGuard`, and ends it with an error
+  event and ``[DONE]`` when the engine fails; :func:`start_stream`,
+  :func:`write` and :func:`end_stream` write an SSE stream to the client;
+  :class:`ClientGone` says the client left;
 * :func:`in_background` / :func:`settle_background` run the work that
   outlives a handler (aborts, prefix-index updates, the bookkeeping of a
   request whose client left after its whole answer).
@@ -20,13 +23,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from dataclasses import dataclass, field
-from typing import Any, Coroutine
+from typing import Any, Callable, Coroutine
 
+import aiohttp
 import orjson
 from aiohttp import web
 
-from gateway.errors import APIError
+from gateway.errors import APIError, EngineUnavailable
+from gateway.guard import RequestGuard
+from gateway.health import back_in_service
+from gateway.registry import EngineState
+from gateway.state import Gateway
+
+log = logging.getLogger("laps.gateway")
 
 # Aborts and prefix-index updates outlive the handler that starts them; keep them referenced until done.
 _background: set[asyncio.Task] = set()
@@ -60,12 +71,9 @@ class ClientGone(Exception):
     """The client closed the connection while the gateway was writing to it."""
 
 
-class EngineUnavailable(APIError):
-    """An engine could not be reached or dropped the connection (HTTP 502); ``engine_id`` names it."""
-
-    def __init__(self, engine_id: str, engine_url: str, err: BaseException) -> None:
-        super().__init__(502, f"engine {engine_id} at {engine_url} failed: {str(err) or type(err).__name__}", type="engine_error", code="engine_unavailable")
-        self.engine_id = engine_id
+def unreachable(engine: EngineState, err: BaseException) -> EngineUnavailable:
+    """The client's error for ``engine`` failing with the connection error ``err`` (which, and where, goes to the log)."""
+    return EngineUnavailable(engine.id, f"{engine.url}: {type(err).__name__}: {str(err) or type(err).__name__}")
 
 
 @dataclass
@@ -80,8 +88,10 @@ class Reply:
 
     def take(self, obj: dict) -> None:
         """Read one OpenAI response object or stream chunk (``choices[].message|delta.content`` or
-        ``choices[].text``; ``usage.prompt_tokens_details.cached_tokens``)."""
+        ``choices[].text`` of the first choice, ``index`` 0, when ``n`` > 1; ``usage.prompt_tokens_details.cached_tokens``)."""
         for choice in obj.get("choices") or ():
+            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                continue
             message = choice.get("delta") or choice.get("message") or {}
             piece = message.get("content") if isinstance(message, dict) else None
             piece = piece if piece is not None else choice.get("text")
@@ -95,11 +105,19 @@ class Reply:
 class StreamTap:
     """Splits the relayed SSE bytes into events, reads them into a :class:`Reply` (``data: [DONE]`` sets
     :attr:`Reply.done`: the events fed so far are the whole answer), and drops the usage-only event when only
-    the gateway asked for usage (``drop_usage``)."""
+    the gateway asked for usage (``drop_usage``).
 
-    def __init__(self, reply: Reply, drop_usage: bool) -> None:
+    An event that is not SSE ``data:`` JSON (nor ``[DONE]``, a comment or an SSE field) is a broken stream:
+    :attr:`malformed` holds it and it goes no further. ``cached_tokens``: when set, the value the usage's
+    ``prompt_tokens_details.cached_tokens`` is rewritten to (a PD answer reports the prefill engine's).
+    """
+
+    def __init__(self, reply: Reply, drop_usage: bool, cached_tokens: Callable[[], int | None] | None = None) -> None:
         self.reply = reply
         self.drop_usage = drop_usage
+        self.malformed: bytes | None = None
+        self.engine_error = False  # the engine ended the stream with its own error event
+        self._cached_tokens = cached_tokens
         self._pending = b""
 
     def feed(self, chunk: bytes) -> bytes:
@@ -113,20 +131,35 @@ class StreamTap:
         self._pending = data[end:]
         events = data[:end].split(b"\n\n")[:-1]
         kept = []
+        changed = False
         for event in events:
             if event.startswith(b"data: {"):
                 try:
                     obj = orjson.loads(event[6:])
                 except orjson.JSONDecodeError:
                     obj = None
-                if isinstance(obj, dict):
-                    self.reply.take(obj)
-                    if self.drop_usage and obj.get("usage") and not obj.get("choices"):
+                if not isinstance(obj, dict):
+                    self.malformed = event
+                    break
+                self.reply.take(obj)
+                if "error" in obj:
+                    self.engine_error = True
+                usage = obj.get("usage")
+                if usage and not obj.get("choices"):
+                    if self.drop_usage:
+                        changed = True
                         continue
+                    cached = self._cached_tokens() if self._cached_tokens is not None else None
+                    if cached is not None and isinstance(usage, dict):
+                        event = b"data: " + orjson.dumps({**obj, "usage": with_cached_tokens(usage, cached)})
+                        changed = True
             elif event == b"data: [DONE]":
                 self.reply.done = True
+            elif not event.startswith((b":", b"event:", b"id:", b"retry:")) and event.strip():
+                self.malformed = event
+                break
             kept.append(event)
-        if len(kept) == len(events):
+        if not changed and len(kept) == len(events):
             return data if end == len(data) else data[:end]
         return b"".join(event + b"\n\n" for event in kept)
 
@@ -134,6 +167,11 @@ class StreamTap:
         """Bytes left after the last complete event (forwarded as they are)."""
         rest, self._pending = self._pending, b""
         return rest
+
+
+def with_cached_tokens(usage: dict, cached_tokens: int) -> dict:
+    """An OpenAI ``usage`` object with ``prompt_tokens_details.cached_tokens`` set to ``cached_tokens``."""
+    return {**usage, "prompt_tokens_details": {**(usage.get("prompt_tokens_details") or {}), "cached_tokens": cached_tokens}}
 
 
 def ask_engine_for_usage(body: dict) -> bool:
@@ -145,13 +183,22 @@ def ask_engine_for_usage(body: dict) -> bool:
     return client_wants_usage
 
 
-def upstream_error(status: int, payload: bytes, headers: dict) -> web.Response:
-    """An engine's non-200 answer (HTTP ``status``, body ``payload``) in OpenAI's error shape, with ``headers``.
+def upstream_error(engine_id: str, status: int, payload: bytes, headers: dict) -> web.Response:
+    """Engine ``engine_id``'s non-200 answer (HTTP ``status``, body ``payload``) in OpenAI's error shape, with ``headers``.
 
     SGLang 0.5.23 answers OpenAI routes with a flat ``{"object": "error", "message",
-    "type", "param", "code"}``; clients expect ``{"error": {...}}``. A body that is
-    neither becomes the message (first 1000 characters), type ``engine_error``.
+    "type", "param", "code"}``; clients expect ``{"error": {...}}``. A 4xx body that is
+    neither becomes the message (first 1000 characters), type ``engine_error``; a 5xx body
+    that is neither (a crash page, a traceback) is not meant for clients: the client gets
+    HTTP 502 naming the engine only, the body goes to the log.
     """
+    error = error_of_answer(engine_id, status, payload)
+    error.headers.update(headers)
+    return error.response()
+
+
+def error_of_answer(engine_id: str, status: int, payload: bytes) -> APIError:
+    """Engine ``engine_id``'s non-200 answer as the client's :class:`APIError` (see :func:`upstream_error`)."""
     try:
         body = orjson.loads(payload)
     except orjson.JSONDecodeError:
@@ -159,10 +206,13 @@ def upstream_error(status: int, payload: bytes, headers: dict) -> web.Response:
     if isinstance(body, dict) and isinstance(body.get("error"), dict):
         error = body["error"]
     elif isinstance(body, dict) and "message" in body:
-        error = {k: body.get(k) for k in ("message", "type", "param", "code")}
+        error = body
+    elif status >= 500:  # not an error the engine meant for a client (a crash page, a traceback): to the log only
+        log.warning("engine %s answered HTTP %d: %s", engine_id, status, payload[:1000].decode(errors="replace"))
+        return APIError(502, f"engine {engine_id} failed (HTTP {status}); retry later", type="engine_error", code="engine_failed")
     else:
-        error = {"message": payload.decode(errors="replace")[:1000] or f"engine answered HTTP {status}", "type": "engine_error", "param": None, "code": None}
-    return web.json_response({"error": error}, status=status, headers=headers, dumps=dumps)
+        error = {"message": payload.decode(errors="replace")[:1000] or f"engine answered HTTP {status}", "type": "engine_error"}
+    return APIError(status, str(error.get("message")), type=error.get("type") or "engine_error", param=error.get("param"), code=error.get("code"))
 
 
 def error_event(api_error: APIError) -> bytes:
@@ -206,3 +256,71 @@ async def end_stream(response: web.StreamResponse) -> None:
     """End the stream; a client that already left after the last event has everything it needs."""
     with contextlib.suppress(ConnectionResetError):
         await response.write_eof()
+
+
+class SSERelay:
+    """Relays one engine's SSE stream to the client (see :meth:`pump`) and ends it (:meth:`finish`, :meth:`fail`).
+
+    The client's stream starts with the engine's first bytes (its headers are ``headers``), so until then
+    (:attr:`response` ``None``) a failure can still be an HTTP error or a retry elsewhere. ``on_first()`` runs
+    at the first bytes (TTFT, prefix index, the scheduler's first token).
+    """
+
+    def __init__(self, request: web.Request, gw: Gateway, headers: dict, tap: StreamTap, guard: RequestGuard, engine: EngineState,
+                 on_first: Callable[[], None]) -> None:
+        self.request, self.gw, self.headers, self.tap, self.guard, self.engine = request, gw, headers, tap, guard, engine
+        self.on_first = on_first
+        self.response: web.StreamResponse | None = None
+
+    async def pump(self, upstream: aiohttp.ClientResponse) -> None:
+        """Relay ``upstream``'s body event by event, under the guard's limits.
+
+        Raises:
+            EngineUnavailable: the engine sent an event that is not SSE JSON, or ended without ``data: [DONE]``.
+            ClientGone: the client left.
+        """
+        guard, engine, tap = self.guard, self.engine, self.tap
+        try:
+            async for chunk in upstream.content.iter_any():
+                data = tap.feed(chunk)
+                if tap.malformed is not None:
+                    raise EngineUnavailable(engine.id, f"malformed SSE event {tap.malformed[:200]!r}")
+                guard.paused = True
+                if self.response is None:
+                    self.on_first()
+                    engine.open_streams += 1
+                    self.response = await start_stream(self.request, self.headers)
+                    guard.started()
+                if data:
+                    await write(self.response, data)
+                guard.paused = False
+                guard.progress()
+                if engine.stalled:
+                    back_in_service(self.gw, engine, "its stream brought bytes again")
+        finally:
+            guard.paused = False
+            if self.response is not None:
+                engine.open_streams -= 1
+        if not tap.reply.done:
+            raise EngineUnavailable(engine.id, f"stream ended without data: [DONE] (last bytes {tap.flush()[-200:]!r})")
+
+    async def finish(self) -> web.StreamResponse:
+        """The engine's stream ended with ``[DONE]``: relay what is left and end the client's stream."""
+        rest = self.tap.flush()
+        if rest:
+            await write(self.response, rest)
+        await end_stream(self.response)
+        return self.response
+
+    async def fail(self, api_error: APIError) -> web.StreamResponse:
+        """End the client's started stream with ``api_error``'s event and ``[DONE]`` (a partial event is dropped)."""
+        self.tap.flush()
+        await write(self.response, error_event(api_error))
+        await end_stream(self.response)
+        return self.response
+
+
+def outcome_of(api_error: APIError) -> str:
+    """The ``laps_requests_total`` outcome of a request that ended with ``api_error``: its code (``engine_timeout``,
+    ``shutting_down`` ...), else ``http_<status>``."""
+    return api_error.code if isinstance(api_error.code, str) else f"http_{api_error.status}"

@@ -47,13 +47,31 @@ class ChatMessage(BaseModel):
         return " ".join(p.text for p in self.content)
 
 
+class FunctionDefinition(BaseModel):
+    """A tool's ``function``: its ``name`` (OpenAI's rule: letters, digits, ``_`` and ``-``, at most 64) and JSON-schema ``parameters``."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    """One entry of ``tools``: ``{"type": "function", "function": {...}}``."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
 class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
     model: str
     stream: bool = False
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    n: int = Field(1, ge=1, le=1)
+    n: int = Field(1, ge=1, le=128)  # the engine answers n choices of one prefill
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     stop: str | list[str] | None = None
@@ -64,6 +82,8 @@ class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions`` body (the fields laps reads; the rest pass through)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict | None = None
 
     def chat(self) -> list[dict[str, str]]:
         """The messages as ``{"role", "content"}`` dicts of plain text, for the chat template."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -11,6 +11,7 @@ from engines.client import EngineClient
 from engines.manager import EngineManager
 from gateway.dispatcher import Dispatcher
 from gateway.metrics import GatewayMetrics
+from gateway.pd_setup import PDDispatch
 from gateway.registry import EngineRegistry
 from laps.chat_cache import ChatPrefixCache
 from laps.config import Config
@@ -21,7 +22,7 @@ from policies.prefix_index import PrefixIndex
 if TYPE_CHECKING:
     from opentelemetry.trace import Tracer
 
-    from gateway.pd_dispatch import PDDispatch
+    from gateway.guard import RequestGuard
 
 
 @dataclass
@@ -32,6 +33,9 @@ class Gateway:
     the URLs of engines that run on their own. ``pd``: the decode placement and
     bootstrap addresses of a prefill-decode deployment (``None``: no ``pd:``).
     ``tracer``: the request spans' tracer (``None``: tracing off).
+    ``api_keys``: the client keys' ``{SHA-256 digest: label}`` (``None``: no client key needed).
+    ``guards``: the cut-offs of the requests in flight (:mod:`gateway.guard`); ``closing``: the gateway is
+    shutting down and takes no new request.
     """
 
     config: Config
@@ -43,14 +47,17 @@ class Gateway:
     prefix_index: PrefixIndex
     metrics: GatewayMetrics
     manager: EngineManager | None = None
-    pd: "PDDispatch | None" = None
-    prompt_cache: ChatPrefixCache | None = None  # built from ``tokenizer`` and the prefix block size when None
+    pd: PDDispatch | None = None
+    prompt_cache: ChatPrefixCache | None = None  # built from ``tokenizer``, the prefix block size and the budget when None
     tracer: "Tracer | None" = None  # with tracing: on, gateway/tracing.py's spans
+    api_keys: dict[str, str] | None = None
+    guards: "set[RequestGuard]" = field(default_factory=set)
+    closing: bool = False
 
 
     def __post_init__(self) -> None:
         if self.prompt_cache is None:
-            self.prompt_cache = ChatPrefixCache(self.tokenizer, self.prefix_index.block_tokens)
+            self.prompt_cache = ChatPrefixCache(self.tokenizer, self.prefix_index.block_tokens, self.config.scheduling.chat_cache_bytes)
 
 
 GATEWAY = web.AppKey("gateway", Gateway)

@@ -8,12 +8,13 @@ failure raises :class:`ConfigError` whose message names the file, the key path
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from engines.sim.kv_transfer import LINKS
+from laps.api_keys import load_keys
 from policies.backlog_scheduler import BacklogConfig
 from policies.controller import PressureControllerConfig
 from policies.decode_placement import AlignedPlacementConfig
@@ -45,13 +46,40 @@ class ModelConfig(_Strict):
 
 
 class GatewayConfig(_Strict):
-    """Where the gateway listens, how long it waits for an engine, and the admin API's key
-    (``admin_key``; ``None`` turns the admin API off)."""
+    """Where the gateway listens, how long it waits for an engine, how it shuts down, and its keys.
+
+    ``request_timeout_s``: the longest a whole generation may take at an engine.
+    ``first_byte_timeout_s``: the longest a stream may wait for its engine's first byte (queueing at the
+    engine plus the prefill); ``stall_timeout_s``: the longest it may wait between two chunks after that.
+    A request cut off before its client got anything is retried once on another engine; a started stream
+    ends with an error event and ``[DONE]``. The defaults leave a margin over an engine's worst honest
+    pass: the longest pass of the shipped roles, a 16,384-token prefill chunk on 16,384 cached tokens,
+    takes 0.6 s for Qwen2.5-7B on an H200 and 7.2 s for Qwen2.5-32B on an A100 (the simulator's engine
+    model, :mod:`engines.sim.latency`); a decode stream may wait out several such passes.
+    ``shutdown_grace_s``: on SIGTERM/Ctrl-C, how long requests in flight may still run before those left
+    end with an error (streams: an error event and ``[DONE]``; others: 503).
+    ``admin_key``: the admin API's key (``None`` turns the admin API off). ``api_keys``: client keys for
+    the ``/v1`` API, a list of keys or the path of a file of their SHA-256 digests
+    (:mod:`laps.api_keys`); ``None`` lets every client in.
+    """
 
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     request_timeout_s: float = Field(600.0, gt=0)
+    first_byte_timeout_s: float = Field(60.0, gt=0)
+    stall_timeout_s: float = Field(30.0, gt=0)
+    shutdown_grace_s: float = Field(30.0, ge=0)
     admin_key: str | None = Field(None, min_length=8)
+    api_keys: list[Annotated[str, Field(min_length=8)]] | Path | None = Field(None, union_mode="left_to_right")
+
+    @field_validator("api_keys")
+    @classmethod
+    def _keys_load(cls, keys: list[str] | Path | None) -> list[str] | Path | None:
+        if isinstance(keys, list) and not keys:
+            raise ValueError("an empty list lets nobody in; leave api_keys out (or null) to let every client in")
+        if keys is not None:
+            load_keys(keys)  # a missing or malformed key file fails here, before any engine starts
+        return keys
 
 
 class TracingConfig(_Strict):
@@ -101,7 +129,9 @@ class SchedulingConfig(_Strict):
     ``cost_model``: when set, the boundary is L_m(H) of this fitted model instead.
     ``prefix_block_tokens``: block size of the gateway's prefix-cache estimate;
     ``prefix_index_bytes``: its memory budget over all engines (each engine's
-    share is further capped at that engine's KV pool).
+    share is further capped at that engine's KV pool); ``chat_cache_bytes``: the
+    memory budget of the tokenized chats the gateway keeps so that a
+    conversation's next turn tokenizes only its new message (:mod:`laps.chat_cache`).
     ``policy``: the scheduler (see :data:`policies.registry.POLICIES`): ``laps``
     (AWD windows, gated long prefills), ``pools`` (short/long pools, no
     window), or a baseline over all engines: ``least_load`` (unified FCFS),
@@ -129,6 +159,7 @@ class SchedulingConfig(_Strict):
     cost_model: CostModelConfig | None = None
     prefix_block_tokens: int = Field(16, ge=1)
     prefix_index_bytes: int = Field(64 * 2**20, ge=1024)
+    chat_cache_bytes: int = Field(64 * 2**20, ge=0)
 
 
 class RoleConfig(_Strict):

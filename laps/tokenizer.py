@@ -22,6 +22,7 @@ Encoding is CPU work; callers on an event loop run large inputs in an executor.
 from __future__ import annotations
 
 import functools
+import json
 import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,28 +87,79 @@ class ChatTokenizer(Protocol):
     def decode(self, token_ids: Sequence[int]) -> str:
         """Text of ``token_ids``; invalid UTF-8 fragments become U+FFFD."""
 
-    def render_chat(self, messages: Sequence[Message]) -> str:
-        """The chat as the engine sees it: template applied, generation prompt appended."""
+    def render_chat(self, messages: Sequence[Message], tools: list[dict] | None = None) -> str:
+        """The chat as the engine sees it: template applied (with ``tools``, as :func:`template_tools` gives
+        them), generation prompt appended."""
 
-    def encode_chat(self, messages: Sequence[Message]) -> list[int]:
+    def encode_chat(self, messages: Sequence[Message], tools: list[dict] | None = None) -> list[int]:
         """Token ids of :meth:`render_chat`; their count equals SGLang's ``usage.prompt_tokens``."""
 
 
-def render_chatml(messages: Sequence[Message], default_system: str | None = QWEN25_DEFAULT_SYSTEM) -> str:
+# Qwen2.5-Instruct's chat template with tools (tokenizer_config.json ``chat_template``, its ``if tools`` branch):
+# one system turn holding the system message (or the default one) and every tool as JSON.
+_QWEN25_TOOLS_HEAD = ("\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+                      "You are provided with function signatures within <tools></tools> XML tags:\n<tools>")
+_QWEN25_TOOLS_TAIL = ("\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+                      "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+                      "<args-json-object>}\n</tool_call>")
+
+
+def render_chatml(messages: Sequence[Message], default_system: str | None = QWEN25_DEFAULT_SYSTEM, tools: list[dict] | None = None) -> str:
     """Render ``messages`` (``{"role", "content"}`` dicts) with Qwen2.5's ChatML template.
 
     Each turn is ``<|im_start|>{role}\\n{content}<|im_end|>\\n``; when the first
     message is not a system message, ``default_system`` is put first (as
     Qwen2.5-Instruct's template does); the generation prompt
-    ``<|im_start|>assistant\\n`` closes the text.
+    ``<|im_start|>assistant\\n`` closes the text. With ``tools``, the system turn
+    (the first message's when it is a system message, else ``default_system``)
+    also lists them, one JSON object a line (Jinja's ``tojson``: ``json.dumps``
+    with its default separators, non-ASCII kept), as Qwen2.5-Instruct's template does.
     """
     parts = []
-    if default_system is not None and (not messages or messages[0]["role"] != "system"):
+    rest = messages
+    if tools:
+        has_system = bool(messages) and messages[0]["role"] == "system"
+        system = messages[0]["content"] if has_system else (default_system or "")
+        rest = messages[1:] if has_system else messages
+        listed = "".join("\n" + json.dumps(tool, ensure_ascii=False) for tool in tools)
+        parts.append(render_chatml_turn("system", system + _QWEN25_TOOLS_HEAD + listed + _QWEN25_TOOLS_TAIL))
+    elif default_system is not None and (not messages or messages[0]["role"] != "system"):
         parts.append(render_chatml_turn("system", default_system))
-    for m in messages:
+    for m in rest:
         parts.append(render_chatml_turn(m["role"], m["content"]))
     parts.append(CHATML_GENERATION_PROMPT)
     return "".join(parts)
+
+
+_FUNCTION_FIELDS = ("description", "name", "parameters", "strict", "defer_loading")
+
+
+def template_tools(tools: list[dict] | None, tool_choice: object = None) -> list[dict] | None:
+    """The ``tools`` of an OpenAI chat request as SGLang 0.5.23 hands them to the chat template (None: no tools).
+
+    SGLang (``serving_chat.py``) passes ``[tool.model_dump() for tool in request.tools]`` unless ``tool_choice``
+    is ``"none"`` (a named ``tool_choice`` keeps that tool only). ``Tool.model_dump()`` is ``{"type",
+    "function", "defer_loading"}``; its ``Function`` keeps the client's key order, adds ``description`` and
+    ``parameters`` as null when absent, drops ``strict`` and ``defer_loading`` when null, and drops unknown
+    keys (``protocol.py`` ``Function._serialize``); a tool's ``defer_loading`` is copied into its function.
+    """
+    if not tools or tool_choice == "none":
+        return None
+    if isinstance(tool_choice, dict):
+        name = (tool_choice.get("function") or {}).get("name")
+        tools = [t for t in tools if t["function"].get("name") == name]
+        if not tools:
+            return None
+    dumped = []
+    for tool in tools:
+        given = tool["function"]
+        function = {k: given.get(k) for k in _FUNCTION_FIELDS}
+        if function["defer_loading"] is None:
+            function["defer_loading"] = tool.get("defer_loading")
+        order = [k for k in given if k in function] + [k for k in _FUNCTION_FIELDS if k not in given]
+        function = {k: function[k] for k in order if not (k in ("strict", "defer_loading") and function[k] is None)}
+        dumped.append({"type": tool.get("type", "function"), "function": function, "defer_loading": tool.get("defer_loading")})
+    return dumped
 
 
 def render_chatml_turn(role: str, content: str) -> str:
@@ -161,11 +213,11 @@ class QwenChatMLTokenizer:
     def decode(self, token_ids: Sequence[int]) -> str:
         return self._enc.decode(list(token_ids), errors="replace")
 
-    def render_chat(self, messages: Sequence[Message]) -> str:
-        return render_chatml(messages)
+    def render_chat(self, messages: Sequence[Message], tools: list[dict] | None = None) -> str:
+        return render_chatml(messages, tools=tools)
 
-    def encode_chat(self, messages: Sequence[Message]) -> list[int]:
-        return self.encode(self.render_chat(messages))
+    def encode_chat(self, messages: Sequence[Message], tools: list[dict] | None = None) -> list[int]:
+        return self.encode(self.render_chat(messages, tools))
 
 
 class HFChatTokenizer:
@@ -200,11 +252,11 @@ class HFChatTokenizer:
     def decode(self, token_ids: Sequence[int]) -> str:
         return self._tok.decode(list(token_ids))
 
-    def render_chat(self, messages: Sequence[Message]) -> str:
-        return self._tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+    def render_chat(self, messages: Sequence[Message], tools: list[dict] | None = None) -> str:
+        return self._tok.apply_chat_template(list(messages), tools=tools, tokenize=False, add_generation_prompt=True)
 
-    def encode_chat(self, messages: Sequence[Message]) -> list[int]:
-        return self.encode(self.render_chat(messages))
+    def encode_chat(self, messages: Sequence[Message], tools: list[dict] | None = None) -> list[int]:
+        return self.encode(self.render_chat(messages, tools))
 
 
 @functools.cache

@@ -19,6 +19,10 @@ class FakeEngine:
     (:attr:`received` is set when one has arrived).
     ``hold_eof``: a stream waits for :attr:`release` after its ``data: [DONE]``
     before it ends (:attr:`done_sent` is set then).
+    ``hold_first``: a stream waits for :attr:`release` before its first chunk.
+    ``stream_end``: what a stream sends after its first chunk instead of the rest:
+    ``"truncated"`` (it just ends, no ``[DONE]``) or ``"malformed"`` (an event that is not JSON).
+    ``GET /health_generate`` answers 200 (SGLang's generation probe).
     """
 
     def __init__(self, name: str) -> None:
@@ -35,10 +39,13 @@ class FakeEngine:
         self.hold_answers = False
         self.answer = asyncio.Event()
         self.hold_eof = False
+        self.hold_first = False
+        self.stream_end: str | None = None
         self.done_sent = asyncio.Event()
         self.received = asyncio.Event()
         self.app = web.Application()
         self.app.router.add_get("/ready", self._ready)
+        self.app.router.add_get("/health_generate", self._ready)
         self.app.router.add_post("/v1/chat/completions", self._generate)
         self.app.router.add_post("/v1/completions", self._generate)
         self.app.router.add_post("/abort_request", self._abort)
@@ -62,11 +69,17 @@ class FakeEngine:
             return web.Response(status=self.error_reply[0], body=self.error_reply[1])
         chunk = {"id": body["rid"], "choices": [{"index": 0, "delta": {"content": f"hi from {self.name}"}, "finish_reason": None}]}
         if not body.get("stream"):
-            usage = {"prompt_tokens": 7, "completion_tokens": 1, "total_tokens": 8}
+            usage = {"prompt_tokens": 7, "completion_tokens": 1, "total_tokens": 8, "prompt_tokens_details": {"cached_tokens": self.reported_cached_tokens}}
             return web.json_response({"id": body["rid"], "object": "chat.completion", "choices": [{"index": 0, "message": {"role": "assistant", "content": f"hi from {self.name}"}, "finish_reason": "stop"}], "usage": usage})
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
+        if self.hold_first:
+            await self.release.wait()
         await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+        if self.stream_end is not None:
+            await response.write(b'data: {"id": "x", "choi' if self.stream_end == "truncated" else b"data: <html>oops</html>\n\n")
+            await response.write_eof()
+            return response
         if self.break_streams:
             request.transport.close()
             return response

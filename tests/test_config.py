@@ -27,7 +27,7 @@ def test_default_config_is_the_documented_deployment():
     [
         (lambda d: d["slo"].update(ttft_s=-1), ["slo.ttft_s", "greater than 0", "-1"]),
         (lambda d: d["engines"][0].update(kind="gpu"), ["engines.0.kind", "'sim'", "'gpu'"]),
-        (lambda d: d["gateway"].update(prot=8000), ["gateway.prot: unknown key; allowed: admin_key, host, port, request_timeout_s"]),
+        (lambda d: d["gateway"].update(prot=8000), ["gateway.prot: unknown key; allowed: admin_key, api_keys, first_byte_timeout_s, host, port, request_timeout_s, shutdown_grace_s, stall_timeout_s"]),
         (lambda d: d["roles"]["mixed"].update(flag={}), ["roles.mixed.flag: unknown key; allowed: flags, pool"]),
         (lambda d: d["engines"][0].update(colour="red"), ["engines.0.colour: unknown key; allowed: bootstrap_port, gpus, kind, name, port, role, url"]),
         (lambda d: d["engines"][1].update(role="tiny"), ["engines.1.role", "'tiny'", "allowed: long-prefill, mixed, short-prefill"]),

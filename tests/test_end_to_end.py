@@ -19,12 +19,17 @@ from laps.config import DEFAULT_CONFIG_PATH
 MODEL = "Qwen2.5-7B-Instruct"
 
 
+ADMIN_KEY = "end-to-end-admin-key"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}  # /health lists the engines with it
+
+
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
     """The default config on a free gateway port, served by a `laps serve` child process."""
     tmp = tmp_path_factory.mktemp("deploy")
     data = yaml.safe_load(DEFAULT_CONFIG_PATH.read_text())
     data["gateway"]["port"] = free_port()
+    data["gateway"]["admin_key"] = ADMIN_KEY
     data["log_dir"] = str(tmp / "logs")
     config_path = tmp / "config.yaml"
     config_path.write_text(yaml.safe_dump(data))
@@ -34,7 +39,7 @@ def deployment(tmp_path_factory):
     while True:
         assert proc.poll() is None, proc.stderr.read().decode()
         try:
-            health = httpx.get(f"{url}/health", timeout=1)
+            health = httpx.get(f"{url}/health", timeout=1, headers=ADMIN)
             if health.status_code == 200:
                 break
         except httpx.HTTPError:
@@ -131,7 +136,7 @@ def test_a_killed_engine_is_restarted_and_serves_again(deployment, client):
     deadline = time.monotonic() + 30
     states = []
     while time.monotonic() < deadline:
-        lp0 = next(e for e in httpx.get(f"{url}/health", timeout=2).json()["engines"] if e["id"] == "lp0")
+        lp0 = next(e for e in httpx.get(f"{url}/health", timeout=2, headers=ADMIN).json()["engines"] if e["id"] == "lp0")
         states.append(lp0["healthy"])
         if states[-1] and False in states:
             break

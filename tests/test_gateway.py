@@ -7,25 +7,35 @@ import asyncio
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.app import create_app
 from gateway.relay import settle_background
-from laps.config import load_config
+from gateway.state import GATEWAY
+from laps.config import Config, load_config, parse_config
 from laps.tokenizer import load_tokenizer
 from tests.fake_engine import FakeEngine
 
 MODEL = "Qwen2.5-7B-Instruct"
+ADMIN_KEY = "admin-key-of-the-tests"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+
+
+def with_gateway(config: Config, **gateway) -> Config:
+    """``config`` with ``gateway`` keys replaced (validated as a file would be)."""
+    data = config.model_dump(exclude_unset=True)
+    return parse_config({**data, "gateway": {**data.get("gateway", {}), **gateway}})
 
 
 @pytest.fixture
 async def stack():
-    """Two fake engines (short pool sp0, long pool lp0) behind a real gateway app on port 0."""
+    """Two fake engines (short pool sp0, long pool lp0) behind a real gateway app on port 0 (admin key ``ADMIN_KEY``)."""
     fakes = {"sp0": FakeEngine("sp0"), "lp0": FakeEngine("lp0")}
     servers = {name: TestServer(f.app) for name, f in fakes.items()}
     for s in servers.values():
         await s.start_server()
     urls = {name: str(s.make_url("")).rstrip("/") for name, s in servers.items()}
-    gateway = TestServer(create_app(load_config(), engine_urls=urls), handler_cancellation=True)
+    gateway = TestServer(create_app(with_gateway(load_config(), admin_key=ADMIN_KEY), engine_urls=urls), handler_cancellation=True)
     await gateway.start_server()
     async with aiohttp.ClientSession(str(gateway.make_url(""))) as session:
         yield session, fakes, servers
@@ -135,8 +145,10 @@ async def test_request_on_a_dead_engine_is_retried_on_another_once(stack):
     async with session.post("/v1/chat/completions", json=chat("Hi")) as resp:
         # sp0 refused the connection before anything was sent: sp0 is marked down, lp0 answers.
         assert resp.status == 200 and resp.headers["x-laps-engine"] == "lp0"
-    async with session.get("/health") as resp:
-        assert {e["id"]: e["healthy"] for e in (await resp.json())["engines"]} == {"sp0": False, "lp0": True}
+    async with session.get("/health", headers=ADMIN) as resp:
+        health = await resp.json()
+    assert resp.status == 200 and (health["status"], health["engines_serving"]) == ("degraded", 1)
+    assert {e["id"]: e["healthy"] for e in health["engines"]} == {"sp0": False, "lp0": True}
     await servers["lp0"].close()
     async with session.post("/v1/chat/completions", json=chat(" word" * 300)) as resp:
         # lp0 fails too and is marked down: nothing healthy is left to retry on.
@@ -151,7 +163,8 @@ async def test_when_the_retry_fails_too_the_client_gets_a_502_naming_the_engine(
         assert resp.status == 502
         error = (await resp.json())["error"]
         assert (resp.headers["x-laps-engine"], resp.headers["x-laps-class"]) == ("lp0", "short")
-    assert error["type"] == "engine_error" and error["code"] == "engine_unavailable" and "lp0" in error["message"]
+    # The engine's name only: its URL and the connection error go to the log.
+    assert error == {"message": "engine lp0 failed to answer; retry later", "type": "engine_error", "param": None, "code": "engine_unavailable"}
 
 
 async def test_engine_dropping_mid_stream_ends_with_in_stream_error(stack):
@@ -167,12 +180,15 @@ async def test_engine_dropping_mid_stream_ends_with_in_stream_error(stack):
 
 
 async def test_models_health_and_metrics(stack):
-    session, _, _ = stack
+    session, fakes, servers = stack
+    for name, server in servers.items():
+        fakes[name].url = str(server.make_url("")).rstrip("/")
     async with session.get("/v1/models") as resp:
         assert [m["id"] for m in (await resp.json())["data"]] == [MODEL]
     async with session.get("/health") as resp:
-        health = await resp.json()
-        assert resp.status == 200 and [e["id"] for e in health["engines"]] == ["sp0", "lp0"]
+        assert resp.status == 200 and await resp.json() == {"status": "ok", "engines_serving": 2, "engines_total": 2}  # no URLs
+    async with session.get("/health", headers={"Authorization": f"bearer {ADMIN_KEY}"}) as resp:
+        assert [(e["id"], e["url"]) for e in (await resp.json())["engines"]] == [("sp0", fakes["sp0"].url), ("lp0", fakes["lp0"].url)]
     async with session.post("/v1/chat/completions", json=chat("Hi", stream=True)) as resp:
         await resp.read()
     async with session.get("/metrics") as resp:
@@ -330,3 +346,63 @@ async def test_a_client_leaving_right_after_done_while_the_engine_stream_is_stil
         estimate = int(resp.headers["x-laps-cached-tokens-est"])
     reply_tokens = len(load_tokenizer().encode("hi from sp0<|im_end|>\n"))
     assert estimate == (first_prompt + reply_tokens) // 16 * 16  # the prompt and the reply were learnt on sp0
+
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather at a place",
+                                                 "parameters": {"type": "object", "properties": {"place": {"type": "string"}}}}}
+
+
+@pytest.mark.parametrize("tools, param, fragment", [
+    ([{"type": "function"}], "tools.0.function", "Field required"),
+    ([{"type": "retrieval", "function": {"name": "f"}}], "tools.0.type", "'function'"),
+    ([{"type": "function", "function": {"name": "has space"}}], "tools.0.function.name", "should match pattern"),
+    ([{"type": "function", "function": {"name": "f", "parameters": "x"}}], "tools.0.function.parameters", "valid dictionary"),
+    ({"type": "function"}, "tools", "valid list"),
+])
+async def test_malformed_tools_are_refused_naming_the_field(stack, tools, param, fragment):
+    session, fakes, _ = stack
+    async with session.post("/v1/chat/completions", json=chat("Hi", tools=tools)) as resp:
+        assert resp.status == 400
+        error = (await resp.json())["error"]
+    assert error["param"] == param and fragment in error["message"]
+    assert fakes["sp0"].bodies == []
+
+
+async def test_tools_are_counted_with_the_template_and_passed_on(stack):
+    session, fakes, _ = stack
+    async with session.post("/v1/chat/completions", json=chat("Hi", tools=[WEATHER_TOOL])) as resp:
+        assert resp.status == 200
+        counted = int(resp.headers["x-laps-prompt-tokens"])
+    as_sglang = [{"type": "function", "function": WEATHER_TOOL["function"], "defer_loading": None}]
+    assert counted == len(load_tokenizer().encode_chat([{"role": "user", "content": "Hi"}], as_sglang)) > 150
+    assert fakes["sp0"].bodies[0]["tools"] == [WEATHER_TOOL]
+    async with session.post("/v1/chat/completions", json=chat("Hi", tools=[WEATHER_TOOL], tool_choice="none")) as resp:
+        assert int(resp.headers["x-laps-prompt-tokens"]) == len(load_tokenizer().encode_chat([{"role": "user", "content": "Hi"}]))
+
+
+async def test_n_above_one_is_passed_on_with_its_prefill_counted_once(stack):
+    session, fakes, _ = stack
+    async with session.post("/v1/chat/completions", json=chat("Hi", n=3)) as resp:
+        assert resp.status == 200
+        prompt_tokens = int(resp.headers["x-laps-prompt-tokens"])
+    assert fakes["sp0"].bodies[0]["n"] == 3
+    async with session.get("/metrics") as resp:
+        assert f'laps_prompt_tokens_total{{cls="short"}} {float(prompt_tokens)}' in await resp.text()
+
+
+async def test_both_cache_budgets_are_config_keys_shown_in_metrics():
+    data = load_config().model_dump(exclude_unset=True)
+    data["scheduling"] = {**data.get("scheduling", {}), "chat_cache_bytes": 3 * 2**20, "prefix_index_bytes": 5 * 2**20}
+    fake = FakeEngine("sp0")
+    servers = [TestServer(fake.app), TestServer(FakeEngine("lp0").app)]
+    for s in servers:
+        await s.start_server()
+    app = create_app(parse_config(data), engine_urls={name: str(s.make_url("")).rstrip("/") for name, s in zip(("sp0", "lp0"), servers)})
+    async with TestServer(app) as gateway, aiohttp.ClientSession(str(gateway.make_url(""))) as session:
+        async with session.get("/metrics") as resp:
+            text = await resp.text()
+        assert app[GATEWAY].prompt_cache.max_bytes == 3 * 2**20
+    budgets = {s.labels["cache"]: s.value for f in text_string_to_metric_families(text) if f.name == "laps_memory_budget_bytes" for s in f.samples}
+    assert budgets == {"chat_cache": 3 * 2**20, "prefix_index": 5 * 2**20}
+    for s in servers:
+        await s.close()

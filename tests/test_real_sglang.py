@@ -139,6 +139,23 @@ def test_completions_streaming_and_not(deployment: Deployment):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_logprobs_and_tools_pass_through_with_openai_shapes(deployment: Deployment):
+    client = deployment.client
+    messages = [{"role": "user", "content": "Name a colour."}]
+    done = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, logprobs=True, top_logprobs=2,
+                                          extra_body={"ignore_eos": True})
+    content = done.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, logprobs=True, top_logprobs=1,
+                                                 stream=True, extra_body={"ignore_eos": True}))
+    assert sum(len(c.choices[0].logprobs.content) for c in chunks if c.choices and c.choices[0].logprobs) == 3
+    text = client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=2, logprobs=2, extra_body={"ignore_eos": True})
+    assert len(text.choices[0].logprobs.tokens) == len(text.choices[0].logprobs.token_logprobs) == 2
+    tools = [{"type": "function", "function": {"name": "get_colour", "parameters": {"type": "object", "properties": {}}}}]
+    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=1, tools=tools)
+    assert raw.parse().usage.prompt_tokens == int(raw.headers["x-laps-prompt-tokens"])  # the gateway counts the tools as the engine does
+
+
 def test_gateway_prompt_tokens_equal_engine_usage_on_real_chats(deployment: Deployment):
     chats = real_chats()
     assert len(chats) == 15 and any(sum(m["role"] == "assistant" for m in messages) >= 2 for _, messages in chats)

@@ -282,3 +282,33 @@ async def test_a_crashed_engine_loop_ends_open_requests_and_turns_unready():
     assert [ev.finish_reason for ev in events] == ["abort"]
     assert engine.ready is False
     await engine.stop()
+
+
+async def test_logprobs_have_openai_shapes_streamed_or_not(client):
+    chat_body = {"model": "sim-7b", "messages": MESSAGES, "max_tokens": 4, "ignore_eos": True, "logprobs": True, "top_logprobs": 2}
+    body = await (await client.post("/v1/chat/completions", json={**chat_body, "rid": "lp1"})).json()
+    content = body["choices"][0]["logprobs"]["content"]
+    assert "".join(t["token"] for t in content) == body["choices"][0]["message"]["content"] == reply_text("lp1", 4)
+    assert len(content) == 4 and all(len(t["top_logprobs"]) == 2 and t["top_logprobs"][0]["token"] == t["token"] for t in content)
+    assert content[0]["logprob"] == content[0]["top_logprobs"][0]["logprob"] == -0.25 and content[0]["top_logprobs"][1]["logprob"] == -2.0
+    assert content[0]["bytes"] == list(content[0]["token"].encode())
+    chunks = await sse(await client.post("/v1/chat/completions", json={**chat_body, "rid": "lp2", "stream": True}))
+    streamed = [t for c in chunks[:-1] if c["choices"] and c["choices"][0]["logprobs"] for t in c["choices"][0]["logprobs"]["content"]]
+    assert "".join(t["token"] for t in streamed) == reply_text("lp2", 4) and len(streamed) == 4
+    plain = {"model": "sim-7b", "prompt": "The harbour", "max_tokens": 3, "ignore_eos": True, "logprobs": 1, "rid": "lp3"}
+    choice = (await (await client.post("/v1/completions", json=plain)).json())["choices"][0]
+    logprobs = choice["logprobs"]
+    assert "".join(logprobs["tokens"]) == choice["text"] and logprobs["token_logprobs"] == [-0.25] * 3
+    assert logprobs["top_logprobs"] == [{t: -0.25} for t in logprobs["tokens"]]
+    assert logprobs["text_offset"] == [0, len(logprobs["tokens"][0]), len(logprobs["tokens"][0]) + len(logprobs["tokens"][1])]
+    no_logprobs = await (await client.post("/v1/completions", json={**plain, "logprobs": None})).json()
+    assert no_logprobs["choices"][0]["logprobs"] is None
+
+
+async def test_tools_are_rendered_into_the_prompt_as_the_template_does(client):
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}}]
+    base = {"model": "sim-7b", "messages": MESSAGES, "max_tokens": 1}
+    with_tools = await (await client.post("/v1/chat/completions", json={**base, "tools": tools})).json()
+    none = await (await client.post("/v1/chat/completions", json={**base, "tools": tools, "tool_choice": "none"})).json()
+    expected = len(TOK.encode_chat(MESSAGES, [{"type": "function", "function": {**tools[0]["function"], "description": None}, "defer_loading": None}]))
+    assert with_tools["usage"]["prompt_tokens"] == expected > none["usage"]["prompt_tokens"] == len(TOK.encode_chat(MESSAGES))

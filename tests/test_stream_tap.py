@@ -55,3 +55,23 @@ def test_chunks_of_whole_events_are_forwarded_without_copying():
     cuts = [i + 2 for i in range(len(data)) if data[i:i + 2] == b"\n\n"]  # cut at every event end
     out, _, passed_whole = relay(data, cuts, drop_usage=True)
     assert out == data and passed_whole == len(PIECES) + 1
+
+
+def test_with_n_choices_the_reply_is_the_first_choice():
+    reply = Reply()
+    reply.take({"choices": [{"index": 1, "delta": {"content": "B"}}, {"index": 0, "delta": {"content": "A"}}]})
+    reply.take({"choices": [{"index": 0, "message": {"content": "a"}}, {"index": 2, "text": "c"}]})
+    assert reply.text == ["A", "a"]
+
+
+def test_a_stream_event_that_is_not_json_marks_the_stream_malformed():
+    tap = StreamTap(Reply(), drop_usage=False)
+    assert tap.feed(b'data: {"choices": []}\n\n') == b'data: {"choices": []}\n\n' and tap.malformed is None
+    assert tap.feed(b"data: {broken\n\ndata: [DONE]\n\n") == b"" and tap.malformed == b"data: {broken"
+    assert not tap.reply.done
+
+
+def test_a_pd_usage_event_reports_the_given_cached_tokens():
+    tap = StreamTap(Reply(), drop_usage=False, cached_tokens=lambda: 71)
+    out = tap.feed(b'data: {"choices": [], "usage": {"prompt_tokens": 90, "prompt_tokens_details": {"cached_tokens": 0}}}\n\n')
+    assert orjson.loads(out[6:]) == {"choices": [], "usage": {"prompt_tokens": 90, "prompt_tokens_details": {"cached_tokens": 71}}}

@@ -29,6 +29,7 @@ from typing import Sequence
 
 from engines.sim.calibration_file import load_calibration
 from engines.sim.core import SCHEDULE_POLICIES, EngineConfig, default_max_running_requests
+from engines.sim.faults import parse_fault
 from engines.sim.kv_transfer import LINKS
 from engines.sim.latency import (
     GPUS,
@@ -94,6 +95,7 @@ class SimServerArgs:
     sim_decode_spread: str = "roofline"
     sim_calibration: str | None = None
     sim_zero_time: bool = False
+    sim_fault: str | None = None
     disaggregation_mode: str = "null"
     disaggregation_transfer_backend: str = "mooncake"
     disaggregation_bootstrap_port: int = 8998
@@ -193,6 +195,7 @@ def resolve_args(args: SimServerArgs) -> ResolvedSim:
         engines.sim.calibration_file.CalibrationError: (a ValueError) a calibration file that
             cannot be used, or was fitted against another GPU.
     """
+    parse_fault(args.sim_fault)  # a bad --sim-fault fails with the other flags
     sim_model = args.sim_model or next(
         (name for name in MODELS if name.split("-")[-1] in args.model_path.lower()), "qwen2.5-7b")
     if args.sim_gpu not in GPUS:
@@ -305,6 +308,10 @@ def build_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--sim-zero-time", action="store_true",
                    help="forward passes take no time (scheduling unchanged): only HTTP and scheduling cost remain, "
                         "for gateway overhead benchmarks (bench/router_overhead.py)")
+    p.add_argument("--sim-fault", metavar="KIND[:N]",
+                   help="inject a fault for tests of the gateway: error-mid-stream, malformed, truncated or hang after N "
+                        "stream events (default 2; non-streamed answers fail at once), or slow:N (every pass N times as "
+                        "long, default 10); see engines.sim.faults")
     p.add_argument("--disaggregation-mode", choices=("null", "prefill", "decode"),
                    help="PD disaggregation: prefill-only or decode-only engine (default null; see engines.sim.pd_http)")
     p.add_argument("--disaggregation-transfer-backend", choices=PD_TRANSFER_BACKENDS,

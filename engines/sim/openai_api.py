@@ -14,10 +14,14 @@ from typing import Any
 from aiohttp import web
 
 from engines.sim.core import RequestEvent
+from engines.sim.faults import answer as faulty_answer
 from engines.sim.protocol import (
     ApiError,
     ReplyText,
+    chat_logprobs,
+    completion_logprobs,
     field,
+    logprob_request,
     json_response,
     open_sse,
     read_body,
@@ -27,7 +31,7 @@ from engines.sim.protocol import (
     usage,
 )
 from engines.sim.realtime import ENGINE, SimEngine, Track
-from laps.tokenizer import ChatTokenizer
+from laps.tokenizer import ChatTokenizer, template_tools
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # SGLang CompletionRequest default
 
@@ -107,8 +111,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     max_new = _max_new_tokens(field(body, "max_completion_tokens", (int,)) or field(body, "max_tokens", (int,)),
                               engine)
     stop, ignore_eos, stream, include_usage, model, rid = _options(body)
+    top = logprob_request(body, chat=True)
+    tools = body.get("tools")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) and isinstance(t.get("function"), dict) for t in tools)):
+        raise ApiError("tools: a list of {\"type\": \"function\", \"function\": {...}}", "Bad Request")
     try:
-        ids = engine.tokenizer.encode_chat(messages)
+        ids = engine.tokenizer.encode_chat(messages, template_tools(tools, body.get("tool_choice")))
     except Exception as err:  # an HF chat template can raise anything on odd messages
         raise ApiError(f"cannot apply the chat template: {err}") from err
     track = _submit(engine, body, rid, ids, max_new, ignore_eos, stop)
@@ -118,20 +126,22 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     try:
         if not stream:
             text, last = await _whole_answer(track, reply)
-            return json_response({
+            return await faulty_answer(request, json_response({
                 "id": rid, "object": "chat.completion", "created": created, "model": model,
                 "choices": [{
                     "index": 0,
                     "message": {"role": "assistant", "content": text, "reasoning_content": None},
-                    "logprobs": None, "finish_reason": last.finish_reason, "matched_stop": last.matched_stop,
+                    "logprobs": None if top is None else chat_logprobs(engine.tokenizer, reply.output_ids, top),
+                    "finish_reason": last.finish_reason, "matched_stop": last.matched_stop,
                 }],
                 "usage": usage(last, cache_report),
                 "metadata": {"weight_version": "default"},
-            })
+            }))
         resp = await open_sse(request)
         head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
         sent = 0
         started = False
+        unsent_ids: list[int] = []  # tokens whose text has not gone out yet (held back by a partial stop string)
         async for ev in track.events():
             if not started:
                 started = True
@@ -139,11 +149,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                     "index": 0, "delta": {"reasoning_content": None, "role": "assistant", "content": ""},
                     "logprobs": None, "finish_reason": None, "matched_stop": None}]}))
             text = reply.add(ev)
+            unsent_ids.extend(ev.new_token_ids)
             if len(text) > sent:
+                logprobs = None if top is None else chat_logprobs(engine.tokenizer, unsent_ids, top)
                 await resp.write(sse({**head, "choices": [{
                     "index": 0, "delta": {"reasoning_content": None, "content": text[sent:]},
-                    "logprobs": None, "finish_reason": None, "matched_stop": None}]}))
+                    "logprobs": logprobs, "finish_reason": None, "matched_stop": None}]}))
                 sent = len(text)
+                unsent_ids = []
             if ev.finished:
                 await resp.write(sse({**head, "choices": [{
                     "index": 0, "delta": {"reasoning_content": None},
@@ -183,6 +196,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         raise ApiError("max_tokens: Value error, max_tokens must be positive", "Bad Request")
     max_new = _max_new_tokens(max_tokens, engine)
     stop, ignore_eos, stream, include_usage, model, rid = _options(body)
+    top = logprob_request(body, chat=False)
     track = _submit(engine, body, rid, ids, max_new, ignore_eos, stop)
     created = int(time.time())
     cache_report = engine.sim.args.enable_cache_report
@@ -190,23 +204,28 @@ async def completions(request: web.Request) -> web.StreamResponse:
     try:
         if not stream:
             text, last = await _whole_answer(track, reply)
-            return json_response({
+            return await faulty_answer(request, json_response({
                 "id": rid, "object": "text_completion", "created": created, "model": model,
-                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason,
-                             "matched_stop": last.matched_stop}],
+                "choices": [{"index": 0, "text": text,
+                             "logprobs": None if top is None else completion_logprobs(engine.tokenizer, reply.output_ids, top, 0),
+                             "finish_reason": last.finish_reason, "matched_stop": last.matched_stop}],
                 "usage": usage(last, cache_report),
                 "metadata": {"weight_version": "default"},
-            })
+            }))
         resp = await open_sse(request)
         head = {"id": rid, "object": "text_completion", "created": created, "model": model}
         sent = 0
+        unsent_ids = []
         async for ev in track.events():
             text = reply.add(ev)
+            unsent_ids.extend(ev.new_token_ids)
             if len(text) > sent or ev.finished:
+                logprobs = None if top is None else completion_logprobs(engine.tokenizer, unsent_ids, top, sent)
                 await resp.write(sse({**head, "choices": [{
-                    "index": 0, "text": text[sent:], "logprobs": None, "finish_reason": ev.finish_reason,
+                    "index": 0, "text": text[sent:], "logprobs": logprobs, "finish_reason": ev.finish_reason,
                     "matched_stop": ev.matched_stop}], "usage": None}))
                 sent = len(text)
+                unsent_ids = []
             if ev.finished and include_usage:
                 final_usage = {k: v for k, v in usage(ev, cache_report).items() if v is not None}
                 await resp.write(sse({**head, "choices": [], "usage": final_usage}))

@@ -15,6 +15,7 @@ import orjson
 from aiohttp import web
 
 from engines.sim.core import RequestEvent
+from engines.sim.faults import sse_response
 from engines.sim.replies import IncrementalDetokenizer
 from laps.tokenizer import ChatTokenizer
 
@@ -158,7 +159,62 @@ def sse(obj: Any) -> bytes:
 
 
 async def open_sse(request: web.Request) -> web.StreamResponse:
-    """Start an SSE response."""
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    """Start an SSE response (one that fails as ``--sim-fault`` says, :mod:`engines.sim.faults`)."""
+    resp = sse_response(request, {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
     return resp
+
+
+# ---- logprobs ------------------------------------------------------------------------------------
+
+SIM_TOKEN_LOGPROB = -0.25  # the simulated engine's log-probability of every token it picks; alternative k: -(k + 1)
+
+
+def logprob_request(body: dict[str, Any], chat: bool) -> int | None:
+    """How many top alternatives per token the request asks for, or None for no logprobs: chat ``logprobs: true``
+    with ``top_logprobs`` (0..20), completions ``logprobs: N``.
+
+    Raises:
+        ApiError: a value of the wrong type or out of range.
+    """
+    if chat:
+        if not field(body, "logprobs", (bool,), False):
+            return None
+        top = field(body, "top_logprobs", (int,), 0)
+    else:
+        top = field(body, "logprobs", (int,))
+        if top is None:
+            return None
+    if not 0 <= top <= 20:
+        raise ApiError(f"top_logprobs must be between 0 and 20, got {top}", "Bad Request")
+    return top
+
+
+def _alternatives(tokenizer: ChatTokenizer, token_id: int, top: int) -> list[tuple[str, float]]:
+    """The picked token and ``top - 1`` others (the next ids), with their simulated log-probabilities."""
+    ids = [token_id] + [(token_id + k) % tokenizer.vocab_size for k in range(1, top)]
+    return [(tokenizer.decode([t]), SIM_TOKEN_LOGPROB if k == 0 else -(k + 1.0)) for k, t in enumerate(ids)]
+
+
+def chat_logprobs(tokenizer: ChatTokenizer, token_ids: list[int], top: int) -> dict[str, Any]:
+    """OpenAI chat ``choices[].logprobs``: ``{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}``."""
+    content = []
+    for t in token_ids:
+        alts = _alternatives(tokenizer, t, max(top, 1))
+        token, logprob = alts[0]
+        content.append({"token": token, "logprob": logprob, "bytes": list(token.encode()),
+                        "top_logprobs": [{"token": a, "logprob": lp, "bytes": list(a.encode())} for a, lp in alts[:top]]})
+    return {"content": content}
+
+
+def completion_logprobs(tokenizer: ChatTokenizer, token_ids: list[int], top: int, text_offset: int) -> dict[str, Any]:
+    """OpenAI completions ``choices[].logprobs``: ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}``."""
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    for t in token_ids:
+        alts = _alternatives(tokenizer, t, max(top, 1))
+        tokens.append(alts[0][0])
+        token_logprobs.append(alts[0][1])
+        tops.append(dict(alts[:top]))
+        offsets.append(text_offset)
+        text_offset += len(alts[0][0])
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}

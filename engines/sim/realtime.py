@@ -22,6 +22,7 @@ from typing import Any, AsyncIterator, Iterable
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from engines.sim.faults import parse_fault
 from engines.sim.args import ResolvedSim
 from engines.sim.core import EngineCore, RequestEvent
 from engines.sim.pd_http import PDShell
@@ -102,6 +103,8 @@ class SimEngine:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.pd: PDShell | None = None  # the KV hand-off of a --disaggregation-mode prefill/decode engine
+        fault = parse_fault(sim.args.sim_fault)
+        self.slowdown = 1.0 if fault is None else fault.slowdown  # --sim-fault slow:N
 
     async def start(self) -> None:
         """Start the forward-pass loop."""
@@ -218,7 +221,7 @@ class SimEngine:
                     await self._wake.wait()
                 planned = None
                 continue
-            planned = start + (0.0 if self.sim.args.sim_zero_time else result.duration_s)
+            planned = start + (0.0 if self.sim.args.sim_zero_time else result.duration_s * self.slowdown)
             await asyncio.sleep(max(0.0, planned - self.clock()))
             self._deliver(result.events)
 

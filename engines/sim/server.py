@@ -32,6 +32,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from engines.sim.args import SimServerArgs, resolve_args
 from engines.sim.core import RequestEvent
+from engines.sim.faults import FAULT, parse_fault
 from engines.sim.kv_transfer import kv_transfer_bytes
 from engines.sim.openai_api import chat_completions, completions
 from engines.sim.pd_http import PDShell
@@ -294,6 +295,9 @@ def create_app(args: SimServerArgs, tokenizer: ChatTokenizer | None = None) -> w
     app = web.Application(middlewares=[errors_middleware], client_max_size=64 * 1024 * 1024)
     engine = SimEngine(sim, tok)
     app[ENGINE] = engine
+    fault = parse_fault(args.sim_fault)
+    if fault is not None:
+        app[FAULT] = fault
     if args.disaggregation_mode != "null":
         rank_kv_bytes_per_token = kv_transfer_bytes(sim.latency.model.kv_bytes_per_token, 1, sim.latency.tp_size)
         engine.pd = PDShell(engine, args.disaggregation_mode, args.sim_kv_link_gb_s * 1e9, rank_kv_bytes_per_token)
@@ -345,5 +349,7 @@ def run(args: SimServerArgs) -> None:
              "chunked_prefill_size=%s, serving %s at http://%s:%d", sim.sim_model, sim.latency.gpu.name,
              sim.latency.tp_size, sim.config.max_total_tokens, sim.config.max_running_requests,
              sim.config.chunked_prefill_size, sim.served_model_name, args.host, args.port)
+    # backlog: uvicorn's default, which SGLang's HTTP server runs with (aiohttp's own is 128: a burst of new
+    # connections beyond it waits for SYN retries).
     web.run_app(app, host=args.host, port=args.port, handler_cancellation=True, print=None, access_log=None,
-                loop=loop)
+                loop=loop, backlog=2048)

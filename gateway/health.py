@@ -1,0 +1,149 @@
+"""Engine health: the ``/ready`` poll, stalled-stream detection, and taking an engine out of service.
+
+An engine leaves service (no new work goes to it) in three ways:
+
+* the health poll (every ``HEALTH_POLL_INTERVAL_S``): ``GET /ready`` fails or
+  times out (a dead or frozen process) -> ``healthy`` false until it answers;
+  a probe that times out on an engine whose answers brought bytes in the last
+  ``BUSY_WITHIN_S`` is a busy engine, not a dead one: it needs
+  ``READY_FAILURES_WHEN_BUSY`` such polls in a row;
+* its streams go silent: it has streams past their first byte and none has
+  brought a byte for ``gateway.stall_timeout_s`` / 3 (an engine that still
+  answers ``/ready`` but whose scheduler is stuck), or a request on it hit its
+  first-byte or stall timeout (:mod:`gateway.guard`) while none of its streams
+  brought a byte for that long (a busy engine queueing requests is not stuck)
+  -> ``stalled``;
+* a request could not reach it (connection refused or dropped) -> ``healthy``
+  false until the next poll says otherwise.
+
+Leaving service ends at once the wait of every request on the engine that has
+sent its client nothing yet, so they are retried elsewhere. A stalled engine
+comes back when it sends a byte on a stream again, or when a one-token
+generation (``GET /health_generate``, SGLang's probe that runs the model)
+answers within the stall timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import aiohttp
+
+from gateway.errors import EngineTimeout, EngineUnavailable
+from gateway.registry import EngineState
+from gateway.state import Gateway
+
+log = logging.getLogger("laps.gateway")
+
+HEALTH_POLL_INTERVAL_S = 1.0
+# A /ready that times out on an engine that brought answer bytes within this many seconds is an engine too busy to
+# answer the probe in time (its event loop full), not a dead one: it leaves service only after READY_FAILURES_WHEN_BUSY
+# failed polls in a row (taking it out at once would send its whole queue elsewhere).
+BUSY_WITHIN_S = 3.0
+READY_FAILURES_WHEN_BUSY = 3
+# An engine is stalled when its open streams have been silent for this share of the stall timeout: a frozen engine is
+# noticed before its requests time out one by one.
+SILENCE_SHARE_OF_STALL = 1 / 3
+
+
+def take_out_of_service(gw: Gateway, engine: EngineState, why: str, stalled: bool) -> None:
+    """Route no new work to ``engine`` (``stalled``: set :attr:`~EngineState.stalled`, else clear ``healthy``) and
+    end the wait of its requests that have sent nothing to their client, so they are retried elsewhere."""
+    was_serving = engine.serving
+    if stalled:
+        engine.stalled = True
+    else:
+        engine.healthy = False
+    gw.metrics.engine_healthy.labels(engine.id).set(0)
+    if was_serving:
+        log.warning("engine %s is out of service: %s", engine.id, why)
+    for guard in list(gw.guards):
+        guard.engine_down(engine)
+
+
+def engine_failed(gw: Gateway, err: EngineUnavailable) -> None:
+    """A request saw ``err`` from its engine: take the engine out of service (unhealthy), or after a timeout (stalled)
+    unless the engine's streams brought bytes within the silence limit: a busy engine that queues a request is no
+    stuck engine (taking it out would send all its queue elsewhere)."""
+    engine = gw.registry[err.engine_id]
+    if not engine.serving:  # out of service already (the error may be the one its leaving caused)
+        return
+    if not isinstance(err, EngineTimeout):
+        take_out_of_service(gw, engine, err.detail, stalled=False)
+    elif asyncio.get_running_loop().time() - engine.last_byte_s > silence_s(gw):
+        take_out_of_service(gw, engine, err.detail, stalled=True)
+
+
+def silence_s(gw: Gateway) -> float:
+    """How long an engine's open streams may all be silent before the engine counts as stalled (seconds)."""
+    return gw.config.gateway.stall_timeout_s * SILENCE_SHARE_OF_STALL
+
+
+def back_in_service(gw: Gateway, engine: EngineState, why: str) -> None:
+    """A stalled ``engine`` works again (``why``): route to it again."""
+    if engine.stalled:
+        engine.stalled = False
+        log.warning("engine %s is back in service: %s", engine.id, why)
+        gw.metrics.engine_healthy.labels(engine.id).set(int(engine.healthy))
+
+
+class HealthMonitor:
+    """The health poll and the stalled-engine checks of one gateway (see the module docstring); ``run`` is the loop.
+
+    Times are the event loop's (``loop.time()``), as :attr:`EngineState.last_byte_s` is.
+    """
+
+    def __init__(self, gw: Gateway) -> None:
+        self._gw = gw
+        self._probes: dict[str, asyncio.Task] = {}
+        self._ready_failures: dict[str, int] = {}
+
+    async def run(self, each_round=None) -> None:
+        """Poll forever; ``each_round()`` runs after every round (the supervisor's check)."""
+        while True:
+            await asyncio.sleep(HEALTH_POLL_INTERVAL_S)
+            await self.poll()
+            if each_round is not None:
+                each_round()
+
+    async def poll(self) -> None:
+        """One round: ``/ready`` of every engine, then the silence check and the probes of stalled engines."""
+        gw = self._gw
+        engines = list(gw.registry)
+        loop = asyncio.get_running_loop()
+        for engine, state in zip(engines, await asyncio.gather(*(gw.client.ready(e.url) for e in engines))):
+            ok = state == "ready"
+            failures = self._ready_failures[engine.id] = 0 if ok else self._ready_failures.get(engine.id, 0) + 1
+            busy = state == "timeout" and loop.time() - engine.last_byte_s < BUSY_WITHIN_S
+            if ok and not engine.healthy:
+                log.warning("engine %s is now healthy", engine.id)
+                engine.healthy = True
+            elif not ok and engine.healthy and (not busy or failures >= READY_FAILURES_WHEN_BUSY):
+                take_out_of_service(gw, engine, f"GET /ready: {state} ({failures} time(s) in a row)", stalled=False)
+            gw.metrics.engine_healthy.labels(engine.id).set(int(engine.serving))
+        limit_s = silence_s(gw)
+        now = loop.time()
+        for engine in engines:
+            if engine.open_streams and not engine.stalled and now - engine.last_byte_s > limit_s:
+                take_out_of_service(gw, engine, f"its {engine.open_streams} open streams brought nothing for {now - engine.last_byte_s:.1f} s", stalled=True)
+            if engine.stalled and engine.healthy and engine.id not in self._probes:
+                self._probes[engine.id] = asyncio.ensure_future(self._probe(engine))
+
+    async def _probe(self, engine: EngineState) -> None:
+        """A one-token generation on a stalled engine; back in service when it answers within the stall timeout."""
+        gw = self._gw
+        try:
+            async with gw.client.session.get(engine.url + "/health_generate", timeout=aiohttp.ClientTimeout(total=gw.config.gateway.stall_timeout_s)) as resp:
+                if resp.status == 200:
+                    back_in_service(gw, engine, "a one-token generation answered")
+        except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+            log.info("engine %s: generation probe failed (%r); still out of service", engine.id, err)
+        finally:
+            del self._probes[engine.id]
+
+    async def close(self) -> None:
+        """Cancel the probes in progress."""
+        for task in list(self._probes.values()):
+            task.cancel()
+        await asyncio.gather(*self._probes.values(), return_exceptions=True)

@@ -1,0 +1,192 @@
+"""Frozen, broken and slow engines, and the gateway's shutdown: every request ends with its answer or an explicit error."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import orjson
+import pytest
+from aiohttp.test_utils import TestServer
+
+from gateway.app import create_app, end_requests
+from gateway.health import HealthMonitor, take_out_of_service
+from gateway.state import GATEWAY
+from laps.config import load_config
+from tests.fake_engine import FakeEngine
+from tests.test_gateway import ADMIN, ADMIN_KEY, chat, with_gateway
+
+FIRST_BYTE_S = 0.4
+STALL_S = 0.6
+
+
+@pytest.fixture
+async def stack(request):
+    """Fake engines sp0 (short pool) and lp0 (long pool) behind a gateway with short first-byte and stall timeouts
+    (``gateway`` keys to override: the test's indirect parameter)."""
+    fakes = {"sp0": FakeEngine("sp0"), "lp0": FakeEngine("lp0")}
+    servers = {name: TestServer(f.app) for name, f in fakes.items()}
+    for s in servers.values():
+        await s.start_server()
+    urls = {name: str(s.make_url("")).rstrip("/") for name, s in servers.items()}
+    overrides = getattr(request, "param", {})
+    config = with_gateway(load_config(), **{"admin_key": ADMIN_KEY, "first_byte_timeout_s": FIRST_BYTE_S, "stall_timeout_s": STALL_S, **overrides})
+    app = create_app(config, engine_urls=urls)
+    gateway = TestServer(app, handler_cancellation=True)
+    await gateway.start_server()
+    async with aiohttp.ClientSession(str(gateway.make_url(""))) as session:
+        yield session, fakes, app
+    for fake in fakes.values():
+        fake.release.set()
+    await gateway.close()
+    for s in servers.values():
+        await s.close()
+
+
+def events(text: str) -> list[str]:
+    return [e for e in text.split("\n\n") if e]
+
+
+async def engine_states(session: aiohttp.ClientSession) -> dict[str, tuple[bool, bool]]:
+    async with session.get("/health", headers=ADMIN) as resp:
+        return {e["id"]: (e["healthy"], e["stalled"]) for e in (await resp.json())["engines"]}
+
+
+async def test_a_stream_whose_engine_sends_no_first_byte_is_retried_on_another_engine(stack):
+    session, fakes, _ = stack
+    fakes["sp0"].hold_first = True  # frozen before its first byte
+    async with session.post("/v1/chat/completions", json=chat("Hi", stream=True)) as resp:
+        assert resp.status == 200 and resp.headers["x-laps-engine"] == "lp0"
+        text = (await resp.read()).decode()
+    assert "hi from lp0" in text and "hi from sp0" not in text and text.endswith("data: [DONE]\n\n")
+    assert fakes["sp0"].bodies[0]["rid"] + "-retry" == fakes["lp0"].bodies[0]["rid"]
+    await asyncio.wait_for(fakes["sp0"].abort_seen.wait(), timeout=5)  # the first try is aborted, not left running
+    assert await engine_states(session) == {"sp0": (True, True), "lp0": (True, False)}  # sp0 stalled: no new work
+    async with session.get("/health") as resp:
+        assert (resp.status, (await resp.json())["status"]) == (200, "degraded")
+
+
+async def test_a_started_stream_that_stalls_ends_with_an_error_event_and_done(stack):
+    session, fakes, app = stack
+    fakes["sp0"].hold_streams = True  # frozen after its first chunk
+    async with session.post("/v1/chat/completions", json=chat("Hi", stream=True)) as resp:
+        assert resp.status == 200
+        got = events((await resp.read()).decode())
+    assert "hi from sp0" in got[0] and got[-1] == "data: [DONE]"
+    assert orjson.loads(got[-2].removeprefix("data: ")) == {"error": {
+        "message": "engine sp0 stopped answering; retry later", "type": "engine_error", "param": None, "code": "engine_timeout"}}
+    assert await engine_states(session) == {"sp0": (True, True), "lp0": (True, False)}
+    await HealthMonitor(app[GATEWAY]).poll()  # its generation probe answers: back in service
+    await asyncio.sleep(0.1)
+    assert await engine_states(session) == {"sp0": (True, False), "lp0": (True, False)}
+    async with session.get("/metrics") as resp:
+        assert 'laps_requests_total{cls="short",outcome="engine_timeout"} 1.0' in await resp.text()
+
+
+@pytest.mark.parametrize("stack", [{"first_byte_timeout_s": 60.0}], indirect=True)
+async def test_the_stall_timeout_holds_even_when_the_first_byte_timeout_is_longer(stack):
+    session, fakes, _ = stack
+    fakes["sp0"].hold_streams = True
+    async with session.post("/v1/chat/completions", json=chat("Hi", stream=True)) as resp:
+        got = events((await asyncio.wait_for(resp.read(), timeout=20)).decode())  # cut after STALL_S, not 60 s
+    assert got[-1] == "data: [DONE]" and orjson.loads(got[-2].removeprefix("data: "))["error"]["code"] == "engine_timeout"
+
+
+async def test_a_slow_client_is_not_an_engine_stall(stack):
+    session, fakes, _ = stack
+    async with session.post("/v1/chat/completions", json=chat("Hi", stream=True)) as resp:
+        await asyncio.sleep(2 * STALL_S)  # the client reads nothing for longer than the stall timeout
+        text = (await resp.read()).decode()
+    assert "error" not in text and text.endswith("data: [DONE]\n\n")
+
+
+@pytest.mark.parametrize("end", ["truncated", "malformed"])
+async def test_a_broken_stream_ends_with_an_error_event_and_done_not_silence(stack, end):
+    session, fakes, _ = stack
+    fakes["sp0"].stream_end = end
+    async with session.post("/v1/chat/completions", json=chat("Hi", stream=True)) as resp:
+        got = events((await resp.read()).decode())
+    if resp.headers["x-laps-engine"] == "lp0":  # the broken part came in sp0's first read: nothing was sent, so a retry
+        assert "hi from lp0" in got[0] and got[-1] == "data: [DONE]" and "error" not in "".join(got)
+        return
+    assert "hi from sp0" in got[0] and got[-1] == "data: [DONE]" and len(got) == 3  # the broken part is not relayed
+    error = orjson.loads(got[1].removeprefix("data: "))["error"]
+    assert (error["code"], error["message"]) == ("engine_unavailable", "engine sp0 failed to answer; retry later")
+
+
+async def test_a_malformed_json_answer_is_retried_elsewhere(stack):
+    session, fakes, _ = stack
+    fakes["sp0"].error_reply = (200, b"{not json")
+    async with session.post("/v1/chat/completions", json=chat("Hi")) as resp:
+        assert resp.status == 200 and resp.headers["x-laps-engine"] == "lp0"
+
+
+@pytest.mark.parametrize("stack", [{"stall_timeout_s": 60.0}], indirect=True)  # only the shutdown ends the held stream
+async def test_shutdown_ends_the_requests_left_after_the_grace_period_explicitly(stack):
+    session, fakes, app = stack
+    gw = app[GATEWAY]
+    fakes["sp0"].hold_streams = True
+    fakes["lp0"].hold_answers = True
+    stream = await session.post("/v1/chat/completions", json=chat("Hi", stream=True))
+    assert b"hi from sp0" in await stream.content.readuntil(b"\n\n")
+    plain = asyncio.ensure_future(session.post("/v1/chat/completions", json=chat(" word" * 300)))  # held on lp0
+    await asyncio.wait_for(fakes["lp0"].received.wait(), timeout=5)
+    closing = asyncio.ensure_future(end_requests(gw, grace_s=0.3))
+    await asyncio.sleep(0.1)
+    async with session.post("/v1/chat/completions", json=chat("Hi")) as resp:  # during the grace period: refused
+        assert resp.status == 503 and (await resp.json())["error"]["code"] == "shutting_down"
+    async with session.get("/health") as resp:
+        assert (resp.status, (await resp.json())["status"]) == (503, "shutting_down")
+    await asyncio.wait_for(closing, timeout=10)
+    got = events((await stream.read()).decode())
+    assert got[-1] == "data: [DONE]" and orjson.loads(got[-2].removeprefix("data: "))["error"]["code"] == "shutting_down"
+    resp = await asyncio.wait_for(plain, timeout=5)
+    assert resp.status == 503 and (await resp.json())["error"] == {
+        "message": "the gateway is shutting down; retry on another instance or later", "type": "service_unavailable",
+        "param": None, "code": "shutting_down"}
+    assert not gw.guards
+
+
+async def test_shutdown_waits_for_requests_that_finish_within_the_grace_period(stack):
+    session, fakes, app = stack
+    fakes["sp0"].hold_answers = True
+    pending = asyncio.ensure_future(session.post("/v1/chat/completions", json=chat("Hi")))
+    await asyncio.wait_for(fakes["sp0"].received.wait(), timeout=5)
+    closing = asyncio.ensure_future(end_requests(app[GATEWAY], grace_s=30.0))
+    await asyncio.sleep(0.2)
+    fakes["sp0"].answer.set()
+    resp = await asyncio.wait_for(pending, timeout=5)
+    assert resp.status == 200 and (await resp.json())["choices"][0]["message"]["content"] == "hi from sp0"
+    await asyncio.wait_for(closing, timeout=5)  # returns once nothing is in flight, long before the grace period ends
+
+
+async def test_requests_waiting_on_an_engine_taken_out_of_service_are_retried_at_once(stack):
+    session, fakes, app = stack
+    gw = app[GATEWAY]
+    fakes["sp0"].hold_answers = True  # a non-streamed answer: no byte limit, only the engine's health
+    pending = asyncio.ensure_future(session.post("/v1/chat/completions", json=chat("Hi")))
+    await asyncio.wait_for(fakes["sp0"].received.wait(), timeout=5)
+    take_out_of_service(gw, gw.registry["sp0"], "GET /ready failed", stalled=False)  # as the health poll does
+    resp = await asyncio.wait_for(pending, timeout=5)
+    assert resp.status == 200 and resp.headers["x-laps-engine"] == "lp0"
+    assert (await resp.json())["choices"][0]["message"]["content"] == "hi from lp0"
+
+
+async def test_a_busy_engine_whose_probe_times_out_stays_in_service_until_it_keeps_failing(stack, monkeypatch):
+    _, _, app = stack
+    gw = app[GATEWAY]
+    answers = {"sp0": "timeout", "lp0": "unreachable"}
+
+    async def ready(url: str) -> str:
+        return answers[next(e.id for e in gw.registry if e.url == url)]
+
+    monkeypatch.setattr(gw.client, "ready", ready)
+    monitor = HealthMonitor(gw)
+    sp0, lp0 = gw.registry["sp0"], gw.registry["lp0"]
+    sp0.last_byte_s = asyncio.get_running_loop().time()  # it answered a moment ago: busy, not dead
+    await monitor.poll()
+    assert (sp0.healthy, lp0.healthy) == (True, False)  # a refused connection is a dead engine at once
+    await monitor.poll()
+    assert sp0.healthy
+    await monitor.poll()  # the third timeout in a row
+    assert not sp0.healthy
