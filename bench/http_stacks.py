@@ -1,6 +1,6 @@
 """Which HTTP stack for the gateway's data plane: minimal relays on each stack, side by side, in one run.
 
-    python bench/http_stacks.py --out runs/http_stacks.json            # ~4 minutes
+    python bench/http_stacks.py --out runs/http_stacks.json            # ~8 minutes
     python bench/http_stacks.py --quick --out runs/http_stacks_quick.json
     python bench/http_stacks.py --servers granian --clients aiohttp-tuned pyreqwest --out runs/hs.json
 
@@ -16,8 +16,10 @@ stack puts under the gateway.
 The engines, the load and the CPU accounting are ``bench/router_overhead.py``'s:
 two zero-time simulated SGLang engines (``--sim-zero-time``: forward passes take
 no time), the same real multi-turn chats (``max_tokens`` --max-tokens,
-``ignore_eos``), the same closed-loop aiohttp load generator on uvloop. Per
-stack, one after the other, against the same engine processes:
+``ignore_eos``), the same closed-loop aiohttp load generator on uvloop. Against
+the same engine processes, --rounds times: direct, then each stack (a fresh
+relay process each round; the stacks' order rotated by one each round so none
+always runs at the same point of the machine's load), with these phases:
 
 - ``c1``: --latency-requests non-streaming chats at concurrency 1; *added
   latency* p50 = the relay's p50 minus direct's, direct's measured again right
@@ -31,15 +33,18 @@ stack, one after the other, against the same engine processes:
   PyPI ``sglang-router`` 0.3.2 holds each such stream's first chunk ~43 ms);
 - relay CPU per request in every phase: user + system CPU of the relay's
   process tree (``/proc/PID/stat``; granian's worker process included) over the
-  phase, divided by its requests. CPU time is what a loaded machine changes
-  least: req/s on a shared 2-core machine depends on what else runs, CPU µs per
-  request much less.
+  phase, divided by its requests. req/s on a shared 2-core machine depends on
+  what else runs; CPU µs per request less so, though under a load average of
+  6-8 it too moves by a third from one run to the next (contention, and how
+  many requests each loop turn batches): hence rounds and medians.
 
-Prints a table (with the machine's core count and load average at the start and
-end) and writes to --out ``{"setup", "direct": phases, "stacks": {"server /
-client / loop": phases}}`` (each phase as ``bench/router_overhead.py``'s
-``Phase``), plus ``"ranking"``: the stacks by mean CPU µs per request over the
-throughput phases.
+Prints a table of medians over the rounds (with the machine's core count and
+load average) and writes to --out ``{"setup", "direct": target, "stacks":
+{"server / client / loop": target}, "ranking"}``; a target is ``{"median":
+{phase: {"rps", "p50_ms", "gateway_cpu_us_per_req"}}, "added_p50_ms": {"c1",
+"stream_keepalive"}, "errors", "first_error", "loadavg_1min": [per round],
+"rounds": [{phase: bench/router_overhead.py's Phase}]}``; ``"ranking"``: the
+stacks by mean CPU µs per request over the throughput phases, least first.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ import contextlib
 import itertools
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -73,6 +79,7 @@ from laps.config import DEFAULT_CONFIG_PATH, load_config  # noqa: E402
 RELAY_SCRIPT = Path(__file__).resolve().parent / "relay_stacks.py"
 RELAY_START_TIMEOUT_S = 60.0
 THROUGHPUT_PHASES = ("c32", "c256", "c32_stream", "c256_stream")
+LATENCY_PHASES = ("c1", "stream_keepalive")
 
 console = Console(stderr=True)
 
@@ -155,7 +162,8 @@ async def measure(urls: Sequence[str], pid: int | None, args: argparse.Namespace
 
 
 async def bench(args: argparse.Namespace, work: Path) -> dict:
-    """Start the engines, measure direct then every stack against them, stop everything; the result JSON."""
+    """Start the engines; --rounds times, direct then every stack (in an order rotated each round); stop everything;
+    the result JSON."""
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
     loadavg_at_start = os.getloadavg()
     model_dir, log_dir = work / "model", work / "logs"
@@ -166,33 +174,61 @@ async def bench(args: argparse.Namespace, work: Path) -> dict:
     chats = chat_bodies(config.model.name, args.max_tokens, args.max_reply_chars, args.seed)
     await asyncio.to_thread(next, chats)  # loads the files
     manager = EngineManager(config, ready_timeout_s=READY_TIMEOUT_S)
-    stacks: dict[str, dict[str, Phase]] = {}
-    loadavg: dict[str, float] = {}
+    combos = list(itertools.product(args.servers, args.clients, args.loops))
+    rounds: dict[str, list[dict]] = {"direct": [], **{stack_name(*combo): [] for combo in combos}}
+    loadavg: dict[str, list[float]] = {name: [] for name in rounds}
     async with aiohttp.ClientSession() as session:
         try:
             engine_urls = list((await manager.start(session)).values())
-            console.print("direct ...")
-            direct = await measure(engine_urls, None, args, chats)
-            for server, client, loop in itertools.product(args.servers, args.clients, args.loops):
-                name = stack_name(server, client, loop)
-                console.print(f"{name} ...")
-                loadavg[name] = os.getloadavg()[0]
-                with relay_process(server, client, loop, engine_urls, log_dir / f"relay-{server}-{client}-{loop}.log") as (url, pid):
-                    await wait_answering(url, RELAY_START_TIMEOUT_S)
-                    paired = await run_plan(engine_urls, None, latency_plan(args, chats), prefix="direct_")
-                    stacks[name] = {**await measure([url], pid, args, chats), **paired}
+            for n in range(args.rounds):
+                console.print(f"round {n + 1} of {args.rounds}: direct ...")
+                loadavg["direct"].append(os.getloadavg()[0])
+                rounds["direct"].append(as_dicts(await measure(engine_urls, None, args, chats)))
+                for server, client, loop in combos[n % len(combos):] + combos[:n % len(combos)]:
+                    name = stack_name(server, client, loop)
+                    console.print(f"round {n + 1} of {args.rounds}: {name} ...")
+                    loadavg[name].append(os.getloadavg()[0])
+                    with relay_process(server, client, loop, engine_urls, log_dir / f"relay-{server}-{client}-{loop}.log") as (url, pid):
+                        await wait_answering(url, RELAY_START_TIMEOUT_S)
+                        paired = await run_plan(engine_urls, None, latency_plan(args, chats), prefix="direct_")
+                        rounds[name].append(as_dicts({**await measure([url], pid, args, chats), **paired}))
         finally:
             await manager.stop()
+    targets = {name: {**summary(target_rounds), "loadavg_1min": loadavg[name], "rounds": target_rounds}
+               for name, target_rounds in rounds.items()}
     result = {
         "setup": {"cpu_cores": os.cpu_count(), "loadavg_at_start": loadavg_at_start, "loadavg_at_end": os.getloadavg(),
-                  "loadavg_1min_at_each_stack": loadavg, "python": sys.version.split()[0], "phase_s": args.phase_s,
+                  "python": sys.version.split()[0], "rounds": args.rounds, "phase_s": args.phase_s,
                   "latency_requests": args.latency_requests, "max_tokens": args.max_tokens, "engines": 2, "seed": args.seed,
                   "versions": package_versions()},
-        "direct": {label: asdict(p) for label, p in direct.items()},
-        "stacks": {name: {label: asdict(p) for label, p in phases.items()} for name, phases in stacks.items()},
+        "direct": targets.pop("direct"),
+        "stacks": targets,
     }
     result["ranking"] = ranking(result["stacks"])
     return result
+
+
+def as_dicts(phases: dict[str, Phase]) -> dict[str, dict]:
+    return {label: asdict(phase) for label, phase in phases.items()}
+
+
+def _median(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def summary(rounds: list[dict[str, dict]]) -> dict:
+    """A target's rounds in a few figures: per phase the median over rounds of req/s, latency p50 and CPU µs per
+    request (``"median"``); the median of each round's added latency p50 over direct's just before it (``"added_p50_ms"``,
+    only where there is a paired direct phase); all errors."""
+    median = {label: {key: _median([r[label][key] for r in rounds]) for key in ("rps", "p50_ms", "gateway_cpu_us_per_req")}
+              for label in rounds[0] if not label.startswith("direct_")}
+    added = {label: _median([None if r[label]["p50_ms"] is None or r[f"direct_{label}"]["p50_ms"] is None
+                             else r[label]["p50_ms"] - r[f"direct_{label}"]["p50_ms"] for r in rounds])
+             for label in LATENCY_PHASES if f"direct_{label}" in rounds[0]}
+    errors = sum(phase["errors"] for r in rounds for phase in r.values())
+    first_error = next((phase["first_error"] for r in rounds for phase in r.values() if phase["first_error"]), None)
+    return {"median": median, "added_p50_ms": added, "errors": errors, "first_error": first_error}
 
 
 def package_versions() -> dict[str, str | None]:
@@ -207,16 +243,16 @@ def package_versions() -> dict[str, str | None]:
     return versions
 
 
-def mean_cpu_us(phases: dict[str, dict]) -> float | None:
-    """Mean relay CPU µs per request over the throughput phases (None if a phase has none)."""
-    values = [phases[label]["gateway_cpu_us_per_req"] for label in THROUGHPUT_PHASES]
+def mean_cpu_us(median: dict[str, dict]) -> float | None:
+    """Mean relay CPU µs per request over the throughput phases' medians (None if a phase has none)."""
+    values = [median[label]["gateway_cpu_us_per_req"] for label in THROUGHPUT_PHASES]
     return None if None in values else sum(values) / len(values)
 
 
-def ranking(stacks: dict[str, dict[str, dict]]) -> list[dict]:
-    """The stacks by mean CPU µs per request over the throughput phases, least first, with their req/s."""
-    rows = [{"stack": name, "cpu_us_per_req": mean_cpu_us(phases),
-             **{f"{label}_rps": phases[label]["rps"] for label in THROUGHPUT_PHASES}} for name, phases in stacks.items()]
+def ranking(stacks: dict[str, dict]) -> list[dict]:
+    """The stacks by mean CPU µs per request over the throughput phases, least first, with their req/s (medians)."""
+    rows = [{"stack": name, "cpu_us_per_req": mean_cpu_us(target["median"]),
+             **{f"{label}_rps": target["median"][label]["rps"] for label in THROUGHPUT_PHASES}} for name, target in stacks.items()]
     return sorted(rows, key=lambda row: float("inf") if row["cpu_us_per_req"] is None else row["cpu_us_per_req"])
 
 
@@ -225,11 +261,12 @@ def _f(v: float | None, fmt: str) -> str:
 
 
 def print_table(result: dict) -> None:
-    """One row per stack (and direct): req/s, CPU µs per request, added latency at concurrency 1, kept-alive TTFT."""
+    """One row per stack (and direct), medians over the rounds: req/s, CPU µs per request, added latency at
+    concurrency 1, kept-alive TTFT."""
     s, direct = result["setup"], result["direct"]
     table = Table(title=f"HTTP stacks: {s['cpu_cores']} CPU cores (load avg {s['loadavg_at_start'][0]:.1f} at start, "
                         f"{s['loadavg_at_end'][0]:.1f} at end), 2 zero-time sim engines, chats max_tokens {s['max_tokens']}, "
-                        f"{s['phase_s']:g} s per throughput phase")
+                        f"medians of {s['rounds']} rounds of {s['phase_s']:g} s per throughput phase")
     table.add_column("server / client / loop", no_wrap=True)
     for label in THROUGHPUT_PHASES:
         table.add_column(f"req/s {label.replace('_stream', 's')}", justify="right")
@@ -240,18 +277,17 @@ def print_table(result: dict) -> None:
     table.add_column("errors", justify="right")
     table.add_column("load", justify="right")
 
-    def added(phases: dict, label: str) -> str:
-        v, base = phases[label]["p50_ms"], phases[f"direct_{label}"]["p50_ms"]
-        return "—" if v is None or base is None else f"{v - base:+.2f}"
+    def load(target: dict) -> str:
+        return f"{statistics.mean(target['loadavg_1min']):.1f}"
 
-    table.add_row("direct", *(_f(direct[label]["rps"], "{:.0f}") for label in THROUGHPUT_PHASES), *("—",) * 4,
-                  f"{direct['c1']['p50_ms']:.2f} p50", f"{direct['stream_keepalive']['p50_ms']:.2f} p50",
-                  str(sum(p["errors"] for p in direct.values())), "")
-    for name, phases in result["stacks"].items():
-        table.add_row(name, *(_f(phases[label]["rps"], "{:.0f}") for label in THROUGHPUT_PHASES),
-                      *(_f(phases[label]["gateway_cpu_us_per_req"], "{:.0f}") for label in THROUGHPUT_PHASES),
-                      added(phases, "c1"), added(phases, "stream_keepalive"), str(sum(p["errors"] for p in phases.values())),
-                      f"{s['loadavg_1min_at_each_stack'][name]:.1f}")
+    m = direct["median"]
+    table.add_row("direct", *(_f(m[label]["rps"], "{:.0f}") for label in THROUGHPUT_PHASES), *("—",) * 4,
+                  f"{m['c1']['p50_ms']:.2f} p50", f"{m['stream_keepalive']['p50_ms']:.2f} p50", str(direct["errors"]), load(direct))
+    for name, target in result["stacks"].items():
+        m = target["median"]
+        table.add_row(name, *(_f(m[label]["rps"], "{:.0f}") for label in THROUGHPUT_PHASES),
+                      *(_f(m[label]["gateway_cpu_us_per_req"], "{:.0f}") for label in THROUGHPUT_PHASES),
+                      *(_f(target["added_p50_ms"][label], "{:+.2f}") for label in LATENCY_PHASES), str(target["errors"]), load(target))
     out = Console(width=max(220, Console().width))
     out.print("c32s / c256s: streaming; CPU µs: the relay's process tree per request; +p50: over direct measured just before")
     out.print(table)
@@ -267,14 +303,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS), help="servers to measure (default: all)")
     parser.add_argument("--clients", nargs="+", choices=CLIENTS, default=list(CLIENTS), help="clients to measure (default: all)")
     parser.add_argument("--loops", nargs="+", choices=LOOPS, default=list(LOOPS), help="event loops to measure (default: both)")
-    parser.add_argument("--phase-s", type=float, default=2.0, help="seconds per throughput phase (default: %(default)s)")
-    parser.add_argument("--latency-requests", type=int, default=200,
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="times every target is measured, the stacks' order rotated each round; the table shows medians "
+                             "(default: %(default)s)")
+    parser.add_argument("--phase-s", type=float, default=1.0, help="seconds per throughput phase (default: %(default)s)")
+    parser.add_argument("--latency-requests", type=int, default=100,
                         help="requests of the concurrency-1 phases (c1, stream_keepalive) (default: %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=16, help="output tokens per request, ignore_eos (default: %(default)s)")
     parser.add_argument("--max-reply-chars", type=int, default=2000, help="cap on a history's assistant turn (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the chats (default: %(default)s)")
     parser.add_argument("--quick", action="store_true",
-                        help="under a minute: uvloop only, --phase-s 0.3, --latency-requests 30 (a smoke run, not a record)")
+                        help="under a minute: uvloop only, 1 round, --phase-s 0.3, --latency-requests 30 (a smoke run, not a record)")
     parser.add_argument("--out", type=Path, required=True, help="result JSON; engine and relay logs go to its path without .json")
     return parser
 
@@ -283,9 +322,9 @@ def main() -> int:
     parser = build_parser()
     args = parser.parse_args()
     if args.quick:
-        args.phase_s, args.latency_requests, args.loops = 0.3, 30, ["uvloop"]
-    if min(args.phase_s, args.latency_requests, args.max_tokens) <= 0:
-        parser.error("--phase-s, --latency-requests and --max-tokens must be > 0")
+        args.rounds, args.phase_s, args.latency_requests, args.loops = 1, 0.3, 30, ["uvloop"]
+    if min(args.rounds, args.phase_s, args.latency_requests, args.max_tokens) <= 0:
+        parser.error("--rounds, --phase-s, --latency-requests and --max-tokens must be > 0")
     work = args.out.with_suffix("").resolve()
     work.mkdir(parents=True, exist_ok=True)
     try:
