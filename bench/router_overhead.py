@@ -165,11 +165,21 @@ class Phase:
 
 
 def process_cpu_s(pid: int | None) -> float | None:
-    """User + system CPU seconds of ``pid`` and all its threads (``/proc/PID/stat``); None without a pid."""
+    """User + system CPU seconds of ``pid``, its threads and its live descendant processes (a server's worker
+    processes: granian's, a tokenizer pool), from ``/proc/PID/stat``; None without a pid."""
     if pid is None:
         return None
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    stats = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            stats[int(stat.parent.name)] = (int(fields[1]), int(fields[11]) + int(fields[12]))  # ppid, utime + stime
+    family, grew = {pid}, True
+    while grew:
+        grown = family | {p for p, (ppid, _) in stats.items() if ppid in family}
+        grew, family = grown != family, grown
+    ticks = sum(stats[p][1] for p in family if p in stats)
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def listening_pid(port: int) -> int | None:

@@ -1,0 +1,318 @@
+"""The local channel between gateway worker processes and the one scheduler process (issue 19, item 3).
+
+Several gateway workers do HTTP, validation, tokenization and relaying; the
+scheduling state (queues, AWD windows, prefix index, controller) stays in one
+scheduler process so decisions stay global. A worker asks for each decision
+over a Unix socket and tells the scheduler what it learns (first token,
+completion) without waiting for an answer.
+
+Wire format, both directions: frames of a 4-byte big-endian length followed by
+that many bytes of msgpack (``msgspec.msgpack``), at most
+:data:`MAX_FRAME_BYTES`. A frame is an array:
+
+- ``[CALL, id, message]``: the worker asks; the scheduler answers once with
+  ``[REPLY, id, result]`` or ``[FAILED, id, "error text"]``. Ids are the
+  worker's (unique among its calls in flight), so many calls share one
+  connection and replies may come in any order: a decision the ``laps``
+  policy holds in its AWD window does not delay the ones behind it;
+- ``[NOTE, 0, message]``: the worker tells; no answer.
+
+``message`` and ``result`` are whatever msgpack carries (dicts, lists, str,
+int, float, bytes, None); their meaning is the scheduler's business, not the
+channel's. Frames the kernel delivers together are decoded in one
+``data_received`` and their replies written in one ``transport.write`` per
+batch, so under load the per-frame syscalls amortise.
+
+Measured round trip: ``bench/sched_channel_rtt.py`` (README, Several gateway
+processes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import itertools
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+log = logging.getLogger("laps.sched_channel")
+
+CALL, REPLY, FAILED, NOTE = 0, 1, 2, 3
+MAX_FRAME_BYTES = 16 * 1024 * 1024
+_HEADER_BYTES = 4
+
+Handler = Callable[[Any], Any | Awaitable[Any]]
+
+
+class ChannelError(Exception):
+    """The scheduler's handler raised while answering a call; the message is its error text."""
+
+
+class ChannelClosed(ConnectionError):
+    """The channel is closed (or was lost) before the call was answered."""
+
+
+class FrameDecoder:
+    """Cuts a byte stream into msgpack frames (module doc): :meth:`feed` returns the frames completed so far.
+
+    Raises (from :meth:`feed`):
+        ValueError: a frame announces more than ``max_frame_bytes``, or is not a 3-element msgpack array.
+    """
+
+    def __init__(self, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
+        self._buffer = bytearray()
+        self._max = max_frame_bytes
+        self._decode = msgspec.msgpack.Decoder().decode
+
+    def feed(self, data: bytes) -> list[list]:
+        buffer = self._buffer
+        buffer += data
+        frames, pos, end = [], 0, len(buffer)
+        with memoryview(buffer) as view:  # released before the buffer is resized
+            while end - pos >= _HEADER_BYTES:
+                size = int.from_bytes(view[pos:pos + _HEADER_BYTES], "big")
+                if size > self._max:
+                    raise ValueError(f"frame of {size} bytes exceeds the channel's limit of {self._max}")
+                if end - pos - _HEADER_BYTES < size:
+                    break
+                start = pos + _HEADER_BYTES
+                try:
+                    frame = self._decode(view[start:start + size])
+                except msgspec.DecodeError as err:
+                    raise ValueError(f"undecodable frame: {err}") from None
+                if not isinstance(frame, list) or len(frame) != 3:
+                    raise ValueError(f"a frame must be a 3-element array, got {type(frame).__name__}")
+                frames.append(frame)
+                pos = start + size
+        if pos:
+            del buffer[:pos]
+        return frames
+
+
+_encode = msgspec.msgpack.Encoder().encode
+
+
+def encode_frame(kind: int, call_id: int, payload: Any) -> bytes:
+    """One frame: length prefix + msgpack ``[kind, call_id, payload]``.
+
+    Raises:
+        TypeError: ``payload`` holds something msgpack cannot carry.
+        ValueError: the encoded frame exceeds :data:`MAX_FRAME_BYTES`.
+    """
+    body = _encode([kind, call_id, payload])
+    if len(body) > MAX_FRAME_BYTES:
+        raise ValueError(f"frame of {len(body)} bytes exceeds the channel's limit of {MAX_FRAME_BYTES}")
+    return len(body).to_bytes(_HEADER_BYTES, "big") + body
+
+
+# ---------------------------------------------------------------- the scheduler's side
+
+class _ServerConnection(asyncio.Protocol):
+    """One worker's connection: runs the handler per CALL / NOTE; sync results are written back per batch."""
+
+    def __init__(self, handler: Handler, connections: set[_ServerConnection]) -> None:
+        self._handler = handler
+        self._connections = connections
+        self._decoder = FrameDecoder()
+        self._tasks: set[asyncio.Task] = set()
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        self.transport = transport
+        self._connections.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._connections.discard(self)
+        for task in self._tasks:
+            task.cancel()
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            frames = self._decoder.feed(data)
+        except ValueError as err:
+            log.warning("scheduler channel: closing a worker's connection: %s", err)
+            self.transport.close()
+            return
+        out = []
+        for kind, call_id, message in frames:
+            try:
+                result = self._handler(message)
+            except Exception as err:  # the handler's failure goes back to the caller, not into the loop
+                if kind == CALL:
+                    out.append(encode_frame(FAILED, call_id, f"{type(err).__name__}: {err}"))
+                else:
+                    log.exception("scheduler channel: a note's handler failed")
+                continue
+            if inspect.isawaitable(result):
+                task = asyncio.ensure_future(self._answer_later(kind, call_id, result))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+            elif kind == CALL:
+                out.append(self._reply(call_id, result))
+        if out and not self.transport.is_closing():
+            self.transport.write(b"".join(out))
+
+    @staticmethod
+    def _reply(call_id: int, result: Any) -> bytes:
+        try:
+            return encode_frame(REPLY, call_id, result)
+        except (TypeError, ValueError) as err:
+            return encode_frame(FAILED, call_id, f"unsendable result: {err}")
+
+    async def _answer_later(self, kind: int, call_id: int, pending: Awaitable[Any]) -> None:
+        try:
+            result = await pending
+        except Exception as err:
+            if kind != CALL:
+                log.exception("scheduler channel: a note's handler failed")
+                return
+            frame = encode_frame(FAILED, call_id, f"{type(err).__name__}: {err}")
+        else:
+            if kind != CALL:
+                return
+            frame = self._reply(call_id, result)
+        if not self.transport.is_closing():
+            self.transport.write(frame)
+
+
+class ChannelServer:
+    """Serves ``handler`` on the Unix socket ``path`` to any number of workers (the scheduler process's side).
+
+    ``handler(message)`` gets each CALL's and NOTE's message and returns the
+    result (or an awaitable of it; those run concurrently). An exception it
+    raises becomes the caller's :class:`ChannelError`; one from a NOTE is logged.
+    """
+
+    def __init__(self, path: str | os.PathLike, handler: Handler) -> None:
+        self.path = Path(path)
+        self._handler = handler
+        self._server: asyncio.AbstractServer | None = None
+        self._connections: set[_ServerConnection] = set()
+
+    async def start(self) -> None:
+        """Listen (a stale socket file at ``path`` is replaced).
+
+        Raises:
+            OSError: ``path`` cannot be bound (its directory is missing or not writable).
+        """
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_unix_server(lambda: _ServerConnection(self._handler, self._connections), str(self.path))
+
+    async def close(self) -> None:
+        """Stop listening, drop every worker's connection (their calls in flight fail with :class:`ChannelClosed`)."""
+        if self._server is None:
+            return
+        self._server.close()
+        for connection in list(self._connections):
+            connection.transport.close()
+        await self._server.wait_closed()
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+        self._server = None
+
+
+# ---------------------------------------------------------------- a worker's side
+
+class _ClientConnection(asyncio.Protocol):
+    def __init__(self, client: ChannelClient) -> None:
+        self._client = client
+        self._decoder = FrameDecoder()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._client._lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            frames = self._decoder.feed(data)
+        except ValueError as err:
+            self._client._lost(f"the scheduler sent a bad frame: {err}")
+            self._client.transport.close()
+            return
+        pending = self._client._pending
+        for kind, call_id, payload in frames:
+            future = pending.pop(call_id, None)
+            if future is None or future.done():  # its caller was cancelled
+                continue
+            if kind == REPLY:
+                future.set_result(payload)
+            else:
+                future.set_exception(ChannelError(payload))
+
+
+class ChannelClient:
+    """A worker's connection to the scheduler: :meth:`call` (ask and wait) and :meth:`note` (tell), over one
+    Unix socket, many calls in flight at once.
+
+    Use ``client = await ChannelClient.connect(path)`` ... ``await client.close()``.
+    """
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self._pending: dict[int, asyncio.Future] = {}
+        self._ids = itertools.count(1)
+        self._closed: str | None = None  # why the channel is closed, once it is
+
+    @classmethod
+    async def connect(cls, path: str | os.PathLike) -> ChannelClient:
+        """Connect to the scheduler listening on ``path``.
+
+        Raises:
+            OSError: nothing listens there (``FileNotFoundError``, ``ConnectionRefusedError``).
+        """
+        client = cls()
+        loop = asyncio.get_running_loop()
+        client.transport, _ = await loop.create_unix_connection(lambda: _ClientConnection(client), str(path))
+        return client
+
+    async def call(self, message: Any) -> Any:
+        """Send ``message``; the scheduler's result.
+
+        Raises:
+            ChannelError: the scheduler's handler raised (its error text).
+            ChannelClosed: the channel is or got closed before the answer.
+            TypeError, ValueError: ``message`` cannot be encoded, or exceeds :data:`MAX_FRAME_BYTES`.
+        """
+        if self._closed is not None:
+            raise ChannelClosed(self._closed)
+        call_id = next(self._ids)
+        frame = encode_frame(CALL, call_id, message)
+        future = asyncio.get_running_loop().create_future()
+        self._pending[call_id] = future
+        self.transport.write(frame)
+        try:
+            return await future
+        finally:
+            self._pending.pop(call_id, None)
+
+    def note(self, message: Any) -> None:
+        """Send ``message`` without waiting for (or getting) an answer.
+
+        Raises:
+            ChannelClosed: the channel is closed.
+            TypeError, ValueError: as :meth:`call`.
+        """
+        if self._closed is not None:
+            raise ChannelClosed(self._closed)
+        self.transport.write(encode_frame(NOTE, 0, message))
+
+    async def close(self) -> None:
+        """Close the connection; calls in flight fail with :class:`ChannelClosed`."""
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+        self._lost(None)
+
+    def _lost(self, exc: BaseException | str | None) -> None:
+        if self._closed is None:
+            self._closed = f"the scheduler channel is closed{f': {exc}' if exc else ''}"
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(ChannelClosed(self._closed))
+        self._pending.clear()

@@ -1,0 +1,152 @@
+"""The scheduler channel: framing, calls matched to replies in any order, notes, errors, a lost connection."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+
+from gateway.sched_channel import (CALL, MAX_FRAME_BYTES, NOTE, REPLY, ChannelClient, ChannelClosed, ChannelError,
+                                   ChannelServer, FrameDecoder, encode_frame)
+
+
+@pytest.fixture
+def sock_path(tmp_path):
+    return tmp_path / "sched.sock"
+
+
+async def _serving(path, handler):
+    server = ChannelServer(path, handler)
+    await server.start()
+    return server, await ChannelClient.connect(path)
+
+
+def test_frames_split_anywhere_decode_the_same():
+    frames = [(CALL, 1, {"rid": "a", "keys": [1, 2, 3]}), (NOTE, 0, ["done", "a"]), (REPLY, 7, None)]
+    data = b"".join(encode_frame(*f) for f in frames)
+    decoder = FrameDecoder()
+    got = []
+    for i in range(len(data)):  # one byte at a time: every split point
+        got += decoder.feed(data[i:i + 1])
+    assert got == [list(f) for f in frames]
+    assert FrameDecoder().feed(data) == [list(f) for f in frames]
+
+
+def test_oversized_or_malformed_frames_are_refused():
+    with pytest.raises(ValueError, match="exceeds the channel's limit of 10"):
+        FrameDecoder(max_frame_bytes=10).feed(encode_frame(CALL, 1, "x" * 20))
+    not_a_triple = b"\x00\x00\x00\x01\x01"  # msgpack 1
+    with pytest.raises(ValueError, match="3-element array"):
+        FrameDecoder().feed(not_a_triple)
+    with pytest.raises(ValueError, match="exceeds"):
+        encode_frame(CALL, 1, b"x" * MAX_FRAME_BYTES)
+
+
+async def test_call_returns_the_handlers_result(sock_path):
+    server, client = await _serving(sock_path, lambda m: {"engine": f"e{m['n'] % 3}", "echo": m})
+    try:
+        message = {"n": 4, "rid": "r1", "keys": [2**62, -5, 0], "stream": True, "priority": None, "blob": b"\x00\xff"}
+        assert await client.call(message) == {"engine": "e1", "echo": message}
+    finally:
+        await client.close()
+        await server.close()
+
+
+async def test_concurrent_calls_get_their_own_replies_out_of_order(sock_path):
+    gates = {n: asyncio.Event() for n in range(50)}
+
+    async def held(n):
+        await gates[n].wait()
+        return n * 10
+
+    server, client = await _serving(sock_path, held)
+    try:
+        calls = [asyncio.ensure_future(client.call(n)) for n in range(50)]
+        await asyncio.sleep(0)
+        for n in reversed(range(50)):  # answered last-first
+            gates[n].set()
+        assert await asyncio.gather(*calls) == [n * 10 for n in range(50)]
+    finally:
+        await client.close()
+        await server.close()
+
+
+async def test_notes_reach_the_handler_without_an_answer(sock_path):
+    seen = []
+    server, client = await _serving(sock_path, lambda m: seen.append(m) or "ignored")
+    try:
+        client.note(["first_token", "r1"])
+        client.note(["complete", "r1"])
+        assert await client.call("sync") == "ignored"  # the channel is ordered: both notes were handled before it
+        assert seen == [["first_token", "r1"], ["complete", "r1"], "sync"]
+    finally:
+        await client.close()
+        await server.close()
+
+
+async def test_a_handler_error_fails_that_call_only(sock_path, caplog):
+    def handler(m):
+        if m == "bad":
+            raise KeyError("no such engine")
+        return m
+
+    server, client = await _serving(sock_path, handler)
+    try:
+        with pytest.raises(ChannelError, match="KeyError: 'no such engine'"):
+            await client.call("bad")
+        with caplog.at_level(logging.ERROR, logger="laps.sched_channel"):
+            client.note("bad")
+            assert await client.call("good") == "good"
+        assert "a note's handler failed" in caplog.text
+    finally:
+        await client.close()
+        await server.close()
+
+
+async def test_an_unsendable_result_fails_the_call(sock_path):
+    server, client = await _serving(sock_path, lambda m: object())
+    try:
+        with pytest.raises(ChannelError, match="unsendable result"):
+            await client.call(1)
+    finally:
+        await client.close()
+        await server.close()
+
+
+async def test_calls_in_flight_fail_when_the_scheduler_goes(sock_path):
+    never = asyncio.Event()
+
+    async def stuck(m):
+        await never.wait()
+
+    server, client = await _serving(sock_path, stuck)
+    call = asyncio.ensure_future(client.call("x"))
+    await asyncio.sleep(0.05)
+    await server.close()
+    with pytest.raises(ChannelClosed):
+        await asyncio.wait_for(call, 10)
+    with pytest.raises(ChannelClosed):
+        await client.call("y")
+    with pytest.raises(ChannelClosed):
+        client.note("z")
+    assert not sock_path.exists()
+
+
+async def test_a_worker_that_sends_garbage_is_dropped_and_others_go_on(sock_path):
+    server, good = await _serving(sock_path, lambda m: m)
+    try:
+        reader, writer = await asyncio.open_unix_connection(str(sock_path))
+        writer.write((MAX_FRAME_BYTES + 1).to_bytes(4, "big"))
+        await writer.drain()
+        assert await asyncio.wait_for(reader.read(), 10) == b""  # the scheduler closed this connection
+        writer.close()
+        assert await good.call("still here") == "still here"
+    finally:
+        await good.close()
+        await server.close()
+
+
+async def test_connecting_to_nothing_raises(sock_path):
+    with pytest.raises(OSError):
+        await ChannelClient.connect(sock_path)
