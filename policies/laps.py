@@ -28,36 +28,44 @@ Grouping ("memory first"): one queue per length bucket (8/16/32/…/256 new
 tokens) so a batch's sequences pad to similar lengths; "latency first": one queue.
 
 Pools are preferences, not walls: every decision is work-conserving and
-picks engines by predicted time to first token (:mod:`policies.ttft_model`:
-each engine's prefill backlog, a decode pass in progress, and the request's own
+picks the engine where the request costs least in first-token time
+(:mod:`policies.ttft_model`: the prefill work each engine will do before it, in
+the engine's own order, a decode pass in progress, and the request's own
 prefill with that engine's cached prefix H_e, priced by the engine's latency
 function), so a re-prefill goes where its context is cached unless recomputing
-it elsewhere gives an earlier first token:
+it elsewhere gives an earlier first token. On ``shortest-prefill-first``
+engines a request also delays every longer prefill it overtakes there by its
+own prefill time, and that is part of its cost (a greedy choice by its own TTFT
+alone piles shorter requests onto the engine where a long one waits, which
+then starves):
 
-* a short batch goes to the engine of *any* pool with the lowest predicted TTFT
-  (ties: the short pool, then fewer requests in flight); an engine busy with a
-  long prefill's chunks predicts late, so short prefills avoid it while a clean
-  engine exists ("spill-over" into the long pool when the long pool is idle);
-* long prefills are held in the gateway, in deadline order (shortest isolated
-  prefill first among equal deadlines) with those that can no longer meet
+* a short batch goes to the engine of *any* pool where it costs least (ties:
+  the short pool, then fewer requests in flight); an engine busy with a long
+  prefill's chunks makes it wait for a whole chunk pass, so short prefills
+  avoid it while a clean engine exists ("spill-over" into the long pool when
+  the long pool is idle);
+* a long prefill goes to the engine where it costs least (ties: the long
+  pool); on an engine with no long prefill in progress ("clean") the cost also
+  counts the short batches it would hold up there: its prefill time P × the
+  short batches dispatched per second ÷ the clean engines × their mean wait
+  for the pass in progress (min(P, one chunk pass) / 2). So long prefills
+  borrow a short-pool engine when the long pool is backed up by more than that
+  wait is worth, and fill the engines that already hold long work before they
+  take the last clean ones ("spill-over" into the short pool);
+* long prefills are held in the gateway only where they would queue behind
+  each other inside an engine: on FCFS engines (and in temporal mode), an
+  engine takes one when its long prefills still in progress (dispatched, no
+  first token yet) leave room (their new tokens plus the request's within
+  ``max_long_prefill_tokens``, 16,384 by default; one request is always let
+  through), and the next free engine takes the next (late binding).
+  ``shortest-prefill-first`` engines order their own queues, shortest first,
+  which in overload is what saves the most deadlines, so there the gate is
+  open unless ``max_long_prefill_tokens`` is set;
+* held long requests go in priority, then deadline order (shortest isolated
+  prefill first among equal deadlines), with those that can no longer meet
   their deadline (their isolated prefill would end past it) behind those that
-  can, and an engine takes one when its long prefills still in progress
-  (dispatched, no first token yet) leave room: their new tokens plus the
-  request's stay within ``max_long_prefill_tokens`` (one request is always let
-  through), so long prefills run one or few at a time per engine and queue in
-  the gateway, where the next free engine takes them (late binding), not
-  behind each other inside an engine;
-* of the engines with room, a long prefill goes to the one with the earliest
-  predicted first token (ties: the long pool), except that it stays in the
-  long pool when the best long-pool engine still meets its deadline with the
-  observed prediction error as margin: predicted TTFT × the P99 of recent long
-  requests' actual over predicted TTFT ≤ the time to the deadline. So the
-  separation holds where it costs no deadline and gives way where it would
-  ("spill-over" into the short pool); short prefills then avoid an engine
-  busy with a long one while a clean one exists (it predicts late for them);
-* the queue's head (the most urgent request that can still make it), once its
-  slack DDL − t − Ŝ_long falls under σ, goes at once to the engine with the
-  lowest predicted TTFT, room or not (Ŝ_long: the EWMA of long
+  can; the queue's head, once its slack DDL − t − Ŝ_long falls under σ, goes
+  at once to the cheapest engine, room or not (Ŝ_long: the EWMA of long
   dispatch-to-first-token times), so the gate never starves the requests that
   can still meet their deadline; the others wait their turn in order (the
   queue is head-of-line: nothing behind a held head goes before it);
@@ -65,18 +73,26 @@ it elsewhere gives an earlier first token:
   the short pool) the room per engine is ``temporal_long_prefill_tokens`` (one
   long prefill at a time by default).
 
-How these rules were chosen (``laps simulate`` engine model, 8 H200s, the
-``mixed`` workload at least_load's saturation load, 456 conversations/s, 8 s):
-long prefills confined to the long pool (borrowing a short engine only when the
-pool was gated) gave 7.4% SLO violations against 1.4% for least-load routing to
-``shortest-prefill-first`` engines, because the long pool ran near 100% busy
-while the short pool had room; routing long prefills by predicted TTFT over
-every engine gave 0.05% but a short-class P90 TTFT of 55 ms at half that load
-(against 66–72 ms for the router baselines); keeping the long pool while it
-meets the deadline gives both: 16 ms at half load, 0.1–0.2% at saturation. The
-gate's room matters in overload (1.5× saturation: 10.0% with 16,384 tokens,
-15.4% without a gate, 16.2% with 4,096), which is why it stays at SGLang's own
-``max_prefill_tokens``.
+How these rules were chosen (``laps simulate`` engine model, 8 H200s running
+``shortest-prefill-first``, ``examples/sim-h200x8.yaml``; the points of
+``bench/dominance.py``, 10 s at most each; violations of the 0.4 s objective).
+The first design predicted each engine's backlog first come first served,
+gated long prefills at 16,384 tokens per engine and kept them in the long pool
+while its best engine met the deadline with the observed P99 of actual over
+predicted TTFT as margin. In overload it lost to least-load routing to
+``shortest-prefill-first`` engines (``mixed`` at 1.5× least_load's saturation
+load 9.8% against 8.7%, ``docs`` 21.4% against 16.6%, the sped-up
+``azure-conv`` replay 21.0% against 13.1%): there the median long request got
+its first token at 0.2–0.3× the predicted time (the engines let shorter
+prefills overtake), and the misses were prefills of 1–4k tokens that an
+engine ordering its own queue shortest first would have served in time.
+Predicting in the engine's order, charging the overtaken prefills, leaving
+the gate open on these engines and dropping the P99 margin (the clean-engine
+charge keeps the separation instead) gives 8.4%, 16.4% and 17.5% there, 5.6%
+against 5.8% on ``mixed`` at 1.2×, and short-class P90 TTFT at half load of
+15 ms on ``mixed`` and 10 ms on ``docs`` (least_load: 60 and 45 ms). Predicting
+in the engine's order without the clean-engine charge sent long prefills to
+every short-pool engine: 44 ms at half load.
 
 Temporal mode (one engine serving both classes, the ``mixed`` role) was decided
 in the simulator (one simulated H200, Qwen2.5-7B, the mixed real-chat workload,
@@ -96,19 +112,18 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections import defaultdict, deque
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from policies.ttft_model import EngineQueueModel, EngineTraits, SeqShape, isolated_prefill_s
+from policies.ttft_model import EngineQueueModel, EngineTraits, SeqShape, batch_prefill_s, isolated_prefill_s
 from policies.types import Decision, Dispatch, EngineView, RequestView
 
 Trigger = Literal["idle", "depth", "window", "slack"]
 _EPS_RATE = 1e-9
-LATENESS_SAMPLES = 256  # long first tokens whose actual / predicted TTFT set the separation margin
-LATENESS_QUANTILE = 0.99  # ... the quantile of actual / predicted TTFT taken as that margin
+FCFS_LONG_PREFILL_TOKENS = 16384  # the gate's default room on FCFS engines: SGLang's max_prefill_tokens
 
 
 class LapsConfig(BaseModel):
@@ -128,7 +143,9 @@ class LapsConfig(BaseModel):
     initial_service_ms: float = Field(10.0, gt=0, description="Ŝ before the first observation")
     initial_long_service_ms: float = Field(100.0, gt=0, description="Ŝ_long before the first observation")
     service_smoothing: float = Field(0.2, gt=0, le=1, description="EWMA weight of a new Ŝ observation")
-    max_long_prefill_tokens: int = Field(16384, ge=1, description="new tokens of long prefills in progress per engine while a long pool exists")
+    max_long_prefill_tokens: int | None = Field(
+        None, ge=1, description="new tokens of long prefills in progress per engine while a long pool exists; None: no "
+        "limit on shortest-prefill-first engines (they order their own queues), 16,384 on FCFS ones")
     temporal_long_prefill_tokens: int = Field(1, ge=1, description="the same on an engine that also serves short prefills (1: one at a time)")
 
     @model_validator(mode="after")
@@ -187,12 +204,11 @@ class LapsScheduler:
         self.service_s = self.config.initial_service_ms / 1e3
         self.long_service_s = self.config.initial_long_service_ms / 1e3
         self._rate = _DecayingRate(self.config.rate_window_s)
+        self._short_batches = _DecayingRate(self.config.rate_window_s)  # short batches dispatched per second
         self._in_flight: dict[str, _InFlight] = {}
         self.triggers: dict[Trigger, int] = {"idle": 0, "depth": 0, "window": 0, "slack": 0}
         self.requests_batched = 0
         self.short_spilled = 0  # short batches sent to a long-pool engine
-        self._long_lateness: deque[float] = deque(maxlen=LATENESS_SAMPLES)  # long requests' actual / predicted TTFT
-        self._late_factor: float | None = 1.0
         self.long_borrowed = 0  # long prefills sent to a short-pool engine
 
     # -- events -------------------------------------------------------------------------------
@@ -202,8 +218,9 @@ class LapsScheduler:
             self._long.append(request)
             return
         queue = self._queues[self._group(request)]
-        # Deadline order (arrival order under one SLO; a request's own x-laps-slo-ttft-s may come earlier).
-        queue.insert(bisect.bisect_right([r.deadline_s for r in queue], request.deadline_s), request)
+        # Priority, then deadline order (arrival order under one SLO; a request's own x-laps-slo-ttft-s may come earlier).
+        queue.insert(bisect.bisect_right([(r.priority_rank, r.deadline_s) for r in queue],
+                                         (request.priority_rank, request.deadline_s)), request)
         self._rate.add(now, request.new_tokens)
 
     def cancel(self, rid: str, now: float) -> None:
@@ -219,9 +236,6 @@ class LapsScheduler:
             return
         flight.prefilling = False
         self.model.first_token(rid, now)
-        if not flight.short and flight.stream and flight.predicted_ttft_s > 0:
-            self._long_lateness.append((now - flight.dispatched_s) / flight.predicted_ttft_s)
-            self._late_factor = None
         a = self.config.service_smoothing
         if flight.short:
             self.service_s = (1 - a) * self.service_s + a * (now - flight.dispatched_s)
@@ -247,14 +261,6 @@ class LapsScheduler:
             "long_prefills_to_short_pool_total": self.long_borrowed,
             **{f"short_batches_by_{trigger}_total": n for trigger, n in self.triggers.items()},
         }
-
-    def late_factor(self) -> float:
-        """The P99 of recent long requests' actual over predicted TTFT (dispatch to first token), at least 1:
-        how much later than predicted a long prefill may come (1 before any was observed)."""
-        if self._late_factor is None:
-            ordered = sorted(self._long_lateness)
-            self._late_factor = max(1.0, ordered[int(LATENESS_QUANTILE * (len(ordered) - 1))])
-        return self._late_factor
 
     # -- decisions ----------------------------------------------------------------------------
 
@@ -319,8 +325,13 @@ class LapsScheduler:
         decoding = self.model.decoding(engine.id)
         return engine.in_flight_prompt_tokens * decoding // engine.in_flight if engine.in_flight and decoding else 0
 
-    def _ttft(self, engine: EngineView, batch: Sequence[RequestView], now: float, short: bool = False) -> float:
-        return self.model.predict_ttft_s(engine.id, self._shapes(batch, engine.id), now, self._decoding_context(engine), short)
+    def _cost(self, engine: EngineView, batch: Sequence[RequestView], now: float) -> float:
+        """Seconds of first-token time that sending ``batch`` to ``engine`` costs: its own predicted TTFT plus the
+        delay its prefill adds to each longer prefill it overtakes there."""
+        shapes = self._shapes(batch, engine.id)
+        own_s = self.model.predict_ttft_s(engine.id, shapes, now, self._decoding_context(engine))
+        n = self.model.displaced(engine.id, shapes, now)
+        return own_s + n * batch_prefill_s(self.model.cost, shapes, self.model.chunk_tokens) if n else own_s
 
     def _dispatch_short(self, queue: list[RequestView], trigger: Trigger, load: dict[str, EngineView], now: float) -> Dispatch:
         batch, tokens = [], 0
@@ -329,12 +340,13 @@ class LapsScheduler:
             batch.append(queue.pop(0))
         engines = [e for e in load.values() if e.healthy]
         order = {e.id: i for i, e in enumerate(engines)}
-        best = min(engines, key=lambda e: (self._ttft(e, batch, now, short=True), e.pool != "short", e.in_flight, order[e.id]))
+        best = min(engines, key=lambda e: (self._cost(e, batch, now), e.pool != "short", e.in_flight, order[e.id]))
         if best.pool == "long":
             self.short_spilled += 1
         waited_s = now - min(r.arrival_s for r in batch)
         self._adapt_depth(trigger, tokens, waited_s)
         self.triggers[trigger] += 1
+        self._short_batches.add(now, 1.0)
         self.requests_batched += len(batch)
         self._account(load, best.id, batch, short=True, now=now)
         return Dispatch(best.id, tuple(r.rid for r in batch))
@@ -360,7 +372,7 @@ class LapsScheduler:
         """Held long requests go by deadline, shortest isolated prefill first among equal deadlines; those
         that can no longer meet theirs (their isolated prefill would end past it) go last."""
         isolated_s = self._isolated_s(request)
-        return (now + isolated_s > request.deadline_s, request.deadline_s, isolated_s, request.arrival_s)
+        return (request.priority_rank, now + isolated_s > request.deadline_s, request.deadline_s, isolated_s, request.arrival_s)
 
     def _dispatch_long(self, load: dict[str, EngineView], now: float) -> tuple[list[Dispatch], float | None]:
         """Long requests the gate (or the head's slack) lets go now, each to its engine (module docstring); and when the
@@ -376,7 +388,12 @@ class LapsScheduler:
                 prefilling[f.engine_id] += f.new_tokens
 
         # Without a long pool (one engine in temporal mode, say) every engine serves both classes by design.
-        limit = self.config.max_long_prefill_tokens if has_long_pool else self.config.temporal_long_prefill_tokens
+        if not has_long_pool:
+            limit = self.config.temporal_long_prefill_tokens
+        elif self.config.max_long_prefill_tokens is not None:
+            limit = self.config.max_long_prefill_tokens
+        else:
+            limit = math.inf if self.model.short_first else FCFS_LONG_PREFILL_TOKENS
 
         def gate_open(e: EngineView, request: RequestView) -> bool:
             return prefilling[e.id] == 0 or prefilling[e.id] + self._new_on(request, e.id) <= limit
@@ -390,10 +407,8 @@ class LapsScheduler:
                 open_ = healthy
             if not open_:
                 return dispatches, slack_due_s if now < slack_due_s else None
-            chosen = self._fastest(open_, request, now, prefer="long")
-            home = self._fastest([e for e in open_ if e.pool == "long"], request, now, prefer="long")
-            if home is not None and home is not chosen and self._ttft(home, [request], now) * self.late_factor() <= request.deadline_s - now:
-                chosen = home  # separation where it costs no deadline, with the observed prediction error as margin
+            clean = [e.id for e in healthy if prefilling[e.id] == 0]
+            chosen = self._cheapest_for_long(open_, request, now, clean)
             if chosen.pool == "short" and has_long_pool:
                 self.long_borrowed += 1
             self._long.pop(0)
@@ -403,17 +418,31 @@ class LapsScheduler:
             healthy = [load[e.id] for e in healthy]
         return dispatches, None
 
-    def _fastest(self, engines: Sequence[EngineView], request: RequestView, now: float, prefer: str) -> EngineView | None:
-        """The engine of ``engines`` with the earliest predicted first token for ``request`` (ties: pool ``prefer``,
-        then fewer in flight, then list order); ``None`` for no engines."""
+    def _cheapest_for_long(self, engines: Sequence[EngineView], request: RequestView, now: float,
+                           clean: Sequence[str]) -> EngineView:
+        """The engine of ``engines`` (not empty) where long ``request`` costs least (ties: the long pool, then fewer in
+        flight, then list order).
+
+        The cost is :meth:`_cost`, plus, on an engine of ``clean`` (those with no long prefill in progress), the wait
+        its prefill P causes the short batches that would go there meanwhile: P × (short batches per second ÷ clean
+        engines) × the mean wait for the pass in progress, min(P, one chunk pass) / 2.
+        """
         order = {e.id: i for i, e in enumerate(engines)}
-        return min(engines, key=lambda e: (self._ttft(e, [request], now), e.pool != prefer, e.in_flight, order[e.id]), default=None)
+
+        def cost(e: EngineView) -> float:
+            c = self._cost(e, [request], now)
+            if e.id in clean:
+                own_s = self._isolated_s(request, e.id)
+                c += own_s * self._short_batches.at(now) / len(clean) * 0.5 * min(own_s, self.model.chunk_pass_s)
+            return c
+
+        return min(engines, key=lambda e: (cost(e), e.pool != "long", e.in_flight, order[e.id]))
 
     def _account(self, load: dict[str, EngineView], engine_id: str, batch: list[RequestView], short: bool, now: float) -> None:
         engine = load[engine_id]
         stream = all(r.stream for r in batch)
         finish = self.model.dispatched(engine_id, [r.rid for r in batch], self._shapes(batch, engine_id), now,
-                                       self._decoding_context(engine), stream=stream, short=short)
+                                       self._decoding_context(engine), stream=stream)
         load[engine_id] = engine.with_dispatched(len(batch), sum(r.prompt_tokens for r in batch))
         for r in batch:
             self._in_flight[r.rid] = _InFlight(engine_id, short, now, self._new_on(r, engine_id), finish - now, stream)

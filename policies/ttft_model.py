@@ -5,33 +5,43 @@ only when nothing waits to be prefilled (DESIGN §5; the engine model in
 ``engines/sim/core.py`` does the same), so a request sent to engine e now gets
 its first token after
 
-    TTFT_e ≈ max(now + r_e, B_e) − now + P_e(request)
+    TTFT_e ≈ A_e(request) + P_e(request)
 
-* ``B_e``: when e's prefill backlog is done: the predicted finish of the last
-  prefill the scheduler sent there that has no first token yet (FCFS order: the
-  conservative reading; under ``shortest-prefill-first`` a short request may
-  overtake, which only makes the prediction pessimistic for engines that hold
-  long work, the ones short requests should avoid anyway);
-* ``r_e``: the rest of a decode pass in progress when e has no prefill backlog:
-  half a decode pass over its decoding requests (those the scheduler sent there
-  that have had their first token);
 * ``P_e``: the request's own prefill on e, with e's own cached prefix H_e, in
-  passes of at most ``chunk_tokens`` new tokens (chunked prefill).
+  passes of at most ``chunk_tokens`` new tokens (chunked prefill);
+* ``A_e``: the prefill work e does before it. The model keeps, per engine, the
+  prefills the scheduler sent there that have no first token yet, each with its
+  predicted work left, and runs them forward in time the way the engine orders
+  them: first come first served, or, on ``shortest-prefill-first`` engines, the
+  fewest new tokens first, chunk by chunk (a chunk in progress is never cut
+  short). ``A_e`` is the work left of the prefills ordered before the request,
+  plus, when it overtakes longer work there, one whole chunk pass (where the
+  engine is in its chunk is not known here; the worst case, as short requests
+  are judged on their tail TTFT);
+* with no prefill backlog, ``A_e`` is the rest of a decode pass in progress:
+  half a decode pass over e's decoding requests (those the scheduler sent there
+  that have had their first token).
+
+On ``shortest-prefill-first`` engines a request delays the longer prefills it
+overtakes by its own prefill time: :meth:`EngineQueueModel.displaced` counts
+them, for the scheduler to charge.
 
 Pass times come from a :class:`PassCost`: the engine model's latency function
 (:class:`engines.sim.latency.LatencyModel`) or a fitted
 :class:`~policies.classifier.PrefillCostModel`; both implement it.
 
-The model corrects itself from first tokens: when a streamed request's first
-token comes later than predicted, every prefill queued behind it on that engine
-is pushed back by the same error; when it comes early, the backlog ends at the
-latest prediction still pending. Non-streamed requests report their first token
-only with the whole answer, so their prefill is taken as done at its predicted
-finish and their report corrects nothing.
+The model corrects itself from streamed first tokens: one that comes while the
+model still had work of it left means the engine is ahead, so the prefills
+the engine orders before it are taken as done too; one that comes after the
+model had it done means the engine is behind by the difference, which is given
+back as work left to the prefills ordered after it. Non-streamed requests
+report their first token only with the whole answer, so their prefill is taken
+as done when the model has done it and their report corrects nothing.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -77,8 +87,13 @@ def batch_prefill_s(cost: PassCost, batch: Sequence[SeqShape], chunk_tokens: int
 @dataclass(slots=True)
 class _Prefill:
     engine_id: str
-    finish_s: float  # predicted first token
+    key: tuple[int, int]  # service order on its engine: (new tokens, dispatch number) or (0, dispatch number)
+    work_s: float  # its prefill's predicted seconds
+    remaining_s: float  # of which the model has not yet seen done
     stream: bool
+    chunk_s: float  # one chunk pass of it (its whole prefill when it fits one chunk)
+    chunk_left_s: float = 0.0  # of the chunk in progress, when it is its engine's current entry
+    done_s: float | None = None  # when the model saw it done (it has no first token yet)
 
 
 @dataclass(frozen=True)
@@ -87,8 +102,8 @@ class EngineTraits:
 
     ``cost``: their pass times; ``chunk_tokens``: their ``--chunked-prefill-size``;
     ``short_first``: they all run ``--schedule-policy shortest-prefill-first``, so
-    a short prefill sent to an engine busy with a long one waits for the pass in
-    progress (at most one chunk), not for the whole long prefill.
+    a prefill sent to a busy engine waits for the pass in progress (at most one
+    chunk) and for the shorter prefills waiting there, not for the longer ones.
     """
 
     cost: PassCost
@@ -97,7 +112,7 @@ class EngineTraits:
 
 
 class EngineQueueModel:
-    """Per engine, when its prefill backlog will be done; the predicted TTFT of a request sent now (module doc).
+    """Per engine, the prefill work still ahead of a request sent now; its predicted TTFT (module doc).
 
     Times are seconds on the caller's clock. Memory: one entry per dispatched
     request without a first token.
@@ -109,9 +124,12 @@ class EngineQueueModel:
         self.cost = traits.cost
         self.chunk_tokens = traits.chunk_tokens
         self.short_first = traits.short_first
-        self._chunk_pass_s = traits.cost.prefill_s(((traits.chunk_tokens, 0),))
+        self.chunk_pass_s = traits.cost.prefill_s(((traits.chunk_tokens, 0),))
         self._pending: dict[str, _Prefill] = {}
         self._by_engine: dict[str, dict[str, _Prefill]] = {}
+        self._clock: dict[str, float] = {}  # engine -> the time its entries' remaining_s are as of
+        self._current: dict[str, _Prefill] = {}  # engine -> the entry whose chunk is in progress
+        self._seq = itertools.count()
         self._decoding: dict[str, int] = {}  # engine -> requests past their first token, still running
         self._decoding_rids: dict[str, str] = {}
 
@@ -119,86 +137,98 @@ class EngineQueueModel:
 
     def backlog_end_s(self, engine_id: str, now: float) -> float:
         """When ``engine_id``'s prefill backlog is predicted done (``now`` when it has none)."""
-        entries = self._by_engine.get(engine_id)
-        if not entries:
-            return now
-        self._expire_unstreamed(engine_id, now)
-        return max((p.finish_s for p in entries.values()), default=now)
+        return now + sum(p.remaining_s for p in self._advance(engine_id, now).values())
 
     def prefilling(self, engine_id: str, now: float) -> int:
         """Requests dispatched to ``engine_id`` that have no first token yet (unstreamed ones: not yet past their
         predicted first token)."""
-        if engine_id not in self._by_engine:
-            return 0
-        self._expire_unstreamed(engine_id, now)
-        return len(self._by_engine[engine_id])
+        return len(self._advance(engine_id, now))
 
-    def start_s(self, engine_id: str, now: float, decoding_context_tokens: int = 0) -> float:
-        """When a prefill sent to ``engine_id`` now would start: after the backlog, or after half a decode pass."""
-        backlog_end = self.backlog_end_s(engine_id, now)
-        if self.prefilling(engine_id, now):
-            return max(now, backlog_end)  # past its predicted end, a late backlog is still running
+    def start_s(self, engine_id: str, now: float, decoding_context_tokens: int = 0, new_tokens: int | None = None) -> float:
+        """When a prefill of ``new_tokens`` (None: the longest) sent to ``engine_id`` now would start: after the
+        prefill work ahead of it (:meth:`_ahead_s`), or after half a decode pass when the engine only decodes."""
+        entries = self._advance(engine_id, now)
+        if entries:
+            return now + self._ahead_s(entries, self._key(new_tokens))
         decoding = self._decoding.get(engine_id, 0)
         if decoding == 0:
             return now
         return now + 0.5 * self.cost.decode_s(decoding, decoding_context_tokens)
 
-    def predict_ttft_s(self, engine_id: str, batch: Sequence[SeqShape], now: float, decoding_context_tokens: int = 0,
-                       short: bool = False) -> float:
-        """TTFT of ``batch`` (its (L, H) on this engine) dispatched to ``engine_id`` at ``now``.
-
-        ``short``: a short batch, which on ``short_first`` engines starts after at most the pass in
-        progress (one chunk: ``now`` + the pass time of ``chunk_tokens`` new tokens).
-        """
-        start = self.start_s(engine_id, now, decoding_context_tokens)
-        if short and self.short_first:
-            start = min(start, now + self._chunk_pass_s)
+    def predict_ttft_s(self, engine_id: str, batch: Sequence[SeqShape], now: float, decoding_context_tokens: int = 0) -> float:
+        """TTFT of ``batch`` (its (L, H) on this engine) dispatched to ``engine_id`` at ``now`` (one group: on
+        ``short_first`` engines it is ordered by its longest sequence's new tokens)."""
+        longest = max((new for new, _ in batch), default=1)
+        start = self.start_s(engine_id, now, decoding_context_tokens, longest)
         return start - now + batch_prefill_s(self.cost, batch, self.chunk_tokens)
+
+    def displaced(self, engine_id: str, batch: Sequence[SeqShape], now: float) -> int:
+        """Prefills on ``engine_id`` that ``batch`` sent now would go ahead of (so delay by its own prefill):
+        those with more new tokens, on ``short_first`` engines; none on FCFS ones."""
+        if not self.short_first:
+            return 0
+        longest = max((new for new, _ in batch), default=1)
+        return sum(1 for p in self._advance(engine_id, now).values() if p.remaining_s > 0 and p.key[0] > longest)
 
     # -- what the scheduler tells ---------------------------------------------------------------
 
     def dispatched(self, engine_id: str, rids: Iterable[str], batch: Sequence[SeqShape], now: float,
-                   decoding_context_tokens: int = 0, stream: bool = True, short: bool = False) -> float:
+                   decoding_context_tokens: int = 0, stream: bool = True) -> float:
         """``rids`` (shapes ``batch``) went to ``engine_id`` at ``now`` as one group; their predicted first-token time.
 
-        A short group on ``short_first`` engines overtakes the backlog (:meth:`predict_ttft_s`) and
-        pushes what it overtakes back by its own prefill time.
+        On ``short_first`` engines the group goes ahead of the longer prefills waiting there, which
+        its own prefill time pushes back (:meth:`displaced`).
         """
-        finish = now + self.predict_ttft_s(engine_id, batch, now, decoding_context_tokens, short)
+        finish = now + self.predict_ttft_s(engine_id, batch, now, decoding_context_tokens)
+        work_s = batch_prefill_s(self.cost, batch, self.chunk_tokens)
+        key = self._key(max((new for new, _ in batch), default=1))
+        chunk_s = work_s if sum(max(1, new) for new, _ in batch) <= self.chunk_tokens else self.chunk_pass_s
         entries = self._by_engine.setdefault(engine_id, {})
-        if short and self.short_first:
-            own_s = batch_prefill_s(self.cost, batch, self.chunk_tokens)
-            for q in entries.values():
-                if q.finish_s > finish - own_s:
-                    q.finish_s += own_s
-        for rid in rids:
-            p = _Prefill(engine_id, finish, stream)
+        for i, rid in enumerate(rids):  # the group's work is carried by its first request
+            p = _Prefill(engine_id, key, work_s if i == 0 else 0.0, work_s if i == 0 else 0.0, stream, chunk_s)
             self._pending[rid] = p
             entries[rid] = p
         return finish
 
     def first_token(self, rid: str, now: float) -> None:
-        """``rid``'s first token came at ``now``: it decodes from now on; correct the engine's backlog (module doc)."""
-        p = self._pending.pop(rid, None)
+        """``rid``'s first token came at ``now``: it decodes from now on; correct the engine's backlog.
+
+        Early (the model still had work of it left): what the engine orders before it is done too.
+        Late (the model had it done at ``done_s``): the engine is ``now − done_s`` behind the model,
+        which gives that much work back to the prefills ordered after it.
+        """
+        p = self._pending.get(rid)
         if p is None:
             return
-        entries = self._by_engine[p.engine_id]
+        entries = self._advance(p.engine_id, now)
+        del self._pending[rid]
         del entries[rid]
+        if self._current.get(p.engine_id) is p:
+            del self._current[p.engine_id]
         self._decoding[p.engine_id] = self._decoding.get(p.engine_id, 0) + 1
         self._decoding_rids[rid] = p.engine_id
         if not p.stream:
             return
-        late_s = now - p.finish_s
-        if late_s > 0:
+        if p.remaining_s > 0:
             for q in entries.values():
-                if q.finish_s >= p.finish_s:
-                    q.finish_s += late_s
+                if q.key < p.key and q.remaining_s > 0:
+                    q.remaining_s, q.done_s = 0.0, now
+        elif p.done_s is not None and now > p.done_s:
+            late_s = now - p.done_s
+            for q in sorted(entries.values(), key=lambda q: q.key):
+                if q.key > p.key and late_s > 0:
+                    back = min(late_s, q.work_s - q.remaining_s)
+                    q.remaining_s += back
+                    q.done_s = None
+                    late_s -= back
 
     def finished(self, rid: str) -> None:
         """``rid`` ended (answered, failed, withdrawn): it no longer counts on its engine."""
         p = self._pending.pop(rid, None)
         if p is not None:
             del self._by_engine[p.engine_id][rid]
+            if self._current.get(p.engine_id) is p:
+                del self._current[p.engine_id]
         engine_id = self._decoding_rids.pop(rid, None)
         if engine_id is not None:
             self._decoding[engine_id] -= 1
@@ -207,11 +237,53 @@ class EngineQueueModel:
         """Requests on ``engine_id`` past their first token and not yet finished."""
         return self._decoding.get(engine_id, 0)
 
-    def _expire_unstreamed(self, engine_id: str, now: float) -> None:
-        entries = self._by_engine[engine_id]
-        done = [rid for rid, p in entries.items() if not p.stream and p.finish_s <= now]
+    # -- the engine's progress ------------------------------------------------------------------
+
+    def _key(self, new_tokens: int | None) -> tuple[int, int]:
+        """Where a prefill of ``new_tokens`` sent now goes in its engine's order (None: behind everything)."""
+        seq = next(self._seq)
+        if not self.short_first:
+            return 0, seq
+        return (new_tokens if new_tokens is not None else 1 << 62), seq
+
+    def _ahead_s(self, entries: dict[str, _Prefill], key: tuple[int, int]) -> float:
+        """Prefill seconds ahead of a prefill of order ``key``: the work ordered before it, and when it
+        overtakes longer work in progress, a whole chunk pass (where the engine is in its chunk is not
+        known here: the worst case, as a short request's tail TTFT is what it is judged on)."""
+        ahead = sum(p.remaining_s for p in entries.values() if p.key < key)
+        if any(p.key > key for p in entries.values()):  # one past its predicted end is still running
+            ahead += self.chunk_pass_s
+        return ahead
+
+    def _advance(self, engine_id: str, now: float) -> dict[str, _Prefill]:
+        """Bring ``engine_id``'s entries to ``now``: the time since the last look spent on them chunk by chunk,
+        each next chunk from the first entry in order; unstreamed entries seen done count as decoding. Its entries."""
+        entries = self._by_engine.get(engine_id)
+        t = self._clock.get(engine_id, now)
+        self._clock[engine_id] = max(now, t)
+        if not entries:
+            self._current.pop(engine_id, None)
+            return {}
+        while t < now:
+            current = self._current.get(engine_id)
+            if current is None or current.remaining_s <= 0 or current.chunk_left_s <= 0:
+                live = [p for p in entries.values() if p.remaining_s > 0]
+                if not live:
+                    self._current.pop(engine_id, None)
+                    break
+                current = min(live, key=lambda p: p.key)
+                current.chunk_left_s = min(current.remaining_s, current.chunk_s)
+                self._current[engine_id] = current
+            step = min(current.chunk_left_s, now - t)
+            current.remaining_s -= step
+            current.chunk_left_s -= step
+            t += step
+            if current.remaining_s <= 1e-12:
+                current.remaining_s, current.done_s = 0.0, t
+        done = [rid for rid, p in entries.items() if not p.stream and p.remaining_s <= 0]
         for rid in done:  # taken as prefilled at its predicted finish: it decodes now
             del entries[rid]
             del self._pending[rid]
             self._decoding[engine_id] = self._decoding.get(engine_id, 0) + 1
             self._decoding_rids[rid] = engine_id
+        return entries

@@ -203,21 +203,45 @@ def test_a_long_prefill_borrows_a_short_engine_when_the_long_pool_would_miss_its
     assert s.stats()["long_prefills_to_short_pool_total"] == 2
 
 
-def test_the_long_pool_keeps_long_prefills_while_it_meets_their_deadlines_with_the_observed_error():
-    s = LapsScheduler(config(), TRAITS)
+def test_a_long_prefill_takes_a_clean_short_engine_only_when_that_beats_the_short_batches_it_would_hold_up():
+    quiet = LapsScheduler(config(), TRAITS)
     for rid in ("L0", "L1"):
-        s.submit(long(rid, 3000, 0.0), 0.0)
-    # L0 to l (a tie: the long pool); L1 would start at once on s (35 ms) but meets its deadline on l (70 ms).
-    assert s.decide(ENGINES, 0.0) == Decision((Dispatch("l", ("L0",)), Dispatch("l", ("L1",))))
-    s.on_first_token("L0", "l", 0.42, 0)  # 12× later than predicted (35 ms) ...
-    s.on_first_token("L1", "l", 0.42, 0)  # ... and 6× (70 ms): the P99 of the two, by rank, is 6
-    assert s.late_factor() == pytest.approx(0.42 / 0.07)
-    s.on_complete("L0", "l", 0.5)
-    s.on_complete("L1", "l", 0.5)
-    s.submit(long("L2", 3000, 0.5), 0.5)
-    s.submit(long("L3", 3000, 0.5), 0.5)
-    # L2 to l (a tie); for L3, l's 70 ms × 6 would miss 0.4 s: it goes to s, which predicts 35 ms.
-    assert s.decide(ENGINES, 0.5) == Decision((Dispatch("l", ("L2",)), Dispatch("s", ("L3",))))
+        quiet.submit(long(rid, 3000, 0.0), 0.0)
+    # No short traffic: L0 to l (a tie: the long pool), L1 to s (35 ms there, 70 ms on l behind L0).
+    assert quiet.decide(ENGINES, 0.0).dispatches == (Dispatch("l", ("L0",)), Dispatch("s", ("L1",)))
+    assert quiet.stats()["long_prefills_to_short_pool_total"] == 1
+
+    busy = LapsScheduler(config(), TRAITS)
+    for i in range(100):  # a short batch every millisecond, each answered at once: ~95 batches/s at 0.1 s
+        t = i / 1000
+        busy.submit(short(f"r{i}", 10, t), t)
+        assert busy.decide(ENGINES, t).dispatches == (Dispatch("s", (f"r{i}",)),)
+        busy.on_first_token(f"r{i}", "s", t, 0)
+        busy.on_complete(f"r{i}", "s", t)
+    for rid in ("L0", "L1"):
+        busy.submit(long(rid, 3000, 0.1), 0.1)
+    # On s, L1 would hold up ~95 batches/s × 35 ms, each for 17.5 ms on average: 58 ms more than its 35 ms there,
+    # against 70 ms on l.
+    assert busy.decide(ENGINES, 0.1).dispatches == (Dispatch("l", ("L0",)), Dispatch("l", ("L1",)))
+    assert busy.stats()["long_prefills_to_short_pool_total"] == 0
+
+
+SPF = EngineTraits(LinearCost(), chunk_tokens=4096, short_first=True)
+
+
+def test_on_shortest_prefill_first_engines_long_prefills_are_not_held_and_pay_for_the_prefills_they_overtake():
+    engines = [EngineView("a", "long"), EngineView("b", "long")]
+    s = LapsScheduler(config(), SPF)
+    s.model.dispatched("a", ["big"], [(20000, 0)], 0.0)  # a is in a 20,000-token prefill
+    for i in range(4):
+        s.model.dispatched("b", [f"p{i}"], [(900, 0)], 0.0)  # b has 4 × 14 ms of 900-token prefills
+    s.submit(long("N", 1000, 0.0), 0.0)
+    # On a, N waits for a chunk (45.96 ms) and its own 15 ms, and delays the big one 15 ms: 76 ms in all; on b it
+    # waits 56 ms for the shorter ones and its own 15 ms: 71 ms.
+    assert s.decide(engines, 0.0).dispatches == (Dispatch("b", ("N",)),)
+    for i, n in enumerate((30000, 30000, 30000)):  # no gate: each goes at once
+        s.submit(long(f"L{i}", n, 0.0), 0.0)
+    assert len(s.decide(engines, 0.0).dispatches) == 3
 
 
 def test_held_long_requests_go_in_deadline_order_those_that_cannot_make_it_last():

@@ -20,7 +20,7 @@ def test_a_request_queues_behind_the_backlog_and_the_backlog_follows_late_first_
     m.first_token("a", 0.025)  # 10 ms late: b is pushed back as much
     assert m.backlog_end_s("e", 0.025) == pytest.approx(0.031)
     assert (m.prefilling("e", 0.025), m.decoding("e")) == (1, 1)
-    m.first_token("b", 0.026)  # early: nothing is pulled forward, the backlog is simply gone
+    m.first_token("b", 0.026)  # early: the backlog is simply gone
     assert m.backlog_end_s("e", 0.026) == 0.026
     m.finished("a")
     m.finished("b")
@@ -34,14 +34,46 @@ def test_an_idle_engine_that_decodes_adds_half_a_decode_pass():
     assert m.start_s("e", 1.0) == pytest.approx(1.0 + 0.5 * 0.00501)
 
 
-def test_short_prefills_overtake_a_long_backlog_on_shortest_prefill_first_engines():
-    m = EngineQueueModel(EngineTraits(LinearCost(), chunk_tokens=4096, short_first=True))
-    m.dispatched("e", ["long"], [(20000, 0)], 0.0)  # 4 full chunks and one of 3,616: 0.2 s + 25 ms + cached reads
-    chunk_s = 0.005 + 0.04096
-    assert m.predict_ttft_s("e", [(50, 0)], 0.0, short=True) == pytest.approx(chunk_s + 0.0055)
-    end = m.backlog_end_s("e", 0.0)
-    m.dispatched("e", ["short"], [(50, 0)], 0.0, short=True)
-    assert m.backlog_end_s("e", 0.0) == pytest.approx(end + 0.0055)  # the long prefill waits for it
+SPF = EngineTraits(LinearCost(), chunk_tokens=4096, short_first=True)
+CHUNK_S = 0.005 + 0.04096  # one 4,096-token pass on nothing cached
+
+
+def test_on_shortest_prefill_first_engines_a_prefill_waits_for_shorter_work_and_a_chunk_not_for_longer_work():
+    m = EngineQueueModel(SPF)
+    long_s = isolated_prefill_s(LinearCost(), 20000, 0, 4096)
+    assert m.dispatched("e", ["long"], [(20000, 0)], 0.0) == pytest.approx(long_s)
+    # A short one overtakes the long prefill: it waits for one whole chunk pass at most, then its own 5.5 ms.
+    assert m.predict_ttft_s("e", [(50, 0)], 0.0) == pytest.approx(CHUNK_S + 0.0055)
+    assert m.displaced("e", [(50, 0)], 0.0) == 1
+    m.dispatched("e", ["short"], [(50, 0)], 0.0)
+    # A 2,000-token prefill waits for the short one (5.5 ms), a chunk of the long one, and its own 25 ms.
+    assert m.predict_ttft_s("e", [(2000, 0)], 0.0) == pytest.approx(0.0055 + CHUNK_S + 0.025)
+    assert m.displaced("e", [(2000, 0)], 0.0) == 1
+    # On a first-come-first-served engine it waits for everything sent before it and displaces nothing.
+    fcfs = EngineQueueModel(EngineTraits(LinearCost(), chunk_tokens=4096))
+    fcfs.dispatched("e", ["long"], [(20000, 0)], 0.0)
+    assert fcfs.predict_ttft_s("e", [(50, 0)], 0.0) == pytest.approx(long_s + 0.0055)
+    assert fcfs.displaced("e", [(50, 0)], 0.0) == 0
+
+
+def test_a_chunk_in_progress_is_never_cut_short():
+    m = EngineQueueModel(SPF)
+    long_s = isolated_prefill_s(LinearCost(), 10000, 0, 4096)
+    m.dispatched("e", ["long"], [(10000, 0)], 0.0)
+    m.prefilling("e", 0.01)  # the long prefill's first chunk is 10 ms in
+    m.dispatched("e", ["short"], [(50, 0)], 0.01)
+    # At 50 ms the first chunk ended at 45.96 ms and the short prefill has run 4.04 of its 5.5 ms.
+    assert m.backlog_end_s("e", 0.05) == pytest.approx(0.05 + (long_s - CHUNK_S) + (0.0055 - (0.05 - CHUNK_S)))
+    m.first_token("short", CHUNK_S + 0.0055)  # as the model has it: nothing to correct
+    assert m.backlog_end_s("e", 0.06) == pytest.approx(0.06 + long_s - CHUNK_S - (0.06 - CHUNK_S - 0.0055))
+
+
+def test_an_early_first_token_means_what_the_engine_ordered_before_it_is_done():
+    m = EngineQueueModel(SPF)
+    m.dispatched("e", ["a"], [(1000, 0)], 0.0)  # 15 ms
+    m.dispatched("e", ["b"], [(3000, 0)], 0.0)  # 35 ms, after a
+    m.first_token("b", 0.02)  # the engine is ahead of the model: a is done too (its token may still be on its way)
+    assert (m.backlog_end_s("e", 0.02), m.prefilling("e", 0.02)) == (0.02, 1)
 
 
 def test_unstreamed_requests_count_as_prefilled_at_their_predicted_time():
