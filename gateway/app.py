@@ -2,7 +2,8 @@
 
 Start-up order (aiohttp ``cleanup_ctx``, each part cleaned only if it started):
 tokenizer (a bad ``model.path`` fails before any engine starts) -> engine
-client -> engine processes (unless given URLs) -> health poller -> pressure controller (with ``controller.enabled``). Shutdown runs the
+client -> engine processes (unless given URLs) -> KV cache event followers (with ``scheduling.kv_events``,
+:mod:`gateway.kv_events`) -> health poller -> pressure controller (with ``controller.enabled``). Shutdown runs the
 same list backwards, so no engine outlives the gateway.
 """
 
@@ -20,13 +21,14 @@ import aiohttp
 from aiohttp import web
 
 from engines.client import EngineClient
-from engines.manager import EngineManager
+from engines.manager import EngineManager, kv_event_sources
 from gateway import handlers, relay
 from gateway.admin import SWITCHES, add_admin_routes
 from gateway.controller_loop import CONTROLLER, ControllerLoop
 from gateway.dispatcher import Dispatcher
 from gateway.engine_load import fetch_engine_load
 from gateway.errors import error_middleware
+from gateway.kv_events import Following
 from gateway.metrics import GatewayMetrics
 from gateway.pd_dispatch import PDDispatch
 from gateway.registry import EngineRegistry, EngineState
@@ -37,6 +39,7 @@ from laps.cost import engine_traits
 from laps.tokenizer import load_tokenizer
 from policies.pool_signals import FirstTokenWindow
 from policies.registry import make_classifier, make_scheduler
+from policies.exact_prefix import PrefixCaches
 from policies.prefix_index import PrefixIndex
 
 log = logging.getLogger("laps.gateway")
@@ -56,7 +59,7 @@ async def _poll_health(gw: Gateway, supervisor: EngineSupervisor) -> None:
         supervisor.check()
 
 
-async def _mirror_kv_capacity(client: EngineClient, registry: EngineRegistry, prefix_index: PrefixIndex) -> None:
+async def _mirror_kv_capacity(client: EngineClient, registry: EngineRegistry, prefix_index: PrefixCaches) -> None:
     """Cap each engine's prefix estimate at its KV pool (``/v1/loads``) and record the pool on the engine's state (for
     ``policy: backlog``); an engine that does not say keeps the byte budget and no capacity."""
     for engine in registry:
@@ -89,12 +92,13 @@ def create_app(config: Config, engine_urls: dict[str, str] | None = None) -> web
             registry = EngineRegistry([EngineState(e.name, urls[e.name], config.pool(e)) for e in config.engines])
             first_tokens = FirstTokenWindow(config.controller.window_s) if config.controller.enabled else None
             dispatcher = Dispatcher(make_scheduler(config.scheduling, engine_traits(config)), registry, first_tokens=first_tokens)
-            prefix_index = PrefixIndex.from_byte_budget(config.scheduling.prefix_block_tokens, config.scheduling.prefix_index_bytes, len(config.engines))
+            prefix_index = PrefixCaches(PrefixIndex.from_byte_budget(config.scheduling.prefix_block_tokens, config.scheduling.prefix_index_bytes, len(config.engines)))
             await _mirror_kv_capacity(client, registry, prefix_index)
             gw = Gateway(config, tokenizer, registry, client, make_classifier(config.scheduling), dispatcher, prefix_index, GatewayMetrics(), manager)
             gw.pd = PDDispatch.from_config(config, urls) if config.pd is not None else None
             gw.metrics.watch_scheduler(dispatcher.scheduler.stats)
             app[GATEWAY] = gw
+            following = Following(kv_event_sources(config, manager.engines if manager is not None else {}), prefix_index, gw.metrics)
             supervisor = EngineSupervisor(gw)
             poller = asyncio.create_task(_poll_health(gw, supervisor))
             if config.controller.enabled:
@@ -102,7 +106,9 @@ def create_app(config: Config, engine_urls: dict[str, str] | None = None) -> web
                 app[CONTROLLER].start()
             log.info("serving %s with %d engines: %s", config.model.name, len(urls), ", ".join(f"{k}={v}" for k, v in urls.items()))
             pd_mode = "off" if config.pd is None else f"on (decode placement {config.scheduling.decode_placement}, KV transfer {config.pd.transfer_backend})"
-            log.info("scheduling policy %s; PD %s; controller %s", config.scheduling.policy, pd_mode, "on" if config.controller.enabled else "off")
+            followed = ", ".join(following.followers) or "none"
+            log.info("scheduling policy %s; PD %s; controller %s; prefix hits from KV cache events of: %s", config.scheduling.policy, pd_mode,
+                     "on" if config.controller.enabled else "off", followed)
             yield
             poller.cancel()
             if CONTROLLER in app:
@@ -111,6 +117,7 @@ def create_app(config: Config, engine_urls: dict[str, str] | None = None) -> web
                 switch.cancel()
             await asyncio.gather(*app[SWITCHES].values(), return_exceptions=True)
             await supervisor.close()
+            await following.close()
             await relay.settle_background()
             dispatcher.close()
             with contextlib.suppress(asyncio.CancelledError):

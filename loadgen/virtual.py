@@ -265,12 +265,12 @@ class VirtualRun:
         record = RequestRecord(c.id, c.source, k, turn.content, turn.max_tokens, now)
         prompt_ids = self.tokenizer.encode_chat(conv.history)
         replies = reply_token_counts(conv.history, self.tokenizer.encode) if self.config.scheduling.policy == "backlog" else ()
-        view, keys = classified_view(rid, prompt_ids, now, now + self.config.slo.ttft_s, self._engine_ids,
-                                     self.prefix_index, self.classifier, turn.max_tokens, replies)
+        view, chain = classified_view(rid, prompt_ids, now, now + self.config.slo.ttft_s, self._engine_ids,
+                                      self.prefix_index, self.classifier, turn.max_tokens, replies)
         if self.config.slo.ttft_per_1k_new_tokens_s is not None:
             view = dataclasses.replace(view, deadline_s=self.config.slo.deadline_s(now, view.new_tokens))  # length-aware
         record.laps_class = view.request_class
-        req = SimRequest(conv, record, view, keys, prompt_ids)
+        req = SimRequest(conv, record, view, chain.keys, prompt_ids)
         self._requests[rid] = req
         self._push(now + self.request_timeout_s, _TIMEOUT, req)
         self.scheduler.submit(view, now)

@@ -29,7 +29,7 @@ def test_default_config_is_the_documented_deployment():
         (lambda d: d["engines"][0].update(kind="gpu"), ["engines.0.kind", "'sim'", "'gpu'"]),
         (lambda d: d["gateway"].update(prot=8000), ["gateway.prot: unknown key; allowed: admin_key, host, port, request_timeout_s"]),
         (lambda d: d["roles"]["mixed"].update(flag={}), ["roles.mixed.flag: unknown key; allowed: flags, pool"]),
-        (lambda d: d["engines"][0].update(colour="red"), ["engines.0.colour: unknown key; allowed: bootstrap_port, gpus, kind, name, port, role, url"]),
+        (lambda d: d["engines"][0].update(colour="red"), ["engines.0.colour: unknown key; allowed: bootstrap_port, gpus, kind, kv_events_endpoint, kv_events_replay_endpoint, name, port, role, url"]),
         (lambda d: d["engines"][1].update(role="tiny"), ["engines.1.role", "'tiny'", "allowed: long-prefill, mixed, short-prefill"]),
         (lambda d: d["roles"]["short-prefill"].update(pool="medium"), ["roles.short-prefill.pool", "'short', 'long' or 'decode'", "'medium'"]),
         (lambda d: d["engines"][1].update(name="sp0"), ["engines.1.name", "'sp0'", "more than one engine"]),

@@ -13,6 +13,15 @@ an entry is stale (skipped when popped) unless it is the node's latest push and
 the node is still an attached, unlocked leaf. The heap is rebuilt from the
 leaves when stale entries outnumber live nodes, so eviction costs
 O(k log n) for k evicted leaves.
+
+With ``events`` (a list), the tree records what SGLang's radix cache publishes
+as KV cache events (``mem_cache/events.py`` in 0.5.23), at page size 1: a new
+leaf is a :class:`~policies.exact_prefix.BlockStored` of its tokens (one page
+each, hashed ``hash((previous page's hash, token))`` from 0, chained from its
+parent's last page), an evicted leaf a :class:`~policies.exact_prefix.BlockRemoved`
+of its pages, :meth:`RadixCache.reset` (and a new tree) an
+:class:`~policies.exact_prefix.AllBlocksCleared`; a split changes no page and
+records nothing. Each node then keeps the hash of its last page.
 """
 
 from __future__ import annotations
@@ -21,13 +30,15 @@ import heapq
 import itertools
 from typing import Sequence
 
+from policies.exact_prefix import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+
 Key = tuple[int, ...]
 
 
 class RadixNode:
     """One edge of the tree: ``key`` is its token ids; ``lock_ref`` > 0 pins it and its ancestors."""
 
-    __slots__ = ("children", "parent", "key", "lock_ref", "last_access", "heap_seq")
+    __slots__ = ("children", "parent", "key", "lock_ref", "last_access", "heap_seq", "page_hash")
 
     def __init__(self, key: Key, parent: RadixNode | None) -> None:
         self.children: dict[int, RadixNode] = {}
@@ -36,12 +47,19 @@ class RadixNode:
         self.lock_ref = 0
         self.last_access = 0
         self.heap_seq = -1  # seq of this node's latest eviction-heap entry
+        self.page_hash: int | None = None  # with events: the hash of the page of its last token (None: the root)
 
 
 class RadixCache:
-    """Prefix cache over token-id tuples with lock references and LRU eviction of unlocked leaves."""
+    """Prefix cache over token-id tuples with lock references and LRU eviction of unlocked leaves.
 
-    def __init__(self) -> None:
+    ``events``: where to record KV cache events (module doc); None records none.
+    """
+
+    def __init__(self, events: list[KVEvent] | None = None) -> None:
+        self.events = events
+        if events is not None:
+            events.append(AllBlocksCleared())
         self.root = RadixNode((), None)
         self.root.lock_ref = 1  # the root is never evicted
         self._clock = 0
@@ -58,7 +76,7 @@ class RadixCache:
 
     def reset(self) -> None:
         """Drop every entry (the caller guarantees nothing is locked)."""
-        self.__init__()
+        self.__init__(self.events)
 
     def peek_prefix(self, ids: Sequence[int]) -> int:
         """Length of the longest cached prefix of ``ids``, changing nothing (no split, no access time)."""
@@ -119,6 +137,10 @@ class RadixCache:
             if child is None:
                 leaf = RadixNode(ids[pos:], node)
                 leaf.last_access = stamp
+                if self.events is not None:
+                    hashes = _page_hashes(node.page_hash, leaf.key)
+                    leaf.page_hash = hashes[-1]
+                    self.events.append(BlockStored(hashes, node.page_hash, leaf.key, 1))
                 node.children[ids[pos]] = leaf
                 added = n_ids - pos
                 self.total_size += added
@@ -176,6 +198,8 @@ class RadixCache:
             leaf.parent = None
             freed += len(leaf.key)
             self.total_size -= len(leaf.key)
+            if self.events is not None:
+                self.events.append(BlockRemoved(_page_hashes(parent.page_hash, leaf.key)))
             self._nodes -= 1
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 self._push(parent)
@@ -214,6 +238,8 @@ class RadixCache:
         upper = RadixNode(child.key[:n], parent)
         upper.lock_ref = child.lock_ref
         upper.last_access = child.last_access
+        if self.events is not None:
+            upper.page_hash = _page_hashes(parent.page_hash, upper.key)[-1]
         parent.children[child.key[0]] = upper
         child.key = child.key[n:]
         child.parent = upper
@@ -235,3 +261,13 @@ def _common_len(key: Key, ids: Key, start: int) -> int:
         else:
             hi = mid
     return lo
+
+
+def _page_hashes(parent_hash: int | None, key: Key) -> list[int]:
+    """The chained page hashes of ``key``'s tokens (page size 1) after the page ``parent_hash`` (None: the root)."""
+    h = 0 if parent_hash is None else parent_hash
+    hashes = []
+    for token in key:
+        h = hash((h, token))
+        hashes.append(h)
+    return hashes

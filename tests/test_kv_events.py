@@ -1,0 +1,146 @@
+"""KV cache events on the wire: SGLang's frames, the simulated engine's publisher, the gateway's follower."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+
+from engines.kv_events import KVEventSource, decode_batch, encode_batch, encode_seq, loopback_publisher
+from engines.manager import free_ports
+from engines.sim.kv_publisher import KVEventPublisher
+from gateway.kv_events import EventFollower
+from gateway.metrics import GatewayMetrics
+from policies.exact_prefix import AllBlocksCleared, BlockRemoved, BlockStored, PrefixCaches
+from policies.prefix_index import BlockChain, PrefixIndex
+
+
+def sglang_payload(events: list[dict]) -> bytes:
+    """A batch exactly as SGLang 0.5.23's ZmqEventPublisher encodes it: ``[ts, events, attn_dp_rank]``, tagged maps."""
+    return msgspec.msgpack.encode([1733100000.5, events, 0])
+
+
+def test_sglang_batches_decode_to_plain_events_and_other_tiers_are_dropped():
+    payload = sglang_payload([
+        {"type": "AllBlocksCleared"},
+        {"type": "BlockStored", "block_hashes": [-5, 7], "parent_block_hash": None, "token_ids": [1, 2], "block_size": 1,
+         "lora_id": None, "medium": "GPU", "session_id": "s1"},
+        {"type": "BlockStored", "block_hashes": [9], "parent_block_hash": 7, "token_ids": [3], "block_size": 1,
+         "lora_id": None, "medium": "CPU_PINNED"},
+        {"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU"},
+        {"type": "BlockRemoved", "block_hashes": [9], "medium": "CPU_PINNED"},
+    ])
+    events = decode_batch(payload)
+    assert [type(e) for e in events] == [AllBlocksCleared, BlockStored, BlockRemoved]
+    stored = events[1]
+    assert (list(stored.block_hashes), stored.parent_block_hash, list(stored.token_ids), stored.block_size) == ([-5, 7], None, [1, 2], 1)
+    assert list(events[2].block_hashes) == [7]
+
+
+def test_the_simulated_engine_encodes_what_sglang_encodes():
+    ours = encode_batch(1733100000.5, [AllBlocksCleared(), BlockStored([-5, 7], None, [1, 2], 1), BlockRemoved([7])])
+    sglang = sglang_payload([
+        {"type": "AllBlocksCleared"},
+        {"type": "BlockStored", "block_hashes": [-5, 7], "parent_block_hash": None, "token_ids": [1, 2], "block_size": 1,
+         "lora_id": None, "medium": "GPU"},
+        {"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU"},
+    ])
+    assert msgspec.msgpack.decode(ours) == msgspec.msgpack.decode(sglang)
+
+
+@pytest.mark.parametrize("payload", [b"", b"\x93", msgspec.msgpack.encode([1.0, [{"type": "Nope"}], 0]),
+                                     msgspec.msgpack.encode({"ts": 1})])
+def test_payloads_that_are_not_event_batches_raise_value_error(payload):
+    with pytest.raises(ValueError, match="not a KV event batch"):
+        decode_batch(payload)
+
+
+class DropOnce:
+    """A PUB socket that loses the next ``drop`` sends (what a slow subscriber past the high-water mark sees)."""
+
+    def __init__(self, sock: zmq.Socket) -> None:
+        self.sock, self.drop = sock, 0
+
+    def send_multipart(self, frames, flags=0):
+        if self.drop:
+            self.drop -= 1
+            return None
+        return self.sock.send_multipart(frames, flags=flags)
+
+    def close(self, linger=None):
+        self.sock.close(linger=linger)
+
+
+async def wait_for(condition, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+def sample(metrics: GatewayMetrics, name: str) -> float:
+    return metrics.registry.get_sample_value(name, {"engine": "e"}) or 0.0
+
+
+async def test_the_follower_joins_follows_catches_up_and_falls_back_while_the_stream_is_down():
+    port, replay = free_ports(2, set())
+    config = loopback_publisher(port, replay)
+    caches, metrics = PrefixCaches(PrefixIndex(block_tokens=4)), GatewayMetrics()
+    publisher = KVEventPublisher(config)
+    publisher.publish([AllBlocksCleared(), BlockStored([1, 2, 3], None, [10, 11, 12], 1)])  # before anyone follows
+    follower = EventFollower("e", KVEventSource(config.endpoint, config.replay_endpoint), caches, metrics, replay_timeout_s=5)
+    task = asyncio.create_task(follower.run())
+    prompt = BlockChain(4).extend([10, 11, 12, 13, 14, 15, 16])
+    caches.insert("e", prompt.keys)  # the estimate says 4
+    try:
+        await wait_for(lambda: caches.is_exact("e"))  # joined from the replayed history
+        assert caches.cached_tokens("e", prompt) == 3
+        publisher.publish([BlockStored([4, 5], 3, [13, 14], 1)])
+        await wait_for(lambda: caches.cached_tokens("e", prompt) == 5)
+        publisher._pub = DropOnce(publisher._pub)
+        publisher._pub.drop = 1
+        publisher.publish([BlockRemoved([5])])  # lost on the way: seen as a gap at the next batch, then replayed
+        publisher.publish([BlockStored([6], 5 - 1, [99], 1)])
+        await wait_for(lambda: sample(metrics, "laps_kv_event_gaps_total") == 1)
+        await wait_for(lambda: follower.last_seq == 3)
+        assert caches.is_exact("e") and caches.cached_tokens("e", prompt) == 4
+        assert sample(metrics, "laps_kv_event_batches_total") == 4
+
+        await publisher.close()  # the stream stops: back to the estimate
+        await wait_for(lambda: not caches.is_exact("e"))
+        assert caches.cached_tokens("e", prompt) == 4 and sample(metrics, "laps_kv_events_exact") == 0
+
+        publisher = KVEventPublisher(config)  # a restarted publisher: seq from 0 again, a fresh cache
+        publisher.publish([AllBlocksCleared(), BlockStored([1, 2], None, [10, 11], 1)])
+        await wait_for(lambda: caches.is_exact("e") and caches.cached_tokens("e", prompt) == 2)
+        assert sample(metrics, "laps_kv_events_exact") == 1
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await publisher.close()
+
+
+async def test_bad_frames_are_counted_and_the_engine_is_estimated_until_it_is_followed_again():
+    port, replay = free_ports(2, set())
+    config = loopback_publisher(port, replay)
+    caches, metrics = PrefixCaches(PrefixIndex(block_tokens=4)), GatewayMetrics()
+    publisher = KVEventPublisher(config)
+    follower = EventFollower("e", KVEventSource(config.endpoint, config.replay_endpoint), caches, metrics, replay_timeout_s=5)
+    task = asyncio.create_task(follower.run())
+    prompt = BlockChain(4).extend([10, 11, 12, 13, 14])
+    try:
+        await wait_for(lambda: caches.is_exact("e"))  # nothing published yet: an empty cache
+        for frames in ([b"", encode_seq(0)], [b"", b"\x00\x01", b""], [b"", encode_seq(0), b"\x93garbage"]):
+            publisher._pub.send_multipart(frames)
+        await wait_for(lambda: sample(metrics, "laps_kv_event_bad_frames_total") == 3)
+        assert not caches.is_exact("e") and not task.done()
+        publisher.publish([AllBlocksCleared(), BlockStored([1, 2, 3], None, [10, 11, 12], 1)])
+        await wait_for(lambda: caches.is_exact("e") and caches.cached_tokens("e", prompt) == 3)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await publisher.close()
