@@ -356,9 +356,10 @@ class Config(_Strict):
             return engine.bootstrap_port
         return self.pd.bootstrap_port if engine.kind == "external" else self.pd.bootstrap_port + self.engines.index(engine)
 
-    def page_tokens(self, engine: EngineConfig) -> int:
-        """``engine``'s KV page size in tokens: its role's ``page-size`` flag, else SGLang's default 1."""
-        return int(self.roles[engine.role].flags.get("page-size", 1))
+    def page_tokens(self, engine: EngineConfig, role: str | None = None) -> int:
+        """``engine``'s KV page size in tokens with ``role`` (default: its configured role): the role's ``page-size``
+        flag, else SGLang's default 1."""
+        return int(self.roles[role or engine.role].flags.get("page-size", 1))
 
     def publishes_kv_events(self, engine: EngineConfig) -> bool:
         """Whether the gateway follows ``engine``'s KV cache events: ``scheduling.kv_events`` is on and laps starts the
@@ -449,8 +450,9 @@ KV_EVENTS_FLAG = "kv-events-config"
 
 
 def _check_kv_events(config: Config) -> None:
-    """With ``scheduling.kv_events``: no role sets the flag laps sets, and every followed engine's pages divide the
-    prefix blocks. Without it: no engine names an endpoint nothing would follow."""
+    """With ``scheduling.kv_events``: no role sets the flag laps sets, and, when some engine is followed, every role's
+    pages divide the prefix blocks (an engine may move to any role). Without it: no engine names an endpoint nothing
+    would follow."""
     if not config.scheduling.kv_events:
         for i, engine in enumerate(config.engines):
             if engine.kv_events_endpoint is not None:
@@ -461,12 +463,14 @@ def _check_kv_events(config: Config) -> None:
             raise ValueError(f"roles.{name}.flags.{KV_EVENTS_FLAG}: laps sets this flag (one endpoint per engine) while "
                              "scheduling.kv_events is on; remove it, or set scheduling.kv_events: false to manage it yourself")
     block = config.scheduling.prefix_block_tokens
-    for engine in config.engines:
-        page = config.page_tokens(engine)
-        if config.publishes_kv_events(engine) and (page < 1 or block % page):
-            raise ValueError(f"roles.{engine.role}.flags.page-size: engine {engine.name!r} pages of {page} tokens must divide "
-                             f"scheduling.prefix_block_tokens ({block}) for its KV events to give exact prefix hits; "
-                             "change one, or set scheduling.kv_events: false")
+    if not any(config.publishes_kv_events(e) for e in config.engines):
+        return
+    for name, role in config.roles.items():
+        page = role.flags.get("page-size", 1)
+        if not isinstance(page, int) or page < 1 or block % page:
+            raise ValueError(f"roles.{name}.flags.page-size: pages of {page!r} tokens must divide scheduling.prefix_block_tokens "
+                             f"({block}) for the engines' KV events to give exact prefix hits; change one, or set "
+                             "scheduling.kv_events: false")
 
 
 def _check_kind(i: int, engine: EngineConfig) -> None:
