@@ -94,8 +94,7 @@ class EventFollower:
         self._replays = metrics.kv_event_replays.labels(*labels)
         self._resets = metrics.kv_event_resets.labels(*labels)
         self._bad_frames = metrics.kv_event_bad_frames.labels(*labels)
-        self._exact = metrics.kv_events_exact.labels(*labels)
-        self._exact.set(0)
+        metrics.kv_events_exact.labels(*labels).set_function(lambda: float(caches.is_exact(engine_id)))
 
     async def run(self) -> None:
         sub = self._ctx.socket(zmq.SUB)
@@ -163,7 +162,6 @@ class EventFollower:
         """Start the engine's exact cache from an empty one, with ``events`` (of batch ``seq``) applied."""
         self.caches.follow(self.engine_id, self.source.page_tokens)
         self.last_seq = seq - 1
-        self._exact.set(1)
         self._apply(seq, events)
 
     def _apply(self, seq: int, events: list[KVEvent]) -> bool:
@@ -180,7 +178,6 @@ class EventFollower:
         """Back to the estimate, until joined again."""
         self.caches.unfollow(self.engine_id)
         self.last_seq = None
-        self._exact.set(0)
 
     async def _join(self) -> None:
         """Follow the engine from its replayed history: from its last clear in it, else from seq 0 (module doc)."""
@@ -190,7 +187,6 @@ class EventFollower:
             return
         if not batches:  # nothing published yet: the cache holds what its first batch will say
             self.caches.follow(self.engine_id, self.source.page_tokens)
-            self._exact.set(1)
             self.last_seq = -1
             return
         for i in range(len(batches) - 1, -1, -1):

@@ -7,16 +7,25 @@ import time
 
 import msgspec
 import pytest
+import yaml
 import zmq
-import zmq.asyncio
+from aiohttp.test_utils import TestClient, TestServer
 
 from engines.kv_events import KVEventSource, decode_batch, encode_batch, encode_seq, loopback_publisher
 from engines.manager import free_ports
+from engines.sim.args import SimServerArgs
 from engines.sim.kv_publisher import KVEventPublisher
+from engines.sim.realtime import ENGINE
+from engines.sim.server import create_app as sim_app
+from gateway.app import create_app as gateway_app
 from gateway.kv_events import EventFollower
 from gateway.metrics import GatewayMetrics
+from gateway.state import GATEWAY
+from laps.config import DEFAULT_CONFIG_PATH, parse_config
 from policies.exact_prefix import AllBlocksCleared, BlockRemoved, BlockStored, PrefixCaches
 from policies.prefix_index import BlockChain, PrefixIndex
+
+MODEL = "Qwen2.5-7B-Instruct"
 
 
 def sglang_payload(events: list[dict]) -> bytes:
@@ -144,3 +153,48 @@ async def test_bad_frames_are_counted_and_the_engine_is_estimated_until_it_is_fo
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         await publisher.close()
+
+
+async def test_the_gateway_serves_on_the_estimate_while_an_engines_stream_is_down_and_is_exact_again_when_it_is_back():
+    """An engine publishing on its own (``external``, named endpoints): its stream stops and comes back as a fresh
+    publisher (as a restarted SGLang scheduler's does: seq from 0, its first batch clearing the cache)."""
+    port, replay = free_ports(2, set())
+    publishing = loopback_publisher(port, replay)
+    engine_app = sim_app(SimServerArgs(enable_cache_report=True, max_total_tokens=200_000, served_model_name=MODEL,
+                                       kv_events_config=publishing.model_dump_json()))
+    data = yaml.safe_load(DEFAULT_CONFIG_PATH.read_text())
+    async with TestServer(engine_app) as engine_server:
+        url = str(engine_server.make_url("")).rstrip("/")
+        data["engines"] = [{"name": "e", "kind": "external", "role": "short-prefill", "url": url,
+                            "kv_events_endpoint": publishing.endpoint, "kv_events_replay_endpoint": publishing.replay_endpoint}]
+        async with TestClient(TestServer(gateway_app(parse_config(data), engine_urls={"e": url}))) as client:
+            gw = client.app[GATEWAY]
+            history: list[dict] = []
+
+            async def turn(text: str) -> tuple[int, int]:
+                history.append({"role": "user", "content": text})
+                resp = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": history, "max_tokens": 7, "ignore_eos": True})
+                assert resp.status == 200, await resp.text()
+                body = await resp.json()
+                history.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
+                return int(resp.headers["x-laps-cached-tokens-est"]), body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+            await wait_for(lambda: gw.prefix_index.is_exact("e"))
+            assert await turn("Tell me about the harbour.") == (0, 0)
+            h, cached = await turn("And the lighthouse?")
+            assert h == cached and cached % gw.prefix_index.block_tokens  # exact, inside a block
+
+            engine = engine_app[ENGINE]
+            await engine.kv_publisher.close()  # the stream stops; the engine serves on
+            engine.kv_publisher = None
+            await wait_for(lambda: not gw.prefix_index.is_exact("e"))
+            h, cached = await turn("What about the boats?")
+            assert h % gw.prefix_index.block_tokens == 0 and 0 < h <= cached + gw.prefix_index.block_tokens  # the estimate
+
+            engine.kv_publisher = KVEventPublisher(publishing)  # back, fresh
+            resp = await client.session.post(url + "/flush_cache")
+            assert resp.status == 200
+            await wait_for(lambda: gw.prefix_index.is_exact("e"))
+            assert await turn("And the gulls?") == (0, 0)
+            h, cached = await turn("Tell me more.")
+            assert h == cached > 0
