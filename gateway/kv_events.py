@@ -10,8 +10,11 @@ socket (pyzmq, ``zmq.asyncio``) and turns each batch into
   socket monitor), the follower asks the replay socket for every batch from
   seq 0. The engine's H becomes exact when that history is whole: it starts at
   seq 0, or at a batch that clears the cache (the engine's cache is then known
-  from there); otherwise, and without a replay socket, the engine stays on the
-  estimate until its stream carries an ``AllBlocksCleared``.
+  from there); otherwise (a buffer that no longer reaches back, no replay
+  socket, no answer) the engine stays on the estimate until its stream carries
+  an ``AllBlocksCleared`` or it connects again. An engine dropped while
+  connected (:meth:`~policies.exact_prefix.PrefixCaches.forget_engine`, bad
+  frames) joins again at its next batch.
 * **Gaps.** A batch whose seq skips ahead triggers a replay from the first
   one missed; if the buffer no longer holds it, the engine is joined again as
   above. A seq that goes back to 0 is a restarted publisher: the engine is
@@ -87,6 +90,7 @@ class EventFollower:
         self.caches = caches
         self.replay_timeout_s = replay_timeout_s
         self.last_seq: int | None = None  # the last batch applied; None: not joined
+        self._await_clear = False  # a join failed: until the next connection, only a batch that clears the cache joins
         self._ctx = zmq.asyncio.Context.instance()
         labels = (engine_id,)
         self._batches = metrics.kv_event_batches.labels(*labels)
@@ -116,6 +120,7 @@ class EventFollower:
                     event = parse_monitor_message(await monitor.recv_multipart())
                     if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                         log.info("engine %s: KV event stream connected", self.engine_id)
+                        self._await_clear = False
                         await self._join()
                     elif event["event"] == zmq.EVENT_DISCONNECTED:
                         log.warning("engine %s: KV event stream disconnected; its prefix hits are estimated until it is back", self.engine_id)
@@ -155,7 +160,7 @@ class EventFollower:
         start = known_from(seq, events)
         if start is not None:
             self._follow(seq, start)
-        else:
+        elif not self._await_clear:
             await self._join()
 
     def _follow(self, seq: int, events: list[KVEvent]) -> None:
@@ -184,6 +189,7 @@ class EventFollower:
         self._drop()
         batches = await self._replay(0)
         if batches is None:
+            self._await_clear = True
             return
         if not batches:  # nothing published yet: the cache holds what its first batch will say
             self.caches.follow(self.engine_id, self.source.page_tokens)
@@ -196,6 +202,7 @@ class EventFollower:
         else:
             log.warning("engine %s: its KV event history is no longer whole (replay starts at seq %d); its prefix hits are "
                         "estimated until its cache is next cleared", self.engine_id, batches[0][0])
+            self._await_clear = True
             return
         self._follow(batches[i][0], start)
         for seq, events in batches[i + 1:]:

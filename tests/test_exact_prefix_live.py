@@ -87,6 +87,9 @@ def test_h_equals_the_engines_cached_tokens_on_every_turn_after_a_flush_and_unde
             for c, history in enumerate(conversations):
                 history.append({"role": "user", "content": f"Conversation {c}, question {turn}: " + f"tell me about the sea, part {c}. " * 25})
                 h, cached, prompt_tokens, reply = chat(client, history)
+                prompt = BlockChain(gw.prefix_index.block_tokens).extend(gw.tokenizer.encode_chat(history))
+                eventually(lambda: gw.prefix_index.cached_tokens("e0", prompt) == prompt.tokens - 1,
+                           "the turn's cache insertion reaching the gateway (a client's think time)")
                 history.append({"role": "assistant", "content": reply})
                 seen.append((c, turn, h, cached, last_prompt.get(c)))
                 last_prompt[c] = prompt_tokens

@@ -133,6 +133,29 @@ async def test_the_follower_joins_follows_catches_up_and_falls_back_while_the_st
         await publisher.close()
 
 
+async def test_an_engine_whose_history_is_gone_is_estimated_until_its_cache_is_cleared_without_a_replay_a_batch():
+    port, replay = free_ports(2, set())
+    config = loopback_publisher(port, replay).model_copy(update={"buffer_steps": 1})
+    caches, metrics = PrefixCaches(PrefixIndex(block_tokens=4)), GatewayMetrics()
+    publisher = KVEventPublisher(config)
+    publisher.publish([AllBlocksCleared(), BlockStored([1], None, [10], 1)])
+    publisher.publish([BlockStored([2], 1, [11], 1)])  # the buffer now holds this one only
+    follower = EventFollower("e", KVEventSource(config.endpoint, config.replay_endpoint), caches, metrics, replay_timeout_s=5)
+    task = asyncio.create_task(follower.run())
+    try:
+        await wait_for(lambda: sample(metrics, "laps_kv_event_replays_total") == 1 and follower._await_clear)
+        for h in (3, 4):
+            publisher.publish([BlockStored([h], h - 1, [9 + h], 1)])
+        publisher.publish([AllBlocksCleared(), BlockStored([7], None, [20], 1)])
+        await wait_for(lambda: caches.is_exact("e"))
+        assert sample(metrics, "laps_kv_event_replays_total") == 1 and follower.last_seq == 4
+        assert caches.cached_tokens("e", BlockChain(4).extend([20, 21])) == 1
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await publisher.close()
+
+
 async def test_bad_frames_are_counted_and_the_engine_is_estimated_until_it_is_followed_again():
     port, replay = free_ports(2, set())
     config = loopback_publisher(port, replay)
@@ -176,6 +199,9 @@ async def test_the_gateway_serves_on_the_estimate_while_an_engines_stream_is_dow
                 resp = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": history, "max_tokens": 7, "ignore_eos": True})
                 assert resp.status == 200, await resp.text()
                 body = await resp.json()
+                if gw.prefix_index.is_exact("e"):  # a client's think time: the turn's cache insertion reaches the gateway
+                    prompt = BlockChain(gw.prefix_index.block_tokens).extend(gw.tokenizer.encode_chat(history))
+                    await wait_for(lambda: gw.prefix_index.cached_tokens("e", prompt) == prompt.tokens - 1)
                 history.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
                 return int(resp.headers["x-laps-cached-tokens-est"]), body["usage"]["prompt_tokens_details"]["cached_tokens"]
 
