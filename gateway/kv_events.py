@@ -19,7 +19,8 @@ socket (pyzmq, ``zmq.asyncio``) and turns each batch into
   one missed; if the buffer no longer holds it, the engine is joined again as
   above. A seq that goes back to 0 is a restarted publisher: the engine is
   reset and joined again. Events that do not fit the cache built so far
-  (:class:`~policies.exact_prefix.EventsOutOfStep`) do the same.
+  (:class:`~policies.exact_prefix.EventsOutOfStep`) drop the engine back to
+  the estimate until its next clear or connection.
 * **Stops.** A disconnect (the publisher or its engine stopped) drops the
   engine back to the estimate; ZMQ keeps reconnecting, and the next handshake
   joins it again.
@@ -175,8 +176,10 @@ class EventFollower:
             self._batches.inc()
             return True
         self._resets.inc()
-        log.warning("engine %s: KV event batch %d does not fit the cache built so far; rejoining its stream", self.engine_id, seq)
+        log.warning("engine %s: KV event batch %d does not fit the cache built so far (missed events, or pages of another "
+                    "size than %d tokens); estimated until its cache is next cleared", self.engine_id, seq, self.source.page_tokens)
         self._drop()
+        self._await_clear = True
         return False
 
     def _drop(self) -> None:
