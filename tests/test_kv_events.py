@@ -224,3 +224,17 @@ async def test_the_gateway_serves_on_the_estimate_while_an_engines_stream_is_dow
             assert await turn("And the gulls?") == (0, 0)
             h, cached = await turn("Tell me more.")
             assert h == cached > 0
+
+
+def test_the_simulated_engine_takes_sglangs_kv_events_config():
+    from engines.sim.args import parse_server_args, resolve_args
+
+    on = resolve_args(parse_server_args(["--kv-events-config", '{"publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv"}']))
+    assert (on.kv_events.endpoint, on.kv_events.replay_endpoint, on.kv_events.topic, on.kv_events.binds()) == ("tcp://*:5557", None, "kv", True)
+    assert not loopback_publisher(1, 2).model_copy(update={"bind": None}).binds()  # a concrete host connects, as in SGLang
+    assert resolve_args(parse_server_args(["--kv-events-config", '{"publisher": "null"}'])).kv_events is None
+    assert resolve_args(parse_server_args([])).kv_events is None
+    with pytest.raises(ValueError, match="--kv-events-config: .*publisher"):
+        resolve_args(parse_server_args(["--kv-events-config", '{"publisher": "kafka"}']))
+    with pytest.raises(ValueError, match="--kv-events-config"):
+        resolve_args(parse_server_args(["--kv-events-config", "{not json"]))
