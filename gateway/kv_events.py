@@ -26,6 +26,9 @@ socket (pyzmq, ``zmq.asyncio``) and turns each batch into
   joins it again.
 * **Bad frames** (wrong frame count, a seq that is not 8 bytes, a payload that
   is not an event batch) are logged, counted, and treated as a missed batch.
+* **Big batches** (a long prompt stored at page size 1 is one page a token) are
+  applied ``APPLY_CHUNK_PAGES`` pages at a time, yielding to the event loop in
+  between, so requests are not held up behind them.
 
 Counters per engine: ``laps_kv_event_batches_total`` (applied),
 ``laps_kv_event_gaps_total``, ``laps_kv_event_replays_total``,
@@ -45,13 +48,14 @@ from zmq.utils.monitor import parse_monitor_message
 
 from engines.kv_events import KVEventSource, decode_batch, decode_seq, encode_seq
 from gateway.metrics import GatewayMetrics
-from policies.exact_prefix import AllBlocksCleared, KVEvent, PrefixCaches
+from policies.exact_prefix import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, PrefixCaches
 
 log = logging.getLogger("laps.kv_events")
 
 REPLAY_TIMEOUT_S = 5.0  # no answer from the replay socket for this long: the replay failed
 RECONNECT_IVL_MS = 200  # ZMQ's reconnect interval (its default is 100 ms, doubling to RECONNECT_IVL_MAX)
 RECONNECT_IVL_MAX_MS = 2000
+APPLY_CHUNK_PAGES = 256  # pages applied between yields to the event loop (~0.1-0.2 ms of work)
 
 
 class BadFrame(ValueError):
@@ -79,6 +83,32 @@ def known_from(seq: int, events: list[KVEvent]) -> list[KVEvent] | None:
         if isinstance(events[i], AllBlocksCleared):
             return events[i + 1:]
     return events if seq == 0 else None
+
+
+def chunked(events: list[KVEvent], max_pages: int) -> list[list[KVEvent]]:
+    """``events`` in order, cut into lists of at most ``max_pages`` pages, a store or removal split where needed (a
+    split store's later part hangs under the last page of the part before)."""
+    chunks: list[list[KVEvent]] = [[]]
+    room = max_pages
+    for event in events:
+        if isinstance(event, AllBlocksCleared):
+            chunks[-1].append(event)
+            continue
+        hashes, done = event.block_hashes, 0
+        while done < len(hashes):
+            if room == 0:
+                chunks.append([])
+                room = max_pages
+            take = min(room, len(hashes) - done)
+            if isinstance(event, BlockStored):
+                size = event.block_size
+                parent = event.parent_block_hash if done == 0 else hashes[done - 1]
+                chunks[-1].append(BlockStored(hashes[done:done + take], parent, event.token_ids[done * size:(done + take) * size], size))
+            else:
+                chunks[-1].append(BlockRemoved(hashes[done:done + take]))
+            done += take
+            room -= take
+    return chunks
 
 
 class EventFollower:
@@ -145,7 +175,7 @@ class EventFollower:
             return
         if self.last_seq is not None and self.caches.is_exact(self.engine_id):
             if seq == self.last_seq + 1:
-                self._apply(seq, events)
+                await self._apply(seq, events)
                 return
             if 0 < seq <= self.last_seq:
                 return  # already applied (replayed meanwhile)
@@ -156,22 +186,32 @@ class EventFollower:
             else:
                 self._gaps.inc()
                 log.info("engine %s: KV event gap (seq %d after %d); replaying", self.engine_id, seq, self.last_seq)
-                if await self._catch_up(self.last_seq + 1):
-                    return
+                await self._catch_up(self.last_seq + 1)
+                return
         start = known_from(seq, events)
         if start is not None:
-            self._follow(seq, start)
+            await self._follow(seq, start)
         elif not self._await_clear:
             await self._join()
 
-    def _follow(self, seq: int, events: list[KVEvent]) -> None:
+    async def _follow(self, seq: int, events: list[KVEvent]) -> bool:
         """Start the engine's exact cache from an empty one, with ``events`` (of batch ``seq``) applied."""
         self.caches.follow(self.engine_id, self.source.page_tokens)
         self.last_seq = seq - 1
-        self._apply(seq, events)
+        return await self._apply(seq, events)
 
-    def _apply(self, seq: int, events: list[KVEvent]) -> bool:
-        if self.caches.apply(self.engine_id, events):
+    async def _apply(self, seq: int, events: list[KVEvent]) -> bool:
+        """Apply batch ``seq`` (in chunks, yielding between them); False when the engine is no longer followed."""
+        chunks = chunked(events, APPLY_CHUNK_PAGES)
+        for i, chunk in enumerate(chunks):
+            if i:
+                await asyncio.sleep(0)
+                if not self.caches.is_exact(self.engine_id):  # forgotten meanwhile: joins again at its next batch
+                    self.last_seq = None
+                    return False
+            if not self.caches.apply(self.engine_id, chunk):
+                break
+        else:
             self.last_seq = seq
             self._batches.inc()
             return True
@@ -207,22 +247,22 @@ class EventFollower:
                         "estimated until its cache is next cleared", self.engine_id, batches[0][0])
             self._await_clear = True
             return
-        self._follow(batches[i][0], start)
+        if not await self._follow(batches[i][0], start):
+            return
         for seq, events in batches[i + 1:]:
-            if not self._apply(seq, events):
+            if not await self._apply(seq, events):
                 return
         log.info("engine %s: prefix hits exact from its KV events (through seq %d)", self.engine_id, self.last_seq)
 
-    async def _catch_up(self, first: int) -> bool:
-        """Apply the replayed batches from ``first``; False (and the engine joined again) when they do not start there."""
+    async def _catch_up(self, first: int) -> None:
+        """Apply the replayed batches from ``first`` on; join again when they do not start there."""
         batches = await self._replay(first)
-        if batches is not None and batches and batches[0][0] == first:
-            for seq, events in batches:
-                if not self._apply(seq, events):
-                    return False
-            return True
-        await self._join()
-        return False
+        if batches is None or not batches or batches[0][0] != first:
+            await self._join()
+            return
+        for seq, events in batches:
+            if not await self._apply(seq, events):
+                return
 
     async def _replay(self, first: int) -> list[tuple[int, list[KVEvent]]] | None:
         """The replay socket's batches from seq ``first`` on; None when there is none, it does not answer, or answers garbage."""

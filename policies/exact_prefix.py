@@ -123,15 +123,19 @@ class EngineBlocks:
                 raise EventsOutOfStep(f"BlockStored under page {event.parent_block_hash}, which is not cached")
             base, ids = parent
         tokens = tuple(event.token_ids)
+        pages, present = self._pages, self._present
+        count = present.get
         for i, engine_hash in enumerate(event.block_hashes):
             ids = ids + tokens[i * size : (i + 1) * size]
             if len(ids) == b:
-                base, ids = hash((base, ids)), ()
-            if engine_hash in self._pages:
+                base = key = hash((base, ids))
+                ids = ()
+            else:
+                key = hash((base, ids))
+            if engine_hash in pages:
                 continue  # already cached (stored twice under one hash): nothing changes
-            self._pages[engine_hash] = (base, ids)
-            key = hash((base, ids)) if ids else base
-            self._present[key] = self._present.get(key, 0) + 1
+            pages[engine_hash] = (base, ids)
+            present[key] = count(key, 0) + 1
 
     def _remove(self, engine_hashes: Sequence[int]) -> None:
         for engine_hash in engine_hashes:

@@ -18,11 +18,11 @@ from engines.sim.kv_publisher import KVEventPublisher
 from engines.sim.realtime import ENGINE
 from engines.sim.server import create_app as sim_app
 from gateway.app import create_app as gateway_app
-from gateway.kv_events import EventFollower
+from gateway.kv_events import EventFollower, chunked
 from gateway.metrics import GatewayMetrics
 from gateway.state import GATEWAY
 from laps.config import DEFAULT_CONFIG_PATH, parse_config
-from policies.exact_prefix import AllBlocksCleared, BlockRemoved, BlockStored, PrefixCaches
+from policies.exact_prefix import AllBlocksCleared, BlockRemoved, BlockStored, EngineBlocks, PrefixCaches
 from policies.prefix_index import BlockChain, PrefixIndex
 
 MODEL = "Qwen2.5-7B-Instruct"
@@ -238,3 +238,17 @@ def test_the_simulated_engine_takes_sglangs_kv_events_config():
         resolve_args(parse_server_args(["--kv-events-config", '{"publisher": "kafka"}']))
     with pytest.raises(ValueError, match="--kv-events-config"):
         resolve_args(parse_server_args(["--kv-events-config", "{not json"]))
+
+
+def test_big_batches_are_cut_into_chunks_that_apply_to_the_same_cache():
+    events = [AllBlocksCleared(), BlockStored(range(1, 8), None, list(range(100, 107)), 1), BlockRemoved([7, 6, 5]),
+              BlockStored([8, 9], 4, [200, 201], 1)]
+    chunks = chunked(events, 3)
+    assert [sum(len(e.block_hashes) for e in c if not isinstance(e, AllBlocksCleared)) for c in chunks] == [3, 3, 3, 3]
+    assert chunks[1][0] == BlockStored(range(4, 7), 3, [103, 104, 105], 1)
+    whole, pieces = EngineBlocks(4), EngineBlocks(4)
+    whole.apply(events)
+    for chunk in chunks:
+        pieces.apply(chunk)
+    prompt = BlockChain(4).extend([100, 101, 102, 103, 200, 201, 0])
+    assert whole.cached_tokens(prompt) == pieces.cached_tokens(prompt) == 6 and len(whole) == len(pieces) == 6

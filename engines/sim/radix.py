@@ -17,11 +17,14 @@ O(k log n) for k evicted leaves.
 With ``events`` (a list), the tree records what SGLang's radix cache publishes
 as KV cache events (``mem_cache/events.py`` in 0.5.23), at page size 1: a new
 leaf is a :class:`~policies.exact_prefix.BlockStored` of its tokens (one page
-each, hashed ``hash((previous page's hash, token))`` from 0, chained from its
-parent's last page), an evicted leaf a :class:`~policies.exact_prefix.BlockRemoved`
-of its pages, :meth:`RadixCache.reset` (and a new tree) an
+each, under its parent's last page), an evicted leaf a
+:class:`~policies.exact_prefix.BlockRemoved` of its pages,
+:meth:`RadixCache.reset` (and a new tree) an
 :class:`~policies.exact_prefix.AllBlocksCleared`; a split changes no page and
-records nothing. Each node then keeps the hash of its last page.
+records nothing. Page hashes are opaque ids, as SGLang's are to a consumer:
+SGLang chains SHA-256 over the tokens, here each new leaf takes the next run of
+a counter (a node's pages are ``first_hash + i``), so recording costs O(1)
+Python work per insertion or eviction, not per token.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ Key = tuple[int, ...]
 class RadixNode:
     """One edge of the tree: ``key`` is its token ids; ``lock_ref`` > 0 pins it and its ancestors."""
 
-    __slots__ = ("children", "parent", "key", "lock_ref", "last_access", "heap_seq", "page_hash")
+    __slots__ = ("children", "parent", "key", "lock_ref", "last_access", "heap_seq", "first_hash")
 
     def __init__(self, key: Key, parent: RadixNode | None) -> None:
         self.children: dict[int, RadixNode] = {}
@@ -47,7 +50,7 @@ class RadixNode:
         self.lock_ref = 0
         self.last_access = 0
         self.heap_seq = -1  # seq of this node's latest eviction-heap entry
-        self.page_hash: int | None = None  # with events: the hash of the page of its last token (None: the root)
+        self.first_hash = 0  # with events: the hash of the page of its first token; page i's is first_hash + i
 
 
 class RadixCache:
@@ -58,6 +61,7 @@ class RadixCache:
 
     def __init__(self, events: list[KVEvent] | None = None) -> None:
         self.events = events
+        self._next_hash = 1
         if events is not None:
             events.append(AllBlocksCleared())
         self.root = RadixNode((), None)
@@ -138,9 +142,8 @@ class RadixCache:
                 leaf = RadixNode(ids[pos:], node)
                 leaf.last_access = stamp
                 if self.events is not None:
-                    hashes = _page_hashes(node.page_hash, leaf.key)
-                    leaf.page_hash = hashes[-1]
-                    self.events.append(BlockStored(hashes, node.page_hash, leaf.key, 1))
+                    leaf.first_hash, self._next_hash = self._next_hash, self._next_hash + len(leaf.key)
+                    self.events.append(BlockStored(_pages(leaf), self._last_page(node), leaf.key, 1))
                 node.children[ids[pos]] = leaf
                 added = n_ids - pos
                 self.total_size += added
@@ -199,11 +202,15 @@ class RadixCache:
             freed += len(leaf.key)
             self.total_size -= len(leaf.key)
             if self.events is not None:
-                self.events.append(BlockRemoved(_page_hashes(parent.page_hash, leaf.key)))
+                self.events.append(BlockRemoved(_pages(leaf)))
             self._nodes -= 1
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 self._push(parent)
         return freed
+
+    def _last_page(self, node: RadixNode) -> int | None:
+        """The hash of ``node``'s last page (None: the root, which has none)."""
+        return None if node is self.root else node.first_hash + len(node.key) - 1
 
     def _touched(self, node: RadixNode) -> None:
         """Re-key ``node`` in the eviction heap after its access time changed, if it is an unlocked leaf."""
@@ -238,10 +245,10 @@ class RadixCache:
         upper = RadixNode(child.key[:n], parent)
         upper.lock_ref = child.lock_ref
         upper.last_access = child.last_access
-        if self.events is not None:
-            upper.page_hash = _page_hashes(parent.page_hash, upper.key)[-1]
+        upper.first_hash = child.first_hash
         parent.children[child.key[0]] = upper
         child.key = child.key[n:]
+        child.first_hash += n
         child.parent = upper
         upper.children[child.key[0]] = child
         self._nodes += 1
@@ -263,11 +270,7 @@ def _common_len(key: Key, ids: Key, start: int) -> int:
     return lo
 
 
-def _page_hashes(parent_hash: int | None, key: Key) -> list[int]:
-    """The chained page hashes of ``key``'s tokens (page size 1) after the page ``parent_hash`` (None: the root)."""
-    h = 0 if parent_hash is None else parent_hash
-    hashes = []
-    for token in key:
-        h = hash((h, token))
-        hashes.append(h)
-    return hashes
+
+def _pages(node: RadixNode) -> range:
+    """The page hashes of ``node``'s tokens (page size 1)."""
+    return range(node.first_hash, node.first_hash + len(node.key))
