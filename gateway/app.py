@@ -106,9 +106,8 @@ def create_app(config: Config, engine_urls: dict[str, str] | None = None) -> web
                 app[CONTROLLER].start()
             log.info("serving %s with %d engines: %s", config.model.name, len(urls), ", ".join(f"{k}={v}" for k, v in urls.items()))
             pd_mode = "off" if config.pd is None else f"on (decode placement {config.scheduling.decode_placement}, KV transfer {config.pd.transfer_backend})"
-            followed = ", ".join(following.followers) or "none"
-            log.info("scheduling policy %s; PD %s; controller %s; prefix hits from KV cache events of: %s", config.scheduling.policy, pd_mode,
-                     "on" if config.controller.enabled else "off", followed)
+            log.info("scheduling policy %s; PD %s; controller %s", config.scheduling.policy, pd_mode, "on" if config.controller.enabled else "off")
+            log.info("prefix hits: from the KV cache events of %s, estimated for the others", ", ".join(following.followers) or "no engine")
             yield
             poller.cancel()
             if CONTROLLER in app:

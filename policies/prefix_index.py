@@ -75,13 +75,14 @@ class BlockChain:
     def extend(self, token_ids: Sequence[int]) -> "BlockChain":
         """The chain of this sequence followed by ``token_ids``: only the new blocks are hashed (O(new tokens) hashing,
         one copy of the ids)."""
+        b = self.block_tokens
         ids = array("I", self.ids)
         ids.extend(token_ids)
+        data = (*self.tail, *token_ids)  # the tokens not keyed yet, sliced as a tuple (cheaper than from the array)
         keys = array("q", self.keys)
         prev = keys[-1] if keys else 0
-        b = self.block_tokens
-        for start in range(len(keys) * b, len(ids) - b + 1, b):
-            prev = hash((prev, tuple(ids[start : start + b])))
+        for start in range(0, len(data) - b + 1, b):
+            prev = hash((prev, data[start : start + b]))
             keys.append(prev)
         return BlockChain(b, keys, ids)
 
