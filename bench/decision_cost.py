@@ -7,7 +7,7 @@ Decision (what `gateway/handlers.py` does for a follow-up turn once the new
 message is tokenized): extend the conversation's block chain by the new tokens
 (`policies.prefix_index.BlockChain.extend`: only new blocks are hashed, as
 `laps.chat_cache.ChatPrefixCache` does), the prefix lookup on every engine and
-classification (`policies.admission.classified_view_of_keys`), the scheduler's
+classification (`policies.admission.classified_view_of_chain`), the scheduler's
 `submit` + `decide` (the ``pools`` scheduler, which dispatches at once so each
 timed decision ends in a dispatch); then, when the answer is in, `observe` of
 prompt + reply. The index first holds ``--conversations`` conversations of
@@ -49,7 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from laps.chat_cache import ChatPrefixCache  # noqa: E402
 from laps.config import load_config  # noqa: E402
 from laps.tokenizer import load_tokenizer  # noqa: E402
-from policies.admission import classified_view_of_keys  # noqa: E402
+from policies.admission import classified_view_of_chain  # noqa: E402
+from policies.exact_prefix import PrefixCaches  # noqa: E402
 from policies.prefix_index import BYTES_PER_BLOCK_ENTRY, BlockChain, PrefixIndex, block_keys  # noqa: E402
 from policies.registry import make_classifier, make_scheduler  # noqa: E402
 from policies.types import EngineView  # noqa: E402
@@ -88,6 +89,7 @@ def decision_cost(args: argparse.Namespace) -> dict:
     engine_ids = [e.id for e in engines]
     block_tokens = config.scheduling.prefix_block_tokens
     index = PrefixIndex.from_byte_budget(block_tokens, config.scheduling.prefix_index_bytes, args.engines)
+    caches = PrefixCaches(index)  # no engine followed: every H is the estimate's
     classifier = make_classifier(config.scheduling)
     scheduler = make_scheduler(config.scheduling.model_copy(update={"policy": "pools"}))
 
@@ -109,7 +111,7 @@ def decision_cost(args: argparse.Namespace) -> dict:
         now += 0.001
         t0 = time.perf_counter_ns()
         prompt = chains[c].extend(new)
-        view = classified_view_of_keys(f"r{r}", prompt.tokens, prompt.keys, now, now + config.slo.ttft_s, engine_ids, index, classifier)
+        view = classified_view_of_chain(f"r{r}", prompt, now, now + config.slo.ttft_s, engine_ids, caches, classifier)
         scheduler.submit(view, now)
         decision = scheduler.decide(engines, now)
         t1 = time.perf_counter_ns()

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 
+from engines.kv_events import KVEventsConfig, KVEventSource, loopback_publisher
 from laps.config import Config, EngineConfig, FlagValue
 
 if TYPE_CHECKING:
@@ -78,6 +79,36 @@ def free_port(host: str = "127.0.0.1") -> int:
                 continue
             return port
     raise OSError(f"no free TCP port on {host} in {FREE_PORT_RANGE[0]}-{FREE_PORT_RANGE[1]} outside the ephemeral range")
+
+
+def configured_ports(config: Config) -> set[int]:
+    """The TCP ports the configuration itself gives out on this machine: the gateway's, the engines' own, their KV bootstrap ports."""
+    ports = {config.gateway.port}
+    for engine in config.engines:
+        if engine.kind == "external":
+            continue
+        if engine.port is not None:
+            ports.add(engine.port)
+        if config.pd is not None and config.pool(engine) != "decode":
+            ports.add(config.bootstrap_port(engine))
+    return ports
+
+
+def free_ports(count: int, taken: set[int], host: str = "127.0.0.1") -> list[int]:
+    """``count`` distinct :func:`free_port` ports, none of them in ``taken`` (which they are added to).
+
+    Raises:
+        OSError: as :func:`free_port`, or no such ports after 100 tries.
+    """
+    ports: list[int] = []
+    for _ in range(100):
+        port = free_port(host)
+        if port not in taken:
+            taken.add(port)
+            ports.append(port)
+            if len(ports) == count:
+                return ports
+    raise OSError(f"no {count} free TCP ports on {host} clear of the configured ones")
 
 
 def flag_args(flags: dict[str, FlagValue]) -> list[str]:
@@ -141,18 +172,22 @@ def pd_args(config: Config, engine: EngineConfig, role: str | None = None) -> li
     return args
 
 
-def engine_command(config: Config, engine: EngineConfig, port: int, role: str | None = None) -> list[str]:
+def engine_command(config: Config, engine: EngineConfig, port: int, role: str | None = None,
+                   kv_events: KVEventsConfig | None = None) -> list[str]:
     """The command line that starts ``engine`` on ``port`` with ``role``'s flags (default: its configured role).
 
     ``sglang``: ``python -m sglang.launch_server`` (``sglang.python``), the
-    :func:`server_args`, then ``sglang.extra_args``. ``sim``: ``python -m
-    engines.sim`` with this interpreter, the :func:`server_args`, then the
+    :func:`server_args`, ``--kv-events-config`` (JSON of ``kv_events``, when
+    given), then ``sglang.extra_args``. ``sim``: ``python -m engines.sim`` with
+    this interpreter, the :func:`server_args`, ``--kv-events-config``, then the
     :func:`sim_flags` (and, with ``pd:``, the KV link's bandwidth).
 
     Raises:
         ValueError: ``engine`` is ``external`` (laps starts no process for it).
     """
     args = server_args(config, engine, port, role)
+    if kv_events is not None:
+        args += ["--kv-events-config", kv_events.model_dump_json(exclude_defaults=True)]
     if engine.kind == "sglang":
         return [str(config.sglang.python or sys.executable), "-m", "sglang.launch_server", *args, *config.sglang.extra_args]
     if engine.kind == "sim":
@@ -253,6 +288,7 @@ class EngineProcess:
     env: dict[str, str]
     port: int
     log_path: Path
+    kv_events: KVEventsConfig | None = None  # where it publishes its KV cache events (None: it does not)
     process: asyncio.subprocess.Process | None = field(default=None, repr=False)
     restarting: bool = False  # stopped on purpose by :meth:`EngineManager.restart`: not a crash
 
@@ -346,15 +382,17 @@ class EngineManager:
             RuntimeError: an engine failed to become ready (all engines are stopped first),
                 or a simulated engine's role has a flag the engine model does not take.
         """
+        taken = configured_ports(self.config)
         for engine in self.config.engines:
             if engine.kind == "external":
                 continue
             if engine.kind == "sim":
                 check_sim_flags(self.config, engine)
-            port = engine.port or free_port()
+            port = engine.port or free_ports(1, taken)[0]
+            kv_events = loopback_publisher(*free_ports(2, taken)) if self.config.publishes_kv_events(engine) else None
             self.engines[engine.name] = EngineProcess(
-                engine, engine.role, engine_command(self.config, engine, port), engine_env(self.config, engine), port,
-                self.config.log_dir / f"engine-{engine.name}.log",
+                engine, engine.role, engine_command(self.config, engine, port, kv_events=kv_events), engine_env(self.config, engine), port,
+                self.config.log_dir / f"engine-{engine.name}.log", kv_events,
             )
         try:
             for e in self.engines.values():
@@ -383,7 +421,7 @@ class EngineManager:
         try:
             await e.stop()
             e.role = role
-            e.command = engine_command(self.config, e.config, e.port, role)
+            e.command = engine_command(self.config, e.config, e.port, role, e.kv_events)
             await e.start()
             await e.wait_ready(session, self.ready_timeout_s)
         finally:
@@ -392,3 +430,22 @@ class EngineManager:
     async def stop(self) -> None:
         """Stop all engines concurrently (SIGTERM, then SIGKILL after a timeout)."""
         await asyncio.gather(*(e.stop() for e in self.engines.values()))
+
+
+def kv_event_sources(config: Config, processes: dict[str, EngineProcess]) -> dict[str, KVEventSource]:
+    """Where each engine the gateway follows (:meth:`laps.config.Config.publishes_kv_events`) publishes its KV cache
+    events: ``processes``' own (those laps started), an ``external`` engine's configured endpoints; an engine laps
+    was given the URL of is not followed."""
+    sources = {}
+    for engine in config.engines:
+        if not config.publishes_kv_events(engine):
+            continue
+        if engine.kind == "external":
+            assert engine.kv_events_endpoint is not None
+            sources[engine.name] = KVEventSource(engine.kv_events_endpoint, engine.kv_events_replay_endpoint,
+                                                 page_tokens=config.page_tokens(engine))
+        elif engine.name in processes and processes[engine.name].kv_events is not None:
+            published = processes[engine.name].kv_events
+            sources[engine.name] = KVEventSource(published.endpoint, published.replay_endpoint, published.topic,
+                                                 config.page_tokens(engine))
+    return sources

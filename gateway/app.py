@@ -2,7 +2,8 @@
 
 Start-up order (aiohttp ``cleanup_ctx``, each part cleaned only if it started):
 tokenizer (a bad ``model.path`` fails before any engine starts) -> engine
-client -> engine processes (unless given URLs) -> health poller -> pressure controller (with ``controller.enabled``). Shutdown runs the
+client -> engine processes (unless given URLs) -> KV cache event followers (with ``scheduling.kv_events``,
+:mod:`gateway.kv_events`) -> health poller -> pressure controller (with ``controller.enabled``). Shutdown runs the
 same list backwards, so no engine outlives the gateway.
 
 Shutdown (:func:`serve`, on SIGINT or SIGTERM): the gateway stops listening and
@@ -28,7 +29,7 @@ import aiohttp
 from aiohttp import web
 
 from engines.client import EngineClient
-from engines.manager import EngineManager
+from engines.manager import EngineManager, kv_event_sources
 from gateway import handlers, relay, tracing
 from gateway.admin import SWITCHES, add_admin_routes
 from gateway.controller_loop import CONTROLLER, ControllerLoop
@@ -37,6 +38,7 @@ from gateway.engine_load import fetch_engine_load
 from gateway.auth import api_key_middleware, is_loopback
 from gateway.errors import ShuttingDown, error_middleware
 from gateway.health import HealthMonitor
+from gateway.kv_events import Following
 from gateway.metrics import GatewayMetrics
 from gateway.pd_setup import PDDispatch
 from gateway.registry import EngineRegistry, EngineState
@@ -48,6 +50,7 @@ from laps.cost import engine_traits
 from laps.tokenizer import load_tokenizer
 from policies.pool_signals import FirstTokenWindow
 from policies.registry import make_classifier, make_scheduler
+from policies.exact_prefix import PrefixCaches
 from policies.prefix_index import PrefixIndex
 
 if TYPE_CHECKING:
@@ -60,7 +63,7 @@ MAX_BODY_BYTES = 64 * 1024 * 1024
 END_REQUESTS_S = 2.0
 
 
-async def _mirror_kv_capacity(client: EngineClient, registry: EngineRegistry, prefix_index: PrefixIndex) -> None:
+async def _mirror_kv_capacity(client: EngineClient, registry: EngineRegistry, prefix_index: PrefixCaches) -> None:
     """Cap each engine's prefix estimate at its KV pool (``/v1/loads``) and record the pool on the engine's state (for
     ``policy: backlog``); an engine that does not say keeps the byte budget and no capacity."""
     for engine in registry:
@@ -99,7 +102,7 @@ def create_app(config: Config, engine_urls: dict[str, str] | None = None, span_e
             registry = EngineRegistry([EngineState(e.name, urls[e.name], config.pool(e)) for e in config.engines])
             first_tokens = FirstTokenWindow(config.controller.window_s) if config.controller.enabled else None
             dispatcher = Dispatcher(make_scheduler(config.scheduling, engine_traits(config)), registry, first_tokens=first_tokens)
-            prefix_index = PrefixIndex.from_byte_budget(config.scheduling.prefix_block_tokens, config.scheduling.prefix_index_bytes, len(config.engines))
+            prefix_index = PrefixCaches(PrefixIndex.from_byte_budget(config.scheduling.prefix_block_tokens, config.scheduling.prefix_index_bytes, len(config.engines)))
             await _mirror_kv_capacity(client, registry, prefix_index)
             gw = Gateway(config, tokenizer, registry, client, make_classifier(config.scheduling), dispatcher, prefix_index, GatewayMetrics(), manager,
                          tracer=tracer,
@@ -109,6 +112,7 @@ def create_app(config: Config, engine_urls: dict[str, str] | None = None, span_e
             gw.metrics.memory_budget.labels("prefix_index").set(config.scheduling.prefix_index_bytes)
             gw.metrics.memory_budget.labels("chat_cache").set(config.scheduling.chat_cache_bytes)
             app[GATEWAY] = gw
+            following = Following(kv_event_sources(config, manager.engines if manager is not None else {}), prefix_index, gw.metrics)
             supervisor = EngineSupervisor(gw)
             monitor = HealthMonitor(gw)
             poller = asyncio.create_task(monitor.run(supervisor.check))
@@ -121,6 +125,7 @@ def create_app(config: Config, engine_urls: dict[str, str] | None = None, span_e
             if gw.api_keys is None and not is_loopback(config.gateway.host):
                 log.warning("gateway.host is %s, reachable from other machines, and gateway.api_keys is not set: "
                             "any client can use the /v1 API; set gateway.api_keys", config.gateway.host)
+            log.info("prefix hits: from the KV cache events of %s, estimated for the others", ", ".join(following.followers) or "no engine")
             yield
             poller.cancel()
             await monitor.close()
@@ -130,6 +135,7 @@ def create_app(config: Config, engine_urls: dict[str, str] | None = None, span_e
                 switch.cancel()
             await asyncio.gather(*app[SWITCHES].values(), return_exceptions=True)
             await supervisor.close()
+            await following.close()
             await relay.settle_background()
             dispatcher.close()
             with contextlib.suppress(asyncio.CancelledError):

@@ -38,7 +38,7 @@ from gateway.state import GATEWAY, Gateway
 from gateway.tracing import child_span
 from laps.chat_cache import EncodedPrompt
 from laps.tokenizer import template_tools
-from policies.admission import classified_view_of_keys
+from policies.admission import classified_view_of_chain
 from policies.output_predictor import reply_token_counts
 from policies.prefix_index import BlockChain
 from policies.types import RequestView
@@ -212,8 +212,8 @@ def _deadline_s(request: web.Request, gw: Gateway, arrival_s: float) -> float:
 async def _dispatch(request: web.Request, gw: Gateway, body: dict, path: str, prompt: EncodedPrompt, stream: bool, arrival_s: float) -> web.StreamResponse:
     rid = next_request_id()
     deadline_s = _deadline_s(request, gw, arrival_s)
-    view = classified_view_of_keys(rid, prompt.prompt.tokens, prompt.prompt.keys, arrival_s, deadline_s, [e.id for e in gw.registry],
-                                   gw.prefix_index, gw.classifier, *_output_hints(gw, body))
+    view = classified_view_of_chain(rid, prompt.prompt, arrival_s, deadline_s, [e.id for e in gw.registry],
+                                    gw.prefix_index, gw.classifier, *_output_hints(gw, body))
     if gw.config.slo.ttft_per_1k_new_tokens_s is not None and SLO_HEADER not in request.headers:
         view = dataclasses.replace(view, deadline_s=gw.config.slo.deadline_s(arrival_s, view.new_tokens))  # length-aware
     if not stream:

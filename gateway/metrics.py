@@ -38,6 +38,12 @@ class GatewayMetrics:
         self.controller_moves = Counter("laps_controller_moves", "Engines the controller moved between pools, by outcome (ok, failed)", ["from_pool", "to_pool", "outcome"], registry=self.registry)
         self.api_key_requests = Counter("laps_api_key_requests", "Requests accepted, by client API key label", ["key"], registry=self.registry)
         self.memory_budget = Gauge("laps_memory_budget_bytes", "Configured memory budgets of the gateway's caches (prefix_index, chat_cache)", ["cache"], registry=self.registry)
+        self.kv_event_batches = Counter("laps_kv_event_batches", "KV cache event batches applied to the exact prefix cache, per engine", ["engine"], registry=self.registry)
+        self.kv_event_gaps = Counter("laps_kv_event_gaps", "KV event sequence gaps seen, per engine", ["engine"], registry=self.registry)
+        self.kv_event_replays = Counter("laps_kv_event_replays", "KV event replays asked for, per engine", ["engine"], registry=self.registry)
+        self.kv_event_resets = Counter("laps_kv_event_resets", "Exact prefix caches reset (publisher restart, events out of step), per engine", ["engine"], registry=self.registry)
+        self.kv_event_bad_frames = Counter("laps_kv_event_bad_frames", "Malformed KV event messages, per engine", ["engine"], registry=self.registry)
+        self.kv_events_exact = Gauge("laps_kv_events_exact", "1 while the engine's prefix hits come from its KV events, 0 while estimated", ["engine"], registry=self.registry)
         self._classes: dict[str, ClassMetrics] = {}
         self._in_flight: dict[str, Gauge] = {}
 

@@ -17,7 +17,7 @@ from laps.chat_cache import ChatPrefixCache
 from laps.config import Config
 from laps.tokenizer import ChatTokenizer
 from policies.classifier import Classifier
-from policies.prefix_index import PrefixIndex
+from policies.exact_prefix import PrefixCaches
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Tracer
@@ -44,7 +44,7 @@ class Gateway:
     client: EngineClient
     classifier: Classifier
     dispatcher: Dispatcher
-    prefix_index: PrefixIndex
+    prefix_index: PrefixCaches
     metrics: GatewayMetrics
     manager: EngineManager | None = None
     pd: PDDispatch | None = None

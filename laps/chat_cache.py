@@ -16,10 +16,11 @@ When the engine's answer is in, :meth:`ChatPrefixCache.reply_chain` and
 reply, so the conversation's next request (which sends that reply back) only
 tokenizes its new user message.
 
-The tokens themselves are not kept: the gateway only needs the prompt's length
-and block keys. Memory per cached chat is 8 bytes per block and per tail token
-plus ``CHAIN_OVERHEAD_BYTES`` and ``ENTRY_OVERHEAD_BYTES``; the least recently
-used chats go when the byte budget is exceeded. A digest collision (64-bit)
+A chain keeps the token ids too (4 bytes a token): an engine whose KV cache
+events the gateway follows answers H inside a block from them
+(:mod:`policies.exact_prefix`). Memory per cached chat is 8 bytes per block, 4
+per token, plus ``CHAIN_OVERHEAD_BYTES`` and ``ENTRY_OVERHEAD_BYTES``; the
+least recently used chats go when the byte budget is exceeded. A digest collision (64-bit)
 would give a wrong count for one request; nothing else depends on it.
 
 Not thread-safe except :meth:`ChatPrefixCache.encode` and

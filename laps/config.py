@@ -132,6 +132,12 @@ class SchedulingConfig(_Strict):
     share is further capped at that engine's KV pool); ``chat_cache_bytes``: the
     memory budget of the tokenized chats the gateway keeps so that a
     conversation's next turn tokenizes only its new message (:mod:`laps.chat_cache`).
+    ``kv_events``: follow each engine's KV cache events (SGLang
+    ``--kv-events-config``) so that its prefix hits are exact
+    (:mod:`policies.exact_prefix`); laps adds the flag to the engines it starts,
+    an ``external`` engine is followed at its ``kv_events_endpoint``; an engine
+    that publishes nothing is estimated. Each engine's page size (its role's
+    ``page-size`` flag, default 1) must divide ``prefix_block_tokens``.
     ``policy``: the scheduler (see :data:`policies.registry.POLICIES`): ``laps``
     (AWD windows, gated long prefills), ``pools`` (short/long pools, no
     window), or a baseline over all engines: ``least_load`` (unified FCFS),
@@ -160,6 +166,7 @@ class SchedulingConfig(_Strict):
     prefix_block_tokens: int = Field(16, ge=1)
     prefix_index_bytes: int = Field(64 * 2**20, ge=1024)
     chat_cache_bytes: int = Field(64 * 2**20, ge=0)
+    kv_events: bool = True
 
 
 class RoleConfig(_Strict):
@@ -249,7 +256,10 @@ class EngineConfig(_Strict):
     restarts nothing there, and it takes neither ``gpus`` nor ``port``; its
     role only names its pool. ``bootstrap_port``: with ``pd:``, where this
     engine serves SGLang's KV bootstrap when it prefills (default: see
-    :class:`PDConfig`).
+    :class:`PDConfig`). ``kv_events_endpoint`` / ``kv_events_replay_endpoint``:
+    where an ``external`` engine publishes its KV cache events and serves their
+    replay (its ``--kv-events-config`` ``endpoint`` and ``replay_endpoint``, as
+    reachable from here); laps picks them itself for the engines it starts.
     """
 
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
@@ -259,6 +269,8 @@ class EngineConfig(_Strict):
     port: int | None = Field(None, ge=1, le=65535)
     url: str | None = Field(None, pattern=r"^https?://[^/\s]+$")
     bootstrap_port: int | None = Field(None, ge=1, le=65535)
+    kv_events_endpoint: str | None = Field(None, pattern=r"^(tcp|ipc)://\S+$")
+    kv_events_replay_endpoint: str | None = Field(None, pattern=r"^(tcp|ipc)://\S+$")
 
 
 class ControllerConfig(PressureControllerConfig):
@@ -363,6 +375,7 @@ class Config(_Strict):
         _check_controller_roles(self)
         _check_pd(self)
         _check_scheduling(self)
+        _check_kv_events(self)
         return self
 
     def pool(self, engine: EngineConfig) -> str:
@@ -385,6 +398,16 @@ class Config(_Strict):
         if engine.bootstrap_port is not None:
             return engine.bootstrap_port
         return self.pd.bootstrap_port if engine.kind == "external" else self.pd.bootstrap_port + self.engines.index(engine)
+
+    def page_tokens(self, engine: EngineConfig, role: str | None = None) -> int:
+        """``engine``'s KV page size in tokens with ``role`` (default: its configured role): the role's ``page-size``
+        flag, else SGLang's default 1."""
+        return int(self.roles[role or engine.role].flags.get("page-size", 1))
+
+    def publishes_kv_events(self, engine: EngineConfig) -> bool:
+        """Whether the gateway follows ``engine``'s KV cache events: ``scheduling.kv_events`` is on and laps starts the
+        engine (and so adds the flag), or the engine is ``external`` with a ``kv_events_endpoint``."""
+        return self.scheduling.kv_events and (engine.kind != "external" or engine.kv_events_endpoint is not None)
 
 
 def _check_controller_roles(config: Config) -> None:
@@ -466,16 +489,48 @@ def _check_scheduling(config: Config) -> None:
                          "of a prefill-decode deployment and needs the pd: section; without it use scheduling.policy: aligned")
 
 
+KV_EVENTS_FLAG = "kv-events-config"
+
+
+def _check_kv_events(config: Config) -> None:
+    """With ``scheduling.kv_events``: no role sets the flag laps sets, and, when some engine is followed, every role's
+    pages divide the prefix blocks (an engine may move to any role). Without it: no engine names an endpoint nothing
+    would follow."""
+    if not config.scheduling.kv_events:
+        for i, engine in enumerate(config.engines):
+            if engine.kv_events_endpoint is not None:
+                raise ValueError(f"engines.{i}.kv_events_endpoint: scheduling.kv_events is false, so nothing follows it; remove it or turn kv_events on")
+        return
+    for name, role in config.roles.items():
+        if KV_EVENTS_FLAG in role.flags:
+            raise ValueError(f"roles.{name}.flags.{KV_EVENTS_FLAG}: laps sets this flag (one endpoint per engine) while "
+                             "scheduling.kv_events is on; remove it, or set scheduling.kv_events: false to manage it yourself")
+    block = config.scheduling.prefix_block_tokens
+    if not any(config.publishes_kv_events(e) for e in config.engines):
+        return
+    for name, role in config.roles.items():
+        page = role.flags.get("page-size", 1)
+        if not isinstance(page, int) or page < 1 or block % page:
+            raise ValueError(f"roles.{name}.flags.page-size: pages of {page!r} tokens must divide scheduling.prefix_block_tokens "
+                             f"({block}) for the engines' KV events to give exact prefix hits; change one, or set "
+                             "scheduling.kv_events: false")
+
+
 def _check_kind(i: int, engine: EngineConfig) -> None:
     if engine.kind != "external":
         if engine.url is not None:
             raise ValueError(f"engines.{i}.url: only kind external takes a url; laps starts kind {engine.kind} engines itself on 127.0.0.1 (set port instead)")
+        for key in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            if getattr(engine, key) is not None:
+                raise ValueError(f"engines.{i}.{key}: only kind external takes one; laps picks the KV event ports of the engines it starts")
         return
     if engine.url is None:
         raise ValueError(f"engines.{i}.url: kind external needs the engine's url (http://host:port)")
     for key in ("gpus", "port"):
         if getattr(engine, key):
             raise ValueError(f"engines.{i}.{key}: kind external takes no {key}; the engine runs elsewhere, at its url")
+    if engine.kv_events_replay_endpoint is not None and engine.kv_events_endpoint is None:
+        raise ValueError(f"engines.{i}.kv_events_replay_endpoint: needs kv_events_endpoint (where the engine publishes)")
 
 
 def _allowed_keys(loc: tuple) -> list[str]:

@@ -63,6 +63,8 @@ class RequestRecord:
     ``"unknown"``; ``status`` the HTTP status (``None`` if no response);
     ``error`` is ``None`` for a success. ``user`` and ``max_tokens`` make the
     record replayable (see :func:`loadgen.workloads.load_replay`).
+    ``cached_tokens_est`` is the H the gateway routed by on the chosen engine
+    (the ``x-laps-cached-tokens-est`` header; ``None`` without it).
     """
 
     conversation_id: str
@@ -79,6 +81,7 @@ class RequestRecord:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     cached_tokens: int | None = None
+    cached_tokens_est: int | None = None
     laps_class: str = "unknown"
     status: int | None = None
     error: str | None = None
@@ -260,6 +263,8 @@ class _Run:
             ) as resp:
                 rec.status = resp.status
                 rec.laps_class = resp.headers.get("x-laps-class", "unknown")
+                est = resp.headers.get("x-laps-cached-tokens-est")
+                rec.cached_tokens_est = int(est) if est is not None and est.isdigit() else None
                 if resp.status != 200:
                     rec.error = f"HTTP {resp.status}: {error_text(await resp.read())}"
                 else:

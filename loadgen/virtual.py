@@ -17,7 +17,10 @@ What runs is what runs live, minus sockets and the wall clock:
   :class:`~gateway.registry.EngineRegistry`) → first-token and completion hooks
   → ``prefix_index.observe`` with the engine's reported cached tokens; the
   classifier, prefix index and scheduler are built from the config by the
-  same registry functions the gateway uses;
+  same registry functions the gateway uses; with ``scheduling.kv_events`` the
+  prefix caches (:class:`~policies.exact_prefix.PrefixCaches`) follow the
+  events of every engine that would publish live, taken from its core's radix
+  cache when each pass ends (when the live engine publishes them);
 * each **engine** an :class:`~engines.sim.core.EngineCore` built from the
   command line the engine manager would give it (its role's flags, parsed by
   the simulated engine's own parser), stepped back to back as the live engine
@@ -70,6 +73,7 @@ from policies.admission import classified_view
 from policies.output_predictor import reply_token_counts
 from policies.controller import EngineSignals, Move, PressureController
 from policies.pool_signals import FirstTokenWindow, LoadSample, engine_signals, queued_new_tokens
+from policies.exact_prefix import PrefixCaches
 from policies.prefix_index import PrefixIndex, block_keys
 from policies.registry import make_classifier, make_scheduler
 from policies.types import RequestView
@@ -86,7 +90,7 @@ def engine_core(config: Config, engine: EngineConfig, tokenizer: ChatTokenizer, 
             (``roles.<role>.flags.<flag> ...``, see :func:`engines.manager.sim_model`).
     """
     sim = sim_model(config, engine, role)
-    return EngineCore(sim.config, sim.latency, tokenizer)
+    return EngineCore(sim.config, sim.latency, tokenizer, kv_events=config.publishes_kv_events(engine))
 
 
 def engine_cores(config: Config, tokenizer: ChatTokenizer) -> dict[str, EngineCore]:
@@ -169,10 +173,13 @@ class VirtualRun:
         self.registry = EngineRegistry([EngineState(e.name, f"virtual://{e.name}", config.pool(e)) for e in config.engines])
         self.scheduler = make_scheduler(config.scheduling, engine_traits(config))
         self.classifier = make_classifier(config.scheduling)
-        self.prefix_index = PrefixIndex.from_byte_budget(config.scheduling.prefix_block_tokens, config.scheduling.prefix_index_bytes, len(config.engines))
+        self.prefix_index = PrefixCaches(PrefixIndex.from_byte_budget(config.scheduling.prefix_block_tokens, config.scheduling.prefix_index_bytes, len(config.engines)))
+        self._engine_configs = {e.name: e for e in config.engines}
+        self._roles = {e.name: e.role for e in config.engines}  # the role each engine runs now
         self.engines = {name: EngineSlot(name, core) for name, core in engine_cores(config, tokenizer).items()}
         for name, engine in self.engines.items():  # as the live gateway does from /v1/loads
             self.prefix_index.set_capacity(name, engine.core.config.max_total_tokens)
+            self._follow_kv_events(engine)
             self.registry[name].kv_capacity_tokens = engine.core.config.max_total_tokens
         self.request_timeout_s = request_timeout_s
         self.ignore_eos = ignore_eos
@@ -192,8 +199,6 @@ class VirtualRun:
         self._failures: list[tuple[SimRequest, int, str]] = []
         self._duration_s = 0.0
         self._on_record: Callable[[RequestRecord], None] | None = None
-        self._engine_configs = {e.name: e for e in config.engines}
-        self._roles = {e.name: e.role for e in config.engines}  # the role each engine runs now
         control = config.controller
         self.controller = PressureController(control.pressure_config()) if control.enabled else None
         self.first_tokens = FirstTokenWindow(control.window_s)
@@ -265,12 +270,12 @@ class VirtualRun:
         record = RequestRecord(c.id, c.source, k, turn.content, turn.max_tokens, now)
         prompt_ids = self.tokenizer.encode_chat(conv.history)
         replies = reply_token_counts(conv.history, self.tokenizer.encode) if self.config.scheduling.policy == "backlog" else ()
-        view, keys = classified_view(rid, prompt_ids, now, now + self.config.slo.ttft_s, self._engine_ids,
-                                     self.prefix_index, self.classifier, turn.max_tokens, replies)
+        view, chain = classified_view(rid, prompt_ids, now, now + self.config.slo.ttft_s, self._engine_ids,
+                                      self.prefix_index, self.classifier, turn.max_tokens, replies)
         if self.config.slo.ttft_per_1k_new_tokens_s is not None:
             view = dataclasses.replace(view, deadline_s=self.config.slo.deadline_s(now, view.new_tokens))  # length-aware
         record.laps_class = view.request_class
-        req = SimRequest(conv, record, view, keys, prompt_ids)
+        req = SimRequest(conv, record, view, chain.keys, prompt_ids)
         self._requests[rid] = req
         self._push(now + self.request_timeout_s, _TIMEOUT, req)
         self.scheduler.submit(view, now)
@@ -328,6 +333,7 @@ class VirtualRun:
     def _dispatch(self, req: SimRequest, engine_id: str) -> None:
         self.registry.acquire(engine_id, req.view.prompt_tokens)
         req.engine_id = engine_id
+        req.record.cached_tokens_est = req.view.cached_by_engine.get(engine_id, 0)  # as the gateway's header
         if self._hop_s:
             self._push(self.now + self._hop_s, _ENGINE_IN, (req, self.engines[engine_id]))
         else:
@@ -377,8 +383,21 @@ class VirtualRun:
             if not engine.busy:
                 self._step(engine)
 
+    def _follow_kv_events(self, engine: EngineSlot) -> None:
+        """Follow ``engine``'s (fresh) core's KV cache events, when it publishes them."""
+        if self.config.publishes_kv_events(self._engine_configs[engine.id]):
+            self.prefix_index.follow(engine.id, self.config.page_tokens(self._engine_configs[engine.id], self._roles[engine.id]))
+            self._publish_kv_events(engine)
+
+    def _publish_kv_events(self, engine: EngineSlot) -> None:
+        """Apply the events ``engine``'s core recorded since the last call (a replaced core's are dropped with it)."""
+        if self.engines.get(engine.id) is engine:
+            self.prefix_index.apply(engine.id, engine.core.take_kv_events())
+
     def _step(self, engine: EngineSlot) -> None:
         result = engine.core.step(self.now)
+        if result.idle:
+            self._publish_kv_events(engine)
         if result.admitted:  # tokens streamed at the pass's start (a PD decode engine's arrived requests)
             self._send(engine.id, result.admitted)
         if result.idle:
@@ -390,6 +409,7 @@ class VirtualRun:
 
     def _on_step(self, engine: EngineSlot, result: StepResult) -> None:
         engine.busy = False
+        self._publish_kv_events(engine)  # the pass ended: its cache changes are published
         if engine.core.has_work():
             self._step(engine)  # the next pass starts before the gateway sees this one's tokens
         self._send(engine.id, result.events)
@@ -525,6 +545,7 @@ class VirtualRun:
         self._roles[engine_id] = role
         self.prefix_index.forget_engine(engine_id)
         self.prefix_index.set_capacity(engine_id, core.config.max_total_tokens)
+        self._follow_kv_events(self.engines[engine_id])
         self.first_tokens.forget_engine(engine_id)
         state = self.registry[engine_id]
         state.pool, state.draining = move.to_pool, False

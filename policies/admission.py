@@ -11,31 +11,31 @@ import dataclasses
 from typing import Iterable, Sequence
 
 from policies.classifier import Classifier
-from policies.prefix_index import PrefixIndex, block_keys
+from policies.exact_prefix import PrefixCaches
+from policies.prefix_index import BlockChain
 from policies.types import RequestView
 
 
 def classified_view(rid: str, prompt_ids: Sequence[int], arrival_s: float, deadline_s: float, engine_ids: Iterable[str],
-                    prefix_index: PrefixIndex, classifier: Classifier, max_tokens: int | None = None,
-                    reply_tokens: tuple[int, ...] = ()) -> tuple[RequestView, list[int]]:
-    """The request's view, classified, and its prefix block keys (to :meth:`PrefixIndex.observe` later).
+                    prefix_caches: PrefixCaches, classifier: Classifier, max_tokens: int | None = None,
+                    reply_tokens: tuple[int, ...] = ()) -> tuple[RequestView, BlockChain]:
+    """The request's view, classified, and its prompt's chain (whose keys go to :meth:`PrefixCaches.observe` later).
 
-    ``cached_by_engine`` holds H per engine from ``prefix_index``; the view's
+    ``cached_by_engine`` holds H per engine from ``prefix_caches``; the view's
     ``cached_tokens`` is the best of them, so L = prompt − max H decides the class.
     ``max_tokens`` and ``reply_tokens`` go into the view as they are (output-length prediction).
     """
-    keys = block_keys(prompt_ids, prefix_index.block_tokens)
-    view = classified_view_of_keys(rid, len(prompt_ids), keys, arrival_s, deadline_s, engine_ids, prefix_index, classifier,
-                                   max_tokens, reply_tokens)
-    return view, keys
+    chain = BlockChain(prefix_caches.block_tokens).extend(prompt_ids)
+    view = classified_view_of_chain(rid, chain, arrival_s, deadline_s, engine_ids, prefix_caches, classifier,
+                                    max_tokens, reply_tokens)
+    return view, chain
 
 
-def classified_view_of_keys(rid: str, prompt_tokens: int, keys: Sequence[int], arrival_s: float, deadline_s: float,
-                            engine_ids: Iterable[str], prefix_index: PrefixIndex, classifier: Classifier,
-                            max_tokens: int | None = None, reply_tokens: tuple[int, ...] = ()) -> RequestView:
-    """As :func:`classified_view`, for a prompt of ``prompt_tokens`` tokens whose block keys are already known
-    (``keys``, e.g. :attr:`policies.prefix_index.BlockChain.keys` from an incrementally encoded chat)."""
-    cached_by_engine = {e: prefix_index.cached_tokens(e, keys) for e in engine_ids}
-    view = RequestView(rid, prompt_tokens, max(cached_by_engine.values(), default=0), arrival_s, deadline_s,
+def classified_view_of_chain(rid: str, chain: BlockChain, arrival_s: float, deadline_s: float,
+                             engine_ids: Iterable[str], prefix_caches: PrefixCaches, classifier: Classifier,
+                             max_tokens: int | None = None, reply_tokens: tuple[int, ...] = ()) -> RequestView:
+    """As :func:`classified_view`, for a prompt already encoded as ``chain`` (e.g. incrementally, from a chat)."""
+    cached_by_engine = {e: prefix_caches.cached_tokens(e, chain) for e in engine_ids}
+    view = RequestView(rid, chain.tokens, max(cached_by_engine.values(), default=0), arrival_s, deadline_s,
                        cached_by_engine=cached_by_engine, max_tokens=max_tokens, reply_tokens=reply_tokens)
     return dataclasses.replace(view, request_class=classifier.classify(view))

@@ -48,36 +48,48 @@ def block_keys(token_ids: Sequence[int], block_tokens: int) -> list[int]:
 
 @dataclass(frozen=True, slots=True)
 class BlockChain:
-    """The block keys of a token sequence, extendable without re-hashing the blocks already keyed.
+    """The block keys and token ids of a token sequence, extendable without re-hashing the blocks already keyed.
 
     ``keys`` equals :func:`block_keys` of the whole sequence (signed 64-bit
-    ``hash`` values, stored compactly: 8 bytes a block); ``tail`` holds the
-    tokens after the last full block (8 bytes a token); ``tokens`` is the
-    sequence's length.
+    ``hash`` values, stored compactly: 8 bytes a block); ``ids`` holds the
+    sequence's token ids (4 bytes a token: what an exact prefix cache needs to
+    place a hit inside a block, :mod:`policies.exact_prefix`); ``tail`` is the
+    ids after the last full block; ``tokens`` is the sequence's length.
     A chain is never changed in place: :meth:`extend` returns a new one, so
     a conversation's chain can be shared by every later turn.
     """
 
     block_tokens: int
     keys: array = field(default_factory=lambda: array("q"))
-    tail: array = field(default_factory=lambda: array("q"))
-    tokens: int = 0
+    ids: array = field(default_factory=lambda: array("I"))
+
+    @property
+    def tokens(self) -> int:
+        return len(self.ids)
+
+    @property
+    def tail(self) -> array:
+        """The token ids after the last full block."""
+        return self.ids[len(self.keys) * self.block_tokens:]
 
     def extend(self, token_ids: Sequence[int]) -> "BlockChain":
-        """The chain of this sequence followed by ``token_ids``: only the new blocks are hashed (O(new tokens))."""
-        data = (*self.tail, *token_ids)
-        full = len(data) - len(data) % self.block_tokens
+        """The chain of this sequence followed by ``token_ids``: only the new blocks are hashed (O(new tokens) hashing,
+        one copy of the ids)."""
+        b = self.block_tokens
+        ids = array("I", self.ids)
+        ids.extend(token_ids)
+        data = (*self.tail, *token_ids)  # the tokens not keyed yet, sliced as a tuple (cheaper than from the array)
         keys = array("q", self.keys)
         prev = keys[-1] if keys else 0
-        for start in range(0, full, self.block_tokens):
-            prev = hash((prev, data[start : start + self.block_tokens]))
+        for start in range(0, len(data) - b + 1, b):
+            prev = hash((prev, data[start : start + b]))
             keys.append(prev)
-        return BlockChain(self.block_tokens, keys, array("q", data[full:]), self.tokens + len(token_ids))
+        return BlockChain(b, keys, ids)
 
     @property
     def nbytes(self) -> int:
-        """Memory held by this chain: 8 bytes a key and a tail token plus ``CHAIN_OVERHEAD_BYTES``."""
-        return 8 * (len(self.keys) + len(self.tail)) + CHAIN_OVERHEAD_BYTES
+        """Memory held by this chain: 8 bytes a key, 4 a token id, plus ``CHAIN_OVERHEAD_BYTES``."""
+        return 8 * len(self.keys) + 4 * len(self.ids) + CHAIN_OVERHEAD_BYTES
 
 
 class PrefixIndex:

@@ -29,7 +29,7 @@ def test_default_config_is_the_documented_deployment():
         (lambda d: d["engines"][0].update(kind="gpu"), ["engines.0.kind", "'sim'", "'gpu'"]),
         (lambda d: d["gateway"].update(prot=8000), ["gateway.prot: unknown key; allowed: admin_key, api_keys, first_byte_timeout_s, host, port, request_timeout_s, shutdown_grace_s, stall_timeout_s"]),
         (lambda d: d["roles"]["mixed"].update(flag={}), ["roles.mixed.flag: unknown key; allowed: flags, pool"]),
-        (lambda d: d["engines"][0].update(colour="red"), ["engines.0.colour: unknown key; allowed: bootstrap_port, gpus, kind, name, port, role, url"]),
+        (lambda d: d["engines"][0].update(colour="red"), ["engines.0.colour: unknown key; allowed: bootstrap_port, gpus, kind, kv_events_endpoint, kv_events_replay_endpoint, name, port, role, url"]),
         (lambda d: d["engines"][1].update(role="tiny"), ["engines.1.role", "'tiny'", "allowed: long-prefill, mixed, short-prefill"]),
         (lambda d: d["roles"]["short-prefill"].update(pool="medium"), ["roles.short-prefill.pool", "'short', 'long' or 'decode'", "'medium'"]),
         (lambda d: d["engines"][1].update(name="sp0"), ["engines.1.name", "'sp0'", "more than one engine"]),
@@ -53,6 +53,18 @@ def test_default_config_is_the_documented_deployment():
           "and the short and long pools have 2 engine(s) in all; set it below 2 or disable the controller"]),
         (lambda d: d["scheduling"].update(laps={"window_min_ms": 10_000}), ["scheduling.laps: window_min_ms must not exceed window_max_ms"]),
         (lambda d: d["scheduling"].update(laps={"token_buckets": [128, 64]}), ["scheduling.laps: token_buckets and length_buckets must be strictly increasing"]),
+        (lambda d: d["roles"]["mixed"]["flags"].update({"kv-events-config": "{}"}),
+         ["roles.mixed.flags.kv-events-config: laps sets this flag (one endpoint per engine) while scheduling.kv_events is on"]),
+        (lambda d: d["roles"]["mixed"]["flags"].update({"page-size": 3}),
+         ["roles.mixed.flags.page-size: pages of 3 tokens must divide scheduling.prefix_block_tokens (16)"]),
+        (lambda d: d["engines"][0].update(kv_events_endpoint="tcp://h:1"),
+         ["engines.0.kv_events_endpoint: only kind external takes one; laps picks the KV event ports of the engines it starts"]),
+        (lambda d: d["engines"][0].update(kind="external", gpus=[], url="http://h:1", kv_events_replay_endpoint="tcp://h:2"),
+         ["engines.0.kv_events_replay_endpoint: needs kv_events_endpoint"]),
+        (lambda d: (d["scheduling"].update(kv_events=False), d["engines"][0].update(kind="external", gpus=[], url="http://h:1", kv_events_endpoint="tcp://h:2")),
+         ["engines.0.kv_events_endpoint: scheduling.kv_events is false, so nothing follows it"]),
+        (lambda d: d["engines"][0].update(kind="external", gpus=[], url="http://h:1", kv_events_endpoint="h:2"),
+         ["engines.0.kv_events_endpoint", "should match pattern"]),
     ],
 )
 def test_bad_config_names_key_value_and_allowed(edit, expected):
@@ -91,6 +103,21 @@ def test_controller_is_on_where_it_can_work_and_its_roles_are_checked_when_on_or
     controller = parse_config(data).controller
     assert (controller.role_for("short"), controller.role_for("long")) == ("short-prefill", "long-prefill")
     assert controller.pressure_config().hysteresis == 2.0 and controller.sim_restart_s == 30.0
+
+
+def test_kv_events_are_followed_where_laps_starts_the_engine_or_an_external_one_names_its_endpoint():
+    data = default_data()
+    data["roles"]["mixed"]["flags"]["page-size"] = 4
+    data["engines"] += [{"name": "far", "kind": "external", "role": "mixed", "url": "http://h:1", "kv_events_endpoint": "tcp://h:5557"},
+                        {"name": "dark", "kind": "external", "role": "mixed", "url": "http://h:2"}]
+    config = parse_config(data)
+    assert [(e.name, config.publishes_kv_events(e), config.page_tokens(e)) for e in config.engines] == [
+        ("sp0", True, 1), ("lp0", True, 1), ("far", True, 4), ("dark", False, 4)]
+    data["scheduling"]["kv_events"] = False
+    del data["engines"][2]["kv_events_endpoint"]
+    data["roles"]["mixed"]["flags"].update({"kv-events-config": "{}", "page-size": 3})  # laps neither sets nor checks them
+    config = parse_config(data)
+    assert not any(config.publishes_kv_events(e) for e in config.engines)
 
 
 def test_unreadable_and_non_yaml_files(tmp_path: Path):

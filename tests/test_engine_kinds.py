@@ -14,7 +14,9 @@ import pytest
 import yaml
 from aiohttp.test_utils import TestServer
 
-from engines.manager import FREE_PORT_RANGE, EngineManager, _ephemeral_ports, engine_command, engine_env, free_port, server_args
+from engines.kv_events import KVEventSource
+from engines.manager import (FREE_PORT_RANGE, EngineManager, EngineProcess, _ephemeral_ports, engine_command, engine_env, free_port,
+                             kv_event_sources, server_args)
 from gateway.app import create_app
 from gateway.state import GATEWAY
 from laps.config import DEFAULT_CONFIG_PATH, Config, load_config, parse_config
@@ -215,3 +217,37 @@ def test_free_ports_are_outside_the_ephemeral_range_and_bindable():
         assert FREE_PORT_RANGE[0] <= port <= FREE_PORT_RANGE[1] and port not in _ephemeral_ports()
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind(("127.0.0.1", port))
+
+
+def test_engines_laps_starts_publish_kv_events_on_ports_of_their_own(monkeypatch, tmp_path: Path):
+    config = config_with([{"name": "sp0", "kind": "sim", "role": "short-prefill", "port": 31000},
+                          {"name": "lp0", "kind": "sglang", "role": "long-prefill"},
+                          {"name": "far", "kind": "external", "role": "long-prefill", "url": "http://10.0.0.7:30000",
+                           "kv_events_endpoint": "tcp://10.0.0.7:5557", "kv_events_replay_endpoint": "tcp://10.0.0.7:5558"}],
+                         log_dir=str(tmp_path))
+    started = []
+
+    async def no_process(self):
+        started.append(self)
+
+    async def ready(self, session, timeout_s):
+        return None
+
+    monkeypatch.setattr(EngineProcess, "start", no_process)
+    monkeypatch.setattr(EngineProcess, "wait_ready", ready)
+    manager = EngineManager(config)
+    asyncio.run(manager.start(session=None))
+    ports = [p.port for p in started]
+    kv_ports = [int(e.split(":")[-1]) for p in started for e in (p.kv_events.endpoint, p.kv_events.replay_endpoint)]
+    assert len(set(ports + kv_ports)) == 6 and config.gateway.port not in kv_ports and 31000 in ports
+    for p in started:
+        flag = p.command.index("--kv-events-config")
+        assert json.loads(p.command[flag + 1]) == {"publisher": "zmq", "endpoint": p.kv_events.endpoint, "bind": True,
+                                                   "replay_endpoint": p.kv_events.replay_endpoint}
+        assert p.kv_events.endpoint.startswith("tcp://127.0.0.1:")
+    sources = kv_event_sources(config, manager.engines)
+    assert sources["far"] == KVEventSource("tcp://10.0.0.7:5557", "tcp://10.0.0.7:5558")
+    assert sources["sp0"] == KVEventSource(manager.engines["sp0"].kv_events.endpoint, manager.engines["sp0"].kv_events.replay_endpoint)
+    assert set(sources) == {"sp0", "lp0", "far"} and kv_event_sources(config, {}).keys() == {"far"}  # engines given by URL: not followed
+    off = config.model_copy(update={"scheduling": config.scheduling.model_copy(update={"kv_events": False})})
+    assert "--kv-events-config" not in engine_command(off, off.engines[0], 31000) and kv_event_sources(off, manager.engines) == {}

@@ -97,5 +97,6 @@ def test_block_chain_extended_piece_by_piece_equals_block_keys_of_the_whole(part
         whole += part
         assert list(chain.keys) == block_keys(whole, block_tokens)
         assert list(chain.tail) == whole[len(whole) - len(whole) % block_tokens:] and chain.tokens == len(whole)
+        assert list(chain.ids) == whole
         assert before.tokens == len(whole) - len(part)  # extend never changes the chain it extends
-    assert chain.nbytes == 8 * (len(chain.keys) + len(chain.tail)) + CHAIN_OVERHEAD_BYTES
+    assert chain.nbytes == 8 * len(chain.keys) + 4 * len(whole) + CHAIN_OVERHEAD_BYTES

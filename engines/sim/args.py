@@ -27,6 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from pydantic import ValidationError
+
+from engines.kv_events import KVEventsConfig
 from engines.sim.calibration_file import load_calibration
 from engines.sim.core import SCHEDULE_POLICIES, EngineConfig, default_max_running_requests
 from engines.sim.faults import parse_fault
@@ -90,6 +93,7 @@ class SimServerArgs:
     enable_mixed_chunk: bool = False
     enable_metrics: bool = False
     enable_cache_report: bool = False
+    kv_events_config: str | None = None
     sim_model: str | None = None
     sim_gpu: str = "h200"
     sim_decode_spread: str = "roofline"
@@ -114,6 +118,7 @@ class ResolvedSim:
     mem_fraction_static: float
     latency: LatencyModel
     config: EngineConfig
+    kv_events: KVEventsConfig | None = None  # --kv-events-config with publisher zmq: the engine publishes its KV cache events
 
     @property
     def decode_graph(self) -> GraphSpec:
@@ -237,7 +242,15 @@ def resolve_args(args: SimServerArgs) -> ResolvedSim:
         disaggregation_mode=args.disaggregation_mode,
     )
     tokenizer_path = args.tokenizer_path or (args.model_path if Path(args.model_path).is_dir() else None)
-    return ResolvedSim(args, sim_model, args.served_model_name or args.model_path, tokenizer_path, mfs, latency, config)
+    kv_events = None
+    if args.kv_events_config is not None:
+        try:
+            kv_events = KVEventsConfig.model_validate_json(args.kv_events_config)
+        except ValidationError as err:
+            raise ValueError(f"--kv-events-config: {err.errors()[0]['msg']} at {'.'.join(map(str, err.errors()[0]['loc'])) or 'the top'}") from None
+        if kv_events.publisher == "null":
+            kv_events = None
+    return ResolvedSim(args, sim_model, args.served_model_name or args.model_path, tokenizer_path, mfs, latency, config, kv_events)
 
 
 EPILOG = """\
@@ -296,6 +309,9 @@ def build_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--enable-metrics", action="store_true", help="serve Prometheus metrics at /metrics")
     p.add_argument("--enable-cache-report", action="store_true",
                    help="put usage.prompt_tokens_details.cached_tokens in OpenAI responses")
+    p.add_argument("--kv-events-config", metavar="JSON",
+                   help='publish KV cache events as SGLang does, e.g. \'{"publisher": "zmq", "endpoint": "tcp://*:5557", '
+                        '"replay_endpoint": "tcp://*:5558"}\' (default: none)')
     p.add_argument("--sim-model", choices=sorted(MODELS), help="simulated model (default: from --model-path)")
     p.add_argument("--sim-gpu", choices=sorted(GPUS), help=f"simulated GPU (default {d.sim_gpu})")
     p.add_argument("--sim-decode-spread", metavar="KAPPA",

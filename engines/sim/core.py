@@ -98,6 +98,7 @@ from engines.sim.latency import LatencyModel, SeqShape
 from engines.sim.radix import RadixCache, RadixNode
 from engines.sim.replies import IncrementalDetokenizer, ReplyPlanner, find_stop
 from laps.tokenizer import ChatTokenizer
+from policies.exact_prefix import KVEvent
 
 CLIP_MAX_NEW_TOKENS = 4096  # SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION
 INIT_NEW_TOKEN_RATIO = 0.7  # SGLANG_INIT_NEW_TOKEN_RATIO
@@ -310,15 +311,17 @@ class EngineCore:
     """SGLang-like continuous batching over a simulated GPU (see the module doc).
 
     ``tokenizer`` decodes replies for stop strings and supplies the reply
-    vocabulary; ``latency`` prices every forward pass.
+    vocabulary; ``latency`` prices every forward pass. ``kv_events``: the prefix
+    cache records SGLang's KV cache events (:mod:`engines.sim.radix`), taken
+    with :meth:`take_kv_events`.
     """
 
-    def __init__(self, config: EngineConfig, latency: LatencyModel, tokenizer: ChatTokenizer) -> None:
+    def __init__(self, config: EngineConfig, latency: LatencyModel, tokenizer: ChatTokenizer, kv_events: bool = False) -> None:
         self.config = config
         self.latency = latency
         self._tokenizer = tokenizer
         self._planner = ReplyPlanner(tokenizer)
-        self.tree = RadixCache()
+        self.tree = RadixCache([] if kv_events else None)
         self._waiting: list[_Req] = []
         self._running: list[_Req] = []
         self._chunked: _Req | None = None
@@ -481,6 +484,14 @@ class EngineCore:
         self.tree.reset()
         self._last_hit_rate = 0.0
         return True
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """The KV cache events recorded since the last call, oldest first ([] without ``kv_events``)."""
+        events = self.tree.events
+        if not events:
+            return []
+        self.tree.events = []
+        return events
 
     def has_work(self) -> bool:
         """True while any request is waiting or running (not counting prefilled ones waiting for their KV transfer)."""

@@ -13,6 +13,18 @@ an entry is stale (skipped when popped) unless it is the node's latest push and
 the node is still an attached, unlocked leaf. The heap is rebuilt from the
 leaves when stale entries outnumber live nodes, so eviction costs
 O(k log n) for k evicted leaves.
+
+With ``events`` (a list), the tree records what SGLang's radix cache publishes
+as KV cache events (``mem_cache/events.py`` in 0.5.23), at page size 1: a new
+leaf is a :class:`~policies.exact_prefix.BlockStored` of its tokens (one page
+each, under its parent's last page), an evicted leaf a
+:class:`~policies.exact_prefix.BlockRemoved` of its pages,
+:meth:`RadixCache.reset` (and a new tree) an
+:class:`~policies.exact_prefix.AllBlocksCleared`; a split changes no page and
+records nothing. Page hashes are opaque ids, as SGLang's are to a consumer:
+SGLang chains SHA-256 over the tokens, here each new leaf takes the next run of
+a counter (a node's pages are ``first_hash + i``), so recording costs O(1)
+Python work per insertion or eviction, not per token.
 """
 
 from __future__ import annotations
@@ -21,13 +33,15 @@ import heapq
 import itertools
 from typing import Sequence
 
+from policies.exact_prefix import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+
 Key = tuple[int, ...]
 
 
 class RadixNode:
     """One edge of the tree: ``key`` is its token ids; ``lock_ref`` > 0 pins it and its ancestors."""
 
-    __slots__ = ("children", "parent", "key", "lock_ref", "last_access", "heap_seq")
+    __slots__ = ("children", "parent", "key", "lock_ref", "last_access", "heap_seq", "first_hash")
 
     def __init__(self, key: Key, parent: RadixNode | None) -> None:
         self.children: dict[int, RadixNode] = {}
@@ -36,12 +50,20 @@ class RadixNode:
         self.lock_ref = 0
         self.last_access = 0
         self.heap_seq = -1  # seq of this node's latest eviction-heap entry
+        self.first_hash = 0  # with events: the hash of the page of its first token; page i's is first_hash + i
 
 
 class RadixCache:
-    """Prefix cache over token-id tuples with lock references and LRU eviction of unlocked leaves."""
+    """Prefix cache over token-id tuples with lock references and LRU eviction of unlocked leaves.
 
-    def __init__(self) -> None:
+    ``events``: where to record KV cache events (module doc); None records none.
+    """
+
+    def __init__(self, events: list[KVEvent] | None = None) -> None:
+        self.events = events
+        self._next_hash = 1
+        if events is not None:
+            events.append(AllBlocksCleared())
         self.root = RadixNode((), None)
         self.root.lock_ref = 1  # the root is never evicted
         self._clock = 0
@@ -58,7 +80,7 @@ class RadixCache:
 
     def reset(self) -> None:
         """Drop every entry (the caller guarantees nothing is locked)."""
-        self.__init__()
+        self.__init__(self.events)
 
     def peek_prefix(self, ids: Sequence[int]) -> int:
         """Length of the longest cached prefix of ``ids``, changing nothing (no split, no access time)."""
@@ -119,6 +141,9 @@ class RadixCache:
             if child is None:
                 leaf = RadixNode(ids[pos:], node)
                 leaf.last_access = stamp
+                if self.events is not None:
+                    leaf.first_hash, self._next_hash = self._next_hash, self._next_hash + len(leaf.key)
+                    self.events.append(BlockStored(_pages(leaf), self._last_page(node), leaf.key, 1))
                 node.children[ids[pos]] = leaf
                 added = n_ids - pos
                 self.total_size += added
@@ -176,10 +201,16 @@ class RadixCache:
             leaf.parent = None
             freed += len(leaf.key)
             self.total_size -= len(leaf.key)
+            if self.events is not None:
+                self.events.append(BlockRemoved(_pages(leaf)))
             self._nodes -= 1
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 self._push(parent)
         return freed
+
+    def _last_page(self, node: RadixNode) -> int | None:
+        """The hash of ``node``'s last page (None: the root, which has none)."""
+        return None if node is self.root else node.first_hash + len(node.key) - 1
 
     def _touched(self, node: RadixNode) -> None:
         """Re-key ``node`` in the eviction heap after its access time changed, if it is an unlocked leaf."""
@@ -214,8 +245,10 @@ class RadixCache:
         upper = RadixNode(child.key[:n], parent)
         upper.lock_ref = child.lock_ref
         upper.last_access = child.last_access
+        upper.first_hash = child.first_hash
         parent.children[child.key[0]] = upper
         child.key = child.key[n:]
+        child.first_hash += n
         child.parent = upper
         upper.children[child.key[0]] = child
         self._nodes += 1
@@ -235,3 +268,9 @@ def _common_len(key: Key, ids: Key, start: int) -> int:
         else:
             hi = mid
     return lo
+
+
+
+def _pages(node: RadixNode) -> range:
+    """The page hashes of ``node``'s tokens (page size 1)."""
+    return range(node.first_hash, node.first_hash + len(node.key))

@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from engines.sim.faults import parse_fault
 from engines.sim.args import ResolvedSim
 from engines.sim.core import EngineCore, RequestEvent
+from engines.sim.kv_publisher import KVEventPublisher
 from engines.sim.pd_http import PDShell
 from laps.tokenizer import ChatTokenizer
 
@@ -94,7 +95,7 @@ class SimEngine:
     def __init__(self, sim: ResolvedSim, tokenizer: ChatTokenizer) -> None:
         self.sim = sim
         self.tokenizer = tokenizer
-        self.core = EngineCore(sim.config, sim.latency, tokenizer)
+        self.core = EngineCore(sim.config, sim.latency, tokenizer, kv_events=sim.kv_events is not None)
         self.metrics = EngineMetrics(sim.served_model_name)
         self.ready = False
         self.startup_time = time.time()
@@ -105,6 +106,12 @@ class SimEngine:
         self.pd: PDShell | None = None  # the KV hand-off of a --disaggregation-mode prefill/decode engine
         fault = parse_fault(sim.args.sim_fault)
         self.slowdown = 1.0 if fault is None else fault.slowdown  # --sim-fault slow:N
+        self.kv_publisher: KVEventPublisher | None = None  # with --kv-events-config: where the cache's events go
+
+    def publish_kv_events(self) -> None:
+        """Send the prefix cache's events since the last call as one batch (SGLang publishes one per scheduler step)."""
+        if self.kv_publisher is not None:
+            self.kv_publisher.publish(self.core.take_kv_events())
 
     async def start(self) -> None:
         """Start the forward-pass loop."""
@@ -215,6 +222,7 @@ class SimEngine:
             result = self.core.step(start)
             self._deliver(result.admitted)  # first tokens of transferred requests stream as their pass starts
             if result.idle:  # nothing schedulable; an abort it made (if any) may free room
+                self.publish_kv_events()
                 self._deliver(result.events)
                 if not result.events:
                     self._wake.clear()
@@ -223,6 +231,7 @@ class SimEngine:
                 continue
             planned = start + (0.0 if self.sim.args.sim_zero_time else result.duration_s * self.slowdown)
             await asyncio.sleep(max(0.0, planned - self.clock()))
+            self.publish_kv_events()
             self._deliver(result.events)
 
     def _deliver(self, events: Iterable[RequestEvent]) -> None:

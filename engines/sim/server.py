@@ -9,7 +9,9 @@ The engine loop lives in :mod:`engines.sim.realtime`, the OpenAI endpoints in
 * ``POST /generate`` (cumulative ``text`` and ``output_ids`` per SSE chunk);
 * ``GET /v1/models``, ``/model_info``, ``/server_info``, ``/v1/loads``, ``/ready``,
   ``/health`` (a 1-token generation), ``/metrics`` (with ``--enable-metrics``);
-  ``POST /abort_request``, ``/flush_cache``.
+  ``POST /abort_request``, ``/flush_cache``;
+* with ``--kv-events-config``, the prefix cache's KV cache events over ZMQ, as SGLang
+  publishes them (:mod:`engines.sim.kv_publisher`).
 
 A client that disconnects aborts its request (counted in
 ``sglang:num_aborted_requests_total``).
@@ -33,6 +35,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from engines.sim.args import SimServerArgs, resolve_args
 from engines.sim.core import RequestEvent
 from engines.sim.faults import FAULT, parse_fault
+from engines.sim.kv_publisher import KVEventPublisher
 from engines.sim.kv_transfer import kv_transfer_bytes
 from engines.sim.openai_api import chat_completions, completions
 from engines.sim.pd_http import PDShell
@@ -267,7 +270,9 @@ async def abort_request(request: web.Request) -> web.Response:
 
 async def flush_cache(request: web.Request) -> web.Response:
     """``POST|GET /flush_cache``: empty the prefix cache when idle (400 while requests run)."""
-    if request.app[ENGINE].core.flush_cache():
+    engine = request.app[ENGINE]
+    if engine.core.flush_cache():
+        engine.publish_kv_events()
         return web.Response(text=FLUSH_OK)
     return web.Response(text="Flush cache failed: there are running or waiting requests.\n", status=400)
 
@@ -303,6 +308,8 @@ def create_app(args: SimServerArgs, tokenizer: ChatTokenizer | None = None) -> w
         engine.pd = PDShell(engine, args.disaggregation_mode, args.sim_kv_link_gb_s * 1e9, rank_kv_bytes_per_token)
 
     async def engine_ctx(_: web.Application) -> AsyncIterator[None]:
+        if sim.kv_events is not None:
+            engine.kv_publisher = KVEventPublisher(sim.kv_events)
         await engine.start()
         bootstrap = None
         if engine.pd is not None and engine.pd.mode == "prefill":
@@ -311,6 +318,8 @@ def create_app(args: SimServerArgs, tokenizer: ChatTokenizer | None = None) -> w
             await web.TCPSite(bootstrap, args.host, args.disaggregation_bootstrap_port).start()
         yield
         await engine.stop()
+        if engine.kv_publisher is not None:
+            await engine.kv_publisher.close()
         if engine.pd is not None:
             await engine.pd.close()
         if bootstrap is not None:
