@@ -420,8 +420,8 @@ class LapsScheduler:
 
     def _cheapest_for_long(self, engines: Sequence[EngineView], request: RequestView, now: float,
                            clean: Sequence[str]) -> EngineView:
-        """The engine of ``engines`` (not empty) where long ``request`` costs least (ties: the long pool, then fewer in
-        flight, then list order).
+        """The engine of ``engines`` (not empty) where long ``request`` costs least (ties, costs within one
+        pass of the cheapest: the long pool, then fewer in flight, then list order).
 
         The cost is :meth:`_cost`, plus, on an engine of ``clean`` (those with no long prefill in progress), the wait
         its prefill P causes the short batches that would go there meanwhile: P × (short batches per second ÷ clean
@@ -436,7 +436,10 @@ class LapsScheduler:
                 c += own_s * self._short_batches.at(now) / len(clean) * 0.5 * min(own_s, self.model.chunk_pass_s)
             return c
 
-        return min(engines, key=lambda e: (cost(e), e.pool != "long", e.in_flight, order[e.id]))
+        costs = {e.id: cost(e) for e in engines}
+        # The model does not resolve times finer than one forward pass: costs that close count as equal.
+        close = min(costs.values()) + self.model.pass_floor_s
+        return min((e for e in engines if costs[e.id] <= close), key=lambda e: (e.pool != "long", e.in_flight, order[e.id]))
 
     def _account(self, load: dict[str, EngineView], engine_id: str, batch: list[RequestView], short: bool, now: float) -> None:
         engine = load[engine_id]

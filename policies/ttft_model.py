@@ -125,6 +125,7 @@ class EngineQueueModel:
         self.chunk_tokens = traits.chunk_tokens
         self.short_first = traits.short_first
         self.chunk_pass_s = traits.cost.prefill_s(((traits.chunk_tokens, 0),))
+        self.pass_floor_s = traits.cost.prefill_s(((1, 0),))  # the shortest forward pass: the model's resolution
         self._pending: dict[str, _Prefill] = {}
         self._by_engine: dict[str, dict[str, _Prefill]] = {}
         self._clock: dict[str, float] = {}  # engine -> the time its entries' remaining_s are as of
@@ -201,6 +202,8 @@ class EngineQueueModel:
         if p is None:
             return
         entries = self._advance(p.engine_id, now)
+        if rid not in entries:  # unstreamed, and already taken as prefilled by the model: it decodes already
+            return
         del self._pending[rid]
         del entries[rid]
         if self._current.get(p.engine_id) is p:

@@ -226,6 +226,13 @@ def test_a_long_prefill_takes_a_clean_short_engine_only_when_that_beats_the_shor
     assert busy.stats()["long_prefills_to_short_pool_total"] == 0
 
 
+def test_a_long_prefill_stays_in_its_pool_when_another_engine_is_cheaper_by_less_than_one_pass():
+    s = LapsScheduler(config(), TRAITS)
+    # 24 template tokens cached on s save 0.24 ms there: under the 5.01 ms of the shortest pass, so a tie.
+    s.submit(RequestView("L", 3000, 24, 0.0, SLO_S, "long", cached_by_engine={"s": 24}), 0.0)
+    assert s.decide(ENGINES, 0.0).dispatches == (Dispatch("l", ("L",)),)
+
+
 SPF = EngineTraits(LinearCost(), chunk_tokens=4096, short_first=True)
 
 
@@ -234,10 +241,10 @@ def test_on_shortest_prefill_first_engines_long_prefills_are_not_held_and_pay_fo
     s = LapsScheduler(config(), SPF)
     s.model.dispatched("a", ["big"], [(20000, 0)], 0.0)  # a is in a 20,000-token prefill
     for i in range(4):
-        s.model.dispatched("b", [f"p{i}"], [(900, 0)], 0.0)  # b has 4 × 14 ms of 900-token prefills
+        s.model.dispatched("b", [f"p{i}"], [(800, 0)], 0.0)  # b has 4 × 13 ms of 800-token prefills
     s.submit(long("N", 1000, 0.0), 0.0)
-    # On a, N waits for a chunk (45.96 ms) and its own 15 ms, and delays the big one 15 ms: 76 ms in all; on b it
-    # waits 56 ms for the shorter ones and its own 15 ms: 71 ms.
+    # On a, N waits for a chunk (45.96 ms) and its own 15 ms, and delays the big one 15 ms: 76 ms in all (61 ms
+    # without that charge); on b it waits 52 ms for the shorter ones and its own 15 ms: 67 ms.
     assert s.decide(engines, 0.0).dispatches == (Dispatch("b", ("N",)),)
     for i, n in enumerate((30000, 30000, 30000)):  # no gate: each goes at once
         s.submit(long(f"L{i}", n, 0.0), 0.0)

@@ -88,6 +88,15 @@ def test_unstreamed_requests_count_as_prefilled_at_their_predicted_time():
     assert m.backlog_end_s("e", 0.5) == 0.5
 
 
+def test_an_unstreamed_answer_after_its_predicted_prefill_is_taken_as_told_once():
+    m = EngineQueueModel(TRAITS)
+    m.dispatched("e", ["a"], [(1000, 0)], 0.0, stream=False)
+    m.first_token("a", 0.5)  # the whole answer, long after the predicted 15 ms: nothing left to correct
+    assert (m.prefilling("e", 0.5), m.decoding("e")) == (0, 1)
+    m.finished("a")
+    assert m.decoding("e") == 0
+
+
 def test_bad_chunk_size_is_refused():
     with pytest.raises(ValueError, match="chunk_tokens"):
         EngineQueueModel(EngineTraits(LinearCost(), chunk_tokens=0))
