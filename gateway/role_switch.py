@@ -52,7 +52,8 @@ async def switch_role(gw: Gateway, engine_id: str, role: str, drain_timeout_s: f
     Raises:
         ValueError: the gateway runs no engine processes, ``engine_id`` is not
             one of them (unknown or external), ``role`` is not defined, or it
-            would move the engine between the prefill and decode sides.
+            would move the engine between the prefill and decode sides without
+            ``pd.role_switch``.
         RuntimeError: the restarted engine did not become ready; it stays out
             of routing. Or the engine refused the flip, or could not be
             reached for it: it serves its old role again.
