@@ -161,14 +161,18 @@ def pd_args(config: Config, engine: EngineConfig, role: str | None = None) -> li
     decode``, any other ``prefill`` plus the engine's
     ``--disaggregation-bootstrap-port`` (:meth:`Config.bootstrap_port`: one
     port per prefill engine, so several can share a node); both sides get
-    ``--disaggregation-transfer-backend`` from ``pd.transfer_backend``.
+    ``--disaggregation-transfer-backend`` from ``pd.transfer_backend``. With
+    ``pd.role_switch`` every engine gets ``--enable-pd-role-switch`` and its
+    bootstrap port, decode engines too (a flipped one serves KV from it).
     """
     if config.pd is None:
         return []
     mode = "decode" if config.roles[role or engine.role].pool == "decode" else "prefill"
     args = ["--disaggregation-mode", mode, "--disaggregation-transfer-backend", config.pd.transfer_backend]
-    if mode == "prefill":
+    if mode == "prefill" or config.pd.role_switch:
         args += ["--disaggregation-bootstrap-port", str(config.bootstrap_port(engine))]
+    if config.pd.role_switch:
+        args.append("--enable-pd-role-switch")
     return args
 
 

@@ -3,9 +3,11 @@
 ``GET /admin/engines`` and ``POST /admin/engines/{id}/role`` (body
 ``{"role": NAME, "drain_timeout_s": S}``) need ``Authorization: Bearer
 <gateway.admin_key>``; without a configured key the admin API is off (403).
-A role switch drains and restarts the engine (minutes for real SGLang), so
-the POST answers 202 at once and ``GET /admin/engines`` shows ``switching``
-until it is done.
+A move to a role with the same flags is instant (``"status": "moving"``);
+any other drains the engine, then flips it between prefill and decode in place
+(``pd.role_switch``: SGLang's ``POST /pd_role_switch``) or restarts it (minutes
+for real SGLang), so the POST answers 202 at once (``"status": "switching"``)
+and ``GET /admin/engines`` shows ``switching`` until it is done.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from aiohttp import web
 
 from gateway.auth import admin_key_given
 from gateway.errors import APIError
-from gateway.role_switch import check_same_side, switch_role
+from gateway.role_switch import check_side, switch_role
 from gateway.state import GATEWAY, Gateway
 
 log = logging.getLogger("laps.gateway")
@@ -73,7 +75,7 @@ async def set_role(request: web.Request) -> web.Response:
     if not isinstance(role, str) or role not in gw.config.roles:
         raise APIError(400, f"role: expected one of {', '.join(sorted(gw.config.roles))}, got {role!r}", param="role")
     try:
-        check_same_side(gw, engine_id, role)
+        check_side(gw, engine_id, role)
     except ValueError as err:
         raise APIError(400, f"role: {err}", param="role") from None
     if not isinstance(drain_timeout_s, (int, float)) or isinstance(drain_timeout_s, bool) or drain_timeout_s < 0:

@@ -206,7 +206,7 @@ class SGLangConfig(_Strict):
     env: dict[str, str] = Field(default_factory=dict)
 
 
-PD_FLAGS = ("disaggregation-mode", "disaggregation-transfer-backend", "disaggregation-bootstrap-port")
+PD_FLAGS = ("disaggregation-mode", "disaggregation-transfer-backend", "disaggregation-bootstrap-port", "enable-pd-role-switch")
 """The SGLang flags laps sets on every engine of a PD deployment (from ``pd:`` and the role's pool); roles may not."""
 
 
@@ -222,15 +222,36 @@ class PDConfig(_Strict):
     65535, and clear of the gateway's and the engines' HTTP ports), an external
     prefill engine on ``bootstrap_port`` itself (8998, SGLang's own default,
     unless changed), unless the engine sets its own ``bootstrap_port`` (decode
-    engines take none). ``link``: the KV link the simulated engines
+    engines take none, unless ``role_switch``). ``link``: the KV link the simulated engines
     model (a preset of :data:`engines.sim.kv_transfer.LINKS`); ``link_gb_s``
     overrides its bandwidth (GB/s per port and direction).
+
+    ``role_switch``: every engine laps runs gets ``--enable-pd-role-switch``
+    and a bootstrap port of its own (decode engines too: SGLang 0.5.23 then runs
+    the bootstrap server on every PD instance), so a move between a prefill role
+    and a decode role with the same flags flips the idle engine with ``POST
+    /pd_role_switch`` instead of restarting it (:mod:`gateway.role_switch`);
+    SGLang refuses it on the ``nixl`` backend. ``decode_cuda_graph_memory_gb``:
+    what such a flip to decode says the decode CUDA graphs will take (SGLang
+    requires the figure when the engine has none captured yet, and refuses the
+    flip when less GPU memory is free). Our estimate for Qwen2.5-7B on one H200,
+    not a measurement; a decode engine's ``/v1/loads?include=memory``
+    ``memory.graph_gb`` is the measured figure.
     """
 
     transfer_backend: Literal["mooncake", "nixl", "mooncake_tcp", "mori", "ascend"] = "mooncake"
     bootstrap_port: int = Field(8998, ge=1, le=65535)
     link: Literal[tuple(LINKS)] = "nvlink"  # type: ignore[valid-type]
     link_gb_s: float | None = Field(None, gt=0)
+    role_switch: bool = False
+    decode_cuda_graph_memory_gb: float = Field(2.0, ge=0)
+
+    @model_validator(mode="after")
+    def _check_role_switch(self) -> "PDConfig":
+        if self.role_switch and self.transfer_backend == "nixl":
+            raise ValueError("role_switch: SGLang 0.5.23's nixl transfer backend does not support a runtime role switch; "
+                             "use mooncake, mooncake_tcp, mori or ascend, or turn role_switch off")
+        return self
 
     @property
     def link_bytes_per_s(self) -> float:
@@ -383,9 +404,26 @@ class Config(_Strict):
         return self.roles[engine.role].pool
 
     def instant_move(self, current_role: str, new_role: str) -> bool:
-        """Whether an engine running ``current_role`` takes ``new_role`` without a restart: the two roles give
-        the engine the same flags, so only what the gateway sends it changes (its pool)."""
-        return self.roles[current_role].flags == self.roles[new_role].flags
+        """Whether an engine running ``current_role`` takes ``new_role`` without a restart or a drain: the two
+        roles give the engine the same flags and the same side of a PD deployment (prefill or decode), so only
+        what the gateway sends it changes (its pool)."""
+        current, new = self.roles[current_role], self.roles[new_role]
+        return current.flags == new.flags and (current.pool == "decode") == (new.pool == "decode")
+
+    def pd_flip(self, current_role: str, new_role: str) -> bool:
+        """Whether an engine running ``current_role`` takes ``new_role`` by SGLang's runtime role switch (drained,
+        then ``POST /pd_role_switch``, no restart): ``pd.role_switch`` is on, one role is a prefill role and the
+        other the decode role, and the two give the engine the same flags."""
+        current, new = self.roles[current_role], self.roles[new_role]
+        return (self.pd is not None and self.pd.role_switch and current.flags == new.flags
+                and (current.pool == "decode") != (new.pool == "decode"))
+
+    def serves_bootstrap(self, engine: EngineConfig) -> bool:
+        """Whether ``engine`` serves a KV bootstrap port: a prefill engine of a PD deployment, or any engine
+        laps runs with ``pd.role_switch`` (it may flip to prefill)."""
+        if self.pd is None:
+            return False
+        return self.pool(engine) != "decode" or (self.pd.role_switch and engine.kind != "external")
 
     def bootstrap_port(self, engine: EngineConfig) -> int:
         """Where ``engine`` serves SGLang's KV bootstrap as a prefill engine (see :class:`PDConfig`).
@@ -455,9 +493,9 @@ def _check_pd(config: Config) -> None:
     taken = {e.port: f"engine {e.name!r}" for e in config.engines if e.kind != "external" and e.port is not None}
     taken.setdefault(config.gateway.port, "the gateway (gateway.port)")
     for i, engine in enumerate(config.engines):
-        if config.pool(engine) == "decode":
+        if not config.serves_bootstrap(engine):
             if engine.bootstrap_port is not None:
-                raise ValueError(f"engines.{i}.bootstrap_port: {engine.name!r} is a decode engine (role {engine.role!r}); only prefill engines serve a KV bootstrap port; remove it")
+                raise ValueError(f"engines.{i}.bootstrap_port: {engine.name!r} is a decode engine (role {engine.role!r}); only prefill engines serve a KV bootstrap port; remove it (or set pd.role_switch, with which every engine laps runs has one)")
             continue
         if engine.kind == "external":
             continue  # it runs elsewhere: its port cannot clash with ours

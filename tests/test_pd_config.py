@@ -124,6 +124,9 @@ def test_every_pd_command_line_parses_in_sglang(sglang_python: Path):
         config = pd_config(pd={"transfer_backend": backend})
         for engine in config.engines:
             cases[f"{backend}/{engine.role}/{engine.name}"] = server_args(config, engine, 30000)
+    flip = pd_config(pd={"role_switch": True})  # --enable-pd-role-switch and a bootstrap port on decode engines too
+    for engine in flip.engines:
+        cases[f"role_switch/{engine.role}/{engine.name}"] = server_args(flip, engine, 30000)
     cpu = pd_config(sglang={"extra_args": sglang_env.CPU_SERVER_ARGS}, engines=[dict(e, kind="sglang") for e in PD_ENGINES])
     for engine in cpu.engines:
         cases[f"sglang-cpu-test/{engine.role}/{engine.name}"] = engine_command(cpu, engine, 30000)[3:]

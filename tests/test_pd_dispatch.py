@@ -211,7 +211,8 @@ async def test_the_admin_api_refuses_moves_between_the_prefill_and_decode_sides(
         error = (await resp.json())["error"]
     assert error["param"] == "role"
     assert error["message"] == (f"role: engine {engine!r} serves the {pools[0]} pool and role {role!r} the {pools[1]} pool: engines move "
-                                "between the short and long prefill pools only; the decode pool is sized in the config")
+                                "between the short and long prefill pools only; the decode pool is sized in the config "
+                                "(set pd.role_switch to flip engines between prefill and decode)")
 
 
 async def test_an_unreachable_prefill_engine_aborts_the_waiting_decode_side_and_the_pair_is_retried(pd_stack):

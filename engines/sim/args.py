@@ -103,6 +103,7 @@ class SimServerArgs:
     disaggregation_mode: str = "null"
     disaggregation_transfer_backend: str = "mooncake"
     disaggregation_bootstrap_port: int = 8998
+    enable_pd_role_switch: bool = False
     sim_kv_link_gb_s: float = LINKS["nvlink"].bandwidth_bytes_per_s / 1e9
     log_level: str = "info"
 
@@ -334,6 +335,9 @@ def build_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
                    help=f"KV transfer backend (accepted; the sim models a link instead, default {d.disaggregation_transfer_backend})")
     p.add_argument("--disaggregation-bootstrap-port", type=int,
                    help=f"a prefill engine's KV bootstrap port (default {d.disaggregation_bootstrap_port})")
+    p.add_argument("--enable-pd-role-switch", action="store_true",
+                   help="allow POST /pd_role_switch to flip an idle PD engine between prefill and decode "
+                        "(see engines.sim.role_switch)")
     p.add_argument("--sim-kv-link-gb-s", type=float,
                    help=f"simulated KV link bandwidth, GB/s, for PD transfers (default {d.sim_kv_link_gb_s:g}: NVLink)")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), help="log level (default info)")

@@ -91,7 +91,7 @@ from __future__ import annotations
 
 import random
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple, Sequence
 
 from engines.sim.latency import LatencyModel, SeqShape
@@ -477,9 +477,13 @@ class EngineCore:
                  + list(self._arrived) + list(self._waiting))
         return [ev for ev in (self.abort(r.rid) for r in order) if ev is not None]
 
+    def fully_idle(self) -> bool:
+        """True when no request is waiting, running or holding KV for a transfer."""
+        return not self._reqs
+
     def flush_cache(self) -> bool:
         """Empty the prefix cache; refused (False) while any request is waiting or running."""
-        if self._reqs:
+        if not self.fully_idle():
             return False
         self.tree.reset()
         self._last_hit_rate = 0.0
@@ -492,6 +496,23 @@ class EngineCore:
             return []
         self.tree.events = []
         return events
+
+    def switch_disaggregation_mode(self, mode: str) -> bool:
+        """Flip an idle PD engine to ``mode`` (``"prefill"`` or ``"decode"``) and empty its prefix cache.
+
+        SGLang 0.5.23 (``disaggregation/role_switch.py``) resets the radix cache and the KV pool on a
+        flip: cached prefixes would be stale in the new role. Refused (False) while any request is
+        waiting, running or holding KV for a transfer, as :meth:`flush_cache`.
+
+        Raises:
+            ValueError: ``mode`` is not a PD mode.
+        """
+        if mode not in ("prefill", "decode"):
+            raise ValueError(f"a PD engine flips to prefill or decode, not {mode!r}")
+        if not self.flush_cache():
+            return False
+        self.config = replace(self.config, disaggregation_mode=mode)
+        return True
 
     def has_work(self) -> bool:
         """True while any request is waiting or running (not counting prefilled ones waiting for their KV transfer)."""

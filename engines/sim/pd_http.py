@@ -25,6 +25,11 @@ same hand-off over plain HTTP, honestly but simply:
   token streams when a pass admits it. A failed hand-off ends the request
   with ``finish_reason`` ``abort``.
 
+With ``--enable-pd-role-switch`` an idle engine flips between the two
+(:mod:`engines.sim.role_switch`: :attr:`PDShell.mode` changes) and every PD
+engine serves the bootstrap server, as SGLang runs one on every flip-capable
+instance.
+
 Not modelled live: transfers sharing a link (each one gets the full
 bandwidth; :mod:`engines.sim.kv_transfer` models the sharing in virtual time),
 the decode engine's KV pre-allocation before the transfer, and any
@@ -79,6 +84,10 @@ class PDShell:
         self._room_of: dict[str, int] = {}  # prefill: rid -> room
         self._receiving: dict[str, asyncio.Task] = {}  # decode: rid -> hand-off task
         self._session: aiohttp.ClientSession | None = None
+
+    def busy(self) -> bool:
+        """True while a room is open (prefill side) or a KV hand-off is in flight (decode side)."""
+        return bool(self._rooms or self._receiving)
 
     def transfer_s(self, prompt_tokens: int) -> float:
         """Modelled time to move ``prompt_tokens`` tokens of KV over the link (seconds)."""

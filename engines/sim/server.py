@@ -12,6 +12,7 @@ The engine loop lives in :mod:`engines.sim.realtime`, the OpenAI endpoints in
   ``POST /abort_request``, ``/flush_cache``;
 * with ``--kv-events-config``, the prefix cache's KV cache events over ZMQ, as SGLang
   publishes them (:mod:`engines.sim.kv_publisher`).
+* ``POST /pd_role_switch`` (:mod:`engines.sim.role_switch`).
 
 A client that disconnects aborts its request (counted in
 ``sglang:num_aborted_requests_total``).
@@ -53,6 +54,7 @@ from engines.sim.protocol import (
     stop_list,
 )
 from engines.sim.realtime import ENGINE, HEALTH_CHECK_RID_PREFIX, SimEngine
+from engines.sim.role_switch import add_role_switch_route
 from laps.tokenizer import ChatTokenizer, load_tokenizer
 
 log = logging.getLogger("engines.sim")
@@ -137,7 +139,7 @@ async def model_info(request: web.Request) -> web.Response:
         "model_path": sim.args.model_path, "served_model_name": sim.served_model_name,
         "tokenizer_path": sim.tokenizer_path, "is_generation": True, "preferred_sampling_params": None,
         "weight_version": "default", "load_format": "sim", "reasoning_parser": None, "tool_call_parser": None,
-        "disaggregation_mode": sim.args.disaggregation_mode, "has_image_understanding": False, "has_audio_understanding": False,
+        "disaggregation_mode": request.app[ENGINE].core.config.disaggregation_mode, "has_image_understanding": False, "has_audio_understanding": False,
         "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"],
     })
 
@@ -150,7 +152,7 @@ async def server_info(request: web.Request) -> web.Response:
     info = dataclasses.asdict(sim.args)
     info.update(
         served_model_name=sim.served_model_name, tokenizer_path=sim.tokenizer_path, sim_model=sim.sim_model,
-        mem_fraction_static=sim.mem_fraction_static,
+        mem_fraction_static=sim.mem_fraction_static, disaggregation_mode=engine.core.config.disaggregation_mode,
         cuda_graph_config={phase: {"backend": g.backend, "bs": list(g.sizes)}
                            for phase, g in (("decode", sim.decode_graph), ("prefill", sim.prefill_graph))},
         chunked_prefill_size=sim.config.chunked_prefill_size or -1, max_total_tokens=sim.config.max_total_tokens,
@@ -190,7 +192,7 @@ def _load_dict(engine: SimEngine, include: set[str] | None) -> dict[str, Any]:
             "kv_cache_gb": round(s.max_total_num_tokens * m.kv_bytes_per_token / sim.latency.tp_size / 1e9, 3),
             "graph_gb": 0.0, "token_capacity": s.max_total_num_tokens}),
         "disaggregation": ("disagg", {
-            "mode": sim.args.disaggregation_mode, "prefill_bootstrap_queue_reqs": 0, "prefill_inflight_queue_reqs": 0,
+            "mode": engine.core.config.disaggregation_mode, "prefill_bootstrap_queue_reqs": 0, "prefill_inflight_queue_reqs": 0,
             "decode_prealloc_queue_reqs": 0, "decode_transfer_queue_reqs": 0, "decode_retracted_queue_reqs": 0,
             "kv_transfer_speed_gb_s": 0.0, "kv_transfer_latency_ms": 0.0}),
         "queues": ("queues", {"waiting": s.num_waiting_reqs, "grammar": 0, "paused": 0, "retracted": 0,
@@ -312,7 +314,7 @@ def create_app(args: SimServerArgs, tokenizer: ChatTokenizer | None = None) -> w
             engine.kv_publisher = KVEventPublisher(sim.kv_events)
         await engine.start()
         bootstrap = None
-        if engine.pd is not None and engine.pd.mode == "prefill":
+        if engine.pd is not None and (engine.pd.mode == "prefill" or args.enable_pd_role_switch):  # SGLang: every flip-capable PD engine
             bootstrap = web.AppRunner(engine.pd.bootstrap_app(), access_log=None)
             await bootstrap.setup()
             await web.TCPSite(bootstrap, args.host, args.disaggregation_bootstrap_port).start()
@@ -338,6 +340,7 @@ def create_app(args: SimServerArgs, tokenizer: ChatTokenizer | None = None) -> w
         app.router.add_get(path, handler)
     app.router.add_post("/flush_cache", flush_cache)
     app.router.add_post("/abort_request", abort_request)
+    add_role_switch_route(app)
     if args.enable_metrics:
         app.router.add_get("/metrics", metrics)
     return app
