@@ -132,6 +132,7 @@ def create_app(config: Config, engine_urls: dict[str, str] | None = None, span_e
             await supervisor.close()
             await relay.settle_background()
             dispatcher.close()
+            await gw.encoder.close()
             with contextlib.suppress(asyncio.CancelledError):
                 await poller
         finally:
