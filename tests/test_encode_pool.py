@@ -65,11 +65,13 @@ async def test_pooled_tools_chats_and_text_prompts_equal_inline_encoding(pool):
 
 
 async def test_large_texts_do_not_hold_up_a_mid_size_one(pool):
-    """The mid-size text (threads) does not queue behind 40 large ones (the worker process): it is done first."""
-    big = [asyncio.ensure_future(pool.run(40_000, "encode_text", text(i, 40_000))) for i in range(40)]
+    """A mid-size text (threads) does not queue behind 20 large ones (the worker process, ~15 ms each): it is done
+    before most of them are (in the executor threads that all took before, it came after 14 or more)."""
+    big = [asyncio.ensure_future(pool.run(100_000, "encode_text", text(i, 100_000))) for i in range(20)]
+    await asyncio.sleep(0)  # every large one is submitted first
     mid = text(1, 2000)
     encoded = await pool.run(len(mid), "encode_text", mid)
-    assert not any(f.done() for f in big)
+    assert sum(f.done() for f in big) <= 5
     assert encoded.prompt.tokens == len(load_tokenizer().encode(mid))
     await asyncio.gather(*big)
 
