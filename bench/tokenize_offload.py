@@ -29,12 +29,14 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from laps.chat_cache import INLINE_ENCODE_CHARS, ChatPrefixCache, EncodePool  # noqa: E402
+from laps.config import GatewayConfig  # noqa: E402
 from laps.tokenizer import load_tokenizer  # noqa: E402
 from loadgen.workloads import real_text_corpus  # noqa: E402
 
 TICK_S = 0.001
 MID_EVERY_S = 0.01
 MID_CHARS = 2000
+PROCESS_MIN_CHARS = GatewayConfig.model_fields["tokenizer_process_min_chars"].default  # the gateway's
 
 
 async def measure(encoder: EncodePool, bigs: list[str], mids: list[str]) -> dict:
@@ -84,7 +86,8 @@ async def main_async(args: argparse.Namespace) -> None:
     print(f"{'mode':<22} {'lag p50/p99/max (ms)':>24} {'mid p50/p99 (ms)':>18} {'wall (s)':>9} {'CPU/prompt here (ms)':>21}")
     for mode in ("inline", "threads", "processes"):
         cache = ChatPrefixCache(load_tokenizer(), 16)
-        encoder = EncodePool(cache, None, args.processes if mode == "processes" else 0, inline_chars=size if mode == "inline" else INLINE_ENCODE_CHARS)
+        encoder = EncodePool(cache, None, args.processes if mode == "processes" else 0, PROCESS_MIN_CHARS,
+                             inline_chars=size if mode == "inline" else INLINE_ENCODE_CHARS)
         if mode == "processes":
             await asyncio.gather(*(encoder.run(size, "encode_text", bigs[0]) for _ in range(args.processes)))  # spawn
         r = await measure(encoder, bigs, mids)

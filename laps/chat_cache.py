@@ -187,7 +187,6 @@ class ChatPrefixCache:
 # Up to this many new characters (~200 tokens, ~35 µs of tiktoken) a text is tokenized on the calling thread: a
 # hand-off to an executor thread and back costs about as much (~30 µs measured).
 INLINE_ENCODE_CHARS = 1024
-DEFAULT_PROCESS_MIN_CHARS = 32768
 EncodeMethod = Literal["encode", "encode_text", "reply_chain"]
 
 _worker_cache: ChatPrefixCache | None = None  # in an EncodePool worker process: its own encoder
@@ -220,8 +219,8 @@ class EncodePool:
     tokenized in threads instead and the next one starts a new pool. :meth:`close` stops the workers.
     """
 
-    def __init__(self, cache: ChatPrefixCache, model_path: Path | None, processes: int,
-                 process_min_chars: int = DEFAULT_PROCESS_MIN_CHARS, inline_chars: int = INLINE_ENCODE_CHARS) -> None:
+    def __init__(self, cache: ChatPrefixCache, model_path: Path | None, processes: int, process_min_chars: int,
+                 inline_chars: int = INLINE_ENCODE_CHARS) -> None:
         self.cache = cache
         self.process_min_chars = process_min_chars
         self.inline_chars = inline_chars

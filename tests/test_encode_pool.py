@@ -109,7 +109,7 @@ async def test_a_dead_worker_is_replaced_and_its_texts_still_encoded(caplog):
 
 async def test_no_processes_tokenizes_large_texts_in_threads():
     cache = ChatPrefixCache(load_tokenizer(), 16)
-    encoder = EncodePool(cache, None, processes=0)
+    encoder = EncodePool(cache, None, processes=0, process_min_chars=4096)
     prompt = text(5, 40_000)
     assert chain((await encoder.run(len(prompt), "encode_text", prompt)).prompt) == chain(cache.encode_text(prompt).prompt)
     await encoder.close()
