@@ -113,4 +113,3 @@ async def test_no_processes_tokenizes_large_texts_in_threads():
     prompt = text(5, 40_000)
     assert chain((await encoder.run(len(prompt), "encode_text", prompt)).prompt) == chain(cache.encode_text(prompt).prompt)
     await encoder.close()
-
