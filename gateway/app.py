@@ -138,6 +138,7 @@ def create_app(config: Config, engine_urls: dict[str, str] | None = None, span_e
             await following.close()
             await relay.settle_background()
             dispatcher.close()
+            await gw.encoder.close()
             with contextlib.suppress(asyncio.CancelledError):
                 await poller
         finally:

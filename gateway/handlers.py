@@ -60,12 +60,6 @@ def next_request_id() -> str:
     return f"{_RID_PREFIX}-{next(_rid_counter):x}"
 
 
-# New prompt text up to this many characters (~200 tokens, ~35 µs of tiktoken) is tokenized on the event loop: a
-# hand-off to an executor thread and back costs about as much (~30 µs measured). Longer text goes to the executor,
-# so it does not hold the loop.
-INLINE_ENCODE_CHARS = 1024
-
-
 async def _json_body(request: web.Request) -> dict:
     if request.content_type != "application/json":
         raise APIError(415, f"Content-Type must be application/json, got {request.content_type or 'none'!r}", param="Content-Type",
@@ -151,35 +145,21 @@ async def _prompt_chain(gw: Gateway, req: ChatCompletionRequest | CompletionRequ
 
     A chat goes through ``gw.prompt_cache``: only the messages that no earlier request of its conversation had are
     tokenized. A chat with ``tools`` is tokenized whole, the tools rendered into the template as SGLang renders them
-    (:func:`laps.tokenizer.template_tools`); the engine gets them as sent. Text longer than ``INLINE_ENCODE_CHARS``
-    is tokenized in an executor thread, off the event loop.
+    (:func:`laps.tokenizer.template_tools`); the engine gets them as sent. ``gw.encoder`` tokenizes by size: short
+    texts on the event loop, longer ones off it (:class:`laps.chat_cache.EncodePool`).
     """
-    loop = asyncio.get_running_loop()
     if isinstance(req, ChatCompletionRequest):
-        tools = template_tools(body.get("tools"), body.get("tool_choice"))
-        if tools is not None:  # the tools open the system turn: the chat cache's turns do not apply
-            ids = await loop.run_in_executor(None, gw.tokenizer.encode_chat, req.chat(), tools)
-            chain = BlockChain(gw.prefix_index.block_tokens).extend(ids)
-            return EncodedPrompt(chain, chain, None)
-        lookup = gw.prompt_cache.lookup(req.chat())
-        if lookup.new_chars <= INLINE_ENCODE_CHARS:
-            encoded = gw.prompt_cache.encode(lookup)
-        else:
-            encoded = await loop.run_in_executor(None, gw.prompt_cache.encode, lookup)
+        lookup = gw.prompt_cache.lookup(req.chat(), template_tools(body.get("tools"), body.get("tool_choice")))
+        encoded = await gw.encoder.run(lookup.new_chars, "encode", lookup)
         gw.prompt_cache.store(lookup, encoded)
         return encoded
     body["prompt"] = req.prompt  # a list of one string goes on as that string
     if isinstance(req.prompt, str):
-        if len(req.prompt) <= INLINE_ENCODE_CHARS:
-            ids = gw.tokenizer.encode(req.prompt)
-        else:
-            ids = await loop.run_in_executor(None, gw.tokenizer.encode, req.prompt)
-    else:
-        bad = next((t for t in req.prompt if not 0 <= t < gw.tokenizer.vocab_size), None)
-        if bad is not None:
-            raise APIError(400, f"prompt: token id {bad} is outside the vocabulary (0 .. {gw.tokenizer.vocab_size - 1})", param="prompt")
-        ids = req.prompt
-    chain = BlockChain(gw.prefix_index.block_tokens).extend(ids)
+        return await gw.encoder.run(len(req.prompt), "encode_text", req.prompt)
+    bad = next((t for t in req.prompt if not 0 <= t < gw.tokenizer.vocab_size), None)
+    if bad is not None:
+        raise APIError(400, f"prompt: token id {bad} is outside the vocabulary (0 .. {gw.tokenizer.vocab_size - 1})", param="prompt")
+    chain = BlockChain(gw.prefix_index.block_tokens).extend(req.prompt)
     return EncodedPrompt(chain, chain, None)
 
 
@@ -345,10 +325,7 @@ async def _learn_from_reply(gw: Gateway, engine_id: str, view: RequestView, prom
         class_metrics.prefix_estimate_error.observe(abs(view.cached_by_engine.get(engine_id, 0) - reply.cached_tokens))
         class_metrics.cached_reported.inc(reply.cached_tokens)
     text = "".join(reply.text)
-    if len(text) <= INLINE_ENCODE_CHARS:
-        chain = gw.prompt_cache.reply_chain(prompt, text)
-    else:
-        chain = await asyncio.get_running_loop().run_in_executor(None, gw.prompt_cache.reply_chain, prompt, text)
+    chain = await gw.encoder.run(len(text), "reply_chain", prompt, text)
     gw.prompt_cache.store_reply(prompt, text, chain)  # the conversation's next request will tokenize its new message only
     gw.prefix_index.observe(engine_id, chain.keys if reply_cached_on_engine else prompt.prompt.keys, reply.cached_tokens)
 

@@ -13,7 +13,7 @@ from gateway.dispatcher import Dispatcher
 from gateway.metrics import GatewayMetrics
 from gateway.pd_setup import PDDispatch
 from gateway.registry import EngineRegistry
-from laps.chat_cache import ChatPrefixCache
+from laps.chat_cache import ChatPrefixCache, EncodePool
 from laps.config import Config
 from laps.tokenizer import ChatTokenizer
 from policies.classifier import Classifier
@@ -53,11 +53,13 @@ class Gateway:
     api_keys: dict[str, str] | None = None
     guards: "set[RequestGuard]" = field(default_factory=set)
     closing: bool = False
-
+    encoder: EncodePool = field(init=False)  # where ``prompt_cache`` tokenizes, by size; closed by the app's clean-up
 
     def __post_init__(self) -> None:
         if self.prompt_cache is None:
             self.prompt_cache = ChatPrefixCache(self.tokenizer, self.prefix_index.block_tokens, self.config.scheduling.chat_cache_bytes)
+        self.encoder = EncodePool(self.prompt_cache, self.config.model.path, self.config.gateway.tokenizer_processes,
+                                  self.config.gateway.tokenizer_process_min_chars)
 
 
 GATEWAY = web.AppKey("gateway", Gateway)

@@ -23,19 +23,29 @@ per token, plus ``CHAIN_OVERHEAD_BYTES`` and ``ENTRY_OVERHEAD_BYTES``; the
 least recently used chats go when the byte budget is exceeded. A digest collision (64-bit)
 would give a wrong count for one request; nothing else depends on it.
 
-Not thread-safe except :meth:`ChatPrefixCache.encode` and
-:meth:`ChatPrefixCache.reply_chain`, which only tokenize: call the others from
-one thread (the event loop).
+Not thread-safe except :meth:`ChatPrefixCache.encode`,
+:meth:`ChatPrefixCache.encode_text` and :meth:`ChatPrefixCache.reply_chain`,
+which only tokenize: call the others from one thread (the event loop).
+:class:`EncodePool` runs those three where the text's size says: inline, in a
+thread, or in worker processes.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import multiprocessing
 from collections import OrderedDict
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
-from typing import Sequence
+from pathlib import Path
+from typing import Any, Literal, Sequence
 
-from laps.tokenizer import CHATML_GENERATION_PROMPT, CHATML_ROLES, ChatTokenizer, Message, render_chatml_turn
+from laps.tokenizer import CHATML_GENERATION_PROMPT, CHATML_ROLES, ChatTokenizer, Message, load_tokenizer, render_chatml_turn
 from policies.prefix_index import BlockChain
+
+log = logging.getLogger("laps.chat_cache")
 
 DEFAULT_CACHE_BYTES = 64 * 2**20
 # OrderedDict entry and node, digest int, allocator slack: with BlockChain.nbytes this covers the RSS measured by
@@ -49,8 +59,9 @@ class PromptLookup:
 
     ``turns``: rendered ChatML turns after ``base`` (every turn when nothing was
     cached); ``digest``: the whole chat's digest (None: the tokenizer is not
-    ChatML or the chat has other roles, and ``messages`` are encoded whole);
-    ``new_chars``: characters left to tokenize.
+    ChatML, the chat has other roles or comes with ``tools``, and ``messages``
+    are encoded whole, with ``tools`` in the template; else ``messages`` is empty:
+    ``turns`` hold what is left); ``new_chars``: characters left to tokenize.
     """
 
     base: BlockChain
@@ -58,6 +69,7 @@ class PromptLookup:
     digest: int | None
     messages: Sequence[Message]
     new_chars: int
+    tools: list[dict] | None = None
 
 
 @dataclass(frozen=True)
@@ -96,11 +108,15 @@ class ChatPrefixCache:
     def __len__(self) -> int:
         return len(self._chains)
 
-    def lookup(self, messages: Sequence[Message]) -> PromptLookup:
-        """The longest cached prefix of ``messages`` and the turns after it (marks that prefix recently used)."""
+    def lookup(self, messages: Sequence[Message], tools: list[dict] | None = None) -> PromptLookup:
+        """The longest cached prefix of ``messages`` and the turns after it (marks that prefix recently used).
+
+        ``tools`` (as :func:`laps.tokenizer.template_tools` gives them) open the system turn, so such a chat is
+        encoded whole, as one without ChatML is.
+        """
         chatml = self.tokenizer.chatml
-        if chatml is None or any(m["role"] not in CHATML_ROLES for m in messages):
-            return PromptLookup(self._empty, (), None, messages, sum(len(m["content"]) for m in messages))
+        if tools is not None or chatml is None or any(m["role"] not in CHATML_ROLES for m in messages):
+            return PromptLookup(self._empty, (), None, messages, sum(len(m["content"]) for m in messages), tools)
         turns = [(m["role"], m["content"]) for m in messages]
         if chatml.default_system is not None and (not turns or turns[0][0] != "system"):
             turns.insert(0, ("system", chatml.default_system))
@@ -117,17 +133,22 @@ class ChatPrefixCache:
         else:
             k, base = -1, self._empty
         rest = tuple(render_chatml_turn(role, content) for role, content in turns[k + 1:])
-        return PromptLookup(base, rest, digest, messages, sum(map(len, rest)))
+        return PromptLookup(base, rest, digest, (), sum(map(len, rest)))
 
     def encode(self, lookup: PromptLookup) -> EncodedPrompt:
         """Tokenize what ``lookup`` left. Thread-safe."""
         if lookup.digest is None:
-            prompt = lookup.base.extend(self.tokenizer.encode_chat(lookup.messages))
+            prompt = lookup.base.extend(self.tokenizer.encode_chat(lookup.messages, lookup.tools))
             return EncodedPrompt(prompt, prompt, None)
         history = lookup.base
         if lookup.turns:
             history = history.extend(self.tokenizer.encode("".join(lookup.turns)))
         return EncodedPrompt(history.extend(self._generation_ids), history, lookup.digest)
+
+    def encode_text(self, text: str) -> EncodedPrompt:
+        """A plain-text prompt (``/v1/completions``) encoded; nothing is cached. Thread-safe."""
+        prompt = self._empty.extend(self.tokenizer.encode(text))
+        return EncodedPrompt(prompt, prompt, None)
 
     def store(self, lookup: PromptLookup, encoded: EncodedPrompt) -> None:
         """Cache ``encoded`` (from :meth:`encode` of ``lookup``); evict LRU chats over budget."""
@@ -162,3 +183,75 @@ class ChatPrefixCache:
         encoded = self.encode(lookup)
         self.store(lookup, encoded)
         return encoded
+
+
+# Up to this many new characters (~200 tokens, ~35 µs of tiktoken) a text is tokenized on the calling thread: a
+# hand-off to an executor thread and back costs about as much (~30 µs measured).
+INLINE_ENCODE_CHARS = 1024
+EncodeMethod = Literal["encode", "encode_text", "reply_chain"]
+
+_worker_cache: ChatPrefixCache | None = None  # in an EncodePool worker process: its own encoder
+
+
+def _start_worker(model_path: Path | None, block_tokens: int) -> None:
+    """An :class:`EncodePool` worker's initializer: load the tokenizer once for the process's life."""
+    global _worker_cache
+    _worker_cache = ChatPrefixCache(load_tokenizer(model_path), block_tokens, max_bytes=0)
+
+
+def _in_worker(method: EncodeMethod, *args: Any) -> Any:
+    return getattr(_worker_cache, method)(*args)
+
+
+class EncodePool:
+    """Runs ``cache``'s thread-safe encoders (``encode``, ``encode_text``, ``reply_chain``) where a text's size says.
+
+    Up to ``inline_chars`` new characters: on the calling thread (the event loop). Up to
+    ``process_min_chars``: in the loop's default executor threads (tiktoken and HF ``tokenizers`` release the GIL
+    while they encode; the block hashing, ~1 ms per 50k tokens, does not). Longer texts (a 220 KB prompt is ~49k
+    tokens, ~40 ms of tiktoken) go to one of ``processes`` worker processes, each with its own tokenizer loaded from
+    ``model_path`` (None: the built-in one), so neither their GIL-held part nor a queue of them holds up the event
+    loop or the threads that tokenize mid-size chats. The results are the same wherever a text runs: block keys hash
+    tuples of token ids, whose hashes, unlike strings', do not vary between processes (the chat digests, which hash
+    strings, are computed here). ``processes`` 0: threads for every text over the inline size.
+
+    Workers are spawned (not forked: the gateway runs threads) on the first text that needs one, ~0.5 s each with the
+    built-in tokenizer. A worker that dies (e.g. killed for memory) breaks the pool: the texts then in it are
+    tokenized in threads instead and the next one starts a new pool. :meth:`close` stops the workers.
+    """
+
+    def __init__(self, cache: ChatPrefixCache, model_path: Path | None, processes: int, process_min_chars: int,
+                 inline_chars: int = INLINE_ENCODE_CHARS) -> None:
+        self.cache = cache
+        self.process_min_chars = process_min_chars
+        self.inline_chars = inline_chars
+        self._model_path = model_path
+        self._processes = processes
+        self._pool = self._new_pool()
+
+    def _new_pool(self) -> ProcessPoolExecutor | None:
+        if self._processes == 0:
+            return None
+        return ProcessPoolExecutor(self._processes, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=_start_worker, initargs=(self._model_path, self.cache.block_tokens))
+
+    async def run(self, chars: int, method: EncodeMethod, *args: Any) -> Any:
+        """``cache.<method>(*args)``, for a text of ``chars`` new characters, run where its size says (class doc)."""
+        if chars <= self.inline_chars:
+            return getattr(self.cache, method)(*args)
+        loop = asyncio.get_running_loop()
+        pool = self._pool
+        if pool is not None and chars >= self.process_min_chars:
+            try:
+                return await loop.run_in_executor(pool, _in_worker, method, *args)
+            except BrokenProcessPool:
+                if self._pool is pool:
+                    log.warning("a tokenizer worker process died; starting new ones (texts in flight are tokenized in threads)")
+                    pool.shutdown(wait=False, cancel_futures=True)
+                    self._pool = self._new_pool()
+        return await loop.run_in_executor(None, getattr(self.cache, method), *args)
+
+    async def close(self) -> None:
+        """Stop the worker processes: the texts they are tokenizing finish, those still queued are dropped."""
+        if self._pool is not None:
+            await asyncio.to_thread(self._pool.shutdown, wait=True, cancel_futures=True)

@@ -61,6 +61,9 @@ class GatewayConfig(_Strict):
     ``admin_key``: the admin API's key (``None`` turns the admin API off). ``api_keys``: client keys for
     the ``/v1`` API, a list of keys or the path of a file of their SHA-256 digests
     (:mod:`laps.api_keys`); ``None`` lets every client in.
+    ``tokenizer_processes``: worker processes that tokenize prompts (and replies) of at least
+    ``tokenizer_process_min_chars`` new characters off the event loop (:class:`laps.chat_cache.EncodePool`;
+    0: executor threads of the gateway process, as for mid-size texts).
     """
 
     host: str = "127.0.0.1"
@@ -71,6 +74,8 @@ class GatewayConfig(_Strict):
     shutdown_grace_s: float = Field(30.0, ge=0)
     admin_key: str | None = Field(None, min_length=8)
     api_keys: list[Annotated[str, Field(min_length=8)]] | Path | None = Field(None, union_mode="left_to_right")
+    tokenizer_processes: int = Field(2, ge=0, le=256)
+    tokenizer_process_min_chars: int = Field(32768, gt=0)
 
     @field_validator("api_keys")
     @classmethod

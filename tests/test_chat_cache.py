@@ -128,7 +128,7 @@ def test_non_chatml_tokenizer_is_encoded_whole():
         chatml = None
         encode = tokenizer.encode
 
-        def encode_chat(self, messages):
+        def encode_chat(self, messages, tools=None):
             return tokenizer.encode("".join(f"[{m['role']}] {m['content']}\n" for m in messages))
 
     cache = ChatPrefixCache(Plain(), 16)

@@ -48,3 +48,19 @@ async def test_follow_up_tokenizes_only_the_new_message_and_counts_exactly(gatew
         history += [{"role": "assistant", "content": reply}, {"role": "user", "content": f"And another one, number {turn}?"}]
         lookup = app[GATEWAY].prompt_cache.lookup(history)
         assert lookup.turns == (f"<|im_start|>user\nAnd another one, number {turn}?<|im_end|>\n",)
+
+
+async def test_a_huge_prompt_is_tokenized_in_the_worker_processes_and_counted_exactly(gateway):
+    session, app = gateway
+    tokenizer = load_tokenizer()
+    history = [{"role": "user", "content": "The quick brown fox jumps over the lazy dog. " * 1500}]  # 67 KB
+    assert len(history[0]["content"]) >= app[GATEWAY].config.gateway.tokenizer_process_min_chars
+    async with session.post("/v1/chat/completions", json={"model": MODEL, "messages": history}) as resp:
+        assert resp.status == 200
+        assert int(resp.headers["x-laps-prompt-tokens"]) == len(tokenizer.encode_chat(history))
+        reply = f"hi from {resp.headers['x-laps-engine']}"  # what the fake engine answers
+        assert reply.encode() in await resp.read()
+    assert app[GATEWAY].encoder._pool._processes  # it went to a worker process (started on this first large text)
+    await settle_background()
+    history += [{"role": "assistant", "content": reply}, {"role": "user", "content": "Shorter?"}]
+    assert len(app[GATEWAY].prompt_cache.lookup(history).turns) == 1  # the pooled chain went into the chat cache
