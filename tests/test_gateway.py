@@ -28,9 +28,12 @@ def with_gateway(config: Config, **gateway) -> Config:
 
 
 @pytest.fixture
-async def stack():
-    """Two fake engines (short pool sp0, long pool lp0) behind a real gateway app on port 0 (admin key ``ADMIN_KEY``)."""
+async def stack(request):
+    """Two fake engines (short pool sp0, long pool lp0) behind a real gateway app on port 0 (admin key ``ADMIN_KEY``);
+    indirect parametrization sets the engines' listed ``max_model_len``."""
     fakes = {"sp0": FakeEngine("sp0"), "lp0": FakeEngine("lp0")}
+    for fake in fakes.values():
+        fake.max_model_len = getattr(request, "param", None)
     servers = {name: TestServer(f.app) for name, f in fakes.items()}
     for s in servers.values():
         await s.start_server()
@@ -184,7 +187,7 @@ async def test_models_health_and_metrics(stack):
     for name, server in servers.items():
         fakes[name].url = str(server.make_url("")).rstrip("/")
     async with session.get("/v1/models") as resp:
-        assert [m["id"] for m in (await resp.json())["data"]] == [MODEL]
+        assert (await resp.json())["data"] == [{"id": MODEL, "object": "model", "created": 0, "owned_by": "laps"}]  # no max_model_len known
     async with session.get("/health") as resp:
         assert resp.status == 200 and await resp.json() == {"status": "ok", "engines_serving": 2, "engines_total": 2}  # no URLs
     async with session.get("/health", headers={"Authorization": f"bearer {ADMIN_KEY}"}) as resp:
@@ -197,6 +200,26 @@ async def test_models_health_and_metrics(stack):
     assert 'laps_time_to_first_token_seconds_count{cls="short"} 1.0' in text
     assert "laps_scheduler_awd_depth_tokens " in text and "laps_scheduler_queued_long_requests 0.0" in text
     assert "# TYPE laps_scheduler_short_batches_total counter" in text and "laps_scheduler_short_batches_total 1.0" in text
+
+
+@pytest.mark.parametrize("stack", [1000], indirect=True)
+async def test_a_prompt_past_the_context_length_is_refused_at_once_and_the_length_listed(stack):
+    session, fakes, _ = stack
+    async with session.get("/v1/models") as resp:
+        assert (await resp.json())["data"][0]["max_model_len"] == 1000
+    for body in (chat("ab " * 1500, stream=True), chat("Hi", max_tokens=999)):
+        async with session.post("/v1/chat/completions", json=body) as resp:
+            assert resp.status == 400
+            error = (await resp.json())["error"]
+            assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", "messages", "context_length_exceeded")
+            assert error["message"].startswith("This model's maximum context length is 1000 tokens. However, you requested ")
+    async with session.post("/v1/completions", json={"model": MODEL, "prompt": list(range(990)), "max_tokens": 11}) as resp:
+        error = (await resp.json())["error"]
+        assert resp.status == 400 and error["param"] == "prompt"
+        assert "you requested 1001 tokens (990 in the prompt, 11 in the completion)" in error["message"]
+    assert fakes["sp0"].bodies == [] and fakes["lp0"].bodies == []
+    async with session.post("/v1/completions", json={"model": MODEL, "prompt": list(range(990)), "max_tokens": 10}) as resp:
+        assert resp.status == 200  # 1000 tokens: fits
 
 
 async def test_follow_up_turn_on_long_cached_history_is_short(stack):
