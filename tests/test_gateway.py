@@ -239,9 +239,10 @@ async def test_follow_up_turn_on_long_cached_history_is_short(stack):
 @pytest.mark.parametrize(
     "payload, expected",
     [
-        (b'{"object": "error", "message": "bad prompt", "type": "BadRequestError", "param": null, "code": 400}', {"message": "bad prompt", "type": "BadRequestError", "param": None, "code": 400}),
+        (b'{"object": "error", "message": "bad prompt", "type": "BadRequestError", "param": null, "code": 400}', {"message": "bad prompt", "type": "invalid_request_error", "param": None, "code": None}),
+        (b'{"object": "error", "message": "bad n", "type": "BadRequestError", "param": "n", "code": "bad_n"}', {"message": "bad n", "type": "invalid_request_error", "param": "n", "code": "bad_n"}),
         (b'{"error": {"message": "nested", "type": "x", "param": "p", "code": "c"}}', {"message": "nested", "type": "x", "param": "p", "code": "c"}),
-        (b"Internal Server Error", {"message": "Internal Server Error", "type": "engine_error", "param": None, "code": None}),
+        (b"Bad Request", {"message": "Bad Request", "type": "invalid_request_error", "param": None, "code": None}),
     ],
 )
 async def test_engine_error_answers_reach_the_client_in_openai_shape(stack, payload, expected):
