@@ -100,6 +100,12 @@ def test_bad_api_keys_fail_at_load(keys, fragment):
         with_gateway(load_config(), api_keys=keys)
 
 
+def test_short_keys_are_named_by_position_without_union_noise():
+    with pytest.raises(ConfigError) as info:
+        with_gateway(load_config(), api_keys=["sk-good-and-long", "sk-two"])
+    assert str(info.value) == "<config>: invalid configuration\n  gateway.api_keys: key 1 is 6 characters; client keys must be at least 8 characters"
+
+
 def test_a_key_file_of_plain_keys_is_refused(tmp_path):
     path = tmp_path / "keys.txt"
     path.write_text("sk-plain-key-not-hashed\n")
