@@ -338,6 +338,13 @@ async def test_a_stream_read_to_the_end_then_closed_is_ok_and_not_aborted(stack)
         ("/v1/completions", {"model": MODEL, "prompt": [151657, 151665]}, "prompt", "token id 151665 is outside the vocabulary (0 .. 151664)"),
         ("/v1/completions", {"model": MODEL, "prompt": [[1, 2]]}, "prompt", "a list of token ids"),
         ("/v1/completions", {"model": MODEL, "prompt": ""}, "prompt", "prompt is empty"),
+        ("/v1/chat/completions", chat("x", tools=[{"type": "function", "function": {"name": "get_weather"}}],
+                                      tool_choice={"type": "function", "function": {"name": "get_time"}}),
+         "tool_choice", "tool_choice: names function 'get_time', which is not in tools (get_weather)"),
+        ("/v1/chat/completions", chat("x", tool_choice={"type": "function", "function": {"name": "f"}}), "tool_choice", "not in tools (none given)"),
+        ("/v1/chat/completions", chat("x", top_logprobs=3), "top_logprobs", "top_logprobs: needs logprobs: true"),
+        ("/v1/chat/completions", chat("x", logprobs=False, top_logprobs=3), "top_logprobs", "needs logprobs: true"),
+        ("/v1/chat/completions", chat("x", logprobs=True, top_logprobs=21), "top_logprobs", "less than or equal to 20"),
     ],
 )
 async def test_wrong_types_are_refused_by_the_gateway_naming_the_field(stack, path, payload, param, fragment):
@@ -390,6 +397,14 @@ async def test_malformed_tools_are_refused_naming_the_field(stack, tools, param,
         error = (await resp.json())["error"]
     assert error["param"] == param and fragment in error["message"]
     assert fakes["sp0"].bodies == []
+
+
+async def test_a_tool_choice_among_the_tools_and_top_logprobs_with_logprobs_pass(stack):
+    session, fakes, _ = stack
+    body = chat("Hi", tools=[WEATHER_TOOL], tool_choice={"type": "function", "function": {"name": "get_weather"}}, logprobs=True, top_logprobs=20)
+    async with session.post("/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200
+    assert fakes["sp0"].bodies[0]["top_logprobs"] == 20 and fakes["sp0"].bodies[0]["tool_choice"]["function"]["name"] == "get_weather"
 
 
 async def test_tools_are_counted_with_the_template_and_passed_on(stack):
