@@ -5,7 +5,7 @@
 <gateway.admin_key>``; without a configured key the admin API is off (403).
 A role switch drains and restarts the engine (minutes for real SGLang), so
 the POST answers 202 at once and ``GET /admin/engines`` shows ``switching``
-until it is done.
+until it is done; to the role the engine has already, it answers 200 ``"unchanged"`` and does nothing.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ async def list_engines(request: web.Request) -> web.Response:
 
 
 async def set_role(request: web.Request) -> web.Response:
-    """``POST /admin/engines/{id}/role``: start moving the engine to another role (202; see the module docstring)."""
+    """``POST /admin/engines/{id}/role``: start moving the engine to another role (202; its own role: 200; see the module docstring)."""
     gw = _authorize(request)
     engine_id = request.match_info["id"]
     if engine_id not in {e.id for e in gw.registry}:
@@ -83,6 +83,8 @@ async def set_role(request: web.Request) -> web.Response:
     switches = request.app[SWITCHES]
     if engine_id in switches:
         raise APIError(409, f"engine {engine_id!r} is already switching role", type="conflict_error")
+    if gw.manager.engines[engine_id].role == role:
+        return web.json_response({"engine": engine_id, "role": role, "status": "unchanged"})  # 200: nothing to do
     instant = gw.config.instant_move(gw.manager.engines[engine_id].role, role)  # same flags: no drain, no restart
     start_switch(switches, gw, engine_id, role, float(drain_timeout_s))
     log.info("admin: engine %s %s role %s", engine_id, "moving at once to" if instant else "switching to", role)
