@@ -143,6 +143,9 @@ def create_app(config: Config, engine_urls: dict[str, str] | None = None, span_e
             if gw.api_keys is None and not is_loopback(config.gateway.host):
                 log.warning("gateway.host is %s, reachable from other machines, and gateway.api_keys is not set: "
                             "any client can use the /v1 API; set gateway.api_keys", config.gateway.host)
+            sink = f"by OTLP/HTTP to {config.tracing.endpoint}" if span_exporter is None else f"to {type(span_exporter).__name__}"
+            log.info("tracing %s", f"on: spans {sink} as {config.tracing.service_name}, sample ratio {config.tracing.sample_ratio:g}"
+                     if tracer is not None else "off (tracing.enabled: false)")
             log.info("context length %s", f"{context_tokens} tokens: longer requests get 400 context_length_exceeded"
                      if context_tokens is not None else "unknown (no engine lists max_model_len): prompts are not checked against it")
             log.info("prefix hits: from the KV cache events of %s, estimated for the others", ", ".join(following.followers) or "no engine")
