@@ -1,7 +1,8 @@
 """Client API keys (``gateway.api_keys``): kept as SHA-256 digests, each with the label metrics count it under.
 
 A key file has one key a line: ``[sha256:]<64 hex digits of SHA-256(key)> [label]``; blank lines, whole-line
-``#`` comments and a ``#`` comment after a key (after a space) are skipped, so ``printf %s "$KEY" | sha256sum >> keys.txt`` adds a key (its ``-`` is no label).
+``#`` comments and a ``#`` comment after a key (after a space) are skipped, so
+``printf %s "$KEY" | sha256sum >> keys.txt`` adds a key (its ``-`` is no label).
 A key without a label is counted as ``key-<first 8 hex digits of its digest>``; the key itself is never stored.
 """
 
