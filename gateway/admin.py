@@ -7,7 +7,8 @@ A move to a role with the same flags is instant (``"status": "moving"``);
 any other drains the engine, then flips it between prefill and decode in place
 (``pd.role_switch``: SGLang's ``POST /pd_role_switch``) or restarts it (minutes
 for real SGLang), so the POST answers 202 at once (``"status": "switching"``)
-and ``GET /admin/engines`` shows ``switching`` until it is done.
+and ``GET /admin/engines`` shows ``switching`` until it is done. To the role the
+engine has already, it answers 200 ``"unchanged"`` and does nothing.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ async def list_engines(request: web.Request) -> web.Response:
 
 
 async def set_role(request: web.Request) -> web.Response:
-    """``POST /admin/engines/{id}/role``: start moving the engine to another role (202; see the module docstring)."""
+    """``POST /admin/engines/{id}/role``: start moving the engine to another role (202; its own role: 200; see the module docstring)."""
     gw = _authorize(request)
     engine_id = request.match_info["id"]
     if engine_id not in {e.id for e in gw.registry}:
@@ -85,6 +86,8 @@ async def set_role(request: web.Request) -> web.Response:
     switches = request.app[SWITCHES]
     if engine_id in switches:
         raise APIError(409, f"engine {engine_id!r} is already switching role", type="conflict_error")
+    if gw.manager.engines[engine_id].role == role:
+        return web.json_response({"engine": engine_id, "role": role, "status": "unchanged"})  # 200: nothing to do
     instant = gw.config.instant_move(gw.manager.engines[engine_id].role, role)  # same flags: no drain, no restart
     start_switch(switches, gw, engine_id, role, float(drain_timeout_s))
     log.info("admin: engine %s %s role %s", engine_id, "moving at once to" if instant else "switching to", role)

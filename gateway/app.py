@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, AsyncIterator
 import time
 
 import aiohttp
+import orjson
 from aiohttp import web
 
 from engines.client import EngineClient
@@ -76,6 +77,21 @@ async def _mirror_kv_capacity(client: EngineClient, registry: EngineRegistry, pr
         engine.kv_capacity_tokens = load.max_total_tokens
 
 
+async def _context_tokens(client: EngineClient, registry: EngineRegistry) -> int | None:
+    """The model's context length (tokens): the least ``max_model_len`` the engines' ``GET /v1/models`` lists (SGLang
+    and the simulated engine list it); ``None`` when no engine says (prompts are then not checked against it)."""
+    lengths = []
+    for engine in registry:
+        try:
+            value = orjson.loads(await client.get(engine.url, "/v1/models"))["data"][0].get("max_model_len")
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, IndexError, TypeError, AttributeError) as err:
+            log.warning("engine %s: no max_model_len from /v1/models (%r)", engine.id, err)
+            continue
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            lengths.append(value)
+    return min(lengths, default=None)
+
+
 def create_app(config: Config, engine_urls: dict[str, str] | None = None, span_exporter: SpanExporter | None = None) -> web.Application:
     """Build the gateway application for ``config``.
 
@@ -104,9 +120,11 @@ def create_app(config: Config, engine_urls: dict[str, str] | None = None, span_e
             dispatcher = Dispatcher(make_scheduler(config.scheduling, engine_traits(config)), registry, first_tokens=first_tokens)
             prefix_index = PrefixCaches(PrefixIndex.from_byte_budget(config.scheduling.prefix_block_tokens, config.scheduling.prefix_index_bytes, len(config.engines)))
             await _mirror_kv_capacity(client, registry, prefix_index)
+            context_tokens = await _context_tokens(client, registry)
             gw = Gateway(config, tokenizer, registry, client, make_classifier(config.scheduling), dispatcher, prefix_index, GatewayMetrics(), manager,
                          tracer=tracer,
-                         api_keys=load_keys(config.gateway.api_keys) if config.gateway.api_keys is not None else None)
+                         api_keys=load_keys(config.gateway.api_keys) if config.gateway.api_keys is not None else None,
+                         context_tokens=context_tokens)
             gw.pd = PDDispatch.from_config(config, urls) if config.pd is not None else None
             gw.metrics.watch_scheduler(dispatcher.scheduler.stats)
             gw.metrics.memory_budget.labels("prefix_index").set(config.scheduling.prefix_index_bytes)
@@ -125,6 +143,11 @@ def create_app(config: Config, engine_urls: dict[str, str] | None = None, span_e
             if gw.api_keys is None and not is_loopback(config.gateway.host):
                 log.warning("gateway.host is %s, reachable from other machines, and gateway.api_keys is not set: "
                             "any client can use the /v1 API; set gateway.api_keys", config.gateway.host)
+            sink = f"by OTLP/HTTP to {config.tracing.endpoint}" if span_exporter is None else f"to {type(span_exporter).__name__}"
+            log.info("tracing %s", f"on: spans {sink} as {config.tracing.service_name}, sample ratio {config.tracing.sample_ratio:g}"
+                     if tracer is not None else "off (tracing.enabled: false)")
+            log.info("context length %s", f"{context_tokens} tokens: longer requests get 400 context_length_exceeded"
+                     if context_tokens is not None else "unknown (no engine lists max_model_len): prompts are not checked against it")
             log.info("prefix hits: from the KV cache events of %s, estimated for the others", ", ".join(following.followers) or "no engine")
             yield
             poller.cancel()

@@ -114,6 +114,23 @@ def _check_model(gw: Gateway, model: str) -> None:
         raise APIError(404, f"The model `{model}` does not exist; this gateway serves `{gw.config.model.name}`.", param="model", code="model_not_found")
 
 
+def _check_context(gw: Gateway, req: ChatCompletionRequest | CompletionRequest, prompt_tokens: int) -> None:
+    """Refuse a request the engine could not serve: its prompt plus ``max_tokens`` (at least one token to generate,
+    as SGLang counts) past the model's context length (``gw.context_tokens``; unchecked when unknown).
+
+    Raises:
+        APIError: 400 ``context_length_exceeded`` (OpenAI's code), param ``messages`` or ``prompt``.
+    """
+    limit = gw.context_tokens
+    output_tokens = req.max_completion_tokens or req.max_tokens or 0
+    if limit is None or prompt_tokens + max(output_tokens, 1) <= limit:
+        return
+    param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+    raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested {prompt_tokens + output_tokens} tokens "
+                        f"({prompt_tokens} in the {param}, {output_tokens} in the completion). Please reduce the length of the {param} or completion.",
+                   param=param, code="context_length_exceeded")
+
+
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     """``POST /v1/chat/completions`` (OpenAI), streaming or not."""
     return await _serve(request, ChatCompletionRequest, "/v1/chat/completions")
@@ -137,6 +154,7 @@ async def _serve(request: web.Request, schema: type[ChatCompletionRequest] | typ
         prompt = await _prompt_chain(gw, req, body)
         if span is not None:
             span.set_attribute("laps.prompt_tokens", prompt.prompt.tokens)
+    _check_context(gw, req, prompt.prompt.tokens)
     return await _dispatch(request, gw, body, path, prompt, req.stream, arrival_s)
 
 
@@ -391,9 +409,12 @@ async def _relay_stream(request: web.Request, gw: Gateway, engine: EngineState, 
 
 
 async def list_models(request: web.Request) -> web.Response:
-    """``GET /v1/models``: the one served model."""
+    """``GET /v1/models``: the one served model, with its context length as ``max_model_len`` (as SGLang lists it) when known."""
     gw = request.app[GATEWAY]
-    data = [{"id": gw.config.model.name, "object": "model", "created": 0, "owned_by": "laps"}]
+    card = {"id": gw.config.model.name, "object": "model", "created": 0, "owned_by": "laps"}
+    if gw.context_tokens is not None:
+        card["max_model_len"] = gw.context_tokens
+    data = [card]
     return web.json_response({"object": "list", "data": data}, dumps=dumps)
 
 

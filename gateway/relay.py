@@ -187,10 +187,14 @@ def upstream_error(engine_id: str, status: int, payload: bytes, headers: dict) -
     """Engine ``engine_id``'s non-200 answer (HTTP ``status``, body ``payload``) in OpenAI's error shape, with ``headers``.
 
     SGLang 0.5.23 answers OpenAI routes with a flat ``{"object": "error", "message",
-    "type", "param", "code"}``; clients expect ``{"error": {...}}``. A 4xx body that is
-    neither becomes the message (first 1000 characters), type ``engine_error``; a 5xx body
-    that is neither (a crash page, a traceback) is not meant for clients: the client gets
-    HTTP 502 naming the engine only, the body goes to the log.
+    "type": "BadRequestError", "param", "code": 400}``; clients expect OpenAI's
+    ``{"error": {"message", "type", "param", "code"}}``: the message and param are kept,
+    the type becomes ``invalid_request_error`` (a 4xx) or ``engine_error`` (a 5xx), and
+    the code is kept only when it is a string (OpenAI's codes are; SGLang's is the
+    status). A body already in OpenAI's shape goes on as it is. A 4xx body that is
+    neither becomes the message (first 1000 characters), type ``invalid_request_error``;
+    a 5xx body that is neither (a crash page, a traceback) is not meant for clients: the
+    client gets HTTP 502 naming the engine only, the body goes to the log.
     """
     error = error_of_answer(engine_id, status, payload)
     error.headers.update(headers)
@@ -203,16 +207,19 @@ def error_of_answer(engine_id: str, status: int, payload: bytes) -> APIError:
         body = orjson.loads(payload)
     except orjson.JSONDecodeError:
         body = None
-    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+    kind = "invalid_request_error" if status < 500 else "engine_error"
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):  # OpenAI's shape already
         error = body["error"]
-    elif isinstance(body, dict) and "message" in body:
+        kind = error.get("type") or kind
+    elif isinstance(body, dict) and "message" in body:  # SGLang's flat shape
         error = body
     elif status >= 500:  # not an error the engine meant for a client (a crash page, a traceback): to the log only
         log.warning("engine %s answered HTTP %d: %s", engine_id, status, payload[:1000].decode(errors="replace"))
         return APIError(502, f"engine {engine_id} failed (HTTP {status}); retry later", type="engine_error", code="engine_failed")
     else:
-        error = {"message": payload.decode(errors="replace")[:1000] or f"engine answered HTTP {status}", "type": "engine_error"}
-    return APIError(status, str(error.get("message")), type=error.get("type") or "engine_error", param=error.get("param"), code=error.get("code"))
+        error = {"message": payload.decode(errors="replace")[:1000] or f"engine answered HTTP {status}"}
+    code = error.get("code")
+    return APIError(status, str(error.get("message")), type=kind, param=error.get("param"), code=code if isinstance(code, str) else None)
 
 
 def error_event(api_error: APIError) -> bytes:

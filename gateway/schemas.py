@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 
 class TextPart(BaseModel):
@@ -84,6 +84,26 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)  # OpenAI's range
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _chosen_tool_exists(cls, v, info: ValidationInfo):
+        if not isinstance(v, dict):
+            return v
+        name = (v.get("function") or {}).get("name") if isinstance(v.get("function"), dict) else None
+        names = [t.function.name for t in info.data.get("tools") or ()]
+        if name not in names:
+            raise ValueError(f"names function {name!r}, which is not in tools ({', '.join(names) or 'none given'})")
+        return v
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, v, info: ValidationInfo):
+        if v is not None and info.data.get("logprobs") is not True:
+            raise ValueError("needs logprobs: true")
+        return v
 
     def chat(self) -> list[dict[str, str]]:
         """The messages as ``{"role", "content"}`` dicts of plain text, for the chat template."""

@@ -34,6 +34,7 @@ class Gateway:
     bootstrap addresses of a prefill-decode deployment (``None``: no ``pd:``).
     ``tracer``: the request spans' tracer (``None``: tracing off).
     ``api_keys``: the client keys' ``{SHA-256 digest: label}`` (``None``: no client key needed).
+    ``context_tokens``: the model's context length (tokens) as the engines list it (``None``: unknown, not checked).
     ``guards``: the cut-offs of the requests in flight (:mod:`gateway.guard`); ``closing``: the gateway is
     shutting down and takes no new request.
     """
@@ -51,6 +52,7 @@ class Gateway:
     prompt_cache: ChatPrefixCache | None = None  # built from ``tokenizer``, the prefix block size and the budget when None
     tracer: "Tracer | None" = None  # with tracing: on, gateway/tracing.py's spans
     api_keys: dict[str, str] | None = None
+    context_tokens: int | None = None
     guards: "set[RequestGuard]" = field(default_factory=set)
     closing: bool = False
     encoder: EncodePool = field(init=False)  # where ``prompt_cache`` tokenizes, by size; closed by the app's clean-up

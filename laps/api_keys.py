@@ -1,7 +1,8 @@
 """Client API keys (``gateway.api_keys``): kept as SHA-256 digests, each with the label metrics count it under.
 
-A key file has one key a line: ``[sha256:]<64 hex digits of SHA-256(key)> [label]``; blank lines and ``#``
-comments are skipped, so ``printf %s "$KEY" | sha256sum >> keys.txt`` adds a key (its ``-`` is no label).
+A key file has one key a line: ``[sha256:]<64 hex digits of SHA-256(key)> [label]``; blank lines, whole-line
+``#`` comments and a ``#`` comment after a key (after a space) are skipped, so
+``printf %s "$KEY" | sha256sum >> keys.txt`` adds a key (its ``-`` is no label).
 A key without a label is counted as ``key-<first 8 hex digits of its digest>``; the key itself is never stored.
 """
 
@@ -11,6 +12,7 @@ import hashlib
 import re
 from pathlib import Path
 
+_COMMENT = re.compile(r"(?:^|\s)#.*")  # from a '#' that starts the line or follows a space
 _LINE = re.compile(r"^(?:sha256:)?([0-9a-fA-F]{64})(?:\s+(\S+))?\s*$")
 
 
@@ -32,8 +34,8 @@ def parse_key_file(text: str, source: str) -> dict[str, str]:
     """
     keys: dict[str, str] = {}
     for n, line in enumerate(text.splitlines(), 1):
-        line = line.strip()
-        if not line or line.startswith("#"):
+        line = _COMMENT.sub("", line).strip()
+        if not line:
             continue
         match = _LINE.match(line)
         if match is None:

@@ -8,7 +8,7 @@ failure raises :class:`ConfigError` whose message names the file, the key path
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args, get_origin
+from typing import Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -21,6 +21,8 @@ from policies.decode_placement import AlignedPlacementConfig
 from policies.laps import LapsConfig
 
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "config.yaml"
+# Client API keys (``gateway.api_keys``) shorter than this are refused: a short key is a guessable key.
+MIN_API_KEY_CHARS = 8
 
 FlagValue = bool | int | float | str | list[int]
 
@@ -60,7 +62,7 @@ class GatewayConfig(_Strict):
     end with an error (streams: an error event and ``[DONE]``; others: 503).
     ``admin_key``: the admin API's key (``None`` turns the admin API off). ``api_keys``: client keys for
     the ``/v1`` API, a list of keys or the path of a file of their SHA-256 digests
-    (:mod:`laps.api_keys`); ``None`` lets every client in.
+    (:mod:`laps.api_keys`), each at least ``MIN_API_KEY_CHARS`` characters; ``None`` lets every client in.
     ``tokenizer_processes``: worker processes that tokenize prompts (and replies) of at least
     ``tokenizer_process_min_chars`` new characters off the event loop (:class:`laps.chat_cache.EncodePool`;
     0: executor threads of the gateway process, as for mid-size texts).
@@ -73,9 +75,18 @@ class GatewayConfig(_Strict):
     stall_timeout_s: float = Field(30.0, gt=0)
     shutdown_grace_s: float = Field(30.0, ge=0)
     admin_key: str | None = Field(None, min_length=8)
-    api_keys: list[Annotated[str, Field(min_length=8)]] | Path | None = Field(None, union_mode="left_to_right")
+    api_keys: list[str] | Path | None = Field(None, union_mode="left_to_right")
     tokenizer_processes: int = Field(2, ge=0, le=256)
     tokenizer_process_min_chars: int = Field(32768, gt=0)
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _keys_long_enough(cls, keys: Any) -> Any:
+        if isinstance(keys, list):
+            for i, key in enumerate(keys):
+                if isinstance(key, str) and len(key) < MIN_API_KEY_CHARS:
+                    raise ValueError(f"key {i} is {len(key)} characters; client keys must be at least {MIN_API_KEY_CHARS} characters")
+        return keys
 
     @field_validator("api_keys")
     @classmethod

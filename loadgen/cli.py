@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import sys
 import time
@@ -116,12 +117,15 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
     parser.add_argument("--model", help="model name to request (default: the first id from GET URL/v1/models)")
+    parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                        help="client key sent as Authorization: Bearer, for a gateway with gateway.api_keys "
+                             "(default: the OPENAI_API_KEY environment variable; none when unset)")
     parser.add_argument("--tokenizer", type=Path, help="HF model directory whose tokenizer counts tokens (default: built-in Qwen2.5)")
     parser.add_argument("--slo-ttft-s", type=positive_float, default=0.4, help="TTFT service-level objective in seconds (default: %(default)s)")
     parser.add_argument("--slo-per-1k-new-tokens-s", type=non_negative_float,
                         help="also report the length-aware objective: --slo-ttft-s plus this many seconds per 1,000 new prompt tokens")
     add_workload_arguments(parser, Path("runs/loadgen.json"), "the server's max_model_len from GET /v1/models "
-                           "when it lists one (SGLang does, the laps gateway does not), else no limit")
+                           "when it lists one (SGLang and the laps gateway do), else no limit")
 
 
 def load_workload(args: argparse.Namespace, tokenizer: ChatTokenizer, context_tokens: int | None) -> Workload:
@@ -200,7 +204,7 @@ async def run(args: argparse.Namespace) -> dict:
     """
     context = args.max_context_tokens
     if context is None and args.dataset.partition(":")[0] in (*TRACE_FORMATS, "azure-conv"):
-        context = await discover_context_tokens(args.url)
+        context = await discover_context_tokens(args.url, args.api_key)
     workload = await asyncio.to_thread(load_workload, args, load_tokenizer(args.tokenizer), context)
     console = Console(stderr=True)
     progress, task, on_record = _progress_bar(args, console, "elapsed s")
@@ -229,6 +233,7 @@ async def run(args: argparse.Namespace) -> dict:
                 extra_body={"ignore_eos": True} if args.ignore_eos else None,
                 on_record=on_record,
                 max_requests=args.max_requests,
+                api_key=args.api_key,
             )
         finally:
             ticker.cancel()

@@ -157,16 +157,22 @@ def plan_arrivals(
     return plan
 
 
-async def discover_model_card(session: aiohttp.ClientSession, url: str) -> dict:
-    """The first entry of ``GET {url}/v1/models`` (``id``; SGLang also gives ``max_model_len``).
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The ``Authorization: Bearer`` header of ``api_key`` (none without a key)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+async def discover_model_card(session: aiohttp.ClientSession, url: str, api_key: str | None = None) -> dict:
+    """The first entry of ``GET {url}/v1/models`` (``id``; SGLang and the laps gateway also give ``max_model_len``),
+    asked with ``api_key`` (``Authorization: Bearer``) when given.
 
     Raises:
-        LoadgenError: unreachable server, non-200 answer or an empty list.
+        LoadgenError: unreachable server, non-200 answer (its error message too) or an empty list.
     """
     try:
-        async with session.get(f"{url}/v1/models", timeout=aiohttp.ClientTimeout(total=30)) as resp:
+        async with session.get(f"{url}/v1/models", headers=auth_headers(api_key), timeout=aiohttp.ClientTimeout(total=30)) as resp:
             if resp.status != 200:
-                raise LoadgenError(f"GET {url}/v1/models answered HTTP {resp.status}")
+                raise LoadgenError(f"GET {url}/v1/models answered HTTP {resp.status}: {error_text(await resp.read())}")
             data = (await resp.json()).get("data") or []
     except (aiohttp.ClientError, asyncio.TimeoutError) as err:
         raise LoadgenError(f"GET {url}/v1/models failed: {type(err).__name__}: {err}") from err
@@ -175,19 +181,19 @@ async def discover_model_card(session: aiohttp.ClientSession, url: str) -> dict:
     return data[0]
 
 
-async def discover_model(session: aiohttp.ClientSession, url: str) -> str:
+async def discover_model(session: aiohttp.ClientSession, url: str, api_key: str | None = None) -> str:
     """The first model id listed by ``GET {url}/v1/models`` (raises as :func:`discover_model_card`)."""
-    return (await discover_model_card(session, url))["id"]
+    return (await discover_model_card(session, url, api_key))["id"]
 
 
-async def discover_context_tokens(url: str) -> int | None:
+async def discover_context_tokens(url: str, api_key: str | None = None) -> int | None:
     """The ``max_model_len`` of the first model ``GET {url}/v1/models`` lists, or None when it gives none.
 
     Raises:
         LoadgenError: as :func:`discover_model_card`.
     """
     async with aiohttp.ClientSession() as session:
-        value = (await discover_model_card(session, url.rstrip("/"))).get("max_model_len")
+        value = (await discover_model_card(session, url.rstrip("/"), api_key)).get("max_model_len")
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
@@ -212,6 +218,7 @@ class _Run:
         request_timeout_s: float,
         extra_body: dict,
         on_record: Callable[[RequestRecord], None] | None,
+        api_key: str | None = None,
     ) -> None:
         self.session = session
         self.endpoint = f"{url}/v1/chat/completions"
@@ -220,6 +227,7 @@ class _Run:
         self.timeout = aiohttp.ClientTimeout(total=request_timeout_s)
         self.timeout_s = request_timeout_s
         self.extra_body = extra_body
+        self.headers = {"Content-Type": "application/json", **auth_headers(api_key)}
         self.on_record = on_record
         self.loop = asyncio.get_running_loop()
         self.t0 = self.loop.time()
@@ -259,7 +267,7 @@ class _Run:
         pieces: list[str] = []
         try:
             async with self.session.post(
-                self.endpoint, data=orjson.dumps(body), headers={"Content-Type": "application/json"}, timeout=self.timeout
+                self.endpoint, data=orjson.dumps(body), headers=self.headers, timeout=self.timeout
             ) as resp:
                 rec.status = resp.status
                 rec.laps_class = resp.headers.get("x-laps-class", "unknown")
@@ -332,6 +340,7 @@ async def run_loadgen(
     on_record: Callable[[RequestRecord], None] | None = None,
     session: aiohttp.ClientSession | None = None,
     max_requests: int | None = None,
+    api_key: str | None = None,
 ) -> list[RequestRecord]:
     """Run ``workload`` against the OpenAI-compatible server at ``url`` and return one record per request sent.
 
@@ -342,7 +351,8 @@ async def run_loadgen(
     has its own RNG); ``max_requests`` caps the requests sent (:func:`plan_arrivals`). ``model`` defaults to the first id of ``GET /v1/models``.
     ``extra_body`` is merged into every request body (e.g. ``{"ignore_eos":
     True}``). ``on_record`` is called as each request finishes. ``session`` is
-    used as given (left open); otherwise one is created and closed.
+    used as given (left open); otherwise one is created and closed. ``api_key`` goes with every request as
+    ``Authorization: Bearer`` (a gateway with ``gateway.api_keys``).
     Records come back in completion order.
 
     Raises:
@@ -366,8 +376,8 @@ async def run_loadgen(
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None))
     try:
         if model is None:
-            model = await discover_model(session, url)
-        run = _Run(session, url, model, duration_s, request_timeout_s, extra_body or {}, on_record)
+            model = await discover_model(session, url, api_key)
+        run = _Run(session, url, model, duration_s, request_timeout_s, extra_body or {}, on_record, api_key)
         tasks: list[asyncio.Task] = []
         try:
             for arrival in plan:

@@ -289,8 +289,10 @@ def _length_trace(name: str, stream: Iterator[Conversation], lengths: Sequence[t
     it), rows asking no output (they ask 1 token) and rows left out past the context. ``lengths``: each row's
     (prompt, output) tokens as the trace gives them; ``columns``: the trace's names for the two."""
     below = sum(n < min_tokens for n, _ in lengths)
-    notes = [f"{name}: {below} of {len(lengths)} trace rows have {columns[0]} below the chat template's minimum "
-             f"of {min_tokens} tokens; their prompts are {min_tokens} tokens"]
+    notes = []
+    if below:
+        notes.append(f"{name}: {below} of {len(lengths)} trace rows have {columns[0]} below the chat template's minimum "
+                     f"of {min_tokens} tokens; their prompts are {min_tokens} tokens")
     no_output = sum(o < 1 for _, o in lengths)
     if no_output:
         notes.append(f"{name}: {no_output} of {len(lengths)} trace rows have {columns[1]} 0; they ask max_tokens 1")

@@ -23,6 +23,7 @@ class FakeEngine:
     ``stream_end``: what a stream sends after its first chunk instead of the rest:
     ``"truncated"`` (it just ends, no ``[DONE]``) or ``"malformed"`` (an event that is not JSON).
     ``GET /health_generate`` answers 200 (SGLang's generation probe).
+    ``GET /v1/models`` lists the model with ``max_model_len`` when :attr:`max_model_len` is set (as SGLang lists it).
     """
 
     def __init__(self, name: str) -> None:
@@ -43,15 +44,21 @@ class FakeEngine:
         self.stream_end: str | None = None
         self.done_sent = asyncio.Event()
         self.received = asyncio.Event()
+        self.max_model_len: int | None = None
         self.app = web.Application()
         self.app.router.add_get("/ready", self._ready)
         self.app.router.add_get("/health_generate", self._ready)
         self.app.router.add_post("/v1/chat/completions", self._generate)
         self.app.router.add_post("/v1/completions", self._generate)
         self.app.router.add_post("/abort_request", self._abort)
+        self.app.router.add_get("/v1/models", self._models)
 
     async def _ready(self, request: web.Request) -> web.Response:
         return web.Response(text="ok")
+
+    async def _models(self, request: web.Request) -> web.Response:
+        card = {"id": "fake", "object": "model"} if self.max_model_len is None else {"id": "fake", "object": "model", "max_model_len": self.max_model_len}
+        return web.json_response({"object": "list", "data": [card]})
 
     async def _abort(self, request: web.Request) -> web.Response:
         self.aborted.append((await request.json())["rid"])

@@ -49,6 +49,13 @@ def test_bad_role_switch_requests(live, engine, body, status, param):
     assert resp.status_code == status and resp.json()["error"]["param"] == param
 
 
+def test_a_move_to_the_role_the_engine_has_is_200_unchanged(live):
+    resp = admin(live, "POST", "/admin/engines/sp0/role", json={"role": "short-prefill"})
+    assert resp.status_code == 200 and resp.json() == {"engine": "sp0", "role": "short-prefill", "status": "unchanged"}
+    sp0 = next(e for e in admin(live, "GET", "/admin/engines").json()["engines"] if e["id"] == "sp0")
+    assert (sp0["role"], sp0["state"]) == ("short-prefill", "healthy")
+
+
 def test_list_then_move_an_engine_to_the_short_pool_by_hand(live):
     engines = {e["id"]: e for e in admin(live, "GET", "/admin/engines").json()["engines"]}
     assert {k: (e["kind"], e["role"], e["pool"], e["state"], e["gpus"]) for k, e in engines.items()} == {

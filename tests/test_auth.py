@@ -100,6 +100,23 @@ def test_bad_api_keys_fail_at_load(keys, fragment):
         with_gateway(load_config(), api_keys=keys)
 
 
+def test_key_file_comments_after_a_key_are_skipped_as_in_the_readme_example():
+    text = ("# keys.txt: [sha256:]<hex digest> [label]\n   \n"
+            "sha256:0c55d73decea73c6807948b6fc35a5f7c446ea3a8400224532c1249fe73587a9 team-a   # the key sk-team-a-example\n"
+            f"{key_digest('sk-team-b-0002')}# no space before the '#': not a comment\n")
+    with pytest.raises(ValueError, match="keys.txt line 4: expected"):
+        parse_key_file(text, "keys.txt")
+    assert parse_key_file(text.rsplit("\n", 2)[0] + f"\n{key_digest('sk-team-b-0002')} team#b #b\n", "keys.txt") == {
+        "0c55d73decea73c6807948b6fc35a5f7c446ea3a8400224532c1249fe73587a9": "team-a", key_digest("sk-team-b-0002"): "team#b"}
+    assert key_digest("sk-team-a-example") == "0c55d73decea73c6807948b6fc35a5f7c446ea3a8400224532c1249fe73587a9"
+
+
+def test_short_keys_are_named_by_position_without_union_noise():
+    with pytest.raises(ConfigError) as info:
+        with_gateway(load_config(), api_keys=["sk-good-and-long", "sk-two"])
+    assert str(info.value) == "<config>: invalid configuration\n  gateway.api_keys: key 1 is 6 characters; client keys must be at least 8 characters"
+
+
 def test_a_key_file_of_plain_keys_is_refused(tmp_path):
     path = tmp_path / "keys.txt"
     path.write_text("sk-plain-key-not-hashed\n")

@@ -28,9 +28,12 @@ def with_gateway(config: Config, **gateway) -> Config:
 
 
 @pytest.fixture
-async def stack():
-    """Two fake engines (short pool sp0, long pool lp0) behind a real gateway app on port 0 (admin key ``ADMIN_KEY``)."""
+async def stack(request):
+    """Two fake engines (short pool sp0, long pool lp0) behind a real gateway app on port 0 (admin key ``ADMIN_KEY``);
+    indirect parametrization sets the engines' listed ``max_model_len``."""
     fakes = {"sp0": FakeEngine("sp0"), "lp0": FakeEngine("lp0")}
+    for fake in fakes.values():
+        fake.max_model_len = getattr(request, "param", None)
     servers = {name: TestServer(f.app) for name, f in fakes.items()}
     for s in servers.values():
         await s.start_server()
@@ -184,7 +187,7 @@ async def test_models_health_and_metrics(stack):
     for name, server in servers.items():
         fakes[name].url = str(server.make_url("")).rstrip("/")
     async with session.get("/v1/models") as resp:
-        assert [m["id"] for m in (await resp.json())["data"]] == [MODEL]
+        assert (await resp.json())["data"] == [{"id": MODEL, "object": "model", "created": 0, "owned_by": "laps"}]  # no max_model_len known
     async with session.get("/health") as resp:
         assert resp.status == 200 and await resp.json() == {"status": "ok", "engines_serving": 2, "engines_total": 2}  # no URLs
     async with session.get("/health", headers={"Authorization": f"bearer {ADMIN_KEY}"}) as resp:
@@ -197,6 +200,26 @@ async def test_models_health_and_metrics(stack):
     assert 'laps_time_to_first_token_seconds_count{cls="short"} 1.0' in text
     assert "laps_scheduler_awd_depth_tokens " in text and "laps_scheduler_queued_long_requests 0.0" in text
     assert "# TYPE laps_scheduler_short_batches_total counter" in text and "laps_scheduler_short_batches_total 1.0" in text
+
+
+@pytest.mark.parametrize("stack", [1000], indirect=True)
+async def test_a_prompt_past_the_context_length_is_refused_at_once_and_the_length_listed(stack):
+    session, fakes, _ = stack
+    async with session.get("/v1/models") as resp:
+        assert (await resp.json())["data"][0]["max_model_len"] == 1000
+    for body in (chat("ab " * 1500, stream=True), chat("Hi", max_tokens=999)):
+        async with session.post("/v1/chat/completions", json=body) as resp:
+            assert resp.status == 400
+            error = (await resp.json())["error"]
+            assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", "messages", "context_length_exceeded")
+            assert error["message"].startswith("This model's maximum context length is 1000 tokens. However, you requested ")
+    async with session.post("/v1/completions", json={"model": MODEL, "prompt": list(range(990)), "max_tokens": 11}) as resp:
+        error = (await resp.json())["error"]
+        assert resp.status == 400 and error["param"] == "prompt"
+        assert "you requested 1001 tokens (990 in the prompt, 11 in the completion)" in error["message"]
+    assert fakes["sp0"].bodies == [] and fakes["lp0"].bodies == []
+    async with session.post("/v1/completions", json={"model": MODEL, "prompt": list(range(990)), "max_tokens": 10}) as resp:
+        assert resp.status == 200  # 1000 tokens: fits
 
 
 async def test_follow_up_turn_on_long_cached_history_is_short(stack):
@@ -216,9 +239,10 @@ async def test_follow_up_turn_on_long_cached_history_is_short(stack):
 @pytest.mark.parametrize(
     "payload, expected",
     [
-        (b'{"object": "error", "message": "bad prompt", "type": "BadRequestError", "param": null, "code": 400}', {"message": "bad prompt", "type": "BadRequestError", "param": None, "code": 400}),
+        (b'{"object": "error", "message": "bad prompt", "type": "BadRequestError", "param": null, "code": 400}', {"message": "bad prompt", "type": "invalid_request_error", "param": None, "code": None}),
+        (b'{"object": "error", "message": "bad n", "type": "BadRequestError", "param": "n", "code": "bad_n"}', {"message": "bad n", "type": "invalid_request_error", "param": "n", "code": "bad_n"}),
         (b'{"error": {"message": "nested", "type": "x", "param": "p", "code": "c"}}', {"message": "nested", "type": "x", "param": "p", "code": "c"}),
-        (b"Internal Server Error", {"message": "Internal Server Error", "type": "engine_error", "param": None, "code": None}),
+        (b"Bad Request", {"message": "Bad Request", "type": "invalid_request_error", "param": None, "code": None}),
     ],
 )
 async def test_engine_error_answers_reach_the_client_in_openai_shape(stack, payload, expected):
@@ -314,6 +338,13 @@ async def test_a_stream_read_to_the_end_then_closed_is_ok_and_not_aborted(stack)
         ("/v1/completions", {"model": MODEL, "prompt": [151657, 151665]}, "prompt", "token id 151665 is outside the vocabulary (0 .. 151664)"),
         ("/v1/completions", {"model": MODEL, "prompt": [[1, 2]]}, "prompt", "a list of token ids"),
         ("/v1/completions", {"model": MODEL, "prompt": ""}, "prompt", "prompt is empty"),
+        ("/v1/chat/completions", chat("x", tools=[{"type": "function", "function": {"name": "get_weather"}}],
+                                      tool_choice={"type": "function", "function": {"name": "get_time"}}),
+         "tool_choice", "tool_choice: names function 'get_time', which is not in tools (get_weather)"),
+        ("/v1/chat/completions", chat("x", tool_choice={"type": "function", "function": {"name": "f"}}), "tool_choice", "not in tools (none given)"),
+        ("/v1/chat/completions", chat("x", top_logprobs=3), "top_logprobs", "top_logprobs: needs logprobs: true"),
+        ("/v1/chat/completions", chat("x", logprobs=False, top_logprobs=3), "top_logprobs", "needs logprobs: true"),
+        ("/v1/chat/completions", chat("x", logprobs=True, top_logprobs=21), "top_logprobs", "less than or equal to 20"),
     ],
 )
 async def test_wrong_types_are_refused_by_the_gateway_naming_the_field(stack, path, payload, param, fragment):
@@ -366,6 +397,14 @@ async def test_malformed_tools_are_refused_naming_the_field(stack, tools, param,
         error = (await resp.json())["error"]
     assert error["param"] == param and fragment in error["message"]
     assert fakes["sp0"].bodies == []
+
+
+async def test_a_tool_choice_among_the_tools_and_top_logprobs_with_logprobs_pass(stack):
+    session, fakes, _ = stack
+    body = chat("Hi", tools=[WEATHER_TOOL], tool_choice={"type": "function", "function": {"name": "get_weather"}}, logprobs=True, top_logprobs=20)
+    async with session.post("/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200
+    assert fakes["sp0"].bodies[0]["top_logprobs"] == 20 and fakes["sp0"].bodies[0]["tool_choice"]["function"]["name"] == "get_weather"
 
 
 async def test_tools_are_counted_with_the_template_and_passed_on(stack):

@@ -31,9 +31,16 @@ class FakeOpenAI:
     def __init__(self) -> None:
         self.bodies: list[dict] = []
         self.max_model_len: int | None = None  # listed by /v1/models when set, as SGLang lists it
-        self.app = web.Application()
+        self.api_key: str | None = None  # when set, every request needs it as Authorization: Bearer (else a 401)
+        self.app = web.Application(middlewares=[self.auth])
         self.app.router.add_get("/v1/models", self.models)
         self.app.router.add_post("/v1/chat/completions", self.chat)
+
+    @web.middleware
+    async def auth(self, request: web.Request, handler):
+        if self.api_key is not None and request.headers.get("Authorization") != f"Bearer {self.api_key}":
+            return web.json_response({"error": {"message": "no valid key", "type": "invalid_request_error", "code": "invalid_api_key"}}, status=401)
+        return await handler(request)
 
     async def models(self, request: web.Request) -> web.Response:
         card = {"id": "fake-model", "object": "model"}
@@ -310,3 +317,18 @@ def test_cli_leaves_out_trace_rows_past_the_servers_context_and_caps_requests(tm
         assert cli.main(parse("--url", url, "--dataset", f"azure:{trace}", "--duration", "5", "--max-context-tokens",
                               "1100", "--out", str(out), "--quiet")) == 0
         assert orjson.loads(out.read_bytes())["trace_rows"]["over_context"] == 0 and len(server.bodies) == 4
+
+
+def test_cli_sends_the_api_key_given_or_from_openai_api_key(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "r.json"
+    with fake_in_thread() as (server, url):
+        server.api_key = "sk-loadgen-test-key"
+        flags = ("--url", url, "--dataset", "mtbench", "--rate", "20", "--duration", "0.3", "--think-time-s", "0", "--out", str(out), "--quiet")
+        monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+        assert cli.main(parse(*flags)) == 1
+        assert "GET " + url.rstrip("/") + "/v1/models answered HTTP 401: no valid key" in capsys.readouterr().err
+        assert cli.main(parse(*flags, "--api-key", "sk-loadgen-test-key")) == 0
+        sent = len(server.bodies)
+        assert sent > 0 and orjson.loads(out.read_bytes())["requests"]["errors"] == 0
+        monkeypatch.setenv("OPENAI_API_KEY", "sk-loadgen-test-key")
+        assert cli.main(parse(*flags)) == 0 and len(server.bodies) > sent

@@ -124,7 +124,7 @@ async def test_a_prefill_error_before_the_stream_is_one_http_error_and_the_decod
         assert (resp.headers["x-laps-failed-engine"], resp.headers["x-laps-engine"]) == ("ps0", "ps0")
         rid = resp.headers["x-request-id"]
         error = (await resp.json())["error"]
-    assert error == {"message": "prefill engine ps0: prompt too long", "type": "BadRequestError", "param": None, "code": 400}
+    assert error == {"message": "prefill engine ps0: prompt too long", "type": "invalid_request_error", "param": None, "code": None}
     await asyncio.wait_for(fakes["d0"].abort_seen.wait(), timeout=5)
     assert fakes["d0"].aborted == [rid]
     fakes["d0"].answer.set()

@@ -153,7 +153,8 @@ def test_azure_file_workload_replays_exact_lengths_and_counts_over_long_rows(tmp
     assert [(c.id, c.source, c.start_s, c.turns[0].max_tokens) for c in convs] == [
         ("azure-0", "azure", 0.0, 1), ("azure-1", "azure", 0.5, 50)]
     assert [len(TOK.encode_chat([{"role": "user", "content": c.turns[0].content}])) for c in convs] == [30, 700]
-    assert w.notes[1:] == [f"azure:{path}: 1 of 3 trace rows have GeneratedTokens 0; they ask max_tokens 1",
+    assert w.notes == [f"azure:{path}: 1 of 3 trace rows have ContextTokens below the chat template's minimum of 30 tokens; their prompts are 30 tokens",
+                       f"azure:{path}: 1 of 3 trace rows have GeneratedTokens 0; they ask max_tokens 1",
                            f"azure:{path}: 1 of 3 rows left out: prompt plus output tokens pass the context of 2050 tokens"]
 
 

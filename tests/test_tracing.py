@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import aiohttp
 from aiohttp.test_utils import TestServer
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -71,6 +73,14 @@ async def test_a_client_traceparent_is_joined_and_bad_requests_are_traced_too():
     assert not validation.status.is_ok
 
 
-async def test_tracing_is_off_by_default_and_sends_no_traceparent():
+async def test_tracing_is_off_by_default_and_sends_no_traceparent(caplog):
+    caplog.set_level(logging.INFO, "laps.gateway")
     exporter, engine = await run_gateway({}, [(chat(stream=True), {})])
     assert exporter.get_finished_spans() == () and "traceparent" not in engine.headers[0]
+    assert "tracing off (tracing.enabled: false)" in [r.getMessage() for r in caplog.records]
+
+
+async def test_startup_logs_that_tracing_is_on_and_where_spans_go(caplog):
+    caplog.set_level(logging.INFO, "laps.gateway")
+    await run_gateway({"enabled": True, "sample_ratio": 0.5}, [])
+    assert "tracing on: spans to InMemorySpanExporter as laps-gateway, sample ratio 0.5" in [r.getMessage() for r in caplog.records]
