@@ -181,8 +181,6 @@ class _InFlight:
     short: bool
     dispatched_s: float
     new_tokens: int
-    predicted_ttft_s: float
-    stream: bool
     prefilling: bool = True
 
 
@@ -369,8 +367,8 @@ class LapsScheduler:
         return isolated_prefill_s(self.model.cost, request.prompt_tokens - cached, cached, self.model.chunk_tokens)
 
     def _long_key(self, request: RequestView, now: float) -> tuple:
-        """Held long requests go by deadline, shortest isolated prefill first among equal deadlines; those
-        that can no longer meet theirs (their isolated prefill would end past it) go last."""
+        """Held long requests go by priority, then deadline, shortest isolated prefill first among equal deadlines;
+        within a priority, those that can no longer meet theirs (their isolated prefill would end past it) go last."""
         isolated_s = self._isolated_s(request)
         return (request.priority_rank, now + isolated_s > request.deadline_s, request.deadline_s, isolated_s, request.arrival_s)
 
@@ -443,9 +441,8 @@ class LapsScheduler:
 
     def _account(self, load: dict[str, EngineView], engine_id: str, batch: list[RequestView], short: bool, now: float) -> None:
         engine = load[engine_id]
-        stream = all(r.stream for r in batch)
-        finish = self.model.dispatched(engine_id, [r.rid for r in batch], self._shapes(batch, engine_id), now,
-                                       self._decoding_context(engine), stream=stream)
+        self.model.dispatched(engine_id, [r.rid for r in batch], self._shapes(batch, engine_id), now,
+                              self._decoding_context(engine), stream=all(r.stream for r in batch))
         load[engine_id] = engine.with_dispatched(len(batch), sum(r.prompt_tokens for r in batch))
         for r in batch:
-            self._in_flight[r.rid] = _InFlight(engine_id, short, now, self._new_on(r, engine_id), finish - now, stream)
+            self._in_flight[r.rid] = _InFlight(engine_id, short, now, self._new_on(r, engine_id))
