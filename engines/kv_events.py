@@ -97,7 +97,7 @@ class _BlockRemoved(msgspec.Struct, tag="BlockRemoved", omit_defaults=True, gc=F
 
 
 class _AllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", omit_defaults=True, gc=False):
-    pass
+    """The whole cache was emptied (``/flush_cache``, a role switch): the event carries no field but its tag."""
 
 
 class _EventBatch(msgspec.Struct, array_like=True, gc=False):

@@ -115,8 +115,8 @@ async def test_an_engine_still_busy_at_the_drain_deadline_keeps_its_role_and_its
         state = gw.registry["pl0"]
         assert (state.pool, state.draining, gw.manager.restarts, gw.manager.engines["pl0"].role) == ("long", False, [], "prefill-long")
         assert not engine.core.fully_idle()  # the request goes on
-        async with gw.client.session.post(str(servers["pl0"].make_url("/abort_request")), json={"rid": "r1"}):
-            pass
+        async with gw.client.session.post(str(servers["pl0"].make_url("/abort_request")), json={"rid": "r1"}) as resp:
+            assert resp.status == 200
         (await running).close()
 
 
