@@ -94,6 +94,22 @@ against 5.8% on ``mixed`` at 1.2×, and short-class P90 TTFT at half load of
 in the engine's order without the clean-engine charge sent long prefills to
 every short-pool engine: 44 ms at half load.
 
+Only overtaken prefills that can still meet their deadline are charged (their
+deadline is after now plus their own work left): delaying one that misses
+anyway costs no deadline, and in overload most of the long queue is such.
+Means of two seeds (0, 1) at 1.2× least_load's saturation load, against
+charging every overtaken prefill and against least_load to
+``shortest-prefill-first`` engines: ``docs`` 11.7% (12.5%; 11.8%), the
+sped-up ``azure-conv`` replay 5.9% (6.4%; 5.5%), ``mixed`` 5.3% (5.8%; 5.7%);
+at 1.5×, ``azure-conv`` 12.1% (12.5%; 11.3%) but ``docs`` 17.1% (16.3%;
+16.5%). Tried there and not kept: holding long prefills in the gateway on these
+engines too, shortest isolated prefill first with those that cannot make it
+last, at most two in progress per engine (``docs`` 9.9% but ``azure-conv``
+14.1% and ``mixed`` 7.4%: too few prefills left to fill a chunk), or while the
+engine's backlog is under one chunk pass (14.5%, 8.8%, 6.5%); choosing by the
+fewest predicted missed deadlines first (no better, and its per-decision cost
+grows with each engine's queue).
+
 Temporal mode (one engine serving both classes, the ``mixed`` role) was decided
 in the simulator (one simulated H200, Qwen2.5-7B, the mixed real-chat workload,
 30 s per point): gating long prefills in the gateway alone halves short P90
@@ -442,7 +458,8 @@ class LapsScheduler:
     def _account(self, load: dict[str, EngineView], engine_id: str, batch: list[RequestView], short: bool, now: float) -> None:
         engine = load[engine_id]
         self.model.dispatched(engine_id, [r.rid for r in batch], self._shapes(batch, engine_id), now,
-                              self._decoding_context(engine), stream=all(r.stream for r in batch))
+                              self._decoding_context(engine), stream=all(r.stream for r in batch),
+                              deadlines_s=[r.deadline_s for r in batch])
         load[engine_id] = engine.with_dispatched(len(batch), sum(r.prompt_tokens for r in batch))
         for r in batch:
             self._in_flight[r.rid] = _InFlight(engine_id, short, now, self._new_on(r, engine_id))

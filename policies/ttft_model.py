@@ -24,7 +24,9 @@ its first token after
 
 On ``shortest-prefill-first`` engines a request delays the longer prefills it
 overtakes by its own prefill time: :meth:`EngineQueueModel.displaced` counts
-them, for the scheduler to charge.
+those that can still meet their first-token deadline (their deadline is after
+now plus their own work left), for the scheduler to charge; a delay to a
+prefill that misses its deadline anyway costs no deadline.
 
 Pass times come from a :class:`PassCost`: the engine model's latency function
 (:class:`engines.sim.latency.LatencyModel`) or a fitted
@@ -42,6 +44,7 @@ as done when the model has done it and their report corrects nothing.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -93,6 +96,7 @@ class _Prefill:
     stream: bool
     chunk_s: float  # one chunk pass of it (its whole prefill when it fits one chunk)
     chunk_left_s: float = 0.0  # of the chunk in progress, when it is its engine's current entry
+    deadline_s: float = math.inf  # its first-token deadline
     done_s: float | None = None  # when the model saw it done (it has no first token yet)
 
 
@@ -164,18 +168,23 @@ class EngineQueueModel:
         return start - now + batch_prefill_s(self.cost, batch, self.chunk_tokens)
 
     def displaced(self, engine_id: str, batch: Sequence[SeqShape], now: float) -> int:
-        """Prefills on ``engine_id`` that ``batch`` sent now would go ahead of (so delay by its own prefill):
-        those with more new tokens, on ``short_first`` engines; none on FCFS ones."""
+        """Prefills on ``engine_id`` that ``batch`` sent now would go ahead of (so delay by its own prefill) and that can
+        still meet their deadline (it is after ``now`` plus their own work left): those with more new tokens, on
+        ``short_first`` engines; none on FCFS ones."""
         if not self.short_first:
             return 0
         longest = max((new for new, _ in batch), default=1)
-        return sum(1 for p in self._advance(engine_id, now).values() if p.remaining_s > 0 and p.key[0] > longest)
+        return sum(1 for p in self._advance(engine_id, now).values()
+                   if p.remaining_s > 0 and p.key[0] > longest and p.deadline_s > now + p.remaining_s)
 
     # -- what the scheduler tells ---------------------------------------------------------------
 
     def dispatched(self, engine_id: str, rids: Iterable[str], batch: Sequence[SeqShape], now: float,
-                   decoding_context_tokens: int = 0, stream: bool = True) -> float:
+                   decoding_context_tokens: int = 0, stream: bool = True, deadlines_s: Sequence[float] = ()) -> float:
         """``rids`` (shapes ``batch``) went to ``engine_id`` at ``now`` as one group; their predicted first-token time.
+
+        ``deadlines_s``: the first-token deadlines of ``rids`` (clock seconds; none given: no deadline); the group
+        counts by the earliest.
 
         On ``short_first`` engines the group goes ahead of the longer prefills waiting there, which
         its own prefill time pushes back (:meth:`displaced`).
@@ -185,8 +194,9 @@ class EngineQueueModel:
         key = self._key(max((new for new, _ in batch), default=1))
         chunk_s = work_s if sum(max(1, new) for new, _ in batch) <= self.chunk_tokens else self.chunk_pass_s
         entries = self._by_engine.setdefault(engine_id, {})
+        deadline_s = min(deadlines_s, default=math.inf)
         for i, rid in enumerate(rids):  # the group's work is carried by its first request
-            p = _Prefill(engine_id, key, work_s if i == 0 else 0.0, work_s if i == 0 else 0.0, stream, chunk_s)
+            p = _Prefill(engine_id, key, work_s if i == 0 else 0.0, work_s if i == 0 else 0.0, stream, chunk_s, deadline_s=deadline_s)
             self._pending[rid] = p
             entries[rid] = p
         return finish

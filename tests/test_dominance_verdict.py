@@ -39,3 +39,17 @@ def test_verdict_checks_every_load_the_knee_goodput_and_short_p90():
     assert v["goodput"]["ok"] and v["goodput"]["best_policy"] == "least_load+spf"
     rows[0]["slo_violation_rate"] = 0.006  # 0.6 points over the best at load 50: worse
     assert not dominance.verdict(rows, "w", 100.0)["never_worse"]
+
+
+def test_prefill_capacity_bounds_the_goodput_any_scheduler_could_reach():
+    rows = []
+    # Prefill-busy shares that grow with the load up to saturation (100): capacity 50/0.25 = 200 and 100/0.4 = 250
+    # (the smallest share of any policy at each load counts); past saturation (150) the share saturates and is left out.
+    for load, laps_f, base_f, laps, best in ((50, 0.25, 0.30, 0.0, 0.0), (100, 0.45, 0.40, 0.02, 0.06), (150, 0.9, 0.9, 0.08, 0.30)):
+        rows.append({**row("laps", load, load, laps), "prefill_busy_fraction": laps_f})
+        rows.append({**row("least_load+spf", load, load, best), "prefill_busy_fraction": base_f})
+    assert dominance.prefill_capacity_load(rows, 100.0) == pytest.approx(225.0)
+    g = dominance.verdict(rows, "w", 100.0)["goodput"]
+    assert g["prefill_capacity_load"] == pytest.approx(225.0)
+    assert g["ratio_bound"] == pytest.approx(225.0 / (50 + 50 * 5 / 6))
+    assert dominance.prefill_capacity_load([row("laps", 50, 50, 0.0)], 100.0) is None  # rows of an older run: no share

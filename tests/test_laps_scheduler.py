@@ -251,6 +251,18 @@ def test_on_shortest_prefill_first_engines_long_prefills_are_not_held_and_pay_fo
     assert len(s.decide(engines, 0.0).dispatches) == 3
 
 
+def test_overtaking_a_prefill_that_misses_its_deadline_anyway_costs_nothing():
+    # The case above, but a's big prefill (0.2448 s of work) was due at 0.2 s: N delaying it loses no deadline, so on a
+    # N costs its 61 ms alone, less than b's 67 ms.
+    engines = [EngineView("a", "long"), EngineView("b", "long")]
+    s = LapsScheduler(config(), SPF)
+    s.model.dispatched("a", ["big"], [(20000, 0)], 0.0, deadlines_s=[0.2])
+    for i in range(4):
+        s.model.dispatched("b", [f"p{i}"], [(800, 0)], 0.0)
+    s.submit(long("N", 1000, 0.0), 0.0)
+    assert s.decide(engines, 0.0).dispatches == (Dispatch("a", ("N",)),)
+
+
 def test_held_long_requests_go_in_deadline_order_those_that_cannot_make_it_last():
     s = LapsScheduler(config(max_long_prefill_tokens=1000), TRAITS)
     s.submit(long("first", 3000, 0.0), 0.0)  # occupies the gate

@@ -56,6 +56,21 @@ def test_on_shortest_prefill_first_engines_a_prefill_waits_for_shorter_work_and_
     assert fcfs.displaced("e", [(50, 0)], 0.0) == 0
 
 
+def test_only_overtaken_prefills_that_can_still_meet_their_deadline_count_as_displaced():
+    m = EngineQueueModel(SPF)
+    long_s = isolated_prefill_s(LinearCost(), 20000, 0, 4096)  # 0.2448 s
+    m.dispatched("e", ["late"], [(20000, 0)], 0.0, deadlines_s=[0.2])  # its own work alone ends past its deadline
+    m.dispatched("e", ["open"], [(30000, 0)], 0.0, deadlines_s=[5.0])
+    m.dispatched("e", ["none"], [(10000, 0)], 0.0)  # no deadline given: it can always be missed
+    assert long_s > 0.2
+    assert m.displaced("e", [(50, 0)], 0.0) == 2  # "open" and "none"; delaying "late" costs no deadline
+    # A group counts by its earliest deadline: 0.1 s is before its own 2 × 5,000-token work (0.128 s) ends.
+    m.dispatched("e", ["s1", "s2"], [(5000, 0), (5000, 0)], 0.0, deadlines_s=[5.0, 0.1])
+    assert m.displaced("e", [(50, 0)], 0.0) == 2
+    m.dispatched("e", ["s3", "s4"], [(5000, 0), (5000, 0)], 0.0, deadlines_s=[5.0, 0.3])
+    assert m.displaced("e", [(50, 0)], 0.0) == 3
+
+
 def test_a_chunk_in_progress_is_never_cut_short():
     m = EngineQueueModel(SPF)
     long_s = isolated_prefill_s(LinearCost(), 10000, 0, 4096)
