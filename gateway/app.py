@@ -21,6 +21,7 @@ import logging
 import os
 import signal
 import socket
+from functools import partial
 from typing import TYPE_CHECKING, AsyncIterator
 
 import time
@@ -34,7 +35,7 @@ from engines.manager import EngineManager, kv_event_sources
 from gateway import handlers, relay, tracing
 from gateway.admin import SWITCHES, add_admin_routes
 from gateway.controller_loop import CONTROLLER, ControllerLoop
-from gateway.dispatcher import Dispatcher
+from gateway.dispatcher import Dispatcher, classify
 from gateway.engine_load import fetch_engine_load
 from gateway.auth import api_key_middleware, is_loopback
 from gateway.errors import ShuttingDown, error_middleware
@@ -117,11 +118,14 @@ def create_app(config: Config, engine_urls: dict[str, str] | None = None, span_e
             urls = engine_urls if manager is None else await manager.start(client.session)
             registry = EngineRegistry([EngineState(e.name, urls[e.name], config.pool(e)) for e in config.engines])
             first_tokens = FirstTokenWindow(config.controller.window_s) if config.controller.enabled else None
-            dispatcher = Dispatcher(make_scheduler(config.scheduling, engine_traits(config)), registry, first_tokens=first_tokens)
             prefix_index = PrefixCaches(PrefixIndex.from_byte_budget(config.scheduling.prefix_block_tokens, config.scheduling.prefix_index_bytes, len(config.engines)))
+            classifier = make_classifier(config.scheduling)
+            dispatcher = Dispatcher(make_scheduler(config.scheduling, engine_traits(config)), registry, first_tokens=first_tokens,
+                                    classify=partial(classify, config=config, engine_ids=[e.id for e in registry], prefix_index=prefix_index,
+                                                     classifier=classifier))
             await _mirror_kv_capacity(client, registry, prefix_index)
             context_tokens = await _context_tokens(client, registry)
-            gw = Gateway(config, tokenizer, registry, client, make_classifier(config.scheduling), dispatcher, prefix_index, GatewayMetrics(), manager,
+            gw = Gateway(config, tokenizer, registry, client, classifier, dispatcher, prefix_index, GatewayMetrics(), manager,
                          tracer=tracer,
                          api_keys=load_keys(config.gateway.api_keys) if config.gateway.api_keys is not None else None,
                          context_tokens=context_tokens)
