@@ -11,6 +11,10 @@ answers new requests on open connections with 503, lets the requests in flight
 run for up to ``gateway.shutdown_grace_s``, then ends those left with an
 explicit error (:func:`end_requests`), then stops the engines. A second signal
 exits at once (the engines, started with a parent-death signal, follow).
+
+With ``gateway.workers`` > 1 (:mod:`gateway.workers`) the scheduler process runs
+:func:`create_app`'s start-up without serving HTTP, and each worker serves
+:func:`create_worker_app` through :func:`serve_until`.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from tests.test_cli_startup import write_config
 
 MODEL = "Qwen2.5-7B-Instruct"
 START_TIMEOUT_S = 120.0
+ADMIN_KEY = "admin-key-for-tests"
 
 
 def _chat(max_tokens: int = 4, stream: bool = False, text: str = "hello there") -> dict:
@@ -60,7 +61,7 @@ def _served_by(log: Path, *rids: str) -> dict[str, str]:
 def gateway(tmp_path_factory):
     """``laps serve --workers 2`` on the default config's two sim engines, port 0, shared by this module's tests (the
     last one stops it); (base URL, gateway log, process)."""
-    config_path, log_dir = write_config(tmp_path_factory.mktemp("workers"), gateway={"port": 0, "shutdown_grace_s": 5})
+    config_path, log_dir = write_config(tmp_path_factory.mktemp("workers"), gateway={"port": 0, "shutdown_grace_s": 5, "admin_key": ADMIN_KEY})
     proc = subprocess.Popen([sys.executable, "-m", "laps.cli", "serve", "--config", str(config_path), "--workers", "2"],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
@@ -130,6 +131,8 @@ def test_two_workers_serve_chats_errors_and_one_metrics_and_stop_on_ctrl_c(gatew
             assert bad.json() == {"error": {"message": "messages: Field required", "type": "invalid_request_error", "param": "messages", "code": None}}
             unknown = client.post("/v1/chat/completions", json=_chat() | {"model": "nope"})
             assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+    switch = httpx.post(f"{url}/admin/engines/sp0/role", json={"role": "long-prefill"}, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=10)
+    assert switch.status_code == 501 and switch.json()["error"]["code"] == "not_with_workers"  # said, not half done
     text = log.read_text()
     ok = len(re.findall(r"outcome=ok", text))
     assert ok == before + sent
