@@ -128,7 +128,7 @@ def create_app(config: Config, engine_urls: dict[str, str] | None = None, span_e
                                                      classifier=classifier))
             await _mirror_kv_capacity(client, registry, prefix_index)
             context_tokens = await _context_tokens(client, registry)
-            gw = Gateway(config, tokenizer, registry, client, classifier, dispatcher, prefix_index, GatewayMetrics(), manager,
+            gw = Gateway(config, tokenizer, registry, client, dispatcher, prefix_index, GatewayMetrics(), manager,
                          tracer=tracer,
                          api_keys=load_keys(config.gateway.api_keys) if config.gateway.api_keys is not None else None,
                          context_tokens=context_tokens)
@@ -218,7 +218,7 @@ def create_worker_app(config: Config, channel_path: str) -> web.Application:
             channel = await ChannelClient.connect(channel_path)
             state = await channel.call({"op": "state"})
             registry = registry_of(state["engines"])
-            gw = Gateway(config, tokenizer, registry, client, make_classifier(config.scheduling), RemoteDispatcher(channel),
+            gw = Gateway(config, tokenizer, registry, client, RemoteDispatcher(channel),
                          RemotePrefixIndex(channel, config.scheduling.prefix_block_tokens), GatewayMetrics(), tracer=tracer,
                          api_keys=load_keys(config.gateway.api_keys) if config.gateway.api_keys is not None else None,
                          context_tokens=state["context_tokens"], report_out_of_service=partial(report_out_of_service, channel))

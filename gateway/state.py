@@ -17,7 +17,6 @@ from gateway.sched_worker import RemoteDispatcher, RemotePrefixIndex
 from laps.chat_cache import ChatPrefixCache, EncodePool
 from laps.config import Config
 from laps.tokenizer import ChatTokenizer
-from policies.classifier import Classifier
 from policies.exact_prefix import PrefixCaches
 
 if TYPE_CHECKING:
@@ -28,7 +27,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class Gateway:
-    """The gateway's long-lived parts: config, tokenizer, engines, classifier, dispatcher, prefix index, metrics.
+    """The gateway's long-lived parts: config, tokenizer, engines, dispatcher (it classifies too), prefix index, metrics.
 
     ``manager`` runs the engine processes; ``None`` when the gateway was given
     the URLs of engines that run on their own. ``pd``: the decode placement and
@@ -47,7 +46,6 @@ class Gateway:
     tokenizer: ChatTokenizer
     registry: EngineRegistry
     client: EngineClient
-    classifier: Classifier
     dispatcher: Dispatcher | RemoteDispatcher
     prefix_index: PrefixCaches | RemotePrefixIndex
     metrics: GatewayMetrics
