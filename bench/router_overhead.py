@@ -3,6 +3,7 @@
     python bench/router_overhead.py --out runs/router_overhead.json            # a few minutes
     python bench/router_overhead.py --quick --out runs/router_overhead_quick.json
     python bench/router_overhead.py --targets direct laps --py-spy-laps runs/laps_profile.txt --out runs/ro.json
+    python bench/router_overhead.py --targets direct laps --laps-workers 1 2 --out runs/router_overhead_workers.json
 
 Two simulated SGLang engines (``python -m engines.sim``, one short-pool and one
 long-pool role) run on loopback with ``--sim-zero-time``: forward passes take
@@ -16,7 +17,9 @@ the other:
   once, so the figures are relay cost, not the ``laps`` policy's deliberate AWD
   wait of up to ``scheduling.laps.window_max_ms``). Tokenizer --laps-tokenizer,
   by default the built-in Qwen2.5 one: the model directory's ids exactly, ~6x
-  faster per token than its Hugging Face tokenizer;
+  faster per token than its Hugging Face tokenizer. --laps-workers 1 2 runs it
+  once per ``gateway.workers`` value (``laps``, ``laps-2w``), with the CPU per
+  request of each process (scheduler, workers) next to the total;
 - ``router-rr`` / ``router-ca``: ``sglang-router`` with ``round_robin`` and with
   ``cache_aware``, launched as ``bench/router_compare.py`` launches it.
 
@@ -162,6 +165,7 @@ class Phase:
     gateway_cpu_us_per_req: float | None
     client_cpu_share: float
     first_error: str | None = None
+    process_cpu_us_per_req: dict[str, float] | None = None  # laps --workers: each process's (with its own children)
 
 
 def process_cpu_s(pid: int | None) -> float | None:
@@ -184,6 +188,11 @@ def process_cpu_s(pid: int | None) -> float | None:
 
 def listening_pid(port: int) -> int | None:
     """The pid of this user's process that listens on loopback TCP ``port`` (from ``/proc/net/tcp``), or None."""
+    return min(listening_pids(port), default=None)
+
+
+def listening_pids(port: int) -> set[int]:
+    """The pids of this user's processes that listen on loopback TCP ``port`` (several with ``SO_REUSEPORT``)."""
     inodes = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         with contextlib.suppress(OSError):
@@ -191,6 +200,7 @@ def listening_pid(port: int) -> int | None:
                 cols = line.split()
                 if cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
                     inodes.add(f"socket:[{cols[9]}]")
+    pids = set()
     for pid_dir in Path("/proc").iterdir():
         if not pid_dir.name.isdigit():
             continue
@@ -198,8 +208,24 @@ def listening_pid(port: int) -> int | None:
             for fd in (pid_dir / "fd").iterdir():
                 with contextlib.suppress(OSError):
                     if os.readlink(fd) in inodes:
-                        return int(pid_dir.name)
-    return None
+                        pids.add(int(pid_dir.name))
+    return pids
+
+
+def laps_processes(port: int) -> tuple[int | None, dict[str, int] | None]:
+    """The laps gateway listening on ``port``: its top pid and, with several workers, ``{process: pid}`` of its
+    scheduler and workers (``worker-<pid>``; :mod:`gateway.workers`), else None."""
+    workers = listening_pids(port)
+    if len(workers) < 2:
+        return min(workers, default=None), None
+    supervisor = int(Path(f"/proc/{min(workers)}/stat").read_text().rsplit(")", 1)[1].split()[1])  # the workers' parent
+    parts = {f"worker-{pid}": pid for pid in sorted(workers)}
+    for task in Path(f"/proc/{supervisor}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+            if int(child) not in workers and b"spawn_main" in cmdline:  # not multiprocessing's resource tracker
+                parts["scheduler"] = int(child)
+    return supervisor, parts
 
 
 async def _one(session: aiohttp.ClientSession, url: str, body: bytes, stream: bool) -> tuple[float, str | None]:
@@ -222,14 +248,16 @@ async def _one(session: aiohttp.ClientSession, url: str, body: bytes, stream: bo
 
 async def run_phase(urls: Sequence[str], bodies: Iterator[bytes], concurrency: int, *, duration_s: float | None = None,
                     requests: int | None = None, stream: bool = False, fresh_connections: bool = False,
-                    gateway_pid: int | None = None) -> Phase:
-    """A closed loop of ``concurrency`` clients over ``urls`` (round robin) for ``duration_s`` or ``requests`` in all."""
+                    gateway_pid: int | None = None, processes: dict[str, int] | None = None) -> Phase:
+    """A closed loop of ``concurrency`` clients over ``urls`` (round robin) for ``duration_s`` or ``requests`` in all;
+    CPU per request of ``gateway_pid`` (with its descendants) and of each of ``processes``."""
     connector = aiohttp.TCPConnector(limit=0, force_close=fresh_connections)
     timeout = aiohttp.ClientTimeout(total=300)
     samples: list[float] = []
     errors: list[str] = []
     counter = itertools.count()
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        parts0 = {name: process_cpu_s(pid) for name, pid in (processes or {}).items()}
         cpu0, ru0, t0 = process_cpu_s(gateway_pid), resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
         end = t0 + duration_s if duration_s is not None else float("inf")
 
@@ -244,17 +272,20 @@ async def run_phase(urls: Sequence[str], bodies: Iterator[bytes], concurrency: i
         await asyncio.gather(*(client() for _ in range(concurrency)))
         wall_s = time.perf_counter() - t0
         cpu1, ru1 = process_cpu_s(gateway_pid), resource.getrusage(resource.RUSAGE_SELF)
+        parts1 = {name: process_cpu_s(pid) for name, pid in (processes or {}).items()}
     done = len(samples) + len(errors)
+    by_process = {name: (parts1[name] - parts0[name]) / done * 1e6 for name in parts0} if processes and done else None
     client_cpu = (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime)
     p50, p99 = (np.percentile(samples, [50, 99]) * 1e3).tolist() if samples else (None, None)
     return Phase(done, len(errors), wall_s, len(samples) / wall_s, p50, p99,
                  None if cpu0 is None or not done else (cpu1 - cpu0) / done * 1e6, client_cpu / wall_s,
-                 errors[0] if errors else None)
+                 errors[0] if errors else None, by_process)
 
 
 async def measure_target(name: str, urls: Sequence[str], gateway_pid: int | None, args: argparse.Namespace,
-                         chats: Iterator[bytes], bigs: Iterator[bytes], progress: Progress) -> dict[str, Phase]:
-    """All phases of one target (see the module doc)."""
+                         chats: Iterator[bytes], bigs: Iterator[bytes], progress: Progress,
+                         processes: dict[str, int] | None = None) -> dict[str, Phase]:
+    """All phases of one target (see the module doc); ``processes``: its processes to account CPU to one by one."""
     stream_chats = map(streaming, chats)
     plan = [(f"c{c}", dict(bodies=chats, concurrency=c, duration_s=args.phase_s)) for c in CONCURRENCIES] + [
         ("stream_keepalive", dict(bodies=stream_chats, concurrency=1, requests=args.stream_requests, stream=True)),
@@ -268,7 +299,7 @@ async def measure_target(name: str, urls: Sequence[str], gateway_pid: int | None
     phases = {}
     for label, kwargs in plan:
         progress.update(task, description=f"{name}: {label}")
-        phases[label] = await run_phase(urls, gateway_pid=gateway_pid, **kwargs)
+        phases[label] = await run_phase(urls, gateway_pid=gateway_pid, processes=processes, **kwargs)
         if phases[label].errors:
             console.print(f"[red]{name} {label}: {phases[label].errors} errors, first: {phases[label].first_error}[/red]")
         progress.advance(task)
@@ -329,15 +360,19 @@ async def bench(args: argparse.Namespace, work: Path) -> dict:
                     if name == "direct":
                         targets[name] = await measure_target(name, engine_urls, None, args, chats, bigs, progress)
                     elif name == "laps":
-                        config_path = work / "laps.yaml"
-                        deployment = laps_config(config, urls, args.laps_policy)
-                        if args.laps_tokenizer == "model":
-                            deployment["model"]["path"] = str(model_dir)
-                        config_path.write_text(yaml.safe_dump(deployment, sort_keys=False))
-                        with serving(config_path) as url:
-                            pid = listening_pid(int(url.rsplit(":", 1)[1]))
-                            with py_spy(pid, args.py_spy_laps):
-                                targets[name] = await measure_target(name, [url], pid, args, chats, bigs, progress)
+                        for workers in args.laps_workers:
+                            await flush_caches(session, engine_urls)
+                            config_path = work / "laps.yaml"
+                            deployment = laps_config(config, urls, args.laps_policy)
+                            deployment["gateway"]["workers"] = workers
+                            if args.laps_tokenizer == "model":
+                                deployment["model"]["path"] = str(model_dir)
+                            config_path.write_text(yaml.safe_dump(deployment, sort_keys=False))
+                            with serving(config_path) as url:
+                                pid, processes = laps_processes(int(url.rsplit(":", 1)[1]))
+                                with py_spy(pid, args.py_spy_laps):
+                                    targets[laps_target(workers)] = await measure_target(laps_target(workers), [url], pid, args, chats, bigs,
+                                                                                         progress, processes)
                     else:
                         with sglang_router(ROUTER_TARGETS[name], engine_urls, model_dir, log_dir / f"{name}.log", 300) as url:
                             pid = listening_pid(int(url.rsplit(":", 1)[1]))
@@ -348,7 +383,7 @@ async def bench(args: argparse.Namespace, work: Path) -> dict:
         "setup": {
             "cpu_cores": os.cpu_count(), "loadavg_at_end": os.getloadavg(), "python": sys.version.split()[0],
             "sglang_router_version": importlib.metadata.version(ROUTER_PACKAGE) if any(t in ROUTER_TARGETS for t in args.targets) else None,
-            "laps_policy": args.laps_policy, "laps_tokenizer": args.laps_tokenizer, "phase_s": args.phase_s, "stream_requests": args.stream_requests,
+            "laps_policy": args.laps_policy, "laps_tokenizer": args.laps_tokenizer, "laps_workers": args.laps_workers, "phase_s": args.phase_s, "stream_requests": args.stream_requests,
             "big_kb": args.big_kb, "big_concurrency": args.big_concurrency, "big_requests": args.big_concurrency * args.big_waves,
             "max_tokens": args.max_tokens, "engines": 2, "engine_flags": ZERO_TIME_FLAGS, "seed": args.seed,
         },
@@ -358,8 +393,14 @@ async def bench(args: argparse.Namespace, work: Path) -> dict:
     return result
 
 
+def laps_target(workers: int) -> str:
+    """The result's name of the laps target with ``workers`` gateway workers: ``laps`` for one, else ``laps-<N>w``."""
+    return "laps" if workers == 1 else f"laps-{workers}w"
+
+
 def ratios(targets: dict[str, dict[str, dict]]) -> dict:
-    """laps's throughput over direct's and over the routers' at each concurrency (None where a target did not run)."""
+    """laps's throughput over direct's and over the routers' at each concurrency, and with N workers over one
+    (None where a target did not run)."""
     def rps(name: str, c: int) -> float | None:
         return targets.get(name, {}).get(f"c{c}", {}).get("rps") or None
 
@@ -373,6 +414,8 @@ def ratios(targets: dict[str, dict[str, dict]]) -> dict:
         "laps_over_direct": {f"c{c}": ratio(rps("laps", c), rps("direct", c)) for c in CONCURRENCIES},
         "laps_over_router": {f"c{c}": ratio(rps("laps", c), best_router[c]) for c in CONCURRENCIES},
         "laps_over_router_by_policy": by_policy,
+        "laps_workers_over_one": {name: {f"c{c}": ratio(rps(name, c), rps("laps", c)) for c in CONCURRENCIES}
+                                  for name in targets if name.startswith("laps-")},
     }
 
 
@@ -405,6 +448,9 @@ def print_table(result: dict) -> None:
         row(f"c{c}: added p50 / p99 (ms)", lambda p, c=c: f"{delta(p, f'c{c}', 'p50_ms')} / {delta(p, f'c{c}', 'p99_ms')}")
         row(f"c{c}: gateway CPU (µs/req)", lambda p, c=c: _f(p[f"c{c}"]["gateway_cpu_us_per_req"], "{:.0f}"))
         row(f"c{c}: client CPU share", lambda p, c=c: _f(p[f"c{c}"]["client_cpu_share"], "{:.0%}"))
+        if any(p[f"c{c}"].get("process_cpu_us_per_req") for p in targets.values()):
+            row(f"c{c}: CPU µs/req by process", lambda p, c=c: ", ".join(
+                f"{n.split('-')[0]} {v:.0f}" for n, v in (p[f"c{c}"].get("process_cpu_us_per_req") or {}).items()) or "—")
     for phase, label in (("stream_keepalive", "TTFT kept-alive"), ("stream_fresh", "TTFT fresh conn")):
         row(f"{label} p50 / p99 (ms)", lambda p, phase=phase: f"{_f(p[phase]['p50_ms'])} / {_f(p[phase]['p99_ms'])}")
         row(f"{label} overhead p50 (ms)", lambda p, phase=phase: delta(p, phase, "p50_ms"))
@@ -418,6 +464,8 @@ def print_table(result: dict) -> None:
     out.print(table)
     for key in ("laps_over_direct", "laps_over_router"):
         out.print(f"{key}: " + ", ".join(f"{c} {_f(v)}×" for c, v in result[key].items()))
+    for name, by_c in result["laps_workers_over_one"].items():
+        out.print(f"{name} over laps (1 worker): " + ", ".join(f"{c} {_f(v)}×" for c, v in by_c.items()))
 
 
 def plot(result: dict, path: Path) -> None:
@@ -452,6 +500,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--laps-policy", default="pools",
                         help="laps scheduling.policy (default: %(default)s, which dispatches at once; 'laps' holds short "
                              "prefills up to its AWD window, window_max_ms, on purpose)")
+    parser.add_argument("--laps-workers", type=int, nargs="+", default=[1], metavar="N",
+                        help="gateway.workers of the laps target, one run each (e.g. 1 2; N > 1 is named laps-<N>w; default: 1)")
     parser.add_argument("--laps-tokenizer", choices=("builtin", "model"), default="builtin",
                         help="laps's tokenizer: the built-in Qwen2.5 one, or the model directory's HF tokenizer (default: %(default)s)")
     parser.add_argument("--phase-s", type=float, default=8.0, help="seconds per throughput phase (default: %(default)s)")

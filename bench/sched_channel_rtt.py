@@ -66,7 +66,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.router_overhead import process_cpu_s  # noqa: E402
-from gateway.sched_channel import ChannelClient, ChannelServer  # noqa: E402
+from gateway.sched_channel import ChannelClient, ChannelServer, Peer  # noqa: E402
 
 DECISION = {"engine": "sp0", "class": "short", "cached_tokens": 1024, "wait_s": 0.0}
 SERVER_READY_TIMEOUT_S = 30.0
@@ -74,7 +74,7 @@ NOTE_BURST = 64
 console = Console(stderr=True)
 
 
-def decide(message: dict) -> dict | None:
+def decide(message: dict, peer: Peer) -> dict | None:
     """The scheduler stub: reads the request as a real one would, answers a fixed decision; notes get None."""
     if message["op"] != "decide":
         return None

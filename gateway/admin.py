@@ -67,6 +67,9 @@ async def set_role(request: web.Request) -> web.Response:
     engine_id = request.match_info["id"]
     if engine_id not in {e.id for e in gw.registry}:
         raise APIError(404, f"no engine {engine_id!r}", type="not_found_error", param="id")
+    if gw.config.gateway.workers > 1:  # the engines are the scheduler process's (gateway/workers.py)
+        raise APIError(501, "role switches through the admin API need gateway.workers: 1 for now (the pressure controller "
+                            "still moves engines)", type="not_implemented_error", code="not_with_workers")
     try:
         body = orjson.loads(await request.read())
     except orjson.JSONDecodeError as err:

@@ -11,6 +11,10 @@ answers new requests on open connections with 503, lets the requests in flight
 run for up to ``gateway.shutdown_grace_s``, then ends those left with an
 explicit error (:func:`end_requests`), then stops the engines. A second signal
 exits at once (the engines, started with a parent-death signal, follow).
+
+With ``gateway.workers`` > 1 (:mod:`gateway.workers`) the scheduler process runs
+:func:`create_app`'s start-up without serving HTTP, and each worker serves
+:func:`create_worker_app` through :func:`serve_until`.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import logging
 import os
 import signal
 import socket
+from functools import partial
 from typing import TYPE_CHECKING, AsyncIterator
 
 import time
@@ -34,7 +39,7 @@ from engines.manager import EngineManager, kv_event_sources
 from gateway import handlers, relay, tracing
 from gateway.admin import SWITCHES, add_admin_routes
 from gateway.controller_loop import CONTROLLER, ControllerLoop
-from gateway.dispatcher import Dispatcher
+from gateway.dispatcher import Dispatcher, classify
 from gateway.engine_load import fetch_engine_load
 from gateway.auth import api_key_middleware, is_loopback
 from gateway.errors import ShuttingDown, error_middleware
@@ -43,6 +48,8 @@ from gateway.kv_events import Following
 from gateway.metrics import GatewayMetrics
 from gateway.pd_setup import PDDispatch
 from gateway.registry import EngineRegistry, EngineState
+from gateway.sched_channel import ChannelClient
+from gateway.sched_worker import RemoteDispatcher, RemotePrefixIndex, StatePoller, registry_of, report_out_of_service
 from gateway.state import GATEWAY, Gateway
 from gateway.supervisor import EngineSupervisor
 from laps.api_keys import load_keys
@@ -55,7 +62,9 @@ from policies.exact_prefix import PrefixCaches
 from policies.prefix_index import PrefixIndex
 
 if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SpanExporter
+    from opentelemetry.trace import Tracer
 
 log = logging.getLogger("laps.gateway")
 
@@ -101,12 +110,7 @@ def create_app(config: Config, engine_urls: dict[str, str] | None = None, span_e
     clean-up. With ``tracing.enabled``, request spans go to ``span_exporter``
     (default: OTLP to ``tracing.endpoint``; see :mod:`gateway.tracing`).
     """
-    provider = tracing.tracer_provider(config.tracing, span_exporter) if config.tracing.enabled else None
-    tracer = provider.get_tracer("laps.gateway") if provider is not None else None
-    middlewares = [error_middleware, api_key_middleware]
-    if tracer is not None:
-        middlewares.insert(0, tracing.tracing_middleware(tracer))
-    app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
+    app, provider, tracer = _application(config, span_exporter)
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         tokenizer = await asyncio.get_running_loop().run_in_executor(None, load_tokenizer, config.model.path)
@@ -117,11 +121,14 @@ def create_app(config: Config, engine_urls: dict[str, str] | None = None, span_e
             urls = engine_urls if manager is None else await manager.start(client.session)
             registry = EngineRegistry([EngineState(e.name, urls[e.name], config.pool(e)) for e in config.engines])
             first_tokens = FirstTokenWindow(config.controller.window_s) if config.controller.enabled else None
-            dispatcher = Dispatcher(make_scheduler(config.scheduling, engine_traits(config)), registry, first_tokens=first_tokens)
             prefix_index = PrefixCaches(PrefixIndex.from_byte_budget(config.scheduling.prefix_block_tokens, config.scheduling.prefix_index_bytes, len(config.engines)))
+            classifier = make_classifier(config.scheduling)
+            dispatcher = Dispatcher(make_scheduler(config.scheduling, engine_traits(config)), registry, first_tokens=first_tokens,
+                                    classify=partial(classify, config=config, engine_ids=[e.id for e in registry], prefix_index=prefix_index,
+                                                     classifier=classifier))
             await _mirror_kv_capacity(client, registry, prefix_index)
             context_tokens = await _context_tokens(client, registry)
-            gw = Gateway(config, tokenizer, registry, client, make_classifier(config.scheduling), dispatcher, prefix_index, GatewayMetrics(), manager,
+            gw = Gateway(config, tokenizer, registry, client, dispatcher, prefix_index, GatewayMetrics(), manager,
                          tracer=tracer,
                          api_keys=load_keys(config.gateway.api_keys) if config.gateway.api_keys is not None else None,
                          context_tokens=context_tokens)
@@ -172,29 +179,94 @@ def create_app(config: Config, engine_urls: dict[str, str] | None = None, span_e
                 await asyncio.get_running_loop().run_in_executor(None, provider.shutdown)  # exports the spans still batched
 
     app.cleanup_ctx.append(lifecycle)
+    return app
+
+
+def _application(config: Config, span_exporter: SpanExporter | None) -> tuple[web.Application, TracerProvider | None, Tracer | None]:
+    """The gateway's aiohttp application with its middlewares and routes, no life yet; its tracer provider and
+    tracer (``None``, ``None`` with tracing off)."""
+    provider = tracing.tracer_provider(config.tracing, span_exporter) if config.tracing.enabled else None
+    tracer = provider.get_tracer("laps.gateway") if provider is not None else None
+    middlewares = [error_middleware, api_key_middleware]
+    if tracer is not None:
+        middlewares.insert(0, tracing.tracing_middleware(tracer))
+    app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
     app.router.add_post("/v1/completions", handlers.completions)
     app.router.add_get("/v1/models", handlers.list_models)
     app.router.add_get("/health", handlers.health)
     app.router.add_get("/metrics", handlers.metrics)
     add_admin_routes(app)
+    return app, provider, tracer
+
+
+def create_worker_app(config: Config, channel_path: str) -> web.Application:
+    """The application of one gateway worker (``gateway.workers`` > 1): the same routes as :func:`create_app`, its
+    decisions and prefix index the scheduler process's, over the channel at ``channel_path``
+    (:mod:`gateway.sched_worker`). It starts no engine, polls no health, runs no controller: the scheduler does.
+
+    Start-up raises ``OSError`` when the scheduler does not listen at ``channel_path``.
+    """
+    app, provider, tracer = _application(config, None)
+
+    async def lifecycle(app: web.Application) -> AsyncIterator[None]:
+        tokenizer = await asyncio.get_running_loop().run_in_executor(None, load_tokenizer, config.model.path)
+        client = EngineClient(config.gateway.request_timeout_s, tracer=tracer)
+        await client.start()
+        channel: ChannelClient | None = None
+        try:
+            channel = await ChannelClient.connect(channel_path)
+            state = await channel.call({"op": "state"})
+            registry = registry_of(state["engines"])
+            gw = Gateway(config, tokenizer, registry, client, RemoteDispatcher(channel),
+                         RemotePrefixIndex(channel, config.scheduling.prefix_block_tokens), GatewayMetrics(), tracer=tracer,
+                         api_keys=load_keys(config.gateway.api_keys) if config.gateway.api_keys is not None else None,
+                         context_tokens=state["context_tokens"], report_out_of_service=partial(report_out_of_service, channel))
+            poller = StatePoller(channel, registry, state)
+            gw.metrics.watch_scheduler(lambda: poller.stats)
+            app[GATEWAY] = gw
+            yield
+            await poller.close()
+            await relay.settle_background()
+            await gw.encoder.close()
+        finally:
+            if channel is not None:
+                await channel.close()
+            await client.close()
+            if provider is not None:
+                await asyncio.get_running_loop().run_in_executor(None, provider.shutdown)
+
+    app.cleanup_ctx.append(lifecycle)
     return app
 
 
-def app_runner(config: Config) -> web.AppRunner:
-    """The runner of :func:`create_app` (``config``): handlers are cancelled when their client goes away."""
-    return web.AppRunner(create_app(config), handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+def app_runner(config: Config, app: web.Application | None = None) -> web.AppRunner:
+    """The runner of ``app`` (default: :func:`create_app` of ``config``): handlers are cancelled when their client
+    goes away."""
+    return web.AppRunner(app if app is not None else create_app(config), handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
 
 
-def listen_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``host``:``port`` (``0``: a free port the kernel picks; read it off the socket).
+def listen_socket(host: str, port: int, reuse_port: bool = False, listen: bool = True) -> socket.socket:
+    """A TCP socket bound to ``host``:``port`` (``0``: a free port the kernel picks; read it off the socket), listening
+    unless ``listen`` is false; with ``reuse_port``, ``SO_REUSEPORT``: other such sockets may bind the same port and
+    the kernel spreads connections over those that listen.
 
     Raises:
         OSError: the address cannot be bound (the port is taken, the host is not local); the message names it.
     """
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
-        return socket.create_server((host, port), family=family)
+        if listen:
+            return socket.create_server((host, port), family=family, reuse_port=reuse_port)
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, int(reuse_port))
+            sock.bind((host, port))
+        except OSError:
+            sock.close()
+            raise
+        return sock
     except OSError as err:
         reason = os.strerror(err.errno) if err.errno and err.errno > 0 else err.strerror or str(err)  # < 0: getaddrinfo
         raise OSError(f"cannot listen on {host}:{port}: {reason}") from None
@@ -230,6 +302,18 @@ async def serve(config: Config) -> None:
         RuntimeError: an engine failed to start (its log tail is in the message).
         OSError: the gateway's port is taken.
     """
+    stop = stop_on_signals((signal.SIGINT, signal.SIGTERM))
+    sock = listen_socket(config.gateway.host, config.gateway.port)
+
+    def ready(url: str) -> None:
+        log.info("laps gateway listening on %s (Ctrl-C to stop; twice to stop at once)", url)
+        print(f"laps: ready on {url}", flush=True)
+
+    await serve_until(config, app_runner(config), sock, stop, ready)
+
+
+def stop_on_signals(signals: tuple[signal.Signals, ...]) -> asyncio.Event:
+    """An event set at the first of ``signals``; the second exits the process at once (code 130)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
 
@@ -241,18 +325,24 @@ async def serve(config: Config) -> None:
         logging.shutdown()
         os._exit(130)
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in signals:
         loop.add_signal_handler(sig, on_signal)
-    sock = listen_socket(config.gateway.host, config.gateway.port)
+    return stop
+
+
+async def serve_until(config: Config, runner: web.AppRunner, sock: socket.socket, stop: asyncio.Event, ready) -> None:
+    """Start ``runner`` (its app's start-up), serve it on the listening ``sock``, call ``ready(url)``, and when
+    ``stop`` is set shut down as the module docstring says (``sock`` is closed at the end).
+
+    Raises:
+        Exception: whatever the app's start-up raises (e.g. RuntimeError: an engine failed to start).
+    """
     with sock:
-        runner = app_runner(config)
         await runner.setup()
         try:
             site = web.SockSite(runner, sock)
             await site.start()
-            url = f"http://{config.gateway.host}:{sock.getsockname()[1]}"
-            log.info("laps gateway listening on %s (Ctrl-C to stop; twice to stop at once)", url)
-            print(f"laps: ready on {url}", flush=True)
+            ready(f"http://{config.gateway.host}:{sock.getsockname()[1]}")
             await stop.wait()
             log.info("shutting down: no new connections")
             await site.stop()

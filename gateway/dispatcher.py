@@ -1,25 +1,68 @@
 """Carries out a pure :class:`~policies.scheduler.Scheduler`'s decisions on the event loop.
 
-A handler awaits :meth:`Dispatcher.admit` until the scheduler dispatches its
-request (the engine id comes back) or rejects it (503). The dispatcher asks the
+A handler awaits :meth:`Dispatcher.place` with the request as it arrived (an
+:class:`Arrival`): the request is classified against the prefix index
+(:func:`classify`) and waits until the scheduler dispatches it (the view and
+the engine id come back) or rejects it (503). The dispatcher asks the
 scheduler to decide after every event (arrival, cancel, first token,
-completion) and at the time the scheduler last asked to be woken.
+completion) and at the time the scheduler last asked to be woken. With
+several gateway processes the workers' :class:`gateway.sched_worker.RemoteDispatcher`
+has the same interface and asks this one, in the scheduler process.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Callable
 
 from gateway.errors import APIError
 from gateway.registry import EngineRegistry
+from laps.config import Config
+from policies.admission import classified_view_of_chain
+from policies.classifier import Classifier
+from policies.exact_prefix import PrefixCaches
 from policies.pool_signals import FirstTokenWindow
+from policies.prefix_index import BlockChain
 from policies.scheduler import Scheduler
 from policies.types import RequestView
 
 log = logging.getLogger("laps.gateway")
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    """A request as the gateway has it before it is classified: what :func:`classify` needs to make its view.
+
+    ``chain``: the templated prompt's tokens and prefix block keys; ``arrival_s``: ``time.monotonic()`` at arrival
+    (one clock for every process of the node); ``deadline_s``: the client's TTFT deadline (the SLO header), ``None``
+    for the configured SLO (length-aware with ``slo.ttft_per_1k_new_tokens_s``); ``max_tokens``, ``reply_tokens``,
+    ``stream``, ``priority``: as :class:`~policies.types.RequestView`'s.
+    """
+
+    rid: str
+    chain: BlockChain
+    arrival_s: float
+    deadline_s: float | None
+    max_tokens: int | None = None
+    reply_tokens: tuple[int, ...] = ()
+    stream: bool = True
+    priority: int | None = None
+
+
+def classify(arrival: Arrival, config: Config, engine_ids: Sequence[str], prefix_index: PrefixCaches, classifier: Classifier) -> RequestView:
+    """The scheduler's view of ``arrival``: its cached tokens per engine from ``prefix_index``, its class, its
+    deadline (the configured SLO's, length-aware on its new tokens, unless the client set one)."""
+    deadline_s = arrival.deadline_s if arrival.deadline_s is not None else arrival.arrival_s + config.slo.ttft_s
+    view = classified_view_of_chain(arrival.rid, arrival.chain, arrival.arrival_s, deadline_s, engine_ids, prefix_index, classifier,
+                                    arrival.max_tokens, arrival.reply_tokens)
+    if arrival.deadline_s is None and config.slo.ttft_per_1k_new_tokens_s is not None:
+        deadline_s = config.slo.deadline_s(arrival.arrival_s, view.new_tokens)
+    return dataclasses.replace(view, deadline_s=deadline_s, stream=arrival.stream, priority=arrival.priority)
 
 
 class Dispatcher:
@@ -27,11 +70,13 @@ class Dispatcher:
 
     With ``first_tokens`` (the pressure controller is on) every first token is
     recorded there with its engine and whether it missed the request's deadline.
+    ``classify(arrival)``: the view :meth:`place` admits (:func:`classify` over the gateway's prefix index).
     """
 
     def __init__(self, scheduler: Scheduler, registry: EngineRegistry, clock=time.monotonic,
-                 first_tokens: FirstTokenWindow | None = None) -> None:
+                 first_tokens: FirstTokenWindow | None = None, classify: Callable[[Arrival], RequestView] | None = None) -> None:
         self.scheduler = scheduler
+        self.classify = classify
         self.clock = clock
         self.first_tokens = first_tokens
         self._registry = registry
@@ -47,6 +92,15 @@ class Dispatcher:
     def queued_requests(self) -> list[RequestView]:
         """The requests submitted and not yet dispatched."""
         return [request for request, _ in self._waiting.values()]
+
+    async def place(self, arrival: Arrival) -> tuple[RequestView, str]:
+        """Classify ``arrival`` and :meth:`admit` it; its view and the id of the engine it is dispatched to.
+
+        Raises:
+            APIError, asyncio.CancelledError: as :meth:`admit`.
+        """
+        view = self.classify(arrival)
+        return view, await self.admit(view)
 
     async def admit(self, request: RequestView) -> str:
         """Submit ``request``; return the id of the engine it is dispatched to.

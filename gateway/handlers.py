@@ -27,6 +27,7 @@ from pydantic import BaseModel, ValidationError
 
 from gateway import pd_dispatch
 from gateway.auth import admin_key_given
+from gateway.dispatcher import Arrival
 from gateway.errors import APIError, EngineUnavailable, ShuttingDown
 from gateway.guard import RequestGuard
 from gateway.health import engine_failed
@@ -38,7 +39,6 @@ from gateway.state import GATEWAY, Gateway
 from gateway.tracing import child_span
 from laps.chat_cache import EncodedPrompt
 from laps.tokenizer import template_tools
-from policies.admission import classified_view_of_chain
 from policies.output_predictor import reply_token_counts
 from policies.prefix_index import BlockChain
 from policies.types import RequestView
@@ -191,11 +191,12 @@ def _output_hints(gw: Gateway, body: dict) -> tuple[int | None, tuple[int, ...]]
     return max_tokens, reply_token_counts(replies, gw.tokenizer.encode)
 
 
-def _deadline_s(request: web.Request, gw: Gateway, arrival_s: float) -> float:
-    """Arrival + TTFT SLO; the ``x-laps-slo-ttft-s`` header overrides the SLO (``none``: no deadline)."""
+def _deadline_s(request: web.Request, arrival_s: float) -> float | None:
+    """Arrival + the ``x-laps-slo-ttft-s`` header's SLO (``none``: no deadline); ``None`` without the header (the
+    configured SLO applies: :func:`gateway.dispatcher.classify`)."""
     value = request.headers.get(SLO_HEADER)
     if value is None:
-        return arrival_s + gw.config.slo.ttft_s
+        return None
     if value.strip().lower() == "none":
         return math.inf
     try:
@@ -209,41 +210,33 @@ def _deadline_s(request: web.Request, gw: Gateway, arrival_s: float) -> float:
 
 async def _dispatch(request: web.Request, gw: Gateway, body: dict, path: str, prompt: EncodedPrompt, stream: bool, arrival_s: float) -> web.StreamResponse:
     rid = next_request_id()
-    deadline_s = _deadline_s(request, gw, arrival_s)
-    view = classified_view_of_chain(rid, prompt.prompt, arrival_s, deadline_s, [e.id for e in gw.registry],
-                                    gw.prefix_index, gw.classifier, *_output_hints(gw, body))
-    if gw.config.slo.ttft_per_1k_new_tokens_s is not None and SLO_HEADER not in request.headers:
-        view = dataclasses.replace(view, deadline_s=gw.config.slo.deadline_s(arrival_s, view.new_tokens))  # length-aware
-    if not stream:
-        view = dataclasses.replace(view, stream=False)
-    priority = view_priority(request, body, gw.config)
-    if priority is not None:
-        view = dataclasses.replace(view, priority=priority)
+    arrival = Arrival(rid, prompt.prompt, arrival_s, _deadline_s(request, arrival_s), *_output_hints(gw, body), stream=stream,
+                      priority=view_priority(request, body, gw.config))
     guard = RequestGuard(gw.config.gateway.first_byte_timeout_s, gw.config.gateway.stall_timeout_s)
     gw.guards.add(guard)
     try:
         try:
-            return await _attempt(request, gw, body, path, prompt, stream, view, guard, may_retry=True)
+            return await _attempt(request, gw, body, path, prompt, stream, arrival, guard, may_retry=True)
         except EngineUnavailable as err:
             # Nothing reached the client: take the engine out of service (the health poll brings it back) and try
             # another once, under a fresh engine rid: the abort of the first try may still be on its way to an engine
             # of the retry.
             engine_failed(gw, err)
-            retry = dataclasses.replace(view, rid=f"{rid}{RETRY_RID_SUFFIX}")
+            retry = dataclasses.replace(arrival, rid=f"{rid}{RETRY_RID_SUFFIX}")
             log.warning("%s: engine %s failed before the first byte (%s); retrying on another engine as %s", rid, err.engine_id, err.detail, retry.rid)
             return await _attempt(request, gw, body, path, prompt, stream, retry, guard, may_retry=False)
     finally:
         gw.guards.discard(guard)
 
 
-async def _attempt(request: web.Request, gw: Gateway, body: dict, path: str, prompt: EncodedPrompt, stream: bool, view: RequestView,
+async def _attempt(request: web.Request, gw: Gateway, body: dict, path: str, prompt: EncodedPrompt, stream: bool, arrival: Arrival,
                    guard: RequestGuard, may_retry: bool) -> web.StreamResponse:
     """One try (see :func:`_dispatch`), run as a task of its own so that the client leaving does not cut it short
     once the client has its whole answer (:attr:`gateway.relay.Reply.done`): the request then ends as ``ok`` and is
     learnt from; before that, leaving aborts it (:func:`_serve_once`).
     """
     reply = Reply()
-    work = asyncio.ensure_future(_serve_once(request, gw, body, path, prompt, stream, view, guard, reply, may_retry))
+    work = asyncio.ensure_future(_serve_once(request, gw, body, path, prompt, stream, arrival, guard, reply, may_retry))
     try:
         return await asyncio.shield(work)
     except asyncio.CancelledError:  # the client went away (the app runs with handler_cancellation)
@@ -253,21 +246,21 @@ async def _attempt(request: web.Request, gw: Gateway, body: dict, path: str, pro
         raise
 
 
-async def _serve_once(request: web.Request, gw: Gateway, body: dict, path: str, prompt: EncodedPrompt, stream: bool, view: RequestView,
+async def _serve_once(request: web.Request, gw: Gateway, body: dict, path: str, prompt: EncodedPrompt, stream: bool, arrival: Arrival,
                       guard: RequestGuard, reply: Reply, may_retry: bool) -> web.StreamResponse:
-    """Admit ``view`` to an engine, relay its answer into ``reply`` and the client's response, and account for it.
+    """Classify ``arrival`` and admit it to an engine, relay its answer into ``reply`` and the client's response, and
+    account for it.
 
     An :class:`EngineUnavailable` of a try that ``may_retry`` is logged as outcome ``retried`` and not counted in
     ``laps_requests_total`` (the retry is).
     """
-    rid, req_class, arrival_s = view.rid, view.request_class, view.arrival_s
     with child_span(gw.tracer, "queueing") as span:
         if span is not None:
-            span.set_attributes({"laps.class": req_class, "laps.prompt_tokens": view.prompt_tokens,
-                                 "laps.new_tokens": view.new_tokens, "laps.queued_ahead": gw.dispatcher.queued})
-        engine_id = await gw.dispatcher.admit(view)
+            span.set_attributes({"laps.prompt_tokens": arrival.chain.tokens, "laps.queued_ahead": gw.dispatcher.queued})
+        view, engine_id = await gw.dispatcher.place(arrival)
         if span is not None:
-            span.set_attribute("laps.engine", engine_id)
+            span.set_attributes({"laps.class": view.request_class, "laps.new_tokens": view.new_tokens, "laps.engine": engine_id})
+    rid, req_class, arrival_s = view.rid, view.request_class, view.arrival_s
     engine = gw.registry[engine_id]
     body["rid"] = rid
     set_engine_priority(gw, engine_id, body, view.priority)

@@ -58,6 +58,8 @@ def take_out_of_service(gw: Gateway, engine: EngineState, why: str, stalled: boo
     gw.metrics.engine_healthy.labels(engine.id).set(0)
     if was_serving:
         log.warning("engine %s is out of service: %s", engine.id, why)
+        if gw.report_out_of_service is not None:  # a gateway worker: the scheduler process decides where work goes
+            gw.report_out_of_service(engine, why, stalled)
     for guard in list(gw.guards):
         guard.engine_down(engine)
 

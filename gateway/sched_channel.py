@@ -19,7 +19,10 @@ that many bytes of msgpack (``msgspec.msgpack``), at most
 
 ``message`` and ``result`` are whatever msgpack carries (dicts, lists, str,
 int, float, bytes, None); their meaning is the scheduler's business, not the
-channel's. Frames the kernel delivers together are decoded in one
+channel's (:mod:`gateway.sched_service` documents the gateway's messages).
+The scheduler's handler gets each message with the :class:`Peer` (the worker's
+connection) it came on, and ``on_disconnect(peer)`` when that connection is
+lost, so it can release what a dead worker left. Frames the kernel delivers together are decoded in one
 ``data_received`` and their replies written in one ``transport.write`` per
 batch, so under load the per-frame syscalls amortise.
 
@@ -47,7 +50,20 @@ CALL, REPLY, FAILED, NOTE = 0, 1, 2, 3
 MAX_FRAME_BYTES = 16 * 1024 * 1024
 _HEADER_BYTES = 4
 
-Handler = Callable[[Any], Any | Awaitable[Any]]
+
+
+class Peer:
+    """One worker's connection as the scheduler's handler sees it: ``id`` (unique within the server's life) and
+    ``state``, a dict for the handler's own bookkeeping of that worker (e.g. its requests in flight)."""
+
+    __slots__ = ("id", "state")
+
+    def __init__(self, peer_id: int) -> None:
+        self.id = peer_id
+        self.state: dict[str, Any] = {}
+
+
+Handler = Callable[[Any, Peer], Any | Awaitable[Any]]
 
 
 class ChannelError(Exception):
@@ -116,11 +132,14 @@ def encode_frame(kind: int, call_id: int, payload: Any) -> bytes:
 class _ServerConnection(asyncio.Protocol):
     """One worker's connection: runs the handler per CALL / NOTE; sync results are written back per batch."""
 
-    def __init__(self, handler: Handler, connections: set[_ServerConnection]) -> None:
+    def __init__(self, handler: Handler, connections: set[_ServerConnection], peer: Peer,
+                 on_disconnect: Callable[[Peer], None] | None) -> None:
         self._handler = handler
         self._connections = connections
         self._decoder = FrameDecoder()
         self._tasks: set[asyncio.Task] = set()
+        self._on_disconnect = on_disconnect
+        self.peer = peer
         self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:
@@ -131,6 +150,11 @@ class _ServerConnection(asyncio.Protocol):
         self._connections.discard(self)
         for task in self._tasks:
             task.cancel()
+        if self._on_disconnect is not None:
+            try:
+                self._on_disconnect(self.peer)
+            except Exception:
+                log.exception("scheduler channel: the on-disconnect hook failed")
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -142,7 +166,7 @@ class _ServerConnection(asyncio.Protocol):
         out = []
         for kind, call_id, message in frames:
             try:
-                result = self._handler(message)
+                result = self._handler(message, self.peer)
             except Exception as err:  # the handler's failure goes back to the caller, not into the loop
                 if kind == CALL:
                     out.append(encode_frame(FAILED, call_id, f"{type(err).__name__}: {err}"))
@@ -184,16 +208,21 @@ class _ServerConnection(asyncio.Protocol):
 class ChannelServer:
     """Serves ``handler`` on the Unix socket ``path`` to any number of workers (the scheduler process's side).
 
-    ``handler(message)`` gets each CALL's and NOTE's message and returns the
-    result (or an awaitable of it; those run concurrently). An exception it
-    raises becomes the caller's :class:`ChannelError`; one from a NOTE is logged.
+    ``handler(message, peer)`` gets each CALL's and NOTE's message with the
+    :class:`Peer` it came from and returns the result (or an awaitable of it;
+    those run concurrently). An exception it raises becomes the caller's
+    :class:`ChannelError`; one from a NOTE is logged. ``on_disconnect(peer)``
+    runs when a worker's connection is lost (the worker closed it or died; also
+    at :meth:`close`), after that peer's pending handler tasks were cancelled.
     """
 
-    def __init__(self, path: str | os.PathLike, handler: Handler) -> None:
+    def __init__(self, path: str | os.PathLike, handler: Handler, on_disconnect: Callable[[Peer], None] | None = None) -> None:
         self.path = Path(path)
         self._handler = handler
+        self._on_disconnect = on_disconnect
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[_ServerConnection] = set()
+        self._peer_ids = itertools.count(1)
 
     async def start(self) -> None:
         """Listen (a stale socket file at ``path`` is replaced).
@@ -204,7 +233,8 @@ class ChannelServer:
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_unix_server(lambda: _ServerConnection(self._handler, self._connections), str(self.path))
+        self._server = await loop.create_unix_server(
+            lambda: _ServerConnection(self._handler, self._connections, Peer(next(self._peer_ids)), self._on_disconnect), str(self.path))
 
     async def close(self) -> None:
         """Stop listening, drop every worker's connection (their calls in flight fail with :class:`ChannelClosed`)."""
@@ -213,6 +243,8 @@ class ChannelServer:
         self._server.close()
         for connection in list(self._connections):
             connection.transport.close()
+        while self._connections:  # their connection_lost (and on_disconnect) run on the next loop iterations
+            await asyncio.sleep(0)
         await self._server.wait_closed()
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from aiohttp import web
 
@@ -12,11 +12,11 @@ from engines.manager import EngineManager
 from gateway.dispatcher import Dispatcher
 from gateway.metrics import GatewayMetrics
 from gateway.pd_setup import PDDispatch
-from gateway.registry import EngineRegistry
+from gateway.registry import EngineRegistry, EngineState
+from gateway.sched_worker import RemoteDispatcher, RemotePrefixIndex
 from laps.chat_cache import ChatPrefixCache, EncodePool
 from laps.config import Config
 from laps.tokenizer import ChatTokenizer
-from policies.classifier import Classifier
 from policies.exact_prefix import PrefixCaches
 
 if TYPE_CHECKING:
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class Gateway:
-    """The gateway's long-lived parts: config, tokenizer, engines, classifier, dispatcher, prefix index, metrics.
+    """The gateway's long-lived parts: config, tokenizer, engines, dispatcher (it classifies too), prefix index, metrics.
 
     ``manager`` runs the engine processes; ``None`` when the gateway was given
     the URLs of engines that run on their own. ``pd``: the decode placement and
@@ -37,15 +37,17 @@ class Gateway:
     ``context_tokens``: the model's context length (tokens) as the engines list it (``None``: unknown, not checked).
     ``guards``: the cut-offs of the requests in flight (:mod:`gateway.guard`); ``closing``: the gateway is
     shutting down and takes no new request.
+    In a gateway worker (``gateway.workers`` > 1) ``dispatcher`` and ``prefix_index`` are the scheduler
+    process's, reached over the channel (:mod:`gateway.sched_worker`), ``registry`` mirrors its registry, and
+    ``report_out_of_service(engine, why, stalled)`` tells it an engine this worker saw fail.
     """
 
     config: Config
     tokenizer: ChatTokenizer
     registry: EngineRegistry
     client: EngineClient
-    classifier: Classifier
-    dispatcher: Dispatcher
-    prefix_index: PrefixCaches
+    dispatcher: Dispatcher | RemoteDispatcher
+    prefix_index: PrefixCaches | RemotePrefixIndex
     metrics: GatewayMetrics
     manager: EngineManager | None = None
     pd: PDDispatch | None = None
@@ -55,6 +57,7 @@ class Gateway:
     context_tokens: int | None = None
     guards: "set[RequestGuard]" = field(default_factory=set)
     closing: bool = False
+    report_out_of_service: Callable[[EngineState, str, bool], None] | None = None
     encoder: EncodePool = field(init=False)  # where ``prompt_cache`` tokenizes, by size; closed by the app's clean-up
 
     def __post_init__(self) -> None:

@@ -7,6 +7,7 @@ import asyncio
 import importlib
 import logging
 import sys
+from functools import partial
 from pathlib import Path
 
 EPILOG = """examples:
@@ -18,12 +19,14 @@ EPILOG = """examples:
 """
 
 
-def _setup_logging(level: str, log_file: Path | None = None) -> None:
+def _setup_logging(level: str, log_file: Path | None = None, label: str | None = None) -> None:
+    """Log at ``level`` to stderr and ``log_file``; ``label`` names the process in every line (a gateway worker's)."""
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
     if log_file is not None:
         log_file.parent.mkdir(parents=True, exist_ok=True)
         handlers.append(logging.FileHandler(log_file))
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", handlers=handlers, force=True)
+    process = f"[{label}] " if label else ""
+    logging.basicConfig(level=level.upper(), format=f"%(asctime)s %(levelname)s {process}%(name)s: %(message)s", handlers=handlers, force=True)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per HTTP request is noise
     # The format names no thread, process, task or source line: do not gather them for every record (the gateway
     # writes one per request). Python's logging HOWTO, "Optimization".
@@ -46,11 +49,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from laps.tokenizer import load_tokenizer
 
     config = load_config(args.config)
-    overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    overrides = {k: v for k, v in (("host", args.host), ("port", args.port), ("workers", args.workers)) if v is not None}
     if overrides:  # validated again: a port may clash with a KV bootstrap port
         data = config.model_dump(exclude_unset=True)
         data["gateway"] = {**data.get("gateway", {}), **overrides}
-        config = parse_config(data, f"{args.config or DEFAULT_CONFIG_PATH} with --host/--port")
+        config = parse_config(data, f"{args.config or DEFAULT_CONFIG_PATH} with --host/--port/--workers")
     _setup_logging(args.log_level, config.log_dir / "gateway.log")
     try:  # before any engine starts; cached, so the gateway's start-up reuses it
         load_tokenizer(config.model.path)
@@ -58,11 +61,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print(f"laps: {err}", file=sys.stderr)
         return 2
     try:
-        _run(serve(config))
+        if config.gateway.workers == 1:
+            _run(serve(config))
+            return 0
+        from gateway.workers import serve_workers
+
+        return serve_workers(config, partial(_setup_logging, args.log_level, config.log_dir / "gateway.log"))
     except (RuntimeError, OSError) as err:
         logging.getLogger("laps").error("%s", err)
         return 1
-    return 0
 
 
 def _delegate(module: str, function: str = "main"):
@@ -95,12 +102,16 @@ def build_parser() -> argparse.ArgumentParser:
         "serve",
         help="run the gateway and the engines of a config file",
         description="Start every engine of the config, then serve the OpenAI API in front of them until Ctrl-C.",
-        epilog="example:\n  laps serve --config config.yaml --port 8000\n  curl http://127.0.0.1:8000/v1/models",
+        epilog="examples:\n  laps serve --config config.yaml --port 8000\n  laps serve --workers 4        # 4 gateway processes on the port, one scheduler\n"
+               "  curl http://127.0.0.1:8000/v1/models",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     serve.add_argument("--config", type=Path, default=DEFAULT_CONFIG_PATH, help="deployment YAML (default: %(default)s)")
     serve.add_argument("--host", help="override gateway.host")
     serve.add_argument("--port", type=int, help="override gateway.port")
+    serve.add_argument("--workers", type=int, metavar="N",
+                       help="override gateway.workers: N gateway processes share the port and one scheduler process decides "
+                            "for all of them (default: the config's, 1 = one process)")
     serve.set_defaults(func=_cmd_serve)
 
     lg = sub.add_parser(

@@ -66,6 +66,9 @@ class GatewayConfig(_Strict):
     ``tokenizer_processes``: worker processes that tokenize prompts (and replies) of at least
     ``tokenizer_process_min_chars`` new characters off the event loop (:class:`laps.chat_cache.EncodePool`;
     0: executor threads of the gateway process, as for mid-size texts).
+    ``workers``: gateway processes that share the port (``SO_REUSEPORT``) and do HTTP, validation,
+    tokenization and relaying, while one scheduler process keeps the scheduling state (:mod:`gateway.workers`);
+    1: everything in one process.
     """
 
     host: str = "127.0.0.1"
@@ -78,6 +81,7 @@ class GatewayConfig(_Strict):
     api_keys: list[str] | Path | None = Field(None, union_mode="left_to_right")
     tokenizer_processes: int = Field(2, ge=0, le=256)
     tokenizer_process_min_chars: int = Field(32768, gt=0)
+    workers: int = Field(1, ge=1, le=256)
 
     @field_validator("api_keys", mode="before")
     @classmethod
@@ -411,6 +415,8 @@ class Config(_Strict):
                 gpu_owner[gpu] = engine.name
         _check_controller_roles(self)
         _check_pd(self)
+        if self.pd is not None and self.gateway.workers > 1:
+            raise ValueError("gateway.workers: a prefill-decode deployment (the pd: section) runs in one gateway process for now; set workers: 1")
         _check_scheduling(self)
         _check_kv_events(self)
         return self

@@ -44,7 +44,7 @@ def test_oversized_or_malformed_frames_are_refused():
 
 
 async def test_call_returns_the_handlers_result(sock_path):
-    server, client = await _serving(sock_path, lambda m: {"engine": f"e{m['n'] % 3}", "echo": m})
+    server, client = await _serving(sock_path, lambda m, peer: {"engine": f"e{m['n'] % 3}", "echo": m})
     try:
         message = {"n": 4, "rid": "r1", "keys": [2**62, -5, 0], "stream": True, "priority": None, "blob": b"\x00\xff"}
         assert await client.call(message) == {"engine": "e1", "echo": message}
@@ -56,7 +56,7 @@ async def test_call_returns_the_handlers_result(sock_path):
 async def test_concurrent_calls_get_their_own_replies_out_of_order(sock_path):
     gates = {n: asyncio.Event() for n in range(50)}
 
-    async def held(n):
+    async def held(n, peer):
         await gates[n].wait()
         return n * 10
 
@@ -74,7 +74,7 @@ async def test_concurrent_calls_get_their_own_replies_out_of_order(sock_path):
 
 async def test_notes_reach_the_handler_without_an_answer(sock_path):
     seen = []
-    server, client = await _serving(sock_path, lambda m: seen.append(m) or "ignored")
+    server, client = await _serving(sock_path, lambda m, peer: seen.append(m) or "ignored")
     try:
         client.note(["first_token", "r1"])
         client.note(["complete", "r1"])
@@ -86,7 +86,7 @@ async def test_notes_reach_the_handler_without_an_answer(sock_path):
 
 
 async def test_a_handler_error_fails_that_call_only(sock_path, caplog):
-    def handler(m):
+    def handler(m, peer):
         if m == "bad":
             raise KeyError("no such engine")
         return m
@@ -105,7 +105,7 @@ async def test_a_handler_error_fails_that_call_only(sock_path, caplog):
 
 
 async def test_an_unsendable_result_fails_the_call(sock_path):
-    server, client = await _serving(sock_path, lambda m: object())
+    server, client = await _serving(sock_path, lambda m, peer: object())
     try:
         with pytest.raises(ChannelError, match="unsendable result"):
             await client.call(1)
@@ -117,7 +117,7 @@ async def test_an_unsendable_result_fails_the_call(sock_path):
 async def test_calls_in_flight_fail_when_the_scheduler_goes(sock_path):
     never = asyncio.Event()
 
-    async def stuck(m):
+    async def stuck(m, peer):
         await never.wait()
 
     server, client = await _serving(sock_path, stuck)
@@ -134,7 +134,7 @@ async def test_calls_in_flight_fail_when_the_scheduler_goes(sock_path):
 
 
 async def test_a_worker_that_sends_garbage_is_dropped_and_others_go_on(sock_path):
-    server, good = await _serving(sock_path, lambda m: m)
+    server, good = await _serving(sock_path, lambda m, peer: m)
     try:
         reader, writer = await asyncio.open_unix_connection(str(sock_path))
         writer.write((MAX_FRAME_BYTES + 1).to_bytes(4, "big"))
@@ -150,3 +150,28 @@ async def test_a_worker_that_sends_garbage_is_dropped_and_others_go_on(sock_path
 async def test_connecting_to_nothing_raises(sock_path):
     with pytest.raises(OSError):
         await ChannelClient.connect(sock_path)
+
+
+async def test_each_worker_is_its_own_peer_and_its_disconnect_is_reported_once(sock_path):
+    lost = []
+
+    def remember(message, peer):
+        peer.state.setdefault("seen", []).append(message)
+        return peer.id
+
+    server = ChannelServer(sock_path, remember, on_disconnect=lambda peer: lost.append((peer.id, peer.state["seen"])))
+    await server.start()
+    first, second = await ChannelClient.connect(sock_path), await ChannelClient.connect(sock_path)
+    try:
+        first_id = await first.call("a")
+        second_id = await second.call("b")
+        assert first_id != second_id and await first.call("c") == first_id
+        await first.close()
+        while not lost:
+            await asyncio.sleep(0.01)
+        assert lost == [(first_id, ["a", "c"])]
+        assert await second.call("d") == second_id  # the other worker goes on
+    finally:
+        await second.close()
+        await server.close()
+    assert lost == [(first_id, ["a", "c"]), (second_id, ["b", "d"])]

@@ -1,0 +1,150 @@
+"""The scheduler process's side of several gateway workers: the gateway's messages over :mod:`gateway.sched_channel`.
+
+With ``gateway.workers`` > 1 (:mod:`gateway.workers`) one process holds the
+scheduling state, a whole :class:`~gateway.state.Gateway` started as in one
+process (engines, registry and health, dispatcher queues and AWD windows,
+prefix caches and KV events, controller), but serves no HTTP: the workers do,
+and ask it through :class:`SchedulerService`. The worker's side is
+:mod:`gateway.sched_worker`.
+
+Messages (msgpack maps; ``op`` says which). Calls, answered:
+
+- ``{"op": "state"}`` -> ``{"engines": [[id, url, pool, healthy, draining,
+  stalled, in_flight, in_flight_prompt_tokens, kv_capacity_tokens], ...],
+  "context_tokens": int | None, "stats": {name: value}}``: the registry in
+  configuration order, the model's context length, the scheduler's
+  :meth:`~policies.scheduler.Scheduler.stats`. Workers ask at start and then
+  every :data:`gateway.sched_worker.STATE_POLL_S`.
+- ``{"op": "place", "rid", "keys": bytes, "ids": bytes, "arrival_s",
+  "deadline_s", "max_tokens", "reply_tokens", "stream", "priority"}``: an
+  :class:`~gateway.dispatcher.Arrival` (``keys``/``ids``: the prompt chain's
+  block keys as signed 64-bit and token ids as unsigned 32-bit machine
+  integers, ``array.tobytes()``), classified here against the global prefix
+  index and admitted (:meth:`gateway.dispatcher.Dispatcher.place`) ->
+  ``{"engine", "class", "cached_by_engine": {engine: tokens}, "deadline_s"}``
+  once dispatched, or ``{"error": {"status", "message", "type", "code"}}``
+  (503 no engine, 500 policy failure, 503 shutting down).
+
+Notes, one-way, applied in the order sent (one connection per worker):
+
+- ``{"op": "first", "rid", "engine", "cached"}``: the request's first token
+  (``cached``: the engine's reported ``cached_tokens`` or None);
+- ``{"op": "done", "rid"}``: the request ended (answered, failed, client gone);
+  a ``place`` still waiting is withdrawn;
+- ``{"op": "insert", "engine", "keys": bytes}``, ``{"op": "observe", "engine",
+  "keys": bytes, "cached"}``: the prefix index learns what the engine holds
+  (:meth:`policies.exact_prefix.PrefixCaches.insert` / ``observe``);
+- ``{"op": "down", "engine", "why", "stalled"}``: a worker saw the engine fail:
+  it leaves service here (:func:`gateway.health.take_out_of_service`); the
+  health poll brings it back.
+
+A worker whose connection drops (it died) has its requests released: those
+waiting are withdrawn, those dispatched complete and are aborted on their
+engine (``/abort_request``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from array import array
+
+from gateway.dispatcher import Arrival
+from gateway.errors import APIError
+from gateway.health import take_out_of_service
+from gateway.relay import in_background
+from gateway.sched_channel import ChannelServer, Peer
+from gateway.state import Gateway
+from policies.prefix_index import BlockChain
+from policies.types import RequestView
+
+log = logging.getLogger("laps.gateway")
+
+
+def engines_of(gw: Gateway) -> list[list]:
+    """The registry as the ``state`` call sends it (module doc)."""
+    return [[e.id, e.url, e.pool, e.healthy, e.draining, e.stalled, e.in_flight, e.in_flight_prompt_tokens, e.kv_capacity_tokens]
+            for e in gw.registry]
+
+
+class SchedulerService:
+    """Answers the workers' calls and notes (module doc) on ``gw``, the scheduler process's gateway.
+
+    :meth:`start` listens on the Unix socket ``path``; :meth:`close` drops the workers.
+    """
+
+    def __init__(self, gw: Gateway) -> None:
+        self.gw = gw
+        self._placed: dict[str, tuple[RequestView, str, Peer]] = {}  # dispatched, not done: view, engine, its worker
+        self._waiting: dict[str, asyncio.Task] = {}  # place calls not answered yet
+        self._server: ChannelServer | None = None
+        self._ops = {"state": self._state, "place": self._place, "first": self._first, "done": self._done, "insert": self._insert,
+                     "observe": self._observe, "down": self._down}
+
+    async def start(self, path: str) -> None:
+        """Listen for workers on ``path``.
+
+        Raises:
+            OSError: the socket cannot be bound there.
+        """
+        self._server = ChannelServer(path, self.handle, on_disconnect=self.worker_gone)
+        await self._server.start()
+
+    async def close(self) -> None:
+        if self._server is not None:
+            await self._server.close()
+
+    def handle(self, message: dict, peer: Peer):
+        """One worker message (module doc); an unknown ``op`` raises ``KeyError`` (the caller's ChannelError)."""
+        return self._ops[message["op"]](message, peer)
+
+    def worker_gone(self, peer: Peer) -> None:
+        """Release what the worker of ``peer`` left: its dispatched requests complete and are aborted on their
+        engines (its waiting ones were withdrawn when the channel cancelled their place calls)."""
+        rids = [rid for rid, (_, _, owner) in self._placed.items() if owner is peer]
+        for rid in rids:
+            view, engine_id, _ = self._placed.pop(rid)
+            self.gw.dispatcher.complete(view, engine_id)
+            in_background(self.gw.client.abort(self.gw.registry[engine_id].url, rid))
+        log.info("a gateway worker's channel closed; %d of its requests were in flight (released, aborted on their engines)", len(rids))
+
+    def _state(self, message: dict, peer: Peer) -> dict:
+        return {"engines": engines_of(self.gw), "context_tokens": self.gw.context_tokens, "stats": self.gw.dispatcher.scheduler.stats()}
+
+    async def _place(self, message: dict, peer: Peer) -> dict:
+        rid = message["rid"]
+        chain = BlockChain(self.gw.prefix_index.block_tokens, array("q", message["keys"]), array("I", message["ids"]))
+        arrival = Arrival(rid, chain, message["arrival_s"], message["deadline_s"], message["max_tokens"], tuple(message["reply_tokens"]),
+                          message["stream"], message["priority"])
+        self._waiting[rid] = asyncio.current_task()
+        try:
+            view, engine_id = await self.gw.dispatcher.place(arrival)
+        except APIError as err:
+            return {"error": {"status": err.status, "message": err.message, "type": err.type, "code": err.code}}
+        finally:
+            del self._waiting[rid]
+        self._placed[rid] = (view, engine_id, peer)
+        return {"engine": engine_id, "class": view.request_class, "cached_by_engine": dict(view.cached_by_engine), "deadline_s": view.deadline_s}
+
+    def _first(self, message: dict, peer: Peer) -> None:
+        if message["rid"] in self._placed:
+            self.gw.dispatcher.first_token(message["rid"], message["engine"], message["cached"])
+
+    def _done(self, message: dict, peer: Peer) -> None:
+        rid = message["rid"]
+        placed = self._placed.pop(rid, None)
+        if placed is not None:
+            self.gw.dispatcher.complete(placed[0], placed[1])
+        elif rid in self._waiting:
+            self._waiting[rid].cancel()  # the Dispatcher withdraws it
+
+    def _insert(self, message: dict, peer: Peer) -> None:
+        self.gw.prefix_index.insert(message["engine"], array("q", message["keys"]))
+
+    def _observe(self, message: dict, peer: Peer) -> None:
+        self.gw.prefix_index.observe(message["engine"], array("q", message["keys"]), message["cached"])
+
+    def _down(self, message: dict, peer: Peer) -> None:
+        engine = self.gw.registry[message["engine"]]
+        if engine.serving:
+            take_out_of_service(self.gw, engine, f"{message['why']} (seen by a gateway worker)", stalled=message["stalled"])

@@ -1,0 +1,173 @@
+"""A gateway worker's side of several gateway processes: the dispatcher and prefix index it reaches over the channel.
+
+A worker (``gateway.workers`` > 1, :mod:`gateway.workers`) runs the HTTP
+handlers as one process does, with these in its :class:`~gateway.state.Gateway`:
+
+- :class:`RemoteDispatcher`: the :class:`~gateway.dispatcher.Dispatcher`'s
+  interface (``place``, ``first_token``, ``complete``, ``fail_waiting``,
+  ``queued``) as calls and notes to the scheduler process
+  (:mod:`gateway.sched_service` lists the messages);
+- :class:`RemotePrefixIndex`: ``insert`` / ``observe`` as notes (the global
+  index lives in the scheduler, which classifies every request against it);
+- a mirror of the scheduler's engine registry (URLs, pools, health, load) that
+  :class:`StatePoller` refreshes every :data:`STATE_POLL_S`; an engine a
+  worker sees fail is reported (:func:`report_out_of_service`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from array import array
+from collections.abc import Callable, Sequence
+
+from gateway.dispatcher import Arrival
+from gateway.errors import APIError
+from gateway.registry import EngineRegistry, EngineState
+from gateway.sched_channel import ChannelClient, ChannelClosed
+from policies.types import RequestView
+
+log = logging.getLogger("laps.gateway")
+
+STATE_POLL_S = 0.5  # how often a worker refreshes its mirror of the engine registry and the scheduler's stats
+
+
+def _tell(channel: ChannelClient, message: dict) -> None:
+    """Send a note; a lost channel drops it (the scheduler is gone: there is nobody to tell)."""
+    with contextlib.suppress(ChannelClosed):
+        channel.note(message)
+
+
+def _key_bytes(keys: Sequence[int]) -> bytes:
+    return (keys if isinstance(keys, array) and keys.typecode == "q" else array("q", keys)).tobytes()
+
+
+def scheduler_gone() -> APIError:
+    """The client's error when the scheduler process cannot be reached (HTTP 503)."""
+    return APIError(503, "the gateway's scheduler is not reachable; retry later", type="service_unavailable", code="scheduler_unavailable")
+
+
+class RemoteDispatcher:
+    """The dispatcher of a worker: each :meth:`place` is a ``place`` call to the scheduler, the rest are notes."""
+
+    first_tokens = None  # the controller runs in the scheduler process
+
+    def __init__(self, channel: ChannelClient) -> None:
+        self._channel = channel
+        self._waiting: set[asyncio.Task] = set()
+        self._ended_with: Callable[[], APIError] | None = None
+
+    @property
+    def queued(self) -> int:
+        """This worker's requests waiting for their decision."""
+        return len(self._waiting)
+
+    async def place(self, arrival: Arrival) -> tuple[RequestView, str]:
+        """As :meth:`gateway.dispatcher.Dispatcher.place`, decided by the scheduler process.
+
+        Raises:
+            APIError: the scheduler's rejection (503 no engine, 500 policy failure), 503 ``scheduler_unavailable``
+                when the channel is lost, or :meth:`fail_waiting`'s error.
+            asyncio.CancelledError: the caller went away; the scheduler is told to withdraw it.
+        """
+        chain = arrival.chain
+        message = {"op": "place", "rid": arrival.rid, "keys": chain.keys.tobytes(), "ids": chain.ids.tobytes(), "arrival_s": arrival.arrival_s,
+                   "deadline_s": arrival.deadline_s, "max_tokens": arrival.max_tokens, "reply_tokens": list(arrival.reply_tokens),
+                   "stream": arrival.stream, "priority": arrival.priority}
+        call = asyncio.ensure_future(self._channel.call(message))
+        self._waiting.add(call)
+        try:
+            answer = await call
+        except asyncio.CancelledError:
+            _tell(self._channel, {"op": "done", "rid": arrival.rid})
+            if self._ended_with is not None and not asyncio.current_task().cancelling():  # fail_waiting, not the client
+                raise self._ended_with() from None
+            raise
+        except ChannelClosed:
+            raise scheduler_gone() from None
+        finally:
+            self._waiting.discard(call)
+        error = answer.get("error")
+        if error is not None:
+            raise APIError(error["status"], error["message"], type=error["type"], code=error["code"])
+        cached = answer["cached_by_engine"]
+        view = RequestView(arrival.rid, chain.tokens, max(cached.values(), default=0), arrival.arrival_s, answer["deadline_s"], answer["class"],
+                           cached, arrival.max_tokens, arrival.reply_tokens, arrival.stream, arrival.priority)
+        return view, answer["engine"]
+
+    def first_token(self, rid: str, engine_id: str, reported_cached_tokens: int | None) -> None:
+        _tell(self._channel, {"op": "first", "rid": rid, "engine": engine_id, "cached": reported_cached_tokens})
+
+    def complete(self, request: RequestView, engine_id: str) -> None:
+        _tell(self._channel, {"op": "done", "rid": request.rid})
+
+    def fail_waiting(self, error: Callable[[], APIError]) -> None:
+        """End this worker's requests still waiting for their decision with an ``error()`` (shutting down)."""
+        self._ended_with = error
+        for call in list(self._waiting):
+            call.cancel()
+
+    def close(self) -> None:
+        """Nothing to stop: the channel is the worker's to close."""
+
+
+class RemotePrefixIndex:
+    """What a worker's handlers tell the prefix index (``insert``, ``observe``), as notes to the scheduler's."""
+
+    def __init__(self, channel: ChannelClient, block_tokens: int) -> None:
+        self._channel = channel
+        self.block_tokens = block_tokens
+
+    def insert(self, engine_id: str, keys: Sequence[int]) -> None:
+        _tell(self._channel, {"op": "insert", "engine": engine_id, "keys": _key_bytes(keys)})
+
+    def observe(self, engine_id: str, keys: Sequence[int], reported_cached_tokens: int | None) -> None:
+        _tell(self._channel, {"op": "observe", "engine": engine_id, "keys": _key_bytes(keys), "cached": reported_cached_tokens})
+
+
+def registry_of(engines: list[list]) -> EngineRegistry:
+    """A worker's registry from the ``state`` call's engines (:mod:`gateway.sched_service`)."""
+    registry = EngineRegistry([EngineState(row[0], row[1], row[2]) for row in engines])
+    apply_state(registry, engines)
+    return registry
+
+
+def apply_state(registry: EngineRegistry, engines: list[list]) -> None:
+    """Copy the scheduler's pools, health and load into ``registry`` (this worker's streams' own fields stay)."""
+    for engine_id, _, pool, healthy, draining, stalled, in_flight, in_flight_prompt_tokens, kv_capacity_tokens in engines:
+        e = registry[engine_id]
+        e.pool, e.healthy, e.draining, e.stalled = pool, healthy, draining, stalled
+        e.in_flight, e.in_flight_prompt_tokens, e.kv_capacity_tokens = in_flight, in_flight_prompt_tokens, kv_capacity_tokens
+
+
+def report_out_of_service(channel: ChannelClient, engine: EngineState, why: str, stalled: bool) -> None:
+    """Tell the scheduler that this worker took ``engine`` out of service (:func:`gateway.health.take_out_of_service`)."""
+    _tell(channel, {"op": "down", "engine": engine.id, "why": why, "stalled": stalled})
+
+
+class StatePoller:
+    """Refreshes ``registry`` and :attr:`stats` (the scheduler's, for ``/metrics``) from the ``state`` call every
+    :data:`STATE_POLL_S`; ``state`` is the first answer (already applied)."""
+
+    def __init__(self, channel: ChannelClient, registry: EngineRegistry, state: dict) -> None:
+        self._channel = channel
+        self._registry = registry
+        self.stats: dict[str, float] = state["stats"]
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(STATE_POLL_S)
+            try:
+                state = await self._channel.call({"op": "state"})
+            except ChannelClosed as err:
+                log.error("worker: %s; requests now get 503 scheduler_unavailable", err)
+                return
+            apply_state(self._registry, state["engines"])
+            self.stats = state["stats"]
+
+    async def close(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task

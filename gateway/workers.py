@@ -1,0 +1,324 @@
+"""Several gateway processes on one node (``gateway.workers`` > 1, ``laps serve --workers N``).
+
+The ``laps serve`` process becomes a supervisor of:
+
+- one **scheduler** process: the whole gateway of :func:`gateway.app.create_app`
+  (engines, registry and health, dispatcher and its policy, prefix caches and KV
+  events, controller), serving no HTTP but the workers' calls on a Unix socket
+  (:class:`gateway.sched_service.SchedulerService`);
+- N **workers**: :func:`gateway.app.create_worker_app` on the gateway's port,
+  each with its own ``SO_REUSEPORT`` listening socket (the kernel spreads
+  connections over them), doing HTTP, validation, tokenization and relaying, and
+  asking the scheduler for every decision (:mod:`gateway.sched_worker`).
+
+The supervisor binds the port first without listening (a taken port fails before
+any engine starts; with ``port: 0`` it picks the one the workers bind), starts
+the scheduler, waits for it (its engines ready), then the workers, then prints
+``laps: ready on URL``. A worker that dies is started again (after
+:data:`RESTART_DELAY_S` when it lived less than :data:`SHORT_LIFE_S`); the
+scheduler releases the dead worker's requests when its channel drops; the other
+workers' requests go on. A scheduler that dies ends the whole gateway (its engines
+die with it) with exit code 1.
+
+Shutdown, on SIGINT or SIGTERM to the supervisor (the children ignore SIGINT, so a
+Ctrl-C to the terminal's process group reaches them only this way): SIGTERM to
+every worker, which drain as one gateway does (``gateway.shutdown_grace_s``,
+:func:`gateway.app.serve_until`); then SIGTERM to the scheduler, which stops the
+engines. A second signal kills every child at once and exits (code 130).
+
+Metrics: the supervisor points ``PROMETHEUS_MULTIPROC_DIR`` at a fresh directory
+for its children (:mod:`gateway.metrics`), so any worker's ``/metrics`` reports
+every process's counters; a dead worker's live gauges are dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+
+from laps.config import Config
+
+log = logging.getLogger("laps.gateway")
+
+RESTART_DELAY_S = 1.0
+SHORT_LIFE_S = 5.0
+SCHEDULER_STOP_S = 60.0  # the scheduler's own shutdown: stopping the engines
+KILL_WAIT_S = 5.0
+READY, FAILED = "ready", "failed"
+
+LogSetup = Callable[[str], None]
+"""Sets up a child's logging; its argument labels the process's lines (``scheduler``, ``worker-0`` ...). Picklable."""
+
+
+# ---------------------------------------------------------------- the children
+
+def _child_start(setup_logging: LogSetup, label: str) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor turns a Ctrl-C into an ordered SIGTERM
+    setup_logging(label)
+
+
+def scheduler_main(ready: Connection, setup_logging: LogSetup, config: Config, channel_path: str) -> None:
+    """The scheduler process (module doc): start the gateway and its engines, answer the workers until SIGTERM."""
+    import uvloop
+
+    _child_start(setup_logging, "scheduler")
+    sys.exit(uvloop.run(_scheduler(config, channel_path, ready)))
+
+
+async def _scheduler(config: Config, channel_path: str, ready: Connection) -> int:
+    from gateway.app import app_runner, stop_on_signals
+    from gateway.sched_service import SchedulerService
+    from gateway.state import GATEWAY
+
+    stop = stop_on_signals((signal.SIGTERM,))
+    runner = app_runner(config)
+    try:
+        await runner.setup()
+    except Exception as err:  # an engine that does not start: the supervisor reports it
+        log.exception("scheduler: start-up failed")
+        ready.send((FAILED, str(err)))
+        await runner.cleanup()
+        return 1
+    service = SchedulerService(runner.app[GATEWAY])
+    try:
+        await service.start(channel_path)
+        ready.send((READY, os.getpid()))
+        await stop.wait()
+        log.info("scheduler: shutting down")
+    finally:
+        await service.close()
+        await runner.cleanup()
+    return 0
+
+
+def worker_main(ready: Connection, setup_logging: LogSetup, config: Config, channel_path: str, index: int) -> None:
+    """Worker ``index`` (module doc): serve the gateway's port until SIGTERM, then drain."""
+    import uvloop
+
+    _child_start(setup_logging, f"worker-{index}")
+    sys.exit(uvloop.run(_worker(config, channel_path, ready)))
+
+
+async def _worker(config: Config, channel_path: str, ready: Connection) -> int:
+    from gateway.app import app_runner, create_worker_app, listen_socket, serve_until, stop_on_signals
+
+    stop = stop_on_signals((signal.SIGTERM,))
+    sock = listen_socket(config.gateway.host, config.gateway.port, reuse_port=True)
+    await serve_until(config, app_runner(config, create_worker_app(config, channel_path)), sock, stop,
+                      lambda url: ready.send((READY, os.getpid())))
+    return 0
+
+
+# ---------------------------------------------------------------- the supervisor
+
+class _Child:
+    """One started child process, ``target(ready pipe, setup_logging, *args)``, and the read end of its ready pipe
+    (``ready``, ``None`` once read)."""
+
+    def __init__(self, ctx, label: str, target: Callable, setup_logging: LogSetup, args: tuple) -> None:
+        reader, writer = ctx.Pipe(duplex=False)
+        self.label = label
+        self.process = ctx.Process(target=target, args=(writer, setup_logging, *args), name=f"laps-{label}", daemon=False)
+        self.process.start()
+        writer.close()
+        self.ready: Connection | None = reader
+        self.started_s = time.monotonic()
+
+    def read_ready(self) -> tuple[str, object] | None:
+        """The child's ready message, ``None`` when it closed the pipe without one (it died)."""
+        try:
+            message = self.ready.recv()
+        except EOFError:
+            message = None
+        self.ready.close()
+        self.ready = None
+        return message
+
+
+class Supervisor:
+    """Runs the scheduler and ``config.gateway.workers`` workers (module doc); :meth:`run` until a signal."""
+
+    def __init__(self, config: Config, channel_path: str, setup_logging: LogSetup) -> None:
+        self.config = config
+        self.channel_path = channel_path
+        self.setup_logging = setup_logging
+        self._ctx = multiprocessing.get_context("spawn")
+        self._signals = 0
+        self._wake_r, self._wake_w = socket.socketpair()  # the signal wake-up pipe (signal.set_wakeup_fd)
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self.scheduler: _Child | None = None
+        self.workers: list[_Child | None] = [None] * config.gateway.workers
+
+    def run(self) -> int:
+        """Start everything, supervise, shut down on a signal; the exit code (0, or 1 when the scheduler failed).
+
+        Raises:
+            RuntimeError: the scheduler failed to start (its error is the message).
+        """
+        self._catch_signals()
+        try:
+            self.scheduler = self._start_scheduler()
+            if not self._await_ready(self.scheduler):
+                return 0  # a signal while the engines started
+            for i in range(len(self.workers)):
+                self.workers[i] = self._start_worker(i)
+            for worker in self.workers:
+                if not self._await_ready(worker):
+                    return 0
+            url = f"http://{self.config.gateway.host}:{self.config.gateway.port}"
+            log.info("laps gateway listening on %s with %d workers (Ctrl-C to stop; twice to stop at once)", url, len(self.workers))
+            print(f"laps: ready on {url}", flush=True)
+            return self._supervise()
+        finally:
+            self._stop_all()
+
+    def _catch_signals(self) -> None:
+        signal.set_wakeup_fd(self._wake_w.fileno())
+
+        def on_signal(signum, frame) -> None:
+            self._signals += 1
+            if self._signals > 1:
+                log.warning("second signal: killing the gateway's processes now")
+                for child in self._children():
+                    child.process.kill()
+                logging.shutdown()
+                os._exit(130)
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, on_signal)
+
+    def _children(self) -> list[_Child]:
+        return [c for c in (*self.workers, self.scheduler) if c is not None]
+
+    def _start_scheduler(self) -> _Child:
+        child = _Child(self._ctx, "scheduler", scheduler_main, self.setup_logging, (self.config, self.channel_path))
+        log.info("scheduler process started (pid %d); starting the engines", child.process.pid)
+        return child
+
+    def _start_worker(self, index: int) -> _Child:
+        child = _Child(self._ctx, f"worker-{index}", worker_main, self.setup_logging, (self.config, self.channel_path, index))
+        log.info("worker %d started (pid %d)", index, child.process.pid)
+        return child
+
+    def _await_ready(self, child: _Child) -> bool:
+        """Wait for ``child``'s ready message; ``False`` when a signal came first.
+
+        Raises:
+            RuntimeError: the child failed or died before it was ready.
+        """
+        while True:
+            ready = wait([child.ready, self._wake_r])
+            if self._signals:
+                return False
+            if child.ready in ready:
+                message = child.read_ready()
+                if message is not None and message[0] == READY:
+                    return True
+                child.process.join()
+                why = message[1] if message is not None else f"it exited with code {child.process.exitcode}"
+                raise RuntimeError(f"the gateway's {child.label} did not start: {why}")
+            self._drain_wakeups()
+
+    def _drain_wakeups(self) -> None:
+        try:
+            while self._wake_r.recv(64):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _supervise(self) -> int:
+        while not self._signals:
+            watched = {self.scheduler.process.sentinel: self.scheduler}
+            watched.update({w.process.sentinel: w for w in self.workers})
+            pipes = {w.ready: w for w in self.workers if w.ready is not None}
+            ready = wait([*watched, *pipes, self._wake_r])
+            self._drain_wakeups()
+            if self._signals:
+                break
+            for pipe in ready:
+                if pipe in pipes and pipes[pipe].process.is_alive():
+                    message = pipes[pipe].read_ready()
+                    if message is not None:
+                        log.info("%s is ready (pid %s)", pipes[pipe].label, message[1])
+            if self.scheduler.process.sentinel in ready:
+                self.scheduler.process.join()
+                log.error("the scheduler process exited (code %s); stopping the gateway", self.scheduler.process.exitcode)
+                self.scheduler = None
+                return 1
+            for i, worker in enumerate(self.workers):
+                if worker.process.sentinel in ready:
+                    self._restart(i, worker)
+        return 0
+
+    def _restart(self, index: int, worker: _Child) -> None:
+        from prometheus_client import multiprocess
+
+        worker.process.join()
+        if worker.ready is not None:
+            worker.ready.close()
+        multiprocess.mark_process_dead(worker.process.pid)
+        lived_s = time.monotonic() - worker.started_s
+        log.warning("worker %d (pid %d) exited with code %s after %.1f s; starting it again", index, worker.process.pid,
+                    worker.process.exitcode, lived_s)
+        if lived_s < SHORT_LIFE_S:
+            time.sleep(RESTART_DELAY_S)
+        self.workers[index] = self._start_worker(index)
+
+    def _stop_all(self) -> None:
+        """SIGTERM the workers and wait for them to drain, then the scheduler; kill what outlives its time."""
+        grace_s = self.config.gateway.shutdown_grace_s + 10.0  # their drain, the end of the requests left, the clean-up
+        workers = [w for w in self.workers if w is not None]
+        if workers:
+            log.info("shutting down: %d workers drain (up to %.0f s)", len(workers), self.config.gateway.shutdown_grace_s)
+        _terminate(workers, grace_s)
+        if self.scheduler is not None:
+            _terminate([self.scheduler], SCHEDULER_STOP_S)
+        signal.set_wakeup_fd(-1)
+        self._wake_r.close()
+        self._wake_w.close()
+
+
+def _terminate(children: list[_Child], within_s: float) -> None:
+    for child in children:
+        if child.process.is_alive():
+            child.process.terminate()
+    deadline = time.monotonic() + within_s
+    for child in children:
+        child.process.join(max(0.0, deadline - time.monotonic()))
+        if child.process.is_alive():
+            log.warning("%s (pid %d) did not stop within %.0f s; killing it", child.label, child.process.pid, within_s)
+            child.process.kill()
+            child.process.join(KILL_WAIT_S)
+
+
+def serve_workers(config: Config, setup_logging: LogSetup) -> int:
+    """Run the gateway as a scheduler and ``config.gateway.workers`` workers (module doc) until SIGINT/SIGTERM;
+    the exit code.
+
+    Raises:
+        OSError: the gateway's port is taken.
+        RuntimeError: the scheduler (its engines) or a worker failed to start.
+    """
+    from gateway.app import listen_socket
+
+    with tempfile.TemporaryDirectory(prefix="laps-gateway-") as tmp, \
+            listen_socket(config.gateway.host, config.gateway.port, reuse_port=True, listen=False) as reserved:
+        port = reserved.getsockname()[1]
+        config = config.model_copy(update={"gateway": config.gateway.model_copy(update={"port": port})})
+        metrics_dir = Path(tmp, "metrics")
+        metrics_dir.mkdir()
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)  # inherited by the children (spawned after this)
+        try:
+            return Supervisor(config, str(Path(tmp, "scheduler.sock")), setup_logging).run()
+        finally:
+            del os.environ["PROMETHEUS_MULTIPROC_DIR"]

@@ -1,0 +1,194 @@
+"""Several gateway processes: the LAPS decisions through the real channel equal one process's on a scripted sequence;
+the scheduler releases a dead worker's requests."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from functools import partial
+from types import SimpleNamespace
+
+import yaml
+
+from gateway.dispatcher import Arrival, Dispatcher, classify
+from gateway.errors import APIError
+from gateway.registry import EngineRegistry, EngineState
+from gateway.sched_channel import ChannelClient
+from gateway.sched_service import SchedulerService
+from gateway.sched_worker import RemoteDispatcher, RemotePrefixIndex
+from laps.config import DEFAULT_CONFIG_PATH, parse_config
+from laps.cost import engine_traits
+from policies.exact_prefix import PrefixCaches
+from policies.prefix_index import BlockChain, PrefixIndex
+from policies.registry import make_classifier, make_scheduler
+
+ENGINES = [("sp0", "short-prefill"), ("sp1", "short-prefill"), ("lp0", "long-prefill")]
+
+
+def _config():
+    data = yaml.safe_load(DEFAULT_CONFIG_PATH.read_text())
+    data["engines"] = [{"name": name, "kind": "sim", "role": role, "gpus": [i]} for i, (name, role) in enumerate(ENGINES)]
+    data["slo"] = {"ttft_s": 0.4, "ttft_per_1k_new_tokens_s": 0.05}  # length-aware deadlines: decided where the index is
+    data["controller"] = {"enabled": False}
+    return parse_config(data, "test")
+
+
+class Clock:
+    """The scripted time (seconds); both runs see the same instants."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _scheduler_side(config, clock):
+    """A scheduler process's dispatcher, prefix caches and registry (what SchedulerService uses of a Gateway)."""
+    registry = EngineRegistry([EngineState(name, f"http://{name}", config.roles[role].pool) for name, role in ENGINES])
+    prefix_index = PrefixCaches(PrefixIndex(config.scheduling.prefix_block_tokens, 4096))
+    dispatcher = Dispatcher(make_scheduler(config.scheduling, engine_traits(config)), registry, clock=clock,
+                            classify=partial(classify, config=config, engine_ids=[n for n, _ in ENGINES], prefix_index=prefix_index,
+                                             classifier=make_classifier(config.scheduling)))
+    return SimpleNamespace(dispatcher=dispatcher, prefix_index=prefix_index, registry=registry, context_tokens=None, client=None)
+
+
+def _script(seed: int = 7, steps: int = 120):
+    """Arrivals (conversations sharing prefixes, short and long prompts, some with their own deadline), first tokens,
+    completions and time steps, in a seeded order."""
+    rng = random.Random(seed)
+    histories = [[rng.randrange(1000) for _ in range(rng.choice((40, 300, 1500)))] for _ in range(6)]
+    events = []
+    for i in range(steps):
+        kind = rng.choices(("arrive", "first", "complete", "advance"), weights=(4, 2, 2, 3))[0]
+        if kind == "arrive":
+            conversation = histories[rng.randrange(len(histories))]
+            conversation.extend(rng.randrange(1000) for _ in range(rng.choice((8, 64, 600))))
+            deadline = rng.choice((None, None, 2.0))
+            events.append(("arrive", f"r{i}", list(conversation), deadline))
+        elif kind == "advance":
+            events.append(("advance", rng.choice((0.001, 0.004, 0.02, 0.2))))
+        else:
+            events.append((kind,))
+    return events
+
+
+async def _run(config, front_of) -> list:
+    """Play :func:`_script` through a front dispatcher and prefix index (``front_of(side)`` -> (dispatcher, index,
+    sync)); the decision of each request: (rid, engine or error, class, cached tokens per engine, deadline)."""
+    clock = Clock()
+    side = _scheduler_side(config, clock)
+    front, index, sync = await front_of(side)
+    tasks: dict[str, asyncio.Task] = {}
+    chains: dict[str, BlockChain] = {}
+    started, running = [], []  # placed, first token not yet / placed, first token seen
+    decisions = {}
+
+    async def settle():
+        await sync()
+        while any(not t.done() for rid, t in tasks.items() if rid not in {v.rid for v in side.dispatcher.queued_requests()}):
+            await asyncio.sleep(0.001)  # a decision on its way back (or a place call on its way in)
+        for rid, task in tasks.items():
+            if task.done() and rid not in decisions:
+                try:
+                    view, engine = task.result()
+                except APIError as err:
+                    decisions[rid] = (rid, f"error {err.status}")
+                    continue
+                decisions[rid] = (rid, engine, view.request_class, dict(view.cached_by_engine), round(view.deadline_s - clock.now, 9))
+                started.append((view, engine))
+
+    for event in _script():
+        if event[0] == "arrive":
+            _, rid, tokens, deadline = event
+            chains[rid] = BlockChain(config.scheduling.prefix_block_tokens).extend(tokens)
+            arrival = Arrival(rid, chains[rid], clock.now, None if deadline is None else clock.now + deadline, max_tokens=64)
+            tasks[rid] = asyncio.ensure_future(front.place(arrival))
+        elif event[0] == "first" and started:
+            view, engine = started.pop(0)
+            index.insert(engine, chains[view.rid].keys)
+            front.first_token(view.rid, engine, None)
+            running.append((view, engine))
+        elif event[0] == "complete" and running:
+            view, engine = running.pop(0)
+            index.observe(engine, chains[view.rid].keys, None)
+            front.complete(view, engine)
+        elif event[0] == "advance":
+            await sync()  # what was sent before the step is applied first
+            clock.now += event[1]
+            side.dispatcher._decide()  # the scheduler's timer, at the scripted instant
+        await settle()
+    side.dispatcher.fail_waiting(lambda: APIError(503, "end of script"))
+    await settle()
+    side.dispatcher.close()
+    return [decisions[rid] for rid in tasks]
+
+
+async def _in_one_process(side):
+    async def sync():
+        await asyncio.sleep(0)
+
+    return side.dispatcher, side.prefix_index, sync
+
+
+def _through_the_channel(path):
+    async def front_of(side):
+        service = SchedulerService(side)
+        await service.start(str(path))
+        channel = await ChannelClient.connect(path)
+
+        async def sync():  # the scheduler answers in order: every frame sent before this call has been applied
+            await channel.call({"op": "state"})
+
+        return RemoteDispatcher(channel), RemotePrefixIndex(channel, side.prefix_index.block_tokens), sync
+
+    return front_of
+
+
+async def test_laps_decisions_are_the_same_with_one_process_and_through_the_channel(tmp_path):
+    config = _config()
+    assert config.scheduling.policy == "laps"
+    alone = await _run(config, _in_one_process)
+    remote = await _run(config, _through_the_channel(tmp_path / "sched.sock"))
+    assert remote == alone
+    placed = [d for d in alone if not d[1].startswith("error")]
+    # the script exercises what the decision depends on: every engine, both classes, prefix hits, held requests
+    assert {d[1] for d in placed} == {"sp0", "sp1", "lp0"}
+    assert {d[2] for d in placed} == {"short", "long"}
+    assert any(max(d[3].values()) > 0 for d in placed)
+    assert len(placed) > 20
+
+
+async def test_a_dead_workers_requests_are_released_and_aborted(tmp_path):
+    config = _config()
+    side = _scheduler_side(config, Clock())
+    aborted = []
+
+    async def abort(url, rid):
+        aborted.append((url, rid))
+
+    side.client = SimpleNamespace(abort=abort)
+    service = SchedulerService(side)
+    await service.start(str(tmp_path / "sched.sock"))
+    dead, alive = await ChannelClient.connect(tmp_path / "sched.sock"), await ChannelClient.connect(tmp_path / "sched.sock")
+    try:
+        chain = BlockChain(config.scheduling.prefix_block_tokens).extend(range(2000))  # long: no AWD window
+
+        def in_flight():
+            return {e.id: e.in_flight for e in side.registry if e.in_flight}
+
+        _, dead_engine = await RemoteDispatcher(dead).place(Arrival("dead-1", chain, 1000.0, None))
+        other, engine = await RemoteDispatcher(alive).place(Arrival("alive-1", chain, 1000.0, None))
+        assert sum(in_flight().values()) == 2
+        await dead.close()  # as the kernel closes a killed worker's socket
+        while not aborted:
+            await asyncio.sleep(0.01)
+        assert aborted == [(f"http://{dead_engine}", "dead-1")]
+        assert in_flight() == {engine: 1}  # the live worker's request goes on
+        RemoteDispatcher(alive).complete(other, engine)
+        await alive.call({"op": "state"})
+        assert in_flight() == {}
+    finally:
+        await alive.close()
+        await service.close()
+        side.dispatcher.close()

@@ -1,0 +1,145 @@
+"""`laps serve --workers 2` on simulated engines: both workers serve chats (streamed and not) and OpenAI 4xx errors,
+one /metrics counts them all, a killed worker is started again while the other's request goes on, Ctrl-C stops all."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+
+from tests.test_cli_startup import write_config
+
+MODEL = "Qwen2.5-7B-Instruct"
+START_TIMEOUT_S = 120.0
+ADMIN_KEY = "admin-key-for-tests"
+
+
+def _chat(max_tokens: int = 4, stream: bool = False, text: str = "hello there") -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "stream": stream}
+
+
+def _worker_pids(log: Path) -> dict[int, int]:
+    """``{worker index: pid}`` of the workers the supervisor started last (its log lines)."""
+    return {int(i): int(pid) for i, pid in re.findall(r"worker (\d+) started \(pid (\d+)\)", log.read_text())}
+
+
+def _holder_of_the_connection(port: int, pids) -> int:
+    """The pid among ``pids`` that holds the one established connection to ``port`` (the kernel's socket tables)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "01":  # local port, ESTABLISHED
+                inodes.add(fields[9])
+    holders = {pid for pid in pids for fd in Path(f"/proc/{pid}/fd").iterdir()
+               if os.readlink(fd).startswith("socket:[") and os.readlink(fd)[8:-1] in inodes}
+    assert len(holders) == 1, (inodes, holders)
+    return holders.pop()
+
+
+def _served_by(log: Path, *rids: str) -> dict[str, str]:
+    """``{request id: worker}`` of the chats answered ``ok`` (the workers' request log lines), once ``rids`` are all
+    logged (a request's line follows the end of its answer)."""
+    deadline = time.monotonic() + 30
+    while True:
+        found = re.findall(r"\[(worker-\d)\] laps\.gateway: (\S+) /v1/chat/completions .* outcome=ok", log.read_text())
+        by_rid = {rid: worker for worker, rid in found}
+        if all(rid in by_rid for rid in rids) or time.monotonic() > deadline:
+            return by_rid
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory):
+    """``laps serve --workers 2`` on the default config's two sim engines, port 0, shared by this module's tests (the
+    last one stops it); (base URL, gateway log, process)."""
+    config_path, log_dir = write_config(tmp_path_factory.mktemp("workers"), gateway={"port": 0, "shutdown_grace_s": 5, "admin_key": ADMIN_KEY})
+    proc = subprocess.Popen([sys.executable, "-m", "laps.cli", "serve", "--config", str(config_path), "--workers", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = proc.stdout.readline()  # blocks until ready (or exit: then the match fails)
+        match = re.fullmatch(r"laps: ready on (http://127\.0\.0\.1:\d+)\n", line)
+        assert match, line
+        yield match.group(1), log_dir / "gateway.log", proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def test_a_killed_worker_is_started_again_and_the_other_workers_request_completes(gateway):
+    url, log, _ = gateway
+    port = int(url.rsplit(":", 1)[1])
+    pids = _worker_pids(log)
+    assert sorted(pids) == [0, 1]
+    with httpx.Client(base_url=url, timeout=60) as client:
+        with client.stream("POST", "/v1/chat/completions", json=_chat(max_tokens=1500, stream=True, text="tell me a long story")) as stream:
+            lines = stream.iter_lines()
+            assert next(lines).startswith("data: ")  # under way
+            holder = _holder_of_the_connection(port, pids.values())
+            victim = next(i for i, pid in pids.items() if pid != holder)
+            os.kill(pids[victim], signal.SIGKILL)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        assert not any('"error"' in line for line in rest)
+        chunks = [orjson.loads(line.removeprefix("data: ")) for line in rest[:-1]]
+        assert any(c["choices"] and c["choices"][0]["finish_reason"] for c in chunks)  # the whole answer
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while f"worker-{victim} is ready" not in log.read_text():
+        assert time.monotonic() < deadline, "the killed worker was not started again"
+        time.sleep(0.2)
+    assert _worker_pids(log)[victim] != pids[victim]
+    assert f"worker {victim} (pid {pids[victim]}) exited with code -9" in log.read_text()
+    for _ in range(6):  # both workers serve again
+        with httpx.Client(base_url=url, timeout=30) as client:
+            assert client.post("/v1/chat/completions", json=_chat()).status_code == 200
+
+
+def test_two_workers_serve_chats_errors_and_one_metrics_and_stop_on_ctrl_c(gateway):
+    url, log, proc = gateway
+    before = len(re.findall(r"outcome=ok", log.read_text()))
+    workers: set[str] = set()
+    sent = 0
+    while workers != {"worker-0", "worker-1"}:  # a fresh connection each: the kernel spreads them over the workers
+        assert sent < 40, workers
+        with httpx.Client(base_url=url, timeout=30) as client:
+            answer = client.post("/v1/chat/completions", json=_chat())
+            assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"]
+            with client.stream("POST", "/v1/chat/completions", json=_chat(stream=True)) as stream:
+                lines = [line for line in stream.iter_lines() if line]
+            assert stream.status_code == 200 and lines[-1] == "data: [DONE]"
+        sent += 2
+        by_rid = _served_by(log, answer.headers["x-request-id"], stream.headers["x-request-id"])
+        # one connection, one worker: its JSON answer and its stream
+        assert by_rid[answer.headers["x-request-id"]] == by_rid[stream.headers["x-request-id"]]
+        workers.add(by_rid[answer.headers["x-request-id"]])
+    for _ in range(2):
+        with httpx.Client(base_url=url, timeout=30) as client:
+            bad = client.post("/v1/chat/completions", json={"model": MODEL})
+            assert bad.status_code == 400
+            assert bad.json() == {"error": {"message": "messages: Field required", "type": "invalid_request_error", "param": "messages", "code": None}}
+            unknown = client.post("/v1/chat/completions", json=_chat() | {"model": "nope"})
+            assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+    switch = httpx.post(f"{url}/admin/engines/sp0/role", json={"role": "long-prefill"}, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=10)
+    assert switch.status_code == 501 and switch.json()["error"]["code"] == "not_with_workers"  # said, not half done
+    text = log.read_text()
+    ok = len(re.findall(r"outcome=ok", text))
+    assert ok == before + sent
+    metrics = httpx.get(f"{url}/metrics", timeout=10).text  # any worker's: every process's counters, the dead one's too
+    assert f'laps_requests_total{{cls="short",outcome="ok"}} {ok}.0' in metrics
+    assert "laps_scheduler_short_batches_total" in metrics
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 0
+    text = log.read_text()
+    assert "shutting down: 2 workers drain" in text and "engine sp0: stopped" in text and "engine lp0: stopped" in text
