@@ -41,15 +41,25 @@ def test_verdict_checks_every_load_the_knee_goodput_and_short_p90():
     assert not dominance.verdict(rows, "w", 100.0)["never_worse"]
 
 
-def test_prefill_capacity_bounds_the_goodput_any_scheduler_could_reach():
-    rows = []
-    # Prefill-busy shares that grow with the load up to saturation (100): capacity 50/0.25 = 200 and 100/0.4 = 250
-    # (the smallest share of any policy at each load counts); past saturation (150) the share saturates and is left out.
-    for load, laps_f, base_f, laps, best in ((50, 0.25, 0.30, 0.0, 0.0), (100, 0.45, 0.40, 0.02, 0.06), (150, 0.9, 0.9, 0.08, 0.30)):
-        rows.append({**row("laps", load, load, laps), "prefill_busy_fraction": laps_f})
-        rows.append({**row("least_load+spf", load, load, best), "prefill_busy_fraction": base_f})
-    assert dominance.prefill_capacity_load(rows, 100.0) == pytest.approx(225.0)
-    g = dominance.verdict(rows, "w", 100.0)["goodput"]
-    assert g["prefill_capacity_load"] == pytest.approx(225.0)
-    assert g["ratio_bound"] == pytest.approx(225.0 / (50 + 50 * 5 / 6))
-    assert dominance.prefill_capacity_load([row("laps", 50, 50, 0.0)], 100.0) is None  # rows of an older run: no share
+
+def test_the_verdict_gives_the_best_baselines_prefill_busy_share_at_saturation():
+    rows = [{**row("laps", 100, 100, 0.02), "prefill_busy_fraction": 0.7},
+            {**row("least_load+spf", 100, 100, 0.06), "prefill_busy_fraction": 0.74},
+            {**row("least_load+spf", 50, 50, 0.0), "prefill_busy_fraction": 0.4}]
+    assert dominance.verdict(rows, "w", 100.0)["prefill_busy_at_saturation"] == 0.74
+    assert dominance.verdict([row("laps", 100, 100, 0.0), row("least_load+spf", 100, 100, 0.0)], "w", 100.0)[
+        "prefill_busy_at_saturation"] is None  # rows of an older run: no share
+
+
+def test_prefill_busy_fraction_averages_the_prefill_engines_over_the_run():
+    class Core:
+        def __init__(self, busy_s):
+            self.busy_s = busy_s
+
+        def stats(self):
+            return type("Stats", (), {"total_prefill_busy_s": self.busy_s})()
+
+    config = dominance.pd_deployment("least_load")  # p0..p5 prefill, d0, d1 decode
+    run = type("Run", (), {"engines": {**{f"p{i}": type("Slot", (), {"core": Core(2.0 + i)})() for i in range(6)},
+                                       "d0": type("Slot", (), {"core": Core(9.0)})()}})()
+    assert dominance.prefill_busy_fraction(run, config, 10.0) == pytest.approx(4.5 / 10.0)  # decode engines left out
