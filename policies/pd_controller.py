@@ -45,7 +45,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from policies.controller import POOLS, EngineSignals, Move, PressureController, quantile
+from policies.controller import POOLS, EngineSignals, Move, PressureController, PressureControllerConfig, quantile
 from policies.types import RequestClass
 
 
@@ -57,8 +57,8 @@ class PDPressureController(PressureController):
 
     NAME = "pd-pressure"
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, config: PressureControllerConfig | None = None) -> None:
+        super().__init__(config)
         self._decode_size = 0
         self._decode_pressure = math.nan
         self._prefill_pressure = math.nan
