@@ -3,10 +3,12 @@
 Signals (:func:`policies.pool_signals.engine_signals`, the function the
 virtual-time simulator uses too) come from the gateway's own counters (the
 requests the dispatcher holds undispatched; the first tokens the dispatcher
-saw, against their deadlines) and each serving engine's ``/v1/loads``. A move
-is the admin API's role switch (:func:`gateway.admin.start_switch`), so
-``GET /admin/engines`` shows the engine ``switching`` and a manual move of it
-is refused meanwhile. Metrics: ``laps_pool_engines{pool}``,
+saw, against their deadlines) and each serving engine's ``/v1/loads``; where
+the controller sizes the decode pool (:meth:`laps.config.Config.controller_sizes_decode`),
+the decode engines' too. A move is the admin API's role switch
+(:func:`gateway.admin.start_switch`; across the PD sides a flip in place where
+the roles' flags are equal), so ``GET /admin/engines`` shows the engine
+``switching`` and a manual move of it is refused meanwhile. Metrics: ``laps_pool_engines{pool}``,
 ``laps_pool_pressure{pool}``, ``laps_controller_moves_total{from_pool,to_pool,outcome}``.
 """
 
@@ -23,14 +25,15 @@ from aiohttp import web
 from gateway.admin import start_switch
 from gateway.engine_load import fetch_engine_load
 from gateway.state import Gateway
-from policies.controller import POOLS, EngineSignals, Move, PressureController
+from policies.controller import POOLS, EngineSignals, Move
 from policies.pool_signals import FirstTokenWindow, LoadSample, engine_signals, queued_new_tokens
+from policies.registry import make_controller
 
 log = logging.getLogger("laps.gateway")
 
 
 class ControllerLoop:
-    """Runs a :class:`~policies.controller.PressureController` on ``gw`` (``gw.dispatcher`` must record first tokens).
+    """Runs the pool controller (:func:`policies.registry.make_controller`) on ``gw`` (``gw.dispatcher`` must record first tokens).
 
     ``switches`` is the app's registry of role switches in progress
     (:data:`gateway.admin.SWITCHES`). :meth:`start` starts the periodic task,
@@ -46,7 +49,9 @@ class ControllerLoop:
             raise ValueError("the controller needs a dispatcher that records first tokens (Dispatcher(first_tokens=...))")
         self.gw = gw
         self.switches = switches
-        self.controller = PressureController(gw.config.controller.pressure_config())
+        self.sizes_decode = gw.config.controller_sizes_decode()
+        self.controller = make_controller(gw.config.controller.pressure_config(), self.sizes_decode)
+        self.pools = (*POOLS, "decode") if self.sizes_decode else POOLS  # the pools exported as metrics
         self.first_tokens: FirstTokenWindow = gw.dispatcher.first_tokens
         self._task: asyncio.Task | None = None
 
@@ -68,10 +73,12 @@ class ControllerLoop:
                 log.exception("controller: decision failed")
 
     async def signals(self) -> list[EngineSignals]:
-        """Signals of the engines serving the short and long pools now (healthy, not draining or switching, load read)."""
+        """Signals of the engines serving the short and long pools now (healthy, not draining or switching, load read),
+        then of the decode engines serving alike when the controller sizes the decode pool."""
         gw = self.gw
         views = [v for v in gw.registry.views() if v.id not in self.switches]
-        serving = [v for v in views if v.healthy and v.pool in POOLS]
+        decode = [v for v in gw.registry.decode_views() if v.id not in self.switches] if self.sizes_decode else []
+        serving = [v for v in views + decode if v.healthy]
         results = await asyncio.gather(*(fetch_engine_load(gw.client, gw.registry[v.id].url) for v in serving), return_exceptions=True)
         loads = {}
         for view, load in zip(serving, results):
@@ -80,11 +87,12 @@ class ControllerLoop:
                 continue
             if isinstance(load, BaseException):
                 raise load
-            loads[view.id] = LoadSample(load.waiting_uncached_tokens, load.running_requests, load.token_usage)
+            loads[view.id] = LoadSample(load.waiting_uncached_tokens, load.running_requests, load.token_usage,
+                                        load.waiting_requests, load.max_running_requests)
         movable = set(gw.manager.engines) if gw.manager is not None else set()
-        fixed = {v.id for v in views} - movable
+        fixed = {v.id for v in views + decode} - movable
         return engine_signals(views, queued_new_tokens(gw.dispatcher.queued_requests()), loads, self.first_tokens,
-                              gw.dispatcher.clock(), fixed)
+                              gw.dispatcher.clock(), fixed, decode)
 
     async def step(self) -> Move | None:
         """One decision: read the signals, export the pools, start the move if there is one; the move or ``None``."""
@@ -92,15 +100,16 @@ class ControllerLoop:
         signals = await self.signals()
         move = self.controller.decide(signals, gw.dispatcher.clock())
         stats = self.controller.stats()
-        for pool in POOLS:
+        for pool in self.pools:
             gw.metrics.pool_engines.labels(pool).set(stats[f"pool_size_{pool}"])
             gw.metrics.pool_pressure.labels(pool).set(stats[f"pool_pressure_{pool}"])
         if move is None:
             return None
         role = gw.config.controller.role_for(move.to_pool)
-        log.info("controller: moving engine %s from the %s pool to the %s pool as %s: pressure short %.3f, long %.3f (τ %.3g), "
-                 "pools %d short / %d long", move.engine_id, move.from_pool, move.to_pool, role, stats["pool_pressure_short"],
-                 stats["pool_pressure_long"], self.controller.config.hysteresis, stats["pool_size_short"], stats["pool_size_long"])
+        pools = ", ".join(f"{pool} {stats[f'pool_size_{pool}']} at {stats[f'pool_pressure_{pool}']:.3f}" for pool in self.pools)
+        log.info("controller: moving engine %s from the %s pool to the %s pool as %s (τ %.3g; engines and pressure per pool: %s%s)",
+                 move.engine_id, move.from_pool, move.to_pool, role, self.controller.config.hysteresis, pools,
+                 f"; prefill side {stats['pool_pressure_prefill']:.3f}" if self.sizes_decode else "")
         task = start_switch(self.switches, gw, move.engine_id, role, gw.config.controller.drain_timeout_s)
         task.add_done_callback(partial(self._move_done, move))
         return move

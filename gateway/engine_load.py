@@ -35,7 +35,9 @@ class EngineLoad:
 
     From ``/v1/loads``: requests running and waiting, the uncached prompt
     tokens of the waiting ones, KV-cache tokens in use and the KV pool's size
-    (tokens), and the prefix-cache hit rate in [0, 1] (mean over ranks).
+    (tokens), the prefix-cache hit rate in [0, 1] (mean over ranks), and
+    ``max_running_requests`` where every rank gives it (the simulated engine
+    does; else ``None``).
     From ``/metrics``: counters since the engine started (requests finished,
     requests aborted, prompt tokens, prompt tokens served from the cache,
     generated tokens).
@@ -52,6 +54,7 @@ class EngineLoad:
     prompt_tokens_total: float
     cached_tokens_total: float
     generation_tokens_total: float
+    max_running_requests: int | None = None
 
     @property
     def token_usage(self) -> float:
@@ -91,9 +94,11 @@ def engine_load(loads: Mapping[str, Any], metrics: Mapping[str, float]) -> Engin
     except (KeyError, TypeError, ValueError) as err:
         raise ValueError(f"/v1/loads: a rank lacks a numeric field: {err!r}") from None
     counters = [metrics.get(name, 0.0) for name in _COUNTERS]
+    capacities = [rank.get("max_running_requests") for rank in ranks]
+    capacity = sum(capacities) if all(isinstance(c, int) and c > 0 for c in capacities) else None
     return EngineLoad(
         totals["num_running_reqs"], totals["num_waiting_reqs"], totals["num_waiting_uncached_tokens"], totals["num_used_tokens"],
-        totals["max_total_num_tokens"], hit_rate, *counters,
+        totals["max_total_num_tokens"], hit_rate, *counters, capacity,
     )
 
 

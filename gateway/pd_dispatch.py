@@ -153,6 +153,7 @@ class _Pair:
         self.sse: SSERelay | None = None
         self.client_wants_usage = False
         self.prefill_cached_tokens: int | None = None
+        self.prefill_done_s = float("inf")  # when the prefill engine's answer came in (dispatcher clock)
         self._prefill_task: asyncio.Future | None = None
         self._prefill_released = False
 
@@ -237,6 +238,7 @@ class _Pair:
         self.guard.also = None  # the prefill is done: a stall from now on is the decode engine's
         self.gw.registry.release(self.prefill_id, self.view.prompt_tokens)
         self._prefill_released = True
+        self.prefill_done_s = self.gw.dispatcher.clock()
         self.gw.dispatcher.first_token(self.view.rid, self.prefill_id, self.prefill_cached_tokens)
 
     def restore_prefill_load(self) -> None:
@@ -272,11 +274,20 @@ class _Pair:
         now = time.monotonic()
         self.gw.metrics.of_class(self.view.request_class).ttft.observe(now - self.view.arrival_s)
         self.gw.pd.placement.on_progress(self.view.rid, 1, now)
+        self._count_first_token()
+
+    def _count_first_token(self) -> None:
+        """For the controller's decode sizing: the decode engine's first token, late when it reaches the client after
+        the deadline although the prefill was done by then (the transfer and the decode admission made it late)."""
+        first_tokens, now = self.gw.dispatcher.first_tokens, self.gw.dispatcher.clock()
+        if first_tokens is not None:
+            first_tokens.record_late(self.decode_id, now, now > self.view.deadline_s >= self.prefill_done_s)
 
     async def _relay_json(self, payload: bytes) -> str:
         """Send the decode engine's JSON answer, its usage with the prefill engine's ``cached_tokens`` (awaited up to
         ``PREFILL_REPORT_WAIT_S``: it normally came long before), without waiting until the prefill side is settled."""
         self.gw.pd.placement.on_progress(self.view.rid, 1, time.monotonic())
+        self._count_first_token()
         try:
             obj = orjson.loads(payload)
         except orjson.JSONDecodeError:

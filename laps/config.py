@@ -328,6 +328,13 @@ class ControllerConfig(PressureControllerConfig):
     explicitly); ``drain_timeout_s``: how long a moving
     engine's in-flight requests may run before they fail.
 
+    In a PD deployment with ``pd.role_switch`` the controller also sizes the
+    decode pool (:mod:`policies.pd_controller`, the ``decode_*`` parameters):
+    an engine moving into it takes ``decode_role`` (a role of the ``decode``
+    pool; checked then), one leaving it the role of the prefill pool it joins.
+    A move between sides whose roles have the same flags is a flip (no
+    restart, :meth:`Config.pd_flip`); otherwise a restart.
+
     ``sim_restart_s`` is what the virtual-time simulator charges for the
     restart itself (the engine serves nothing meanwhile): 40 s, our estimate
     for SGLang 0.5.23 with Qwen2.5-7B on one H200, not a measurement: a fresh
@@ -342,6 +349,7 @@ class ControllerConfig(PressureControllerConfig):
     window_s: float = Field(30.0, gt=0)
     short_role: str = "short-prefill"
     long_role: str = "long-prefill"
+    decode_role: str = "decode"
     drain_timeout_s: float = Field(60.0, ge=0)
     sim_restart_s: float = Field(40.0, ge=0)
 
@@ -350,8 +358,8 @@ class ControllerConfig(PressureControllerConfig):
         return PressureControllerConfig(**self.model_dump(include=set(PressureControllerConfig.model_fields)))
 
     def role_for(self, pool: str) -> str:
-        """The role an engine moving into ``pool`` (``"short"`` or ``"long"``) restarts with."""
-        return self.short_role if pool == "short" else self.long_role
+        """The role an engine moving into ``pool`` (``"short"``, ``"long"`` or ``"decode"``) takes."""
+        return {"short": self.short_role, "long": self.long_role, "decode": self.decode_role}[pool]
 
 
 class Config(_Strict):
@@ -440,6 +448,11 @@ class Config(_Strict):
         return (self.pd is not None and self.pd.role_switch and current.flags == new.flags
                 and (current.pool == "decode") != (new.pool == "decode"))
 
+    def controller_sizes_decode(self) -> bool:
+        """Whether the controller moves engines between the prefill and decode sides: it is on, and the
+        deployment is PD with ``pd.role_switch`` (:mod:`policies.pd_controller`)."""
+        return self.controller.enabled and self.pd is not None and self.pd.role_switch
+
     def serves_bootstrap(self, engine: EngineConfig) -> bool:
         """Whether ``engine`` serves a KV bootstrap port: a prefill engine of a PD deployment, or any engine
         laps runs with ``pd.role_switch`` (it may flip to prefill)."""
@@ -487,6 +500,13 @@ def _check_controller_roles(config: Config) -> None:
             raise ValueError(f"controller.{key}: {role!r} is not a role defined under roles; allowed: {', '.join(sorted(config.roles))}")
         if config.roles[role].pool != pool:
             raise ValueError(f"controller.{key}: role {role!r} serves the {config.roles[role].pool} pool, not the {pool} pool")
+    if config.controller_sizes_decode():
+        role = config.controller.decode_role
+        if role not in config.roles:
+            raise ValueError(f"controller.decode_role: {role!r} is not a role defined under roles (the controller sizes the decode "
+                             f"pool with pd.role_switch); allowed: {', '.join(sorted(config.roles))}")
+        if config.roles[role].pool != "decode":
+            raise ValueError(f"controller.decode_role: role {role!r} serves the {config.roles[role].pool} pool, not the decode pool")
     if config.controller.enabled:
         movable = sum(config.pool(e) in ("short", "long") for e in config.engines)
         if movable <= config.controller.min_pool_size:

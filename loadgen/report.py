@@ -175,9 +175,7 @@ def print_run_summary(report: dict, console: Console) -> None:
         console.print(f"controller: {len(control['moves'])} moves in {control['decisions']} decisions; "
                       f"{control['drain_engine_s']:.1f} engine-s draining, {control['restart_engine_s']:.1f} engine-s restarting")
         for m in control["moves"]:
-            console.print(f"  {m['start_s']:.1f} s: {m['engine']} {m['from_pool']} -> {m['to_pool']} as {m['role']} "
-                          f"(drain {m['drain_s']:.1f} s, restart {m['restart_s']:.1f} s, back at {m['end_s']:.1f} s"
-                          + (f", {m['drain_failed']} requests failed by the drain timeout" if m["drain_failed"] else "") + ")")
+            console.print(f"  {m['start_s']:.1f} s: {m['engine']} {m['from_pool']} -> {m['to_pool']} as {m['role']} ({_move_text(m)})")
     kv = report.get("kv_transfer")
     if kv is not None:
         line = f"KV transfers: {kv['count']}, {kv['bytes'] / 1e9:.3f} GB"
@@ -185,6 +183,17 @@ def print_run_summary(report: dict, console: Console) -> None:
             line += (f"; time mean {_ms(kv['time_s']['mean'])} / p99 {_ms(kv['time_s']['p99'])} ms; link sharing stretched "
                      f"them {kv['inflation']['mean']:.2f}x on average, {kv['inflation']['p99']:.2f}x at p99")
         console.print(line)
+
+
+def _move_text(move: dict) -> str:
+    """How one of :attr:`loadgen.virtual.VirtualRun.moves` went, in words."""
+    if move["kind"] == "instant":
+        return "instant"
+    if not move["ok"]:
+        return f"drain {move['drain_s']:.1f} s, then the flip was given up: still busy; it serves as before"
+    how = "flipped in place" if move["kind"] == "flip" else f"restart {move['restart_s']:.1f} s"
+    return (f"drain {move['drain_s']:.1f} s, {how}, back at {move['end_s']:.1f} s"
+            + (f", {move['drain_failed']} requests failed by the drain timeout" if move["drain_failed"] else ""))
 
 
 def plot_ttft_cdf(records: Sequence[RequestRecord], slo_ttft_s: float, path: Path, title: str = "") -> None:

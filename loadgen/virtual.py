@@ -32,11 +32,26 @@ runs it (``gateway/controller_loop.py``): every ``controller.interval_s`` it
 decides on :func:`~policies.pool_signals.engine_signals` built from the same
 sources (requests held undispatched, each engine core's ``/v1/loads`` fields,
 first tokens against their deadlines), and a move is the live role switch
-(``gateway/role_switch.py``) in virtual time: the engine stops getting work,
-its in-flight requests finish (after ``controller.drain_timeout_s`` the rest
-fail with a 502, as when the live engine stops under them), it is down for
-``controller.sim_restart_s``, then a fresh engine core with the new role's
-flags (empty cache, its prefix-index entries forgotten) joins the other pool.
+(``gateway/role_switch.py``) in virtual time. A move to a role with the
+engine's own flags is instant. Otherwise the engine stops getting work and its
+in-flight requests finish; then
+
+* a **restart**: after ``controller.drain_timeout_s`` the requests still
+  running fail with a 502 (as when the live engine stops under them), the
+  engine is down for ``controller.sim_restart_s``, then a fresh engine core
+  with the new role's flags (empty cache, its prefix-index entries forgotten)
+  joins the other pool;
+* a **flip** between the prefill and decode sides of a PD deployment
+  (:meth:`~laps.config.Config.pd_flip`, SGLang's ``POST /pd_role_switch``):
+  once the core holds no request at all (:meth:`EngineCore.fully_idle`; asked
+  again every :data:`~gateway.role_switch.DRAIN_POLL_S`, as the gateway asks
+  again while the engine answers "not idle") it switches its mode
+  (:meth:`EngineCore.switch_disaggregation_mode`, cache flushed) and joins the
+  other side at once, with no restart time (SGLang resets the radix cache,
+  the request slots and the KV allocator in place; a first flip to decode
+  also captures decode CUDA graphs, seconds we have not measured and do not
+  charge). Still busy after ``drain_timeout_s``, the flip is given up as the
+  gateway gives it up: the engine serves its old role again, nothing fails.
 
 The event loop is a heap of ``(time, seq, kind, payload)``; ``seq`` breaks ties
 in insertion order. Records are :class:`~loadgen.runner.RequestRecord` filled as
@@ -65,17 +80,18 @@ import orjson
 from engines.manager import sim_model, sim_roles
 from engines.sim.core import EngineCore, RequestEvent, StepResult
 from gateway.registry import EngineRegistry, EngineState
+from gateway.role_switch import DRAIN_POLL_S
 from laps.config import Config, EngineConfig
 from laps.cost import engine_traits
 from laps.tokenizer import ChatTokenizer
 from loadgen.runner import Arrival, RequestRecord, error_text
 from policies.admission import classified_view
 from policies.output_predictor import reply_token_counts
-from policies.controller import EngineSignals, Move, PressureController
+from policies.controller import EngineSignals, Move
 from policies.pool_signals import FirstTokenWindow, LoadSample, engine_signals, queued_new_tokens
 from policies.exact_prefix import PrefixCaches
 from policies.prefix_index import PrefixIndex, block_keys
-from policies.registry import make_classifier, make_scheduler
+from policies.registry import make_classifier, make_controller, make_scheduler
 from policies.types import RequestView
 
 _TURN, _STEP, _WAKE, _TIMEOUT, _ENGINE_IN, _CLIENT_IN, CALL = range(7)  # CALL: payload() at that time
@@ -157,7 +173,8 @@ class VirtualRun:
 
     With ``config.controller.enabled``: ``controller`` is the pressure
     controller; ``moves`` one dict per finished move (engine, pools, role,
-    start, drain and restart seconds, end, requests failed by the drain
+    ``kind`` (``instant``, ``flip`` or ``restart``), ``ok`` (False: a flip given
+    up), start, drain and restart seconds, end, requests failed by the drain
     timeout); ``control_log`` its ``stats()`` at every decision (with ``t``);
     ``restart_engine_s`` / ``drain_engine_s`` the engine-seconds spent
     restarting / draining for moves.
@@ -200,7 +217,7 @@ class VirtualRun:
         self._duration_s = 0.0
         self._on_record: Callable[[RequestRecord], None] | None = None
         control = config.controller
-        self.controller = PressureController(control.pressure_config()) if control.enabled else None
+        self.controller = make_controller(control.pressure_config(), config.controller_sizes_decode()) if control.enabled else None
         self.first_tokens = FirstTokenWindow(control.window_s)
         self.moves: list[dict[str, Any]] = []
         self.control_log: list[dict[str, float]] = []
@@ -371,8 +388,12 @@ class VirtualRun:
         self.registry.release(req.engine_id, req.view.prompt_tokens)
         self.scheduler.on_complete(req.view.rid, req.engine_id, self.now)
         self._decide()
+        self._check_drain(req.engine_id)
+
+    def _check_drain(self, engine_id: str) -> None:
+        """A request no longer counts on ``engine_id``: if it is the draining engine of a move, see whether it is drained."""
         moving = self.controller.in_progress if self.controller is not None else None
-        if moving is not None and moving.engine_id == req.engine_id and self._drained_s is None:
+        if moving is not None and moving.engine_id == engine_id and self._drained_s is None:
             self._restart_if_drained(moving)
 
     # ---- engines -------------------------------------------------------------------------------
@@ -474,8 +495,9 @@ class VirtualRun:
         loads = {}
         for engine_id, engine in self.engines.items():
             s = engine.core.stats()
-            loads[engine_id] = LoadSample(s.num_waiting_uncached_tokens, s.num_running_reqs, s.token_usage)
-        return engine_signals(self.registry.views(), queued, loads, self.first_tokens, self.now)
+            loads[engine_id] = LoadSample(s.num_waiting_uncached_tokens, s.num_running_reqs, s.token_usage, s.num_waiting_reqs,
+                                          s.max_running_requests)
+        return engine_signals(self.registry.views(), queued, loads, self.first_tokens, self.now, decode=self.registry.decode_views())
 
     def _control(self) -> None:
         """One controller decision; the next one ``interval_s`` later while a request is active or a turn is yet to start.
@@ -492,33 +514,32 @@ class VirtualRun:
             self._push(self.now + self.config.controller.interval_s, CALL, self._control)
 
     def _start_move(self, move: Move) -> None:
-        """Stop routing to the engine; it restarts once its in-flight requests are done or the drain timeout fails them.
-
-        A move to a role with the engine's own flags is instant (as ``gateway/role_switch.py``): the
-        engine joins the other pool now, with its requests and its cache.
-        """
+        """Stop routing to the engine; it flips or restarts once drained (module doc), or joins the other pool now
+        when the new role has its flags (as ``gateway/role_switch.py``: with its requests and its cache)."""
         role = self.config.controller.role_for(move.to_pool)
+        self._move_started_s = self.now
         if self.config.instant_move(self._roles[move.engine_id], role):
-            self._roles[move.engine_id] = role
-            self.registry[move.engine_id].pool = move.to_pool
-            self.first_tokens.forget_engine(move.engine_id)  # as the gateway does after every move
-            self.moves.append({"engine": move.engine_id, "from_pool": move.from_pool, "to_pool": move.to_pool, "role": role,
-                               "start_s": self.now, "drain_s": 0.0, "restart_s": 0.0, "end_s": self.now, "drain_failed": 0})
-            assert self.controller is not None
-            self.controller.on_move_done(move.engine_id, self.now)
-            self._decide()
+            self._joined(move, role, "instant")
             return
         self.registry[move.engine_id].draining = True
-        self._move_started_s = self.now
         self._drained_s = None
         self._drain_failed = 0
         self._push(self.now + self.config.controller.drain_timeout_s, CALL, partial(self._drain_timeout, move))
         self._restart_if_drained(move)
 
+    def _flips(self, move: Move) -> bool:
+        return self.config.pd_flip(self._roles[move.engine_id], self.config.controller.role_for(move.to_pool))
+
     def _drain_timeout(self, move: Move) -> None:
         if self._drained_s is not None or self.controller is None or self.controller.in_progress is not move:
             return  # drained in time
         engine_id = move.engine_id
+        if self._flips(move):  # the engine refuses the flip while busy; the gateway gives the move up
+            self.registry[engine_id].draining = False
+            self._drained_s = self.now
+            self.drain_engine_s += self.now - self._move_started_s
+            self._record_move(move, self.config.controller.role_for(move.to_pool), "flip", ok=False)
+            return
         message = (f"engine {engine_id} at virtual://{engine_id} failed: stopped for a role switch after "
                    f"{self.config.controller.drain_timeout_s:g} s of draining")
         stuck = [r for r in self._requests.values() if r.engine_id == engine_id and not r.done]
@@ -529,7 +550,22 @@ class VirtualRun:
             self._release(req)
 
     def _restart_if_drained(self, move: Move) -> None:
+        if self._drained_s is not None or self.controller is None or self.controller.in_progress is not move:
+            return  # done already, or given up
         if self.registry[move.engine_id].in_flight:
+            return
+        if self._flips(move):
+            core = self.engines[move.engine_id].core
+            if not core.fully_idle():  # "not idle": asked again shortly
+                self._push(self.now + DRAIN_POLL_S, CALL, partial(self._restart_if_drained, move))
+                return
+            self._drained_s = self.now
+            self.drain_engine_s += self.now - self._move_started_s
+            role = self.config.controller.role_for(move.to_pool)
+            core.switch_disaggregation_mode("decode" if move.to_pool == "decode" else "prefill")
+            self.prefix_index.forget_engine(move.engine_id)
+            self._follow_kv_events(self.engines[move.engine_id])  # from the flushed cache on
+            self._joined(move, role, "flip")
             return
         self._drained_s = self.now
         self.drain_engine_s += self.now - self._move_started_s
@@ -537,25 +573,38 @@ class VirtualRun:
 
     def _rejoin(self, move: Move) -> None:
         """The engine is back with the new role's flags (a fresh core, empty cache) and serves the other pool."""
-        assert self.controller is not None and self._drained_s is not None
-        engine_id, control = move.engine_id, self.config.controller
-        role = control.role_for(move.to_pool)
+        assert self._drained_s is not None
+        engine_id = move.engine_id
+        role = self.config.controller.role_for(move.to_pool)
         core = engine_core(self.config, self._engine_configs[engine_id], self.tokenizer, role)
         self.engines[engine_id] = EngineSlot(engine_id, core)  # a step still pending on the old core finds nothing to send
         self._roles[engine_id] = role
         self.prefix_index.forget_engine(engine_id)
         self.prefix_index.set_capacity(engine_id, core.config.max_total_tokens)
         self._follow_kv_events(self.engines[engine_id])
-        self.first_tokens.forget_engine(engine_id)
+        self.registry[engine_id].kv_capacity_tokens = core.config.max_total_tokens
+        self.restart_engine_s += self.now - self._drained_s
+        self._joined(move, role, "restart")
+
+    def _joined(self, move: Move, role: str, kind: str) -> None:
+        """The moved engine serves ``move.to_pool`` with ``role`` from now on; the move is over."""
+        engine_id = move.engine_id
+        self._roles[engine_id] = role
         state = self.registry[engine_id]
         state.pool, state.draining = move.to_pool, False
-        state.kv_capacity_tokens = core.config.max_total_tokens
-        self.restart_engine_s += self.now - self._drained_s
-        self.moves.append({"engine": engine_id, "from_pool": move.from_pool, "to_pool": move.to_pool, "role": role,
-                           "start_s": self._move_started_s, "drain_s": self._drained_s - self._move_started_s,
-                           "restart_s": self.now - self._drained_s, "end_s": self.now, "drain_failed": self._drain_failed})
-        self.controller.on_move_done(engine_id, self.now)
+        self.first_tokens.forget_engine(engine_id)  # as the gateway does after every move
+        self._record_move(move, role, kind, ok=True)
         self._decide()
+
+    def _record_move(self, move: Move, role: str, kind: str, ok: bool) -> None:
+        """Keep the finished move in :attr:`moves` and tell the controller it is over."""
+        assert self.controller is not None
+        drained = self.now if kind == "instant" else self._drained_s
+        self.moves.append({"engine": move.engine_id, "from_pool": move.from_pool, "to_pool": move.to_pool, "role": role,
+                           "kind": kind, "ok": ok, "start_s": self._move_started_s, "drain_s": drained - self._move_started_s,
+                           "restart_s": self.now - drained, "end_s": self.now,
+                           "drain_failed": 0 if kind == "instant" else self._drain_failed})
+        self.controller.on_move_done(move.engine_id, self.now)
 
     def summary(self) -> dict[str, Any]:
         """What the run did besides serving requests, JSON-ready; ``{}`` when there is nothing to add.

@@ -10,8 +10,11 @@ KV link. One request goes through:
    only the prefill engines (:meth:`EngineRegistry.views`), so LAPS's AWD
    windows and short/long pools, and the router baselines, pick among them
    exactly as without PD. The pressure controller (``controller:``) sees the
-   same views, so it moves engines between the two prefill pools only; the
-   decode pool keeps its configured size.
+   same views and moves engines between the two prefill pools; with
+   ``pd.role_switch`` it also sees the decode engines and sizes the decode
+   pool (:class:`~policies.pd_controller.PDPressureController`), and a move
+   between the sides is a flip in place (:class:`~loadgen.virtual.VirtualRun`)
+   or, where the roles' flags differ, a restart.
 2. **Decode placement**, at the same moment (the gateway sends the request to
    both engines at once, as SGLang's PD protocol wants):
    :func:`policies.registry.make_decode_placement` over the decode
@@ -28,12 +31,17 @@ KV link. One request goes through:
    its prefix cache; the gateway's prefix index learns the prompt, not the
    reply, which only the decode engine ever holds), the scheduler hears
    ``on_complete`` for the prefill engine, and the decode engine receives the
-   request (:meth:`EngineCore.add_transferred_request`).
+   request (:meth:`EngineCore.add_transferred_request`). For the controller,
+   the request's first token counts for its prefill engine now (late when
+   its prefill ends after the deadline; the live gateway hears it when the
+   prefill engine answers).
 5. **TTFT** is when the client receives the first text token, and the token
    counted is the one the prefill engine sampled: the decode engine streams it
    at the start of the first pass after the KV arrived and it was admitted
    (SGLang's prebuilt batch), then decodes the rest. The client's stream is the
-   decode engine's.
+   decode engine's. For the controller it counts for the decode engine, late
+   when it reaches the client after the deadline although the prefill was
+   done by then (the transfer and the decode admission made it late).
 
 A failure on either side (no decode engine, a 400 from the prefill engine) is
 one error to the client; a timeout withdraws the request from wherever it is
@@ -53,7 +61,8 @@ from engines.sim.latency import MODELS
 from laps.config import Config
 from laps.tokenizer import ChatTokenizer
 from loadgen.report import summarize
-from loadgen.virtual import NO_ENGINE_MESSAGE, VirtualRun, CALL, EngineSlot, SimRequest
+from loadgen.virtual import CALL, NO_ENGINE_MESSAGE, EngineSlot, SimRequest, VirtualRun
+from policies.controller import Move
 from policies.registry import make_decode_placement
 
 
@@ -65,6 +74,7 @@ class _PD:
     decode_id: str
     prefill_cached: int = 0
     prefill_held: bool = True  # still counts as in flight on its prefill engine
+    prefill_done_s: float = float("inf")  # when the prefill engine sampled the first token
 
 
 class VirtualPDRun(VirtualRun):
@@ -82,7 +92,6 @@ class VirtualPDRun(VirtualRun):
         if config.pd is None:
             raise ValueError("VirtualPDRun needs a prefill-decode deployment: add the pd: section and decode engines")
         super().__init__(config, tokenizer, **kwargs)
-        self.decode_ids = [e.id for e in self.registry.decode_views()]
         self._engine_ids = [e.id for e in self.registry.views()]  # prefix hits matter on prefill engines only
         self.placement = make_decode_placement(config.scheduling)
         self.network = KvTransferNetwork(config.pd.link_bytes_per_s, shared=shared_links)
@@ -125,8 +134,13 @@ class VirtualPDRun(VirtualRun):
 
     # ---- events -------------------------------------------------------------------------------
 
+    def _joined(self, move: Move, role: str, kind: str) -> None:
+        """:meth:`VirtualRun._joined`; an engine that changed sides leaves (or joins) the prefix hits' engines."""
+        super()._joined(move, role, kind)
+        self._engine_ids = [e.id for e in self.registry.views()]
+
     def _deliver(self, engine_id: str, events: tuple[RequestEvent, ...]) -> None:
-        if engine_id in self.decode_ids:
+        if self.engines[engine_id].core.config.disaggregation_mode == "decode":
             self._deliver_decode(engine_id, events)
             return
         for ev in events:
@@ -135,6 +149,9 @@ class VirtualPDRun(VirtualRun):
             if req is None or req.done or state is None or not ev.kv_ready:
                 continue  # withdrawn, or the end of a transfer we already handled
             state.prefill_cached = ev.cached_tokens
+            state.prefill_done_s = self.now
+            if self.controller is not None:
+                self.first_tokens.record(engine_id, self.now, req.view.deadline_s)
             self.scheduler.on_first_token(ev.rid, engine_id, self.now, ev.cached_tokens)
             self._decide()
             nbytes = kv_transfer_bytes(self.kv_bytes_per_token, ev.prompt_tokens, self.engines[engine_id].core.latency.tp_size)
@@ -188,8 +205,9 @@ class VirtualPDRun(VirtualRun):
             self._record_tokens(req, ev)
             if ev.first_token:
                 self.placement.on_progress(ev.rid, 1, now)
-                if self.controller is not None:  # the SLO counts against the engine that prefilled it
-                    self.first_tokens.record(self._pd[ev.rid].prefill_id, now, req.view.deadline_s)
+                if self.controller is not None:  # late because of the decode side (module doc)
+                    deadline = req.view.deadline_s
+                    self.first_tokens.record_late(engine_id, now, now > deadline >= self._pd[ev.rid].prefill_done_s)
             if ev.finished:
                 self._complete(req, ev)
 
@@ -241,4 +259,5 @@ class VirtualPDRun(VirtualRun):
         self.placement.on_done(rid, self.now)
         self._release_prefill(req)
         del self._pd[rid]
+        self._check_drain(state.decode_id)
 

@@ -41,7 +41,7 @@ from typing import Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from policies.types import RequestClass
+from policies.types import Pool, RequestClass
 
 POOLS: tuple[RequestClass, RequestClass] = ("short", "long")
 
@@ -58,6 +58,9 @@ class PressureControllerConfig(BaseModel):
     hysteresis: float = Field(0.5, ge=0, description="τ: move only when the pools' pressures differ by more than this")
     cooldown_s: float = Field(60.0, ge=0, description="T_cool: no move until this long after the last move finished")
     min_pool_size: int = Field(1, ge=1, description="never shrink a pool below this many engines")
+    decode_queue_weight: float = Field(0.05, ge=0, description="w: PD decode pressure per request waiting for decode admission")
+    decode_load_threshold: float = Field(0.8, ge=0, lt=1, description="ℓ0: PD decode load (KV use or running/capacity) above which a decode engine is under pressure")
+    decode_load_weight: float = Field(1.0, ge=0, description="k: PD decode pressure of a decode engine at full load")
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +68,8 @@ class EngineSignals:
     """One serving engine's pressure inputs, as the runner reads them at one moment.
 
     The runner passes engines that serve a pool now (healthy, not switching
-    roles). From the gateway's own counters: ``pool``, ``gateway_queued_tokens``
+    roles); an engine of the PD ``decode`` pool is read only by
+    :class:`policies.pd_controller.PDPressureController` (this controller leaves it out). From the gateway's own counters: ``pool``, ``gateway_queued_tokens``
     (new tokens of the requests the gateway holds for the engine's pool,
     divided evenly among the pool's serving engines: the gateway queues per
     pool, not per engine) and ``ttft_slo_violation_share`` (of the requests
@@ -73,24 +77,33 @@ class EngineSignals:
     exceeded their SLO; 0 when there were none). From the engine's
     ``EngineLoad`` (``/v1/loads``): ``engine_waiting_tokens``
     (``waiting_uncached_tokens``), ``running_requests`` and ``kv_token_usage``
-    (``token_usage``, in [0, 1]). ``movable``: the runner can restart it
-    with another role (not an ``external`` engine).
+    (``token_usage``, in [0, 1]), and for a decode engine also
+    ``waiting_requests`` (``num_waiting_reqs``: its KV arrived, not yet in the
+    running batch) and ``max_running_requests`` (its capacity; ``None``:
+    unknown). On a decode engine ``ttft_slo_violation_share`` is the share of
+    its first tokens that were late although their prefill was done in time
+    (the lateness that is the decode side's). ``movable``: the runner can
+    restart or flip it with another role (not an ``external`` engine).
     """
 
     engine_id: str
-    pool: RequestClass
+    pool: Pool
     gateway_queued_tokens: float = 0.0
     engine_waiting_tokens: int = 0
     ttft_slo_violation_share: float = 0.0
     running_requests: int = 0
     kv_token_usage: float = 0.0
+    waiting_requests: int = 0
+    max_running_requests: int | None = None
     movable: bool = True
 
     def __post_init__(self) -> None:
-        if self.pool not in POOLS:
-            raise ValueError(f"engine {self.engine_id}: pool must be one of {POOLS}, not {self.pool!r}")
-        if min(self.gateway_queued_tokens, self.engine_waiting_tokens, self.running_requests) < 0:
-            raise ValueError(f"engine {self.engine_id}: queued tokens and running requests must not be negative")
+        if self.pool not in (*POOLS, "decode"):
+            raise ValueError(f"engine {self.engine_id}: pool must be one of {(*POOLS, 'decode')}, not {self.pool!r}")
+        if min(self.gateway_queued_tokens, self.engine_waiting_tokens, self.running_requests, self.waiting_requests) < 0:
+            raise ValueError(f"engine {self.engine_id}: queued tokens, running and waiting requests must not be negative")
+        if self.max_running_requests is not None and self.max_running_requests < 1:
+            raise ValueError(f"engine {self.engine_id}: max_running_requests must be >= 1 (or None: unknown)")
         if not (0 <= self.ttft_slo_violation_share <= 1 and 0 <= self.kv_token_usage <= 1):
             raise ValueError(f"engine {self.engine_id}: ttft_slo_violation_share and kv_token_usage must lie in [0, 1]")
 
@@ -102,11 +115,11 @@ class EngineSignals:
 
 @dataclass(frozen=True, slots=True)
 class Move:
-    """Drain ``engine_id`` out of ``from_pool`` and restart it with ``to_pool``'s role."""
+    """Drain ``engine_id`` out of ``from_pool`` and restart (or, across PD sides, flip) it with ``to_pool``'s role."""
 
     engine_id: str
-    from_pool: RequestClass
-    to_pool: RequestClass
+    from_pool: Pool
+    to_pool: Pool
 
 
 def quantile(values: Sequence[float], q: float) -> float:
@@ -156,35 +169,59 @@ class PressureController:
 
     def decide(self, engines: Sequence[EngineSignals], now: float) -> Move | None:
         """The move to make at ``now``, or ``None`` (the rules are in the module docstring)."""
-        c = self.config
+        by_pool, was_empty = self._observe(engines)
+        if self.in_progress is not None:
+            return None
+        return self._start(self._pool_move(by_pool, was_empty, now))
+
+    def _observe(self, engines: Sequence[EngineSignals]) -> tuple[dict[RequestClass, list[EngineSignals]], RequestClass | None]:
+        """Sort the short and long engines into their pools and note the pools' sizes and pressures for :meth:`stats`;
+        the pools and the pool found empty by the previous decision (``None``: none, or both)."""
         by_pool = {pool: [e for e in engines if e.pool == pool] for pool in POOLS}
         self._pool_sizes = {pool: len(members) for pool, members in by_pool.items()}
         self._pool_pressures = {pool: self.pool_pressure(members) if members else math.nan for pool, members in by_pool.items()}
         empty = [pool for pool in POOLS if not by_pool[pool]]
         was_empty, self._empty_pool = self._empty_pool, empty[0] if len(empty) == 1 else None
-        if self.in_progress is not None:
-            return None
+        return by_pool, was_empty
+
+    def _cooling(self, now: float) -> bool:
+        """Whether the last move ended less than ``cooldown_s`` before ``now``."""
+        return self._last_done_s is not None and now < self._last_done_s + self.config.cooldown_s
+
+    def _start(self, move: Move | None) -> Move | None:
+        """Record ``move`` (if any) as in progress and counted."""
+        if move is not None:
+            self.in_progress = move
+            self.moves += 1
+        return move
+
+    def _pool_move(self, by_pool: dict[RequestClass, list[EngineSignals]], was_empty: RequestClass | None, now: float) -> Move | None:
+        """The short↔long move the rules give (no move in progress), or ``None``."""
+        c = self.config
+        empty = [pool for pool in POOLS if not by_pool[pool]]
         if empty:
             if len(empty) == 2 or was_empty != empty[0]:
                 return None
             receiver = empty[0]
             donor = "long" if receiver == "short" else "short"
         else:
-            if self._last_done_s is not None and now < self._last_done_s + c.cooldown_s:
+            if self._cooling(now):
                 return None
             short, long = self._pool_pressures["short"], self._pool_pressures["long"]
             donor, receiver = ("short", "long") if long > short else ("long", "short")
             if abs(long - short) <= c.hysteresis:
                 return None
-        if len(by_pool[donor]) <= c.min_pool_size:
+        engine = self.donor_engine(by_pool[donor])
+        return None if engine is None else Move(engine.engine_id, donor, receiver)
+
+    def donor_engine(self, pool: Sequence[EngineSignals]) -> EngineSignals | None:
+        """The engine ``pool`` gives up: its least loaded movable one, or ``None`` when it keeps no more than
+        ``min_pool_size`` engines or has no movable one (ties: fewest running requests, then backlog tokens,
+        then waiting requests, then the smallest id)."""
+        movable = [e for e in pool if e.movable]
+        if len(pool) <= self.config.min_pool_size or not movable:
             return None
-        movable = [e for e in by_pool[donor] if e.movable]
-        if not movable:
-            return None
-        engine = min(movable, key=lambda e: (e.running_requests, e.backlog_tokens, e.engine_id))
-        self.in_progress = Move(engine.engine_id, donor, receiver)
-        self.moves += 1
-        return self.in_progress
+        return min(movable, key=lambda e: (e.running_requests, e.backlog_tokens, e.waiting_requests, e.engine_id))
 
     def on_move_done(self, engine_id: str, now: float) -> None:
         """The move of ``engine_id`` ended at ``now`` (done or failed); the cooldown starts.

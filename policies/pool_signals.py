@@ -21,11 +21,14 @@ from policies.types import EngineView, RequestClass, RequestView
 @dataclass(frozen=True, slots=True)
 class LoadSample:
     """An engine's ``/v1/loads`` fields the controller reads: ``num_waiting_uncached_tokens``,
-    ``num_running_reqs`` and ``token_usage`` (KV tokens in use / KV pool, in [0, 1])."""
+    ``num_running_reqs`` and ``token_usage`` (KV tokens in use / KV pool, in [0, 1]); for a PD decode engine
+    also ``num_waiting_reqs`` and ``max_running_requests`` (``None`` where the engine does not say)."""
 
     waiting_uncached_tokens: int
     running_requests: int
     token_usage: float
+    waiting_requests: int = 0
+    max_running_requests: int | None = None
 
 
 class FirstTokenWindow:
@@ -46,8 +49,12 @@ class FirstTokenWindow:
 
     def record(self, engine_id: str, now: float, deadline_s: float) -> None:
         """``engine_id`` gave a request its first token at ``now``; the request's TTFT deadline was ``deadline_s``."""
+        self.record_late(engine_id, now, now > deadline_s)
+
+    def record_late(self, engine_id: str, now: float, late: bool) -> None:
+        """``engine_id`` gave a request its first token at ``now``, late (counted as a violation) or not."""
         events = self._events.setdefault(engine_id, deque())
-        events.append((now, now > deadline_s))
+        events.append((now, late))
         self._prune(events, now)
 
     def violation_share(self, engine_id: str, now: float) -> float:
@@ -77,8 +84,10 @@ def queued_new_tokens(queued: Iterable[RequestView]) -> dict[RequestClass, int]:
 
 
 def engine_signals(engines: Sequence[EngineView], queued_tokens: Mapping[RequestClass, float], loads: Mapping[str, LoadSample],
-                   first_tokens: FirstTokenWindow, now: float, fixed: Collection[str] = ()) -> list[EngineSignals]:
-    """One :class:`~policies.controller.EngineSignals` per engine that serves the short or long pool now.
+                   first_tokens: FirstTokenWindow, now: float, fixed: Collection[str] = (),
+                   decode: Sequence[EngineView] = ()) -> list[EngineSignals]:
+    """One :class:`~policies.controller.EngineSignals` per engine that serves the short or long pool now, then one
+    per engine of ``decode`` (PD decode engines, for :class:`~policies.pd_controller.PDPressureController`) that serves.
 
     Serving: healthy in the policies' sense (healthy and not draining or
     switching) and with a load sample in ``loads``; engines of any other pool
@@ -87,7 +96,7 @@ def engine_signals(engines: Sequence[EngineView], queued_tokens: Mapping[Request
     """
     serving = [e for e in engines if e.healthy and e.pool in POOLS and e.id in loads]
     sizes = {pool: sum(e.pool == pool for e in serving) for pool in POOLS}
-    return [
+    prefill = [
         EngineSignals(
             e.id, e.pool,
             gateway_queued_tokens=queued_tokens.get(e.pool, 0) / sizes[e.pool],
@@ -98,4 +107,16 @@ def engine_signals(engines: Sequence[EngineView], queued_tokens: Mapping[Request
             movable=e.id not in fixed,
         )
         for e in serving
+    ]
+    return prefill + [
+        EngineSignals(
+            e.id, "decode",
+            ttft_slo_violation_share=first_tokens.violation_share(e.id, now),
+            running_requests=loads[e.id].running_requests,
+            kv_token_usage=min(1.0, max(0.0, loads[e.id].token_usage)),
+            waiting_requests=loads[e.id].waiting_requests,
+            max_running_requests=loads[e.id].max_running_requests,
+            movable=e.id not in fixed,
+        )
+        for e in decode if e.healthy and e.pool == "decode" and e.id in loads
     ]

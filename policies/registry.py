@@ -1,4 +1,4 @@
-"""Names to policies: the one place that builds a classifier, a scheduler and a decode placement from the configuration."""
+"""Names to policies: the one place that builds a classifier, a scheduler, a decode placement and the pool controller from the configuration."""
 
 from __future__ import annotations
 
@@ -6,8 +6,10 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 from policies.backlog_scheduler import BacklogScheduler
 from policies.classifier import Classifier, CostModelClassifier, PrefillCostModel, ThresholdClassifier
+from policies.controller import PressureController, PressureControllerConfig
 from policies.decode_placement import AlignedPlacement, DecodePlacement, LeastLoadPlacement, PlacementScheduler
 from policies.laps import LapsScheduler
+from policies.pd_controller import PDPressureController
 from policies.pool_router import PoolRouter
 from policies.router_baselines import BucketPicker, CacheAwarePicker, RoundRobinPicker
 from policies.scheduler import ImmediateScheduler, Scheduler
@@ -66,3 +68,9 @@ def make_decode_placement(scheduling: SchedulingConfig) -> DecodePlacement:
     if scheduling.decode_placement == "aligned":
         return AlignedPlacement(scheduling.aligned)
     return LeastLoadPlacement()
+
+
+def make_controller(config: PressureControllerConfig, sizes_decode: bool) -> PressureController:
+    """The pool controller: the PD one that also sizes the decode pool when ``sizes_decode``
+    (:meth:`laps.config.Config.controller_sizes_decode`), else the short/long one."""
+    return PDPressureController(config) if sizes_decode else PressureController(config)

@@ -43,7 +43,7 @@ def test_default_config_is_the_documented_deployment():
         (lambda d: d["engines"][0].update(url="http://h:1"), ["engines.0.url", "only kind external takes a url"]),
         (lambda d: d["engines"][0].update(kind="external", gpus=[], url="h:1"), ["engines.0.url", "should match pattern"]),
         (lambda d: d.update(sglang={"pyhton": "/usr/bin/python3"}), ["sglang.pyhton: unknown key; allowed: env, extra_args, python"]),
-        (lambda d: d.update(controller={"hysterisis": 1}), ["controller.hysterisis: unknown key; allowed: cooldown_s, drain_timeout_s, enabled, hysteresis"]),
+        (lambda d: d.update(controller={"hysterisis": 1}), ["controller.hysterisis: unknown key; allowed: cooldown_s, decode_load_threshold, decode_load_weight, decode_queue_weight, decode_role, drain_timeout_s, enabled, hysteresis"]),
         (lambda d: d.update(controller={"cooldown_s": -1}), ["controller.cooldown_s", "greater than or equal to 0", "-1"]),
         (lambda d: d.update(controller={"enabled": True, "long_role": "mixed"}), ["controller.long_role: role 'mixed' serves the short pool, not the long pool"]),
         (lambda d: d["scheduling"].update(decode_placement="aligned"), ["scheduling.decode_placement: 'aligned' chooses among the decode engines of a prefill-decode deployment and needs the pd: section; without it use scheduling.policy: aligned"]),

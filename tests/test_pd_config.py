@@ -13,6 +13,7 @@ from laps.cli import main as laps_main
 from laps.config import DEFAULT_CONFIG_PATH, ConfigError, load_config, parse_config
 from tests import sglang_env
 from tests.pd_stack import PD_ENGINES, pd_config, pd_data
+from tests.test_pd_role_switch import flip_data
 
 EXAMPLE_PD = DEFAULT_CONFIG_PATH.parent / "examples" / "h200x8-pd.yaml"
 EXAMPLE_SIM_PD = DEFAULT_CONFIG_PATH.parent / "examples" / "sim-pd.yaml"
@@ -142,3 +143,17 @@ def test_every_pd_command_line_parses_in_sglang(sglang_python: Path):
 def test_serve_port_override_is_checked_against_the_bootstrap_ports(capsys):
     assert laps_main(["serve", "--config", str(EXAMPLE_SIM_PD), "--port", "18999"]) == 2  # refused before anything starts
     assert "pd.bootstrap_port: port 18999 (KV bootstrap of 'pl0') is already used by the gateway (gateway.port)" in capsys.readouterr().err
+
+
+def test_the_controller_sizes_the_decode_pool_only_with_role_switch_and_checks_its_decode_role():
+    on = {"enabled": True, "short_role": "prefill-short", "long_role": "prefill-long"}
+    assert parse_config(flip_data(controller=on)).controller_sizes_decode()
+    assert not parse_config(flip_data(controller={**on, "enabled": False})).controller_sizes_decode()
+    no_switch = flip_data(controller=on)
+    no_switch["pd"]["role_switch"] = False
+    assert not parse_config(no_switch).controller_sizes_decode()
+    with pytest.raises(ValueError, match=r"controller.decode_role: 'nope' is not a role defined under roles"):
+        parse_config(flip_data(controller={**on, "decode_role": "nope"}))
+    with pytest.raises(ValueError, match=r"controller.decode_role: role 'prefill-long' serves the long pool, not the decode pool"):
+        parse_config(flip_data(controller={**on, "decode_role": "prefill-long"}))
+    parse_config({**no_switch, "controller": {**on, "decode_role": "prefill-long"}})  # not checked where it is not used

@@ -212,7 +212,7 @@ def test_every_request_is_answered_and_no_first_token_precedes_its_kv(policy, ti
 def test_only_prefill_engines_reach_the_scheduler_and_the_decode_placement_gets_decode_engines():
     run = VirtualPDRun(pd_config(["short-prefill", "long-prefill", "decode", "decode"]), TOK)
     assert [v.id for v in run.registry.views()] == ["e0", "e1"]
-    assert run.decode_ids == ["e2", "e3"]
+    assert [v.id for v in run.registry.decode_views()] == ["e2", "e3"]
     records = run.run(mixed_plan(rate=10.0, duration_s=2.0), 2.0)
     assert {t.src for t in run.transfers} <= {"e0", "e1"} and {t.dst for t in run.transfers} == {"e2", "e3"}
     assert len(run.transfers) == sum(r.ok for r in records)

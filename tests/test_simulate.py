@@ -123,14 +123,20 @@ def test_laps_simulate_reports_controller_moves_and_kv_transfers(tmp_path, capsy
 
 
 def test_the_run_summary_prints_each_move():
-    move = {"engine": "sp1", "from_pool": "short", "to_pool": "long", "role": "long-prefill", "start_s": 12.0,
-            "drain_s": 1.25, "restart_s": 40.0, "end_s": 53.25, "drain_failed": 2}
+    move = {"engine": "sp1", "from_pool": "short", "to_pool": "long", "role": "long-prefill", "kind": "restart", "ok": True,
+            "start_s": 12.0, "drain_s": 1.25, "restart_s": 40.0, "end_s": 53.25, "drain_failed": 2}
+    flip = {**move, "engine": "sp0", "to_pool": "decode", "role": "decode", "kind": "flip", "start_s": 60.0, "drain_s": 0.5,
+            "restart_s": 0.0, "end_s": 60.5, "drain_failed": 0}
+    moves = [move, flip, {**flip, "start_s": 70.0, "ok": False, "drain_s": 60.0}, {**move, "kind": "instant", "start_s": 80.0}]
     console = Console(record=True, width=200)
-    print_run_summary({"controller": {"decisions": 30, "moves": [move], "drain_engine_s": 1.25, "restart_engine_s": 40.0},
+    print_run_summary({"controller": {"decisions": 30, "moves": moves, "drain_engine_s": 61.75, "restart_engine_s": 40.0},
                        "kv_transfer": {"count": 0, "bytes": 0, "time_s": {}, "inflation": {}}}, console)
     assert console.export_text().splitlines() == [
-        "controller: 1 moves in 30 decisions; 1.2 engine-s draining, 40.0 engine-s restarting",
+        "controller: 4 moves in 30 decisions; 61.8 engine-s draining, 40.0 engine-s restarting",
         "  12.0 s: sp1 short -> long as long-prefill (drain 1.2 s, restart 40.0 s, back at 53.2 s, 2 requests failed by the drain timeout)",
+        "  60.0 s: sp0 short -> decode as decode (drain 0.5 s, flipped in place, back at 60.5 s)",
+        "  70.0 s: sp0 short -> decode as decode (drain 60.0 s, then the flip was given up: still busy; it serves as before)",
+        "  80.0 s: sp1 short -> long as long-prefill (instant)",
         "KV transfers: 0, 0.000 GB",
     ]
 

@@ -42,8 +42,8 @@ def test_a_burst_of_documents_moves_a_short_engine_to_the_long_pool():
     virtual, records = run(*documents(20, 0.5), *documents(20, 7.0))
     # At the 1 s decision the long pool holds ~100k backlog tokens and the idle short pool none: the idle
     # short engine with the smallest id moves, drains at once and is back 5 s later as a long-prefill engine.
-    assert virtual.moves == [{"engine": "sp0", "from_pool": "short", "to_pool": "long", "role": "long-prefill", "start_s": 1.0,
-                              "drain_s": 0.0, "restart_s": 5.0, "end_s": 6.0, "drain_failed": 0}]
+    assert virtual.moves == [{"engine": "sp0", "from_pool": "short", "to_pool": "long", "role": "long-prefill", "kind": "restart",
+                              "ok": True, "start_s": 1.0, "drain_s": 0.0, "restart_s": 5.0, "end_s": 6.0, "drain_failed": 0}]
     assert (virtual.restart_engine_s, virtual.drain_engine_s, virtual.controller.moves) == (5.0, 0.0, 1)
     assert virtual.registry["sp0"].pool == "long" and virtual.engines["sp0"].core.config.chunked_prefill_size == 16384
     # The second burst (7 s) is shared by both long engines; the fresh sp0 started with an empty cache.
@@ -75,8 +75,8 @@ def test_an_empty_long_pool_is_refilled_and_the_run_summary_reports_the_move():
     # with the smallest id moves (no hysteresis, no cooldown: the pool cannot serve its class) and is back 5 s later.
     chat = Arrival(0.1, Conversation("chat", "test", (Turn("Tell me about the moon.", 8),)), ())
     virtual, records = run(chat, *documents(1, 10.0), engines=(("sp0", "short-prefill"), ("sp1", "short-prefill")))
-    assert virtual.moves == [{"engine": "sp0", "from_pool": "short", "to_pool": "long", "role": "long-prefill", "start_s": 2.0,
-                              "drain_s": 0.0, "restart_s": 5.0, "end_s": 7.0, "drain_failed": 0}]
+    assert virtual.moves == [{"engine": "sp0", "from_pool": "short", "to_pool": "long", "role": "long-prefill", "kind": "restart",
+                              "ok": True, "start_s": 2.0, "drain_s": 0.0, "restart_s": 5.0, "end_s": 7.0, "drain_failed": 0}]
     assert len(records) == 2 and all(r.ok for r in records) and records[-1].laps_class == "long"
     assert virtual.summary() == {"controller": {"decisions": len(virtual.control_log), "moves": virtual.moves,
                                                 "restart_engine_s": 5.0, "drain_engine_s": 0.0}}
@@ -107,6 +107,6 @@ def test_a_move_between_roles_with_the_same_flags_is_instant():
     records = virtual.run(documents(20, 0.5), duration_s=60.0)
     # The same burst as above moves sp0 at the 1 s decision, but with no drain and no restart: it serves the
     # long pool from that instant.
-    assert virtual.moves[0] == {"engine": "sp0", "from_pool": "short", "to_pool": "long", "role": "long-prefill", "start_s": 1.0,
-                                "drain_s": 0.0, "restart_s": 0.0, "end_s": 1.0, "drain_failed": 0}
+    assert virtual.moves[0] == {"engine": "sp0", "from_pool": "short", "to_pool": "long", "role": "long-prefill", "kind": "instant",
+                                "ok": True, "start_s": 1.0, "drain_s": 0.0, "restart_s": 0.0, "end_s": 1.0, "drain_failed": 0}
     assert virtual.restart_engine_s == 0.0 and all(r.ok for r in records)
