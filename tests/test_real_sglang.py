@@ -207,6 +207,12 @@ def test_load_tracking_counts_a_request_as_the_engine_reports_it(deployment: Dep
     assert after.cached_tokens_total - before.cached_tokens_total == done.usage.prompt_tokens_details.cached_tokens
     assert after.generation_tokens_total - before.generation_tokens_total == 5
     assert (after.running_requests, after.waiting_requests, after.waiting_uncached_tokens) == (0, 0, 0)
+    # The same chat again hits the engine's prefix cache (on its own: the test does not rely on earlier tests' prompts).
+    again = deployment.client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Name three rivers."}], max_tokens=5, extra_body={"ignore_eos": True}
+    )
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    after = eventually(deployment.load, lambda load: load.requests_total == before.requests_total + 2)
     assert 0 < after.cache_hit_rate <= 1 and after.max_total_tokens > 0
     if deployment.kind == "sglang":
         assert after.max_total_tokens == 65536  # --max-total-tokens of the CPU arguments
