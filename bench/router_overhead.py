@@ -85,6 +85,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.router_compare import ROUTER_PACKAGE, ROUTER_VERSION, engine_config, flush_caches, laps_config, sglang_router  # noqa: E402
+from engines.client import EngineClient  # noqa: E402
 from engines.manager import EngineManager  # noqa: E402
 from engines.tiny_model import write_tiny_qwen2_model  # noqa: E402
 from laps.config import DEFAULT_CONFIG_PATH, Config, load_config, parse_config  # noqa: E402
@@ -323,9 +324,9 @@ async def bench(args: argparse.Namespace, work: Path) -> dict:
     await asyncio.to_thread(next, chats)  # loads the files
     manager = EngineManager(config, ready_timeout_s=READY_TIMEOUT_S)
     targets: dict[str, dict[str, Phase]] = {}
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession() as session, EngineClient() as engine_client:
         try:
-            urls = await manager.start(session)
+            urls = await manager.start(engine_client)
             engine_urls = list(urls.values())
             with Progress(console=console, transient=False) as progress:
                 for name in args.targets:

@@ -110,17 +110,17 @@ class EngineClient:
 
     ``request_timeout_s`` bounds a whole generation (connect to the body's
     end); probes and aborts use ``probe_timeout_s``. Every method but
-    :meth:`start` needs a started client.
+    :meth:`start` needs a started client (:meth:`start` ... :meth:`close`, or ``async with``).
     """
 
     def __init__(self, request_timeout_s: float = 600.0, probe_timeout_s: float = 2.0, tracer: Tracer | None = None) -> None:
-        self.request_timeout_s = request_timeout_s
+        self._request_timeout = timedelta(seconds=request_timeout_s)
         self._probe_timeout = timedelta(seconds=probe_timeout_s)
         self._tracer = tracer
         self._client: Client | None = None
 
     async def start(self) -> None:
-        self._client = (ClientBuilder().max_connections(None).timeout(timedelta(seconds=self.request_timeout_s))
+        self._client = (ClientBuilder().max_connections(None).timeout(self._request_timeout)
                         .connect_timeout(timedelta(seconds=CONNECT_TIMEOUT_S)).gzip(False).brotli(False).zstd(False).deflate(False)
                         .no_proxy().follow_redirects(False).build())
 
@@ -128,6 +128,13 @@ class EngineClient:
         if self._client is not None:
             await self._client.close()
             self._client = None
+
+    async def __aenter__(self) -> "EngineClient":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
 
     def post(self, base_url: str, path: str, body: dict, stream: bool = False, timeout_s: float | None = None) -> "_Exchange":
         """``POST base_url + path`` with a JSON ``body``; use as ``async with ... as response`` (an :class:`EngineResponse`).
