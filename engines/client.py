@@ -12,8 +12,12 @@ timeouts. Callers see only :class:`EngineResponse` and :class:`EngineHTTPError`
 With a ``tracer``, each generation request runs in an ``engine call`` CLIENT
 span and carries its W3C ``traceparent`` (``gateway/tracing.py``).
 
-A cancelled request (the client went away, or :class:`gateway.guard.RequestGuard`
-cut it off) drops its connection, so the engine sees the disconnect.
+Cancellation (the client went away, or :class:`gateway.guard.RequestGuard` cut
+the wait off): once the answer's head has come (a stream: SGLang sends it at
+once), a cancelled request drops its connection and the engine sees the
+disconnect. Before that, pyreqwest 0.15.1 runs the request on to the engine's
+answer or the request timeout (``close()`` does not stop it either), so callers
+that cancel one send ``/abort_request`` (:meth:`EngineClient.abort`).
 """
 
 from __future__ import annotations
