@@ -162,6 +162,8 @@ class _Pair:
             with self.guard.watching(registry[self.decode_id], self.stream, also=registry[self.prefill_id]):
                 return await self._run()
         except (EngineUnavailable, ShuttingDown) as err:  # the guard cut the pair off
+            if err is not self.guard.reason:  # a side's own failure: _run has aborted the other side already
+                raise
             for engine_id in (self.prefill_id, self.decode_id):
                 in_background(self.gw.client.abort(registry[engine_id].url, self.view.rid))
             return await self._fail(err)
