@@ -62,6 +62,18 @@ class EngineStatusError(EngineHTTPError):
         self.status = status
 
 
+def _raise_if_cancelled(task: asyncio.Task, asked: int) -> None:
+    """Raise the cancellation that ``task`` was asked for (more requests than the ``asked`` it had) while it awaited
+    pyreqwest: pyreqwest 0.15.1 may complete an awaitable cancelled at the moment its result arrives and drop the
+    cancellation (seen: streams that the shutdown's guard had cut off relayed on to their end).
+
+    Raises:
+        asyncio.CancelledError: a cancellation was asked for and not delivered.
+    """
+    if task.cancelling() > asked:
+        raise asyncio.CancelledError()
+
+
 def _engine_error(err: PyreqwestError) -> EngineHTTPError:
     """``err`` as this module's error: its kind, and its message with the innermost cause
     (e.g. ``connection error: Connection refused (os error 111)``)."""
@@ -99,11 +111,14 @@ class EngineResponse:
             EngineHTTPError: the connection broke, or the request's timeout passed, before the body's end.
         """
         reader = self._response.body_reader
+        task = asyncio.current_task()
         while True:
+            asked = task.cancelling()
             try:
                 chunk = await reader.read_chunk()
             except PyreqwestError as err:
                 raise _engine_error(err) from None
+            _raise_if_cancelled(task, asked)
             if chunk is None:
                 return
             yield bytes(chunk)
@@ -210,6 +225,8 @@ class _Exchange:
         request = self._client._client.post(self._url).headers(headers).body_bytes(self._data)
         if self._timeout_s is not None:
             request = request.timeout(timedelta(seconds=self._timeout_s))
+        task = asyncio.current_task()
+        asked = task.cancelling()
         try:
             if self._stream:
                 # Buffer nothing ahead: with pyreqwest's default (64 KiB) the response would only come once that
@@ -224,6 +241,11 @@ class _Exchange:
             raise error from None
         except BaseException as err:
             self._end(err)
+            raise
+        try:
+            _raise_if_cancelled(task, asked)
+        except asyncio.CancelledError as err:
+            await self.__aexit__(type(err), err, None)
             raise
         if self._span is not None:
             self._span.set_attribute("http.response.status_code", response.status)
