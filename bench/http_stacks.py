@@ -72,6 +72,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.relay_stacks import CLIENTS, LOOPS, SERVERS  # noqa: E402
 from bench.router_overhead import READY_TIMEOUT_S, Phase, chat_bodies, run_phase, streaming, zero_time_config  # noqa: E402
+from engines.client import EngineClient  # noqa: E402
 from engines.manager import EngineManager  # noqa: E402
 from engines.tiny_model import write_tiny_qwen2_model  # noqa: E402
 from laps.config import DEFAULT_CONFIG_PATH, load_config  # noqa: E402
@@ -177,9 +178,9 @@ async def bench(args: argparse.Namespace, work: Path) -> dict:
     combos = list(itertools.product(args.servers, args.clients, args.loops))
     rounds: dict[str, list[dict]] = {"direct": [], **{stack_name(*combo): [] for combo in combos}}
     loadavg: dict[str, list[float]] = {name: [] for name in rounds}
-    async with aiohttp.ClientSession() as session:
+    async with EngineClient() as engine_client:
         try:
-            engine_urls = list((await manager.start(session)).values())
+            engine_urls = list((await manager.start(engine_client)).values())
             for n in range(args.rounds):
                 console.print(f"round {n + 1} of {args.rounds}: direct ...")
                 loadavg["direct"].append(os.getloadavg()[0])

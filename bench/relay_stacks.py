@@ -113,7 +113,9 @@ class PyreqwestClient:
     async def stream(self, url: str, data: bytes, start: Callable[[int], Awaitable[None]],
                      send: Callable[[bytes], Awaitable[None]]) -> None:
         try:
-            async with self.client.post(url).headers(JSON_HEADERS).body_bytes(data).build_streamed() as resp:
+            # No read-ahead: with pyreqwest's default 64 KiB buffer the response only comes once that much of the
+            # stream, or all of it, has arrived (engines/client.py does the same).
+            async with self.client.post(url).headers(JSON_HEADERS).body_bytes(data).streamed_read_buffer_limit(0).build_streamed() as resp:
                 await start(resp.status)
                 while (chunk := await resp.body_reader.read_chunk()) is not None:
                     await send(bytes(chunk))

@@ -61,6 +61,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
+from engines.client import EngineClient
 from engines.manager import EngineManager, die_with_parent, free_port
 from engines.tiny_model import write_tiny_qwen2_model
 from laps.config import DEFAULT_CONFIG_PATH, Config, load_config, parse_config
@@ -214,10 +215,10 @@ async def compare(args: argparse.Namespace, base: Config, work: Path) -> dict:
     plan = [("sglang-router", p) for p in args.router_policies] + [("laps", p) for p in args.laps_policies]
     manager = EngineManager(config, ready_timeout_s=READY_TIMEOUT_S)
     runs = []
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession() as session, EngineClient() as engine_client:
         try:
             t0 = time.monotonic()
-            urls = await manager.start(session)
+            urls = await manager.start(engine_client)
             console.print(f"{len(urls)} engines ready in {time.monotonic() - t0:.1f} s: "
                           + ", ".join(f"{e.name} ({e.role}) {urls[e.name]}" for e in config.engines))
             for i, (router, policy) in enumerate(plan, 1):

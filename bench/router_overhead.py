@@ -27,7 +27,8 @@ Per target:
 
 - throughput: closed loops of 1, 32 and 256 concurrent clients for --phase-s
   seconds each, non-streaming chats: req/s and latency p50/p99; *added
-  latency* = the target's minus direct's at the same concurrency;
+  latency* = the target's minus direct's at the same concurrency; and
+  streamed chats at 32 and 256 (``c32s``, ``c256s``; latency = TTFT);
 - streaming TTFT (time to the first body bytes) at concurrency 1, on one
   kept-alive connection and on a fresh connection per request;
 - large bodies: ~--big-kb KB prompts (real text; 8 distinct documents, each
@@ -49,7 +50,7 @@ worst case.
 Prints a table (with the machine's core count and load average: on a busy
 machine throughput is provisional, ratios of back-to-back targets less so) and
 writes to --out ``{"setup", "targets": {name: phases}, "laps_over_direct":
-{"c1", "c32", "c256"}, "laps_over_router": {...}, "laps_over_router_by_policy":
+{"c1", "c32", "c256", "c32s", "c256s"}, "laps_over_router": {...}, "laps_over_router_by_policy":
 {policy: {...}}}`` (throughput ratios; ``laps_over_router`` against the faster
 router policy at each concurrency). --py-spy-laps attaches ``py-spy record``
 (raw collapsed stacks) to the laps gateway during its phases (py-spy is not a
@@ -87,6 +88,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.router_compare import ROUTER_PACKAGE, ROUTER_VERSION, engine_config, flush_caches, laps_config, sglang_router  # noqa: E402
+from engines.client import EngineClient  # noqa: E402
 from engines.manager import EngineManager  # noqa: E402
 from engines.tiny_model import write_tiny_qwen2_model  # noqa: E402
 from laps.config import DEFAULT_CONFIG_PATH, Config, load_config, parse_config  # noqa: E402
@@ -95,6 +97,8 @@ from laps.tokenizer import load_tokenizer  # noqa: E402
 from loadgen.workloads import load_hh_rlhf, load_sharegpt, real_text_corpus  # noqa: E402
 
 CONCURRENCIES = (1, 32, 256)
+STREAM_CONCURRENCIES = (32, 256)  # streamed throughput phases c32s, c256s
+THROUGHPUT_PHASES = (*(f"c{c}" for c in CONCURRENCIES), *(f"c{c}s" for c in STREAM_CONCURRENCIES))
 ROUTER_TARGETS = {"router-rr": "round_robin", "router-ca": "cache_aware"}
 TARGETS = ("direct", "laps", *ROUTER_TARGETS)
 BIG_DOCUMENTS = 8
@@ -288,6 +292,7 @@ async def measure_target(name: str, urls: Sequence[str], gateway_pid: int | None
     """All phases of one target (see the module doc); ``processes``: its processes to account CPU to one by one."""
     stream_chats = map(streaming, chats)
     plan = [(f"c{c}", dict(bodies=chats, concurrency=c, duration_s=args.phase_s)) for c in CONCURRENCIES] + [
+        (f"c{c}s", dict(bodies=stream_chats, concurrency=c, duration_s=args.phase_s, stream=True)) for c in STREAM_CONCURRENCIES] + [
         ("stream_keepalive", dict(bodies=stream_chats, concurrency=1, requests=args.stream_requests, stream=True)),
         ("stream_fresh", dict(bodies=stream_chats, concurrency=1, requests=args.stream_requests, stream=True,
                               fresh_connections=True)),
@@ -350,9 +355,9 @@ async def bench(args: argparse.Namespace, work: Path) -> dict:
     await asyncio.to_thread(next, chats)  # loads the files
     manager = EngineManager(config, ready_timeout_s=READY_TIMEOUT_S)
     targets: dict[str, dict[str, Phase]] = {}
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession() as session, EngineClient() as engine_client:
         try:
-            urls = await manager.start(session)
+            urls = await manager.start(engine_client)
             engine_urls = list(urls.values())
             with Progress(console=console, transient=False) as progress:
                 for name in args.targets:
@@ -399,22 +404,22 @@ def laps_target(workers: int) -> str:
 
 
 def ratios(targets: dict[str, dict[str, dict]]) -> dict:
-    """laps's throughput over direct's and over the routers' at each concurrency, and with N workers over one
+    """laps's throughput over direct's and over the routers' in each throughput phase, and with N workers over one
     (None where a target did not run)."""
-    def rps(name: str, c: int) -> float | None:
-        return targets.get(name, {}).get(f"c{c}", {}).get("rps") or None
+    def rps(name: str, phase: str) -> float | None:
+        return targets.get(name, {}).get(phase, {}).get("rps") or None
 
     def ratio(a: float | None, b: float | None) -> float | None:
         return None if a is None or b is None else a / b
 
-    by_policy = {policy: {f"c{c}": ratio(rps("laps", c), rps(name, c)) for c in CONCURRENCIES}
+    by_policy = {policy: {phase: ratio(rps("laps", phase), rps(name, phase)) for phase in THROUGHPUT_PHASES}
                  for name, policy in ROUTER_TARGETS.items() if name in targets}
-    best_router = {c: max((rps(n, c) for n in ROUTER_TARGETS if rps(n, c)), default=None) for c in CONCURRENCIES}
+    best_router = {phase: max((rps(n, phase) for n in ROUTER_TARGETS if rps(n, phase)), default=None) for phase in THROUGHPUT_PHASES}
     return {
-        "laps_over_direct": {f"c{c}": ratio(rps("laps", c), rps("direct", c)) for c in CONCURRENCIES},
-        "laps_over_router": {f"c{c}": ratio(rps("laps", c), best_router[c]) for c in CONCURRENCIES},
+        "laps_over_direct": {phase: ratio(rps("laps", phase), rps("direct", phase)) for phase in THROUGHPUT_PHASES},
+        "laps_over_router": {phase: ratio(rps("laps", phase), best_router[phase]) for phase in THROUGHPUT_PHASES},
         "laps_over_router_by_policy": by_policy,
-        "laps_workers_over_one": {name: {f"c{c}": ratio(rps(name, c), rps("laps", c)) for c in CONCURRENCIES}
+        "laps_workers_over_one": {name: {phase: ratio(rps(name, phase), rps("laps", phase)) for phase in THROUGHPUT_PHASES}
                                   for name in targets if name.startswith("laps-")},
     }
 
@@ -442,15 +447,15 @@ def print_table(result: dict) -> None:
         v = phases.get(phase, {}).get(key)
         return "—" if base is None or v is None else f"{v - base:+.2f}"
 
-    for c in CONCURRENCIES:
-        row(f"c{c}: req/s", lambda p, c=c: _f(p[f"c{c}"]["rps"], "{:.0f}"))
-        row(f"c{c}: latency p50 / p99 (ms)", lambda p, c=c: f"{_f(p[f'c{c}']['p50_ms'])} / {_f(p[f'c{c}']['p99_ms'])}")
-        row(f"c{c}: added p50 / p99 (ms)", lambda p, c=c: f"{delta(p, f'c{c}', 'p50_ms')} / {delta(p, f'c{c}', 'p99_ms')}")
-        row(f"c{c}: gateway CPU (µs/req)", lambda p, c=c: _f(p[f"c{c}"]["gateway_cpu_us_per_req"], "{:.0f}"))
-        row(f"c{c}: client CPU share", lambda p, c=c: _f(p[f"c{c}"]["client_cpu_share"], "{:.0%}"))
-        if any(p[f"c{c}"].get("process_cpu_us_per_req") for p in targets.values()):
-            row(f"c{c}: CPU µs/req by process", lambda p, c=c: ", ".join(
-                f"{n.split('-')[0]} {v:.0f}" for n, v in (p[f"c{c}"].get("process_cpu_us_per_req") or {}).items()) or "—")
+    for c in THROUGHPUT_PHASES:  # c32s, c256s: streamed, latency = TTFT
+        row(f"{c}: req/s", lambda p, c=c: _f(p[c]["rps"], "{:.0f}"))
+        row(f"{c}: latency p50 / p99 (ms)", lambda p, c=c: f"{_f(p[c]['p50_ms'])} / {_f(p[c]['p99_ms'])}")
+        row(f"{c}: added p50 / p99 (ms)", lambda p, c=c: f"{delta(p, c, 'p50_ms')} / {delta(p, c, 'p99_ms')}")
+        row(f"{c}: gateway CPU (µs/req)", lambda p, c=c: _f(p[c]["gateway_cpu_us_per_req"], "{:.0f}"))
+        row(f"{c}: client CPU share", lambda p, c=c: _f(p[c]["client_cpu_share"], "{:.0%}"))
+        if any(p[c].get("process_cpu_us_per_req") for p in targets.values()):
+            row(f"{c}: CPU µs/req by process", lambda p, c=c: ", ".join(
+                f"{n.split('-')[0]} {v:.0f}" for n, v in (p[c].get("process_cpu_us_per_req") or {}).items()) or "—")
     for phase, label in (("stream_keepalive", "TTFT kept-alive"), ("stream_fresh", "TTFT fresh conn")):
         row(f"{label} p50 / p99 (ms)", lambda p, phase=phase: f"{_f(p[phase]['p50_ms'])} / {_f(p[phase]['p99_ms'])}")
         row(f"{label} overhead p50 (ms)", lambda p, phase=phase: delta(p, phase, "p50_ms"))
@@ -478,11 +483,11 @@ def plot(result: dict, path: Path) -> None:
     fig, (ax_rps, ax_cpu) = plt.subplots(1, 2, figsize=(11, 4))
     width = 0.8 / max(len(targets), 1)
     for i, (name, phases) in enumerate(targets.items()):
-        xs = [k + i * width for k in range(len(CONCURRENCIES))]
-        ax_rps.bar(xs, [phases[f"c{c}"]["rps"] for c in CONCURRENCIES], width, label=name)
-        ax_cpu.bar(xs, [phases[f"c{c}"]["gateway_cpu_us_per_req"] or 0 for c in CONCURRENCIES], width, label=name)
+        xs = [k + i * width for k in range(len(THROUGHPUT_PHASES))]
+        ax_rps.bar(xs, [phases[c]["rps"] for c in THROUGHPUT_PHASES], width, label=name)
+        ax_cpu.bar(xs, [phases[c]["gateway_cpu_us_per_req"] or 0 for c in THROUGHPUT_PHASES], width, label=name)
     for ax, label in ((ax_rps, "requests / s"), (ax_cpu, "gateway CPU µs / request")):
-        ax.set_xticks([k + 0.4 - width / 2 for k in range(len(CONCURRENCIES))], [f"c{c}" for c in CONCURRENCIES])
+        ax.set_xticks([k + 0.4 - width / 2 for k in range(len(THROUGHPUT_PHASES))], list(THROUGHPUT_PHASES))
         ax.set_ylabel(label)
     ax_rps.legend()
     s = result["setup"]

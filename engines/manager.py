@@ -25,8 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import aiohttp
-
+from engines.client import EngineClient
 from engines.kv_events import KVEventsConfig, KVEventSource, loopback_publisher
 from laps.config import Config, EngineConfig, FlagValue
 
@@ -315,7 +314,7 @@ class EngineProcess:
     def alive(self) -> bool:
         return self.process is not None and self.process.returncode is None
 
-    async def wait_ready(self, session: aiohttp.ClientSession, timeout_s: float) -> None:
+    async def wait_ready(self, client: EngineClient, timeout_s: float) -> None:
         """Poll ``GET /ready`` until it answers 200.
 
         Raises:
@@ -327,12 +326,8 @@ class EngineProcess:
             if not self.alive():
                 code = self.process.returncode if self.process is not None else "(stopped)"
                 raise RuntimeError(f"engine {self.config.name} exited with code {code} before it was ready:\n{self.log_tail()}")
-            try:
-                async with session.get(f"{self.url}/ready", timeout=aiohttp.ClientTimeout(total=2)) as resp:
-                    if resp.status == 200:
-                        return
-            except (aiohttp.ClientError, asyncio.TimeoutError):
-                pass
+            if await client.ready(self.url) == "ready":
+                return
             await asyncio.sleep(0.1)
         raise RuntimeError(f"engine {self.config.name} not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
 
@@ -379,7 +374,7 @@ class EngineManager:
         self.ready_timeout_s = ready_timeout_s
         self.engines: dict[str, EngineProcess] = {}
 
-    async def start(self, session: aiohttp.ClientSession) -> dict[str, str]:
+    async def start(self, client: EngineClient) -> dict[str, str]:
         """Launch all local engines concurrently; once all are ready, return every engine's base URL by name.
 
         Raises:
@@ -401,13 +396,13 @@ class EngineManager:
         try:
             for e in self.engines.values():
                 await e.start()
-            await asyncio.gather(*(e.wait_ready(session, self.ready_timeout_s) for e in self.engines.values()))
+            await asyncio.gather(*(e.wait_ready(client, self.ready_timeout_s) for e in self.engines.values()))
         except BaseException:
             await self.stop()
             raise
         return {e.name: self.engines[e.name].url if e.name in self.engines else e.url for e in self.config.engines}
 
-    async def restart(self, name: str, role: str, session: aiohttp.ClientSession) -> None:
+    async def restart(self, name: str, role: str, client: EngineClient) -> None:
         """Stop engine ``name``, start it again on the same port with ``role``'s flags, wait until it is ready.
 
         The caller stops routing to the engine first: requests still running
@@ -427,7 +422,7 @@ class EngineManager:
             e.role = role
             e.command = engine_command(self.config, e.config, e.port, role, e.kv_events)
             await e.start()
-            await e.wait_ready(session, self.ready_timeout_s)
+            await e.wait_ready(client, self.ready_timeout_s)
         finally:
             e.restarting = False
 

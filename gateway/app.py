@@ -30,11 +30,10 @@ from typing import TYPE_CHECKING, AsyncIterator
 
 import time
 
-import aiohttp
 import orjson
 from aiohttp import web
 
-from engines.client import EngineClient
+from engines.client import EngineClient, EngineHTTPError
 from engines.manager import EngineManager, kv_event_sources
 from gateway import handlers, relay, tracing
 from gateway.admin import SWITCHES, add_admin_routes
@@ -79,7 +78,7 @@ async def _mirror_kv_capacity(client: EngineClient, registry: EngineRegistry, pr
     for engine in registry:
         try:
             load = await fetch_engine_load(client, engine.url)
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError) as err:
+        except (EngineHTTPError, ValueError, KeyError) as err:
             log.warning("engine %s: no KV capacity from /v1/loads (%r); its prefix estimate uses the byte budget only", engine.id, err)
             continue
         prefix_index.set_capacity(engine.id, load.max_total_tokens)
@@ -93,7 +92,7 @@ async def _context_tokens(client: EngineClient, registry: EngineRegistry) -> int
     for engine in registry:
         try:
             value = orjson.loads(await client.get(engine.url, "/v1/models"))["data"][0].get("max_model_len")
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, IndexError, TypeError, AttributeError) as err:
+        except (EngineHTTPError, ValueError, KeyError, IndexError, TypeError, AttributeError) as err:
             log.warning("engine %s: no max_model_len from /v1/models (%r)", engine.id, err)
             continue
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
@@ -118,7 +117,7 @@ def create_app(config: Config, engine_urls: dict[str, str] | None = None, span_e
         await client.start()
         manager = EngineManager(config) if engine_urls is None else None
         try:
-            urls = engine_urls if manager is None else await manager.start(client.session)
+            urls = engine_urls if manager is None else await manager.start(client)
             registry = EngineRegistry([EngineState(e.name, urls[e.name], config.pool(e)) for e in config.engines])
             first_tokens = FirstTokenWindow(config.controller.window_s) if config.controller.enabled else None
             prefix_index = PrefixCaches(PrefixIndex.from_byte_budget(config.scheduling.prefix_block_tokens, config.scheduling.prefix_index_bytes, len(config.engines)))

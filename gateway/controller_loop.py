@@ -19,9 +19,9 @@ import contextlib
 import logging
 from functools import partial
 
-import aiohttp
 from aiohttp import web
 
+from engines.client import EngineHTTPError
 from gateway.admin import start_switch
 from gateway.engine_load import fetch_engine_load
 from gateway.state import Gateway
@@ -82,7 +82,7 @@ class ControllerLoop:
         results = await asyncio.gather(*(fetch_engine_load(gw.client, gw.registry[v.id].url) for v in serving), return_exceptions=True)
         loads = {}
         for view, load in zip(serving, results):
-            if isinstance(load, (aiohttp.ClientError, asyncio.TimeoutError, ValueError)):
+            if isinstance(load, (EngineHTTPError, ValueError)):
                 log.warning("controller: no load from engine %s (%r); it sits this decision out", view.id, load)
                 continue
             if isinstance(load, BaseException):

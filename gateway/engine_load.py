@@ -106,9 +106,8 @@ async def fetch_engine_load(client: EngineClient, base_url: str) -> EngineLoad:
     """Read ``/v1/loads`` and ``/metrics`` of the engine at ``base_url`` (concurrently) into one snapshot.
 
     Raises:
-        aiohttp.ClientError: the engine cannot be reached or answered other than 200
-            (``/metrics`` is 404 unless the engine runs with ``--enable-metrics``).
-        asyncio.TimeoutError: no answer within the client's probe timeout.
+        EngineHTTPError: the engine cannot be reached, answered other than 200 (``/metrics`` is 404 unless the
+            engine runs with ``--enable-metrics``) or not within the client's probe timeout.
         ValueError: a body is not what SGLang serves.
     """
     loads_body, metrics_body = await asyncio.gather(client.get(base_url, "/v1/loads"), client.get(base_url, "/metrics"))

@@ -19,16 +19,16 @@ import os
 import time
 from collections.abc import Sequence
 
-import aiohttp
 import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
+from engines.client import EngineHTTPError
 from gateway import pd_dispatch
 from gateway.auth import admin_key_given
 from gateway.dispatcher import Arrival
-from gateway.errors import APIError, EngineUnavailable, ShuttingDown
+from gateway.errors import APIError, EngineTimeout, EngineUnavailable, ShuttingDown
 from gateway.guard import RequestGuard
 from gateway.health import engine_failed
 from gateway.priority import set_engine_priority, view_priority
@@ -348,8 +348,13 @@ async def _relay_json(gw: Gateway, engine: EngineState, path: str, body: dict, h
             async with gw.client.post(engine.url, path, body) as upstream:
                 payload = await upstream.read()
                 status = upstream.status
-    except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+    except EngineHTTPError as err:
         raise unreachable(engine, err) from None
+    except (EngineTimeout, ShuttingDown):
+        # The guard cut the wait off; a request cancelled before its answer keeps its connection to the engine
+        # (engines/client.py), so the engine is told to drop it.
+        in_background(gw.client.abort(engine.url, view.rid))
+        raise
     engine.last_byte_s = asyncio.get_running_loop().time()  # the engine is alive: it answered
     if status != 200:
         return upstream_error(engine.id, status, payload, headers), f"http_{status}"
@@ -382,11 +387,11 @@ async def _relay_stream(request: web.Request, gw: Gateway, engine: EngineState, 
     sse = SSERelay(request, gw, headers, tap, guard, engine, on_first)
     try:
         with guard.watching(engine, stream=True):
-            async with gw.client.post(engine.url, path, body) as upstream:
+            async with gw.client.post(engine.url, path, body, stream=True) as upstream:
                 if upstream.status != 200:
                     return upstream_error(engine.id, upstream.status, await upstream.read(), headers), f"http_{upstream.status}"
                 await sse.pump(upstream)
-    except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+    except EngineHTTPError as err:
         api_error: APIError = unreachable(engine, err)
     except (EngineUnavailable, ShuttingDown) as err:
         api_error = err

@@ -28,8 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import aiohttp
-
+from engines.client import EngineHTTPError
 from gateway.errors import EngineTimeout, EngineUnavailable
 from gateway.registry import EngineState
 from gateway.state import Gateway
@@ -136,10 +135,9 @@ class HealthMonitor:
         """A one-token generation on a stalled engine; back in service when it answers within the stall timeout."""
         gw = self._gw
         try:
-            async with gw.client.session.get(engine.url + "/health_generate", timeout=aiohttp.ClientTimeout(total=gw.config.gateway.stall_timeout_s)) as resp:
-                if resp.status == 200:
-                    back_in_service(gw, engine, "a one-token generation answered")
-        except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+            await gw.client.get(engine.url, "/health_generate", timeout_s=gw.config.gateway.stall_timeout_s)
+            back_in_service(gw, engine, "a one-token generation answered")
+        except EngineHTTPError as err:
             log.info("engine %s: generation probe failed (%r); still out of service", engine.id, err)
         finally:
             del self._probes[engine.id]

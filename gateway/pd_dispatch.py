@@ -45,10 +45,10 @@ import contextlib
 import logging
 import time
 
-import aiohttp
 import orjson
 from aiohttp import web
 
+from engines.client import EngineHTTPError
 from gateway.errors import APIError, EngineUnavailable, ShuttingDown
 from gateway.guard import RequestGuard
 from gateway.health import engine_failed
@@ -163,6 +163,8 @@ class _Pair:
             with self.guard.watching(registry[self.decode_id], self.stream, also=registry[self.prefill_id]):
                 return await self._run()
         except (EngineUnavailable, ShuttingDown) as err:  # the guard cut the pair off
+            if err is not self.guard.reason:  # a side's own failure: _run has aborted the other side already
+                raise
             for engine_id in (self.prefill_id, self.decode_id):
                 in_background(self.gw.client.abort(registry[engine_id].url, self.view.rid))
             return await self._fail(err)
@@ -230,7 +232,7 @@ class _Pair:
             async with self.gw.client.post(engine.url, self.path, self.body) as upstream:
                 payload = await upstream.read()
                 status = upstream.status
-        except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+        except EngineHTTPError as err:
             raise unreachable(engine, err) from None
         if status != 200:
             raise _SideFailed(self.prefill_id, _engine_error(self.prefill_id, "prefill", status, payload))
@@ -253,7 +255,7 @@ class _Pair:
         ``cached_tokens``); the outcome."""
         engine = self.gw.registry[self.decode_id]
         try:
-            async with self.gw.client.post(engine.url, self.path, self.body) as upstream:
+            async with self.gw.client.post(engine.url, self.path, self.body, stream=self.stream) as upstream:
                 if upstream.status != 200:
                     raise _SideFailed(self.decode_id, _engine_error(self.decode_id, "decode", upstream.status, await upstream.read()))
                 if not self.stream:
@@ -262,7 +264,7 @@ class _Pair:
                                                                           cached_tokens=lambda: self.prefill_cached_tokens),
                                     self.guard, engine, self._first_bytes)
                 await self.sse.pump(upstream)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as err:
+        except EngineHTTPError as err:
             raise unreachable(engine, err) from None
         finally:
             if self.sse is not None:

@@ -27,10 +27,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Coroutine
 
-import aiohttp
 import orjson
 from aiohttp import web
 
+from engines.client import EngineResponse
 from gateway.errors import APIError, EngineUnavailable
 from gateway.guard import RequestGuard
 from gateway.health import back_in_service
@@ -279,7 +279,7 @@ class SSERelay:
         self.on_first = on_first
         self.response: web.StreamResponse | None = None
 
-    async def pump(self, upstream: aiohttp.ClientResponse) -> None:
+    async def pump(self, upstream: EngineResponse) -> None:
         """Relay ``upstream``'s body event by event, under the guard's limits.
 
         Raises:
@@ -288,7 +288,7 @@ class SSERelay:
         """
         guard, engine, tap = self.guard, self.engine, self.tap
         try:
-            async for chunk in upstream.content.iter_any():
+            async for chunk in upstream.chunks():
                 data = tap.feed(chunk)
                 if tap.malformed is not None:
                     raise EngineUnavailable(engine.id, f"malformed SSE event {tap.malformed[:200]!r}")

@@ -6,9 +6,9 @@ import asyncio
 import logging
 import time
 
-import aiohttp
 import orjson
 
+from engines.client import EngineHTTPError
 from gateway.registry import EngineState
 from gateway.state import Gateway
 
@@ -82,7 +82,7 @@ async def switch_role(gw: Gateway, engine_id: str, role: str, drain_timeout_s: f
         if state.in_flight:
             log.warning("engine %s: %d requests still running after %.0f s of draining; they fail now", engine_id, state.in_flight, drain_timeout_s)
         log.info("engine %s: drained in %.1f s; restarting as %s", engine_id, time.monotonic() - started, role)
-        await manager.restart(engine_id, role, gw.client.session)
+        await manager.restart(engine_id, role, gw.client)
     gw.prefix_index.forget_engine(engine_id)
     state.pool = gw.config.roles[role].pool
     if not state.healthy:  # the health poller saw the restart; it logs no recovery for a flag set here
@@ -111,13 +111,11 @@ async def flip(gw: Gateway, state: EngineState, role: str, deadline: float) -> b
         body["decode_cuda_graph_memory_gb"] = gw.config.pd.decode_cuda_graph_memory_gb
     while True:
         try:
-            async with gw.client.session.post(f"{state.url}/pd_role_switch", data=orjson.dumps(body),
-                                              headers={"Content-Type": "application/json"},
-                                              timeout=aiohttp.ClientTimeout(total=FLIP_TIMEOUT_S)) as resp:
+            async with gw.client.post(state.url, "/pd_role_switch", body, timeout_s=FLIP_TIMEOUT_S) as resp:
                 status, answer = resp.status, orjson.loads(await resp.read())
             if not isinstance(answer, dict):
                 answer = {"message": f"unexpected answer {answer!r}"}
-        except (aiohttp.ClientError, asyncio.TimeoutError, orjson.JSONDecodeError) as err:
+        except (EngineHTTPError, orjson.JSONDecodeError) as err:
             state.draining = False
             raise RuntimeError(f"engine {state.id}: POST /pd_role_switch failed: {err!r}; it serves as before") from None
         if status == 200 and answer.get("success"):

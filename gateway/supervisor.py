@@ -52,7 +52,7 @@ class EngineSupervisor:
     async def _restart(self, name: str, role: str) -> None:
         gw = self._gw
         try:
-            await gw.manager.restart(name, role, gw.client.session)
+            await gw.manager.restart(name, role, gw.client)
         except Exception as err:  # a failed restart is retried after the backoff, never fatal
             log.error("engine %s: restart failed: %s", name, err)
         else:

@@ -20,13 +20,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Awaitable, Callable, Sequence
 
-import aiohttp
 import yaml
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from engines.client import EngineClient
+from engines.client import EngineClient, EngineHTTPError
 from policies.cost_fit import CostFit, fit_cost_model
 
 DEFAULT_NEW_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -145,7 +144,7 @@ def main(args: argparse.Namespace) -> int:
     """``laps calibrate`` entry point; 0 on success, 1 when the engine failed."""
     try:
         asyncio.run(run(args))
-    except (CalibrationError, aiohttp.ClientError, asyncio.TimeoutError, OSError) as err:
+    except (CalibrationError, EngineHTTPError, OSError) as err:
         Console(stderr=True).print(f"[red]calibration failed:[/red] {err}")
         return 1
     return 0

@@ -14,6 +14,7 @@ import pytest
 import yaml
 from aiohttp.test_utils import TestServer
 
+from engines.client import EngineClient
 from engines.kv_events import KVEventSource
 from engines.manager import (FREE_PORT_RANGE, EngineManager, EngineProcess, _ephemeral_ports, engine_command, engine_env, free_port,
                              kv_event_sources, server_args)
@@ -101,12 +102,12 @@ async def test_external_engines_are_served_without_a_process(tmp_path: Path):
 async def test_manager_lists_external_engines_and_refuses_to_restart_them():
     config = config_with([{"name": "far", "kind": "external", "role": "long-prefill", "url": "http://10.0.0.7:30000"}])
     manager = EngineManager(config)
-    async with aiohttp.ClientSession() as session:
-        assert await manager.start(session) == {"far": "http://10.0.0.7:30000"}
-        with pytest.raises(KeyError):
-            await manager.restart("far", "short-prefill", session)
-        with pytest.raises(ValueError, match="'medium' is not defined"):
-            await manager.restart("far", "medium", session)
+    client = EngineClient()  # never used: there is nothing to wait for
+    assert await manager.start(client) == {"far": "http://10.0.0.7:30000"}
+    with pytest.raises(KeyError):
+        await manager.restart("far", "short-prefill", client)
+    with pytest.raises(ValueError, match="'medium' is not defined"):
+        await manager.restart("far", "medium", client)
     await manager.stop()
 
 
@@ -163,7 +164,7 @@ def test_a_sim_role_flag_the_engine_model_does_not_take_fails_before_any_process
     data["roles"]["short-prefill"]["flags"]["chunked-prefill-sise"] = 512
     manager = EngineManager(parse_config(data))
     with pytest.raises(RuntimeError, match=r"roles.short-prefill.flags.chunked-prefill-sise \(engine sp0\): unrecognized arguments: --chunked-prefill-sise 512"):
-        asyncio.run(manager.start(session=None))
+        asyncio.run(manager.start(client=None))
     assert manager.engines == {}
 
 
@@ -204,7 +205,7 @@ def assert_refused_before_anything_runs(config: Config, expected: str) -> None:
     (:func:`engine_cores`) with the same message before its run."""
     manager = EngineManager(config)
     with pytest.raises(RuntimeError) as info:
-        asyncio.run(manager.start(session=None))
+        asyncio.run(manager.start(client=None))
     assert str(info.value) == expected and manager.engines == {}
     with pytest.raises(ValueError) as info:
         engine_cores(config, load_tokenizer())
@@ -230,13 +231,13 @@ def test_engines_laps_starts_publish_kv_events_on_ports_of_their_own(monkeypatch
     async def no_process(self):
         started.append(self)
 
-    async def ready(self, session, timeout_s):
+    async def ready(self, client, timeout_s):
         return None
 
     monkeypatch.setattr(EngineProcess, "start", no_process)
     monkeypatch.setattr(EngineProcess, "wait_ready", ready)
     manager = EngineManager(config)
-    asyncio.run(manager.start(session=None))
+    asyncio.run(manager.start(client=None))
     ports = [p.port for p in started]
     kv_ports = [int(e.split(":")[-1]) for p in started for e in (p.kv_events.endpoint, p.kv_events.replay_endpoint)]
     assert len(set(ports + kv_ports)) == 6 and config.gateway.port not in kv_ports and 31000 in ports

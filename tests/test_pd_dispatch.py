@@ -233,6 +233,8 @@ async def test_an_unreachable_prefill_engine_aborts_the_waiting_decode_side_and_
     async with session.get("/metrics") as resp:
         counted = [line for line in (await resp.text()).splitlines() if line.startswith("laps_requests_total{")]
     assert counted == ['laps_requests_total{cls="short",outcome="ok"} 1.0']  # one client request, counted once
+    await settle_background()
+    assert fakes["d0"].aborted == [rid]  # once: the first try's failure is no guard cut-off to abort again
 
 
 async def test_a_client_leaving_after_done_before_the_prefill_answers_is_ok_and_learnt_from(pd_stack):

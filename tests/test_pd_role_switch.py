@@ -21,6 +21,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from engines.client import EngineClient
 from engines.manager import engine_command, free_port
 from engines.sim.args import parse_server_args
 from engines.sim.realtime import ENGINE
@@ -55,19 +56,21 @@ def flip_config(**top):
 
 @contextlib.asynccontextmanager
 async def stand_in_gateway(config, apps: dict[str, web.Application]):
-    """A gateway-shaped namespace over engines served here: registry at their URLs, a recording manager, a real HTTP session."""
+    """A gateway-shaped namespace over engines served here: registry at their URLs, a recording manager, a real engine client."""
     servers = {name: TestServer(app, handler_cancellation=True) for name, app in apps.items()}
     for s in servers.values():
         await s.start_server()
     registry = EngineRegistry([EngineState(e.name, str(servers[e.name].make_url("")).rstrip("/") if e.name in servers else "http://127.0.0.1:9",
                                            config.pool(e)) for e in config.engines])
-    async with aiohttp.ClientSession() as session:
-        try:
-            yield SimpleNamespace(config=config, registry=registry, manager=RecordingManager({e.name: e.role for e in config.engines}),
-                                  client=SimpleNamespace(session=session), prefix_index=ForgettingIndex()), servers
-        finally:
-            for s in servers.values():
-                await s.close()
+    client = EngineClient()
+    await client.start()
+    try:
+        yield SimpleNamespace(config=config, registry=registry, manager=RecordingManager({e.name: e.role for e in config.engines}),
+                              client=client, prefix_index=ForgettingIndex()), servers
+    finally:
+        await client.close()
+        for s in servers.values():
+            await s.close()
 
 
 def capable(mode: str) -> object:
@@ -105,7 +108,8 @@ async def test_an_engine_still_busy_at_the_drain_deadline_keeps_its_role_and_its
         engine = servers["pl0"].app[ENGINE]
         # A prefill whose decode side never fetches its KV: the engine holds it, busy, until the request is aborted.
         request = body(5, engine.sim.args.disaggregation_bootstrap_port)
-        running = asyncio.ensure_future(gw.client.session.post(str(servers["pl0"].make_url("/v1/chat/completions")), json=request))
+        session = aiohttp.ClientSession()  # the client of a request that outlives the drain
+        running = asyncio.ensure_future(session.post(str(servers["pl0"].make_url("/v1/chat/completions")), json=request))
         while engine.core.fully_idle():
             await asyncio.sleep(0.001)
         started = time.monotonic()
@@ -115,9 +119,10 @@ async def test_an_engine_still_busy_at_the_drain_deadline_keeps_its_role_and_its
         state = gw.registry["pl0"]
         assert (state.pool, state.draining, gw.manager.restarts, gw.manager.engines["pl0"].role) == ("long", False, [], "prefill-long")
         assert not engine.core.fully_idle()  # the request goes on
-        async with gw.client.session.post(str(servers["pl0"].make_url("/abort_request")), json={"rid": "r1"}) as resp:
+        async with session.post(str(servers["pl0"].make_url("/abort_request")), json={"rid": "r1"}) as resp:
             assert resp.status == 200
         (await running).close()
+        await session.close()
 
 
 async def test_an_engine_left_unhealthy_by_a_failed_flip_is_restarted():

@@ -38,6 +38,7 @@ async def stack(request):
         yield session, fakes, app
     for fake in fakes.values():
         fake.release.set()
+        fake.answer.set()
     await gateway.close()
     for s in servers.values():
         await s.close()
@@ -170,6 +171,8 @@ async def test_requests_waiting_on_an_engine_taken_out_of_service_are_retried_at
     resp = await asyncio.wait_for(pending, timeout=5)
     assert resp.status == 200 and resp.headers["x-laps-engine"] == "lp0"
     assert (await resp.json())["choices"][0]["message"]["content"] == "hi from lp0"
+    await asyncio.wait_for(fakes["sp0"].abort_seen.wait(), timeout=5)  # the engine left behind drops its copy
+    assert fakes["sp0"].aborted == [fakes["sp0"].bodies[0]["rid"]]
 
 
 async def test_a_busy_engine_whose_probe_times_out_stays_in_service_until_it_keeps_failing(stack, monkeypatch):

@@ -21,7 +21,7 @@ class RecordingManager:
         self.engines = {name: SimpleNamespace(role=role) for name, role in roles.items()}  # the role each runs now
         self.restarts: list[tuple[str, str]] = []
 
-    async def restart(self, engine_id: str, role: str, session: object) -> None:
+    async def restart(self, engine_id: str, role: str, client: object) -> None:
         self.restarts.append((engine_id, role))
 
 
@@ -37,7 +37,7 @@ def stand_in_gateway(healthy: bool, config=None) -> SimpleNamespace:
     config = config or load_config()
     registry = EngineRegistry([EngineState(e.name, f"http://engine-{e.name}", config.pool(e), healthy=healthy) for e in config.engines])
     return SimpleNamespace(config=config, registry=registry, manager=RecordingManager({e.name: e.role for e in config.engines}),
-                           client=SimpleNamespace(session=None), prefix_index=ForgettingIndex())
+                           client=None, prefix_index=ForgettingIndex())
 
 
 @pytest.mark.parametrize("healthy_before, recovery_logged", [(False, True), (True, False)])
