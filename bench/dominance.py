@@ -302,23 +302,36 @@ def plot(rows: list[dict], path: Path, title: str, saturation: float) -> None:
 
 
 def sweep(workload: str, pd: bool, loads: tuple[float, ...], duration_s: float, seed: int, pool: ProcessPoolExecutor,
-          progress: Progress) -> tuple[list[dict], dict]:
-    """Saturation search, then every policy at every load; the rows and the verdict."""
+          progress: Progress, seeds: int = 1) -> tuple[list[dict], dict]:
+    """Saturation search (with ``seed``), then every policy at every load, each point with seeds ``seed`` …
+    ``seed + seeds − 1`` averaged (:func:`mean_row`); the rows and the verdict."""
     label = f"{workload}{' (PD 6+2)' if pd else ''}"
     task = progress.add_task(f"{label}: saturation", total=len(loads) * len(POLICIES))
     sat = saturation_load(workload, duration_s, seed, pd, pool)
     progress.console.print(f"{label}: least_load saturates at load {sat:.3g}")
     progress.update(task, description=f"{label}: {len(POLICIES)} policies × {len(loads)} loads")
-    futures = [pool.submit(run_point, workload, p, round(f * sat, 3), duration_s, seed, pd) for p in POLICIES for f in loads]
+    futures = [[pool.submit(run_point, workload, p, round(f * sat, 3), duration_s, seed + k, pd) for k in range(seeds)]
+               for p in POLICIES for f in loads]
     rows = []
-    for fut in futures:
-        r = fut.result()
+    for point in futures:
+        r = mean_row([fut.result() for fut in point])
         rows.append(r)
         progress.console.print(f"  {label} {r['policy']:>15} load {r['load']:g}: {r['rate_rps']:.0f} req/s, "
                                f"{100 * r['slo_violation_rate']:.2f}% ({100 * r['length_slo_violation_rate']:.2f}% length-aware), "
                                f"short P90 {1e3 * (r['short_ttft_p90_s'] or math.nan):.1f} ms")
         progress.advance(task)
     return rows, verdict(rows, label, sat)
+
+
+def mean_row(runs: list[dict]) -> dict:
+    """One row for a point run with several seeds: every numeric field the mean over the seeds that have it (None
+    where none has), the rest from the first; ``seeds`` says how many."""
+    row = dict(runs[0], seeds=len(runs))
+    for key, value in runs[0].items():
+        if key != "load" and (value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))):
+            values = [r[key] for r in runs if r.get(key) is not None]
+            row[key] = sum(values) / len(values) if values else None
+    return row
 
 
 def print_verdicts(verdicts: list[dict], console: Console) -> bool:
@@ -364,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
                                                        "fewer where ~3,000 arrivals come sooner, at least 1.5)")
     parser.add_argument("--jobs", type=int, default=2, help="simulations in parallel (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="workload and arrival seed (default: %(default)s)")
+    parser.add_argument("--seeds", type=int, default=1, help="seeds per point, averaged (seed, seed+1, ...): one run's "
+                                                             "noise in overload is ~1 point (default: %(default)s)")
     parser.add_argument("--verdict-of", type=Path, metavar="JSON", help="simulate nothing: the verdict of an earlier run's JSON")
     args = parser.parse_args(argv)
     console = Console(width=160)
@@ -384,8 +399,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.out is None:
         parser.error("--out is required (unless --verdict-of)")
-    if args.jobs < 1 or (args.duration is not None and args.duration <= 0):
-        parser.error("--jobs must be >= 1 and --duration > 0")
+    if args.jobs < 1 or args.seeds < 1 or (args.duration is not None and args.duration <= 0):
+        parser.error("--jobs and --seeds must be >= 1 and --duration > 0")
     workloads = args.workloads or (QUICK_WORKLOADS if args.quick else WORKLOADS)
     loads = QUICK_LOADS if args.quick else LOADS
     duration = args.duration or (6.0 if args.quick else 10.0)
@@ -394,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with ProcessPoolExecutor(args.jobs) as pool, Progress(console=console, transient=True) as progress:
         for workload, pd in runs:
-            rows, v = sweep(workload, pd, loads, duration, args.seed, pool, progress)
+            rows, v = sweep(workload, pd, loads, duration, args.seed, pool, progress, args.seeds)
             all_rows += rows
             verdicts.append(v)
             png = args.out.with_name(f"{args.out.stem}_{workload}{'_pd' if pd else ''}.png")

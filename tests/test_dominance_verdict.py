@@ -63,3 +63,12 @@ def test_prefill_busy_fraction_averages_the_prefill_engines_over_the_run():
     run = type("Run", (), {"engines": {**{f"p{i}": type("Slot", (), {"core": Core(2.0 + i)})() for i in range(6)},
                                        "d0": type("Slot", (), {"core": Core(9.0)})()}})()
     assert dominance.prefill_busy_fraction(run, config, 10.0) == pytest.approx(4.5 / 10.0)  # decode engines left out
+
+
+def test_a_point_run_with_several_seeds_is_their_mean():
+    a = {**row("laps", 100, 90, 0.10, short=0.02), "pd": False, "short_floor_s": None}
+    b = {**row("laps", 100, 110, 0.06, short=None), "pd": False, "short_floor_s": 0.006}
+    m = dominance.mean_row([a, b])
+    assert (m["policy"], m["load"], m["pd"], m["seeds"]) == ("laps", 100, False, 2)
+    assert m["rate_rps"] == pytest.approx(100) and m["slo_violation_rate"] == pytest.approx(0.08)
+    assert m["short_ttft_p90_s"] == 0.02 and m["short_floor_s"] == 0.006  # the seeds that have one
