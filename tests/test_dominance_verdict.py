@@ -72,3 +72,21 @@ def test_a_point_run_with_several_seeds_is_their_mean():
     assert (m["policy"], m["load"], m["pd"], m["seeds"]) == ("laps", 100, False, 2)
     assert m["rate_rps"] == pytest.approx(100) and m["slo_violation_rate"] == pytest.approx(0.08)
     assert m["short_ttft_p90_s"] == 0.02 and m["short_floor_s"] == 0.006  # the seeds that have one
+
+
+def test_the_sweep_averages_every_point_over_its_seeds(monkeypatch):
+    class Now:  # a pool that runs each job at once
+        def submit(self, fn, *args):
+            result = fn(*args)
+            return type("Done", (), {"result": lambda self: result})()
+
+    def run_point(workload, policy, load, duration_s, seed, pd):
+        return {**row(policy, load, 100.0, 0.01 * seed), "pd": pd, "short_floor_s": None}
+
+    monkeypatch.setattr(dominance, "run_point", run_point)
+    monkeypatch.setattr(dominance, "saturation_load", lambda *args: 200.0)
+    progress = dominance.Progress(disable=True)
+    rows, _ = dominance.sweep("mixed", False, (0.5, 1.0), 10.0, 3, Now(), progress, seeds=2)
+    assert len(rows) == 2 * len(dominance.POLICIES)
+    assert {r["load"] for r in rows} == {100.0, 200.0}
+    assert all(r["seeds"] == 2 and r["slo_violation_rate"] == pytest.approx(0.035) for r in rows)  # seeds 3 and 4
