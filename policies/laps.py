@@ -35,9 +35,9 @@ prefill with that engine's cached prefix H_e, priced by the engine's latency
 function), so a re-prefill goes where its context is cached unless recomputing
 it elsewhere gives an earlier first token. On ``shortest-prefill-first``
 engines a request also delays every longer prefill it overtakes there by its
-own prefill time, and that is part of its cost (a greedy choice by its own TTFT
-alone piles shorter requests onto the engine where a long one waits, which
-then starves):
+own prefill time, and that is part of its cost for each of them that can still
+meet its deadline (a greedy choice by its own TTFT alone piles shorter requests
+onto the engine where a long one waits, which then starves):
 
 * a short batch goes to the engine of *any* pool where it costs least (ties:
   the short pool, then fewer requests in flight); an engine busy with a long
@@ -341,7 +341,7 @@ class LapsScheduler:
 
     def _cost(self, engine: EngineView, batch: Sequence[RequestView], now: float) -> float:
         """Seconds of first-token time that sending ``batch`` to ``engine`` costs: its own predicted TTFT plus the
-        delay its prefill adds to each longer prefill it overtakes there."""
+        delay its prefill adds to each longer prefill it overtakes there that can still meet its deadline."""
         shapes = self._shapes(batch, engine.id)
         own_s = self.model.predict_ttft_s(engine.id, shapes, now, self._decoding_context(engine))
         n = self.model.displaced(engine.id, shapes, now)
