@@ -383,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     console = Console(width=160)
     if args.verdict_of is not None:
+        if not args.verdict_of.is_file():
+            parser.error(f"--verdict-of {args.verdict_of}: no such file")
         try:
             earlier = json.loads(args.verdict_of.read_text())
             earlier["rows"], earlier["verdict"], earlier["max_duration_s"]  # noqa: B018 (keys checked here)

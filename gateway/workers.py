@@ -12,7 +12,9 @@ The ``laps serve`` process becomes a supervisor of:
   asking the scheduler for every decision (:mod:`gateway.sched_worker`).
 
 The supervisor binds the port first without listening (a taken port fails before
-any engine starts; with ``port: 0`` it picks the one the workers bind), starts
+any engine starts; with ``port: 0`` it picks the one the workers bind) and holds
+an exclusive lock on it (:func:`port_lock`: ``SO_REUSEPORT`` alone would let a
+second multi-worker gateway share the port and split the traffic), starts
 the scheduler, waits for it (its engines ready), then the workers, then prints
 ``laps: ready on URL``. A worker that dies is started again (after
 :data:`RESTART_DELAY_S` when it lived less than :data:`SHORT_LIFE_S`); the
@@ -33,6 +35,9 @@ every process's counters; a dead worker's live gauges are dropped.
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import logging
 import multiprocessing
 import os
@@ -41,7 +46,7 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
@@ -301,6 +306,22 @@ def _terminate(children: list[_Child], within_s: float) -> None:
             child.process.join(KILL_WAIT_S)
 
 
+@contextlib.contextmanager
+def port_lock(port: int) -> Iterator[None]:
+    """Hold an exclusive lock on TCP ``port`` for this process (a file in the temp directory, ``flock``: the lock goes
+    with the process, however it ends).
+
+    Raises:
+        OSError: (EADDRINUSE) another multi-worker laps gateway holds it.
+    """
+    with open(Path(tempfile.gettempdir(), f"laps-gateway-port-{port}.lock"), "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise OSError(errno.EADDRINUSE, f"port {port} is already served by another laps gateway with workers") from None
+        yield
+
+
 def serve_workers(config: Config, setup_logging: LogSetup) -> int:
     """Run the gateway as a scheduler and ``config.gateway.workers`` workers (module doc) until SIGINT/SIGTERM;
     the exit code.
@@ -312,7 +333,8 @@ def serve_workers(config: Config, setup_logging: LogSetup) -> int:
     from gateway.app import listen_socket
 
     with tempfile.TemporaryDirectory(prefix="laps-gateway-") as tmp, \
-            listen_socket(config.gateway.host, config.gateway.port, reuse_port=True, listen=False) as reserved:
+            listen_socket(config.gateway.host, config.gateway.port, reuse_port=True, listen=False) as reserved, \
+            port_lock(reserved.getsockname()[1]):
         port = reserved.getsockname()[1]
         config = config.model_copy(update={"gateway": config.gateway.model_copy(update={"port": port})})
         metrics_dir = Path(tmp, "metrics")

@@ -53,7 +53,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if overrides:  # validated again: a port may clash with a KV bootstrap port
         data = config.model_dump(exclude_unset=True)
         data["gateway"] = {**data.get("gateway", {}), **overrides}
-        config = parse_config(data, f"{args.config or DEFAULT_CONFIG_PATH} with --host/--port/--workers")
+        given = "/".join(f"--{k}" for k in overrides)
+        config = parse_config(data, f"{args.config or DEFAULT_CONFIG_PATH} with {given}")
     _setup_logging(args.log_level, config.log_dir / "gateway.log")
     try:  # before any engine starts; cached, so the gateway's start-up reuses it
         load_tokenizer(config.model.path)

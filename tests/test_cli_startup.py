@@ -58,6 +58,14 @@ def test_a_taken_port_fails_before_any_engine_starts(tmp_path):
     assert sorted(p.name for p in log_dir.iterdir()) == ["gateway.log"]
 
 
+def test_a_bad_override_names_only_the_flag_given(tmp_path):
+    config_path, _ = write_config(tmp_path)
+    result = laps_serve(config_path, "--workers", "0")
+    assert result.returncode == 2
+    assert f"{config_path} with --workers: invalid configuration" in result.stderr
+    assert "greater than or equal to 1" in result.stderr
+
+
 def test_port_0_prints_the_port_it_bound(tmp_path):
     config_path, _ = write_config(tmp_path, gateway={"port": 0})
     proc = subprocess.Popen([sys.executable, "-m", "laps.cli", "serve", "--config", str(config_path)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)

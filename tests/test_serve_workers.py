@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -143,3 +144,17 @@ def test_two_workers_serve_chats_errors_and_one_metrics_and_stop_on_ctrl_c(gatew
     assert proc.wait(timeout=60) == 0
     text = log.read_text()
     assert "shutting down: 2 workers drain" in text and "engine sp0: stopped" in text and "engine lp0: stopped" in text
+
+
+def test_a_port_held_by_a_multi_worker_gateway_is_refused_to_another():
+    from gateway.workers import port_lock
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with port_lock(port):
+        with pytest.raises(OSError, match=f"port {port} is already served by another laps gateway with workers"):
+            with port_lock(port):
+                pass
+    with port_lock(port):  # released with its holder
+        pass
