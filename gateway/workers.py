@@ -235,11 +235,10 @@ class Supervisor:
             self._drain_wakeups()
 
     def _drain_wakeups(self) -> None:
-        try:
+        """Read the wake-up socket empty (non-blocking: it raises once nothing is left)."""
+        with contextlib.suppress(BlockingIOError):
             while self._wake_r.recv(64):
-                pass
-        except BlockingIOError:
-            pass
+                continue
 
     def _supervise(self) -> int:
         while not self._signals:
