@@ -16,7 +16,10 @@ predicted-TTFT routing, the controller on with instant moves) and the baselines 
 with SGLang's default flags: ``least_load`` (unified FCFS), ``least_load+spf`` (least load to
 engines running ``--schedule-policy shortest-prefill-first``), ``cache_aware``, ``bucket``,
 ``round_robin`` (the rules of SGLang's router). ``--pd`` adds the PD runs (6 prefill + 2 decode)
-of ``mixed`` and ``docs``.
+of ``mixed`` and ``docs``. Every sweep also runs a control, ``least_load+spf/laps-flags``: least load to
+engines with laps' own flags (a 2,048-token chunk instead of SGLang's 8,192, prefill CUDA graphs,
+``shortest-prefill-first``); it is not in the verdict, but a second table sets laps against it alone,
+which separates what laps' scheduling buys from what its engine flags buy.
 
 Loads: least_load's saturation load is searched first (the offered load at which its violations
 reach 5%, geometric steps then bisection), then every policy runs at 0.2, 0.5, 0.8, 1.0, 1.2 and
@@ -79,7 +82,11 @@ PD_WORKLOADS = ("mixed", "docs")
 # Our policy names -> policy_compare's (scheduling.policy over engines of one SGLang role).
 BASELINES = {"least_load": "least_load", "least_load+spf": "sglang-spf", "cache_aware": "cache_aware",
              "bucket": "bucket", "round_robin": "round_robin"}
-POLICIES = ("laps", *BASELINES)
+CONTROL = "least_load+spf/laps-flags"
+"""least_load to engines running laps' own engine flags (``examples/sim-h200x8.yaml``'s: its chunk size, prefill CUDA
+graphs, ``shortest-prefill-first``). Not a baseline of the verdict (the router rules run on SGLang as it ships) but
+its control: laps against it is what the scheduling alone buys, apart from the flags laps ships with."""
+POLICIES = ("laps", *BASELINES, CONTROL)
 LOADS = (0.2, 0.5, 0.8, 1.0, 1.2, 1.5)
 QUICK_LOADS = (0.5, 1.0, 1.2, 1.5)
 # First guess of least_load's saturation load (conversations/s, or replay speed-up) per workload.
@@ -91,16 +98,28 @@ AZURE_RATE_RPS = len(load_azure_trace()) / load_azure_trace()[-1].arrival_s
 OBJECTIVE = {"shared-docs": "length_slo_violation_rate"}
 
 
+def shipped_flags() -> dict:
+    """The engine flags of ``examples/sim-h200x8.yaml`` (both of its roles run the same ones)."""
+    return dict(load_config(SHIPPED).roles["short-prefill"].flags)
+
+
+def baseline_role(policy: str) -> dict:
+    """The role every engine of a baseline (or the control) runs."""
+    if policy == CONTROL:
+        return {"pool": "short", "flags": shipped_flags()}
+    return ROLES["sglang-spf" if policy == "least_load+spf" else "sglang-default"]
+
+
 def pd_deployment(policy: str) -> Config:
     """6 prefill + 2 decode simulated engines: laps with the shipped pools and controller, or a baseline placing prefills."""
     shipped = load_config(SHIPPED)
     roles = {**({k: v.model_dump() for k, v in shipped.roles.items()} if policy == "laps" else
-                {"prefill": ROLES["sglang-spf" if policy == "least_load+spf" else "sglang-default"]}),
+                {"prefill": baseline_role(policy)}),
              "decode": {"pool": "decode", "flags": {}}}
     prefill_roles = ["short-prefill"] * 3 + ["long-prefill"] * 3 if policy == "laps" else ["prefill"] * 6
     data = {
         "model": {"name": "Qwen2.5-7B-Instruct"}, "slo": {"ttft_s": SLO_TTFT_S}, "sim": {"model": "qwen2.5-7b", "gpu": "h200"},
-        "scheduling": {"policy": "laps" if policy == "laps" else BASELINES[policy].replace("sglang-spf", "least_load")},
+        "scheduling": {"policy": "laps" if policy == "laps" else scheduling_policy(policy)},
         "pd": {"link": "nvlink"}, "roles": roles,
         "engines": [{"name": f"p{i}", "kind": "sim", "role": r, "gpus": [i]} for i, r in enumerate(prefill_roles)]
                    + [{"name": f"d{i}", "kind": "sim", "role": "decode", "gpus": [6 + i]} for i in range(2)],
@@ -110,13 +129,24 @@ def pd_deployment(policy: str) -> Config:
     return parse_config(data, f"dominance-pd[{policy}]")
 
 
+def scheduling_policy(policy: str) -> str:
+    """The gateway's ``scheduling.policy`` for a baseline or the control."""
+    return "least_load" if policy == CONTROL else BASELINES[policy].replace("sglang-spf", "least_load")
+
+
 def point_config(policy: str, pd: bool) -> Config:
-    """The deployment ``policy`` runs on: the shipped file for laps, 8 engines of one SGLang role for a baseline."""
+    """The deployment ``policy`` runs on: the shipped file for laps, 8 engines of one role for a baseline or the control."""
     if pd:
         return pd_deployment(policy)
     if policy == "laps":
         return load_config(SHIPPED)
-    return deployment(8, BASELINES[policy])
+    if policy != CONTROL:
+        return deployment(8, BASELINES[policy])
+    return parse_config({
+        "model": {"name": "Qwen2.5-7B-Instruct"}, "slo": {"ttft_s": SLO_TTFT_S}, "sim": {"model": "qwen2.5-7b", "gpu": "h200"},
+        "scheduling": {"policy": "least_load"}, "roles": {"laps-flags": baseline_role(CONTROL)},
+        "engines": [{"name": f"e{i}", "kind": "sim", "role": "laps-flags", "gpus": [i]} for i in range(8)],
+    }, "dominance[control]")
 
 
 REQUESTS_PER_POINT = 3000
@@ -230,7 +260,7 @@ def verdict(rows: list[dict], workload: str, saturation: float) -> dict:
     laps = {r["load"]: r for r in rows if r["policy"] == "laps"}
     base = {}
     for r in rows:
-        if r["policy"] != "laps":
+        if r["policy"] in BASELINES:
             base.setdefault(r["load"], []).append(r)
     key = OBJECTIVE.get(workload.split(" ")[0], "slo_violation_rate")  # of the knee and goodput
     out: dict = {"workload": workload, "saturation_load": saturation, "points": []}
@@ -268,8 +298,27 @@ def verdict(rows: list[dict], workload: str, saturation: float) -> dict:
     out["prefill_busy_at_saturation"] = at_sat[0].get("prefill_busy_fraction") if at_sat else None
     out.update(never_worse=never_worse, knee=knee, short_p90=short_ok, objective=key,
                goodput={"laps_load": g_laps, "best_load": g_base[best_policy], "best_policy": best_policy,
-                        "ratio": ratio, "needed": need, "ok": ratio >= need})
+                        "ratio": ratio, "needed": need, "ok": ratio >= need},
+               same_flags=against_control(rows, key))
     return out
+
+
+def against_control(rows: list[dict], key: str) -> dict | None:
+    """laps against :data:`CONTROL` alone (None without its rows): the most points by which laps' violations exceed
+    its at any load (fixed and length-aware objective, positive: laps worse), both violation rates at the control's
+    knee (its first load at 5% on ``key``), and their goodputs on ``key``."""
+    laps = {r["load"]: r for r in rows if r["policy"] == "laps"}
+    control = {r["load"]: r for r in rows if r["policy"] == CONTROL}
+    loads = sorted(set(laps) & set(control))
+    if not loads:
+        return None
+    worst = max(max(laps[x]["slo_violation_rate"] - control[x]["slo_violation_rate"],
+                    laps[x]["length_slo_violation_rate"] - control[x]["length_slo_violation_rate"]) for x in loads)
+    knee = next(({"load": x, "laps": laps[x][key], "control": control[x][key]} for x in loads
+                 if control[x][key] >= VIOLATION_TARGET), None)
+    g_laps, g_control = goodput(list(laps.values()), key), goodput(list(control.values()), key)
+    return {"max_excess": worst, "knee": knee, "laps_goodput_load": g_laps, "control_goodput_load": g_control,
+            "goodput_ratio": g_laps / g_control if g_control > 0 else math.inf}
 
 
 def plot(rows: list[dict], path: Path, title: str, saturation: float) -> None:
@@ -284,7 +333,8 @@ def plot(rows: list[dict], path: Path, title: str, saturation: float) -> None:
         pts = sorted((r for r in rows if r["policy"] == policy), key=lambda r: r["load"])
         if not pts:
             continue
-        style = dict(marker="o", linewidth=2.5 if policy == "laps" else 1.2, label=policy)
+        style = dict(marker="o", linewidth=2.5 if policy == "laps" else 1.2, label=policy,
+                     linestyle="--" if policy == CONTROL else "-")
         x = [r["load"] / saturation for r in pts]
         axes[0].plot(x, [100 * r["slo_violation_rate"] for r in pts], **style)
         axes[1].plot(x, [100 * r["length_slo_violation_rate"] for r in pts], **style)
@@ -351,6 +401,20 @@ def print_verdicts(verdicts: list[dict], console: Console) -> bool:
                       "n/a" if v.get("prefill_busy_at_saturation") is None else f"{100 * v['prefill_busy_at_saturation']:.0f}%",
                       "ok" if v["short_p90"] else "MISS")
     console.print(table)
+    control = Table(title=f"laps against {CONTROL} (least_load to engines with laps' own flags): what the scheduling "
+                          "alone buys; not part of the verdict")
+    for col in ("workload", "laps − control, worst load (points)", "at the control's knee: laps / control", "goodput laps / control"):
+        control.add_column(col, justify="right")
+    for v in verdicts:
+        c = v.get("same_flags")
+        if c is None:
+            control.add_row(v["workload"], "n/a", "n/a", "n/a")
+            continue
+        knee = c["knee"]
+        control.add_row(v["workload"], f"{100 * c['max_excess']:+.2f}",
+                        "no knee" if knee is None else f"{100 * knee['laps']:.1f}% / {100 * knee['control']:.1f}%",
+                        f"{c['goodput_ratio']:.2f}×")
+    console.print(control)
     for v in verdicts:
         for p in v["points"]:
             if not p["never_worse"]:

@@ -90,3 +90,30 @@ def test_the_sweep_averages_every_point_over_its_seeds(monkeypatch):
     assert len(rows) == 2 * len(dominance.POLICIES)
     assert {r["load"] for r in rows} == {100.0, 200.0}
     assert all(r["seeds"] == 2 and r["slo_violation_rate"] == pytest.approx(0.035) for r in rows)  # seeds 3 and 4
+
+
+def test_the_control_is_not_a_baseline_of_the_verdict_but_is_set_against_laps_alone():
+    rows = []
+    for load, laps, spf, control in ((50, 0.0, 0.0, 0.0), (100, 0.02, 0.06, 0.01), (150, 0.04, 0.30, 0.07)):
+        rows += [row("laps", load, load, laps), row("least_load+spf", load, load, spf),
+                 row(dominance.CONTROL, load, load, control)]
+    v = dominance.verdict(rows, "w", 100.0)
+    assert v["never_worse"]  # against least_load+spf; the control (1% at load 100) would have made it fail
+    assert v["knee"]["best_policy"] == "least_load+spf" and v["goodput"]["best_policy"] == "least_load+spf"
+    c = v["same_flags"]
+    assert c["max_excess"] == pytest.approx(0.01)  # at load 100: laps 2%, control 1%
+    assert c["knee"] == {"load": 150, "laps": 0.04, "control": 0.07}
+    # laps stays under 5% to load 150; the control crosses 5% two thirds of the way from 100 (1%) to 150 (7%).
+    assert c["laps_goodput_load"] == 150 and c["control_goodput_load"] == pytest.approx(100 + 50 * 4 / 6)
+    without = [r for r in rows if r["policy"] != dominance.CONTROL]
+    assert dominance.verdict(without, "w", 100.0)["same_flags"] is None  # an older run: no control rows
+
+
+def test_the_control_runs_laps_engine_flags_under_least_load():
+    config = dominance.point_config(dominance.CONTROL, False)
+    shipped = dominance.load_config(dominance.SHIPPED)
+    assert config.scheduling.policy == "least_load" and len(config.engines) == 8
+    assert {e.role for e in config.engines} == {"laps-flags"}
+    assert config.roles["laps-flags"].flags == shipped.roles["long-prefill"].flags
+    pd = dominance.point_config(dominance.CONTROL, True)
+    assert pd.roles["prefill"].flags == shipped.roles["short-prefill"].flags and pd.scheduling.policy == "least_load"
