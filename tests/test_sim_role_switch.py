@@ -95,7 +95,9 @@ async def test_a_first_flip_to_decode_needs_the_decode_graph_memory_and_then_flu
 
 
 async def test_a_busy_engine_is_refused_but_the_same_role_is_not():
-    async with engines(flip_capable("prefill", free_port())) as (session, (prefill,)):
+    # Forward passes 400× as slow: the request's prefill takes ~2 s, so the engine is still busy when the switch
+    # arrives however loaded the machine (at full speed it ends in milliseconds, and the switch could find it idle).
+    async with engines(flip_capable("prefill", free_port(), sim_fault="slow:400")) as (session, (prefill,)):
         running = asyncio.ensure_future(session.post(str(prefill.make_url("/generate")),
                                                      json={"text": "Hi", "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}))
         while prefill.app[ENGINE].core.fully_idle():

@@ -42,15 +42,32 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Iterable, Protocol
 
 import aiohttp
 from aiohttp import web
 
 from engines.sim.core import RequestEvent
 
-if TYPE_CHECKING:
-    from engines.sim.realtime import SimEngine, Track
+
+class PDHost(Protocol):
+    """What a :class:`PDShell` asks of the engine it is part of (:class:`engines.sim.realtime.SimEngine`).
+
+    A *track* is the engine's handle on one request's events; the shell hands it back to the caller unopened.
+    """
+
+    def submit(self, rid: str, input_ids: list[int], max_new_tokens: int | None, ignore_eos: bool,
+               stop: list[str], priority: int | None = None) -> Any: ...
+
+    def open_track(self, rid: str) -> Any: ...
+
+    def add_transferred(self, rid: str, input_ids: list[int], max_new_tokens: int | None, ignore_eos: bool,
+                        stop: list[str], priority: int | None = None) -> None: ...
+
+    def finish_transfer(self, rid: str) -> bool: ...
+
+    def deliver(self, events: Iterable[RequestEvent]) -> None: ...
+
 
 log = logging.getLogger("engines.sim")
 
@@ -73,7 +90,7 @@ class PDShell:
     bytes of one token on one TP rank (the ranks transfer in parallel).
     """
 
-    def __init__(self, engine: "SimEngine", mode: str, link_bytes_per_s: float, kv_bytes_per_token: float) -> None:
+    def __init__(self, engine: PDHost, mode: str, link_bytes_per_s: float, kv_bytes_per_token: float) -> None:
         if mode not in ("prefill", "decode"):
             raise ValueError(f"PDShell needs --disaggregation-mode prefill or decode, got {mode!r}")
         self.engine = engine
@@ -96,8 +113,8 @@ class PDShell:
     # ---- both sides ------------------------------------------------------------------------------
 
     def submit(self, rid: str, body: dict[str, Any], input_ids: list[int], max_new_tokens: int | None,
-               ignore_eos: bool, stop: list[str], priority: int | None) -> "Track":
-        """Queue an OpenAI request on this PD engine; its events arrive on the returned track.
+               ignore_eos: bool, stop: list[str], priority: int | None) -> Any:
+        """Queue an OpenAI request on this PD engine; its events arrive on the returned track (the engine's).
 
         Raises:
             ValueError: a bad request (as :meth:`SimEngine.submit`), a reused
