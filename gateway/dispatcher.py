@@ -112,19 +112,34 @@ class Dispatcher:
             APIError: 503 when the scheduler rejects it (no healthy engine).
             asyncio.CancelledError: the caller went away; the request is withdrawn.
         """
+        future = self.enter(request)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self.withdraw(request, future)
+            raise
+
+    def enter(self, request: RequestView) -> asyncio.Future[str]:
+        """:meth:`admit` without a coroutine: submit ``request`` and decide at once; the future of the id of the engine
+        it is dispatched to (already done when dispatched or rejected at once). Its exception: an
+        :class:`~gateway.errors.APIError` (503 no engine, 500 the policy failed, or :meth:`fail_waiting`'s). Whoever
+        stops waiting for it calls :meth:`withdraw`; a dispatched request counts as in flight until :meth:`complete`.
+        """
         future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._waiting[request.rid] = (request, future)
         self.scheduler.submit(request, self.clock())
         self._decide()
-        try:
-            return await future
-        except asyncio.CancelledError:
-            if self._waiting.pop(request.rid, None) is not None:
-                self.scheduler.cancel(request.rid, self.clock())
-                self._decide()
-            elif future.done() and not future.cancelled() and future.exception() is None:
-                self.complete(request, future.result())  # dispatched in the same instant
-            raise
+        return future
+
+    def withdraw(self, request: RequestView, future: asyncio.Future[str]) -> None:
+        """Nobody waits for ``future`` (from :meth:`enter`) any more: a request still waiting leaves the scheduler, one
+        dispatched in the same instant (its result not yet taken) completes at once; ``future`` is cancelled."""
+        if self._waiting.pop(request.rid, None) is not None:
+            self.scheduler.cancel(request.rid, self.clock())
+            self._decide()
+        elif future.done() and not future.cancelled() and future.exception() is None:
+            self.complete(request, future.result())
+        future.cancel()
 
     def first_token(self, rid: str, engine_id: str, reported_cached_tokens: int | None) -> None:
         """The engine produced the request's first token (its prefill is done)."""
