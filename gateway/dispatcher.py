@@ -175,19 +175,24 @@ class Dispatcher:
             # A policy bug must not strand anyone: every waiting request fails explicitly.
             log.exception("scheduler %s failed; failing %d waiting requests", type(self.scheduler).__name__, len(self._waiting))
             for _, future in self._waiting.values():
-                future.set_exception(APIError(500, "the gateway's scheduler failed; see the gateway log", type="internal_error"))
+                if not future.cancelled():
+                    future.set_exception(APIError(500, "the gateway's scheduler failed; see the gateway log", type="internal_error"))
             self._waiting.clear()
             return
         for group in decision.dispatches:
             for rid in group.rids:
                 request, future = self._waiting.pop(rid)
+                if future.cancelled():  # its caller went away earlier in this loop turn, before :meth:`admit` withdrew it
+                    self.scheduler.on_complete(rid, group.engine_id, now)
+                    continue
                 self._registry.acquire(group.engine_id, request.prompt_tokens)
                 if self.first_tokens is not None:
                     self._deadlines[rid] = request.deadline_s
                 future.set_result(group.engine_id)
         for rid in decision.rejected:
             _, future = self._waiting.pop(rid)
-            future.set_exception(APIError(503, "no healthy engine is available; retry later", type="service_unavailable", code="no_engine"))
+            if not future.cancelled():
+                future.set_exception(APIError(503, "no healthy engine is available; retry later", type="service_unavailable", code="no_engine"))
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None

@@ -230,3 +230,21 @@ async def test_a_held_request_is_withdrawn_when_its_caller_goes_and_when_its_wor
         await first.close()
         await service.close()
         side.dispatcher.close()
+
+
+async def test_a_request_whose_caller_went_away_in_the_same_turn_is_not_dispatched_to_it():
+    side = _scheduler_side(_config(), Clock())
+    dispatcher = side.dispatcher
+    short = BlockChain(16).extend(range(40))
+    busy = [await dispatcher.place(Arrival(f"busy-{i}", short, 1000.0, None)) for i in range(3)]  # every engine prefilling
+    held = asyncio.ensure_future(dispatcher.place(Arrival("held", short, 1000.0, None)))
+    await asyncio.sleep(0)
+    assert dispatcher.queued == 1
+    held.cancel()  # its client went away; in the same turn another request's first token frees an engine
+    view, engine = busy[0]
+    dispatcher.first_token(view.rid, engine, None)
+    dispatcher.complete(view, engine)
+    await asyncio.sleep(0)
+    assert held.cancelled() and dispatcher.queued == 0
+    assert sum(e.in_flight for e in side.registry) == 2  # the other busy ones: "held" counts nowhere
+    dispatcher.close()
