@@ -112,19 +112,34 @@ class Dispatcher:
             APIError: 503 when the scheduler rejects it (no healthy engine).
             asyncio.CancelledError: the caller went away; the request is withdrawn.
         """
+        future = self.enter(request)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self.withdraw(request, future)
+            raise
+
+    def enter(self, request: RequestView) -> asyncio.Future[str]:
+        """:meth:`admit` without a coroutine: submit ``request`` and decide at once; the future of the id of the engine
+        it is dispatched to (already done when dispatched or rejected at once). Its exception: an
+        :class:`~gateway.errors.APIError` (503 no engine, 500 the policy failed, or :meth:`fail_waiting`'s). Whoever
+        stops waiting for it calls :meth:`withdraw`; a dispatched request counts as in flight until :meth:`complete`.
+        """
         future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._waiting[request.rid] = (request, future)
         self.scheduler.submit(request, self.clock())
         self._decide()
-        try:
-            return await future
-        except asyncio.CancelledError:
-            if self._waiting.pop(request.rid, None) is not None:
-                self.scheduler.cancel(request.rid, self.clock())
-                self._decide()
-            elif future.done() and not future.cancelled() and future.exception() is None:
-                self.complete(request, future.result())  # dispatched in the same instant
-            raise
+        return future
+
+    def withdraw(self, request: RequestView, future: asyncio.Future[str]) -> None:
+        """Nobody waits for ``future`` (from :meth:`enter`) any more: a request still waiting leaves the scheduler, one
+        dispatched in the same instant (its result not yet taken) completes at once; ``future`` is cancelled."""
+        if self._waiting.pop(request.rid, None) is not None:
+            self.scheduler.cancel(request.rid, self.clock())
+            self._decide()
+        elif future.done() and not future.cancelled() and future.exception() is None:
+            self.complete(request, future.result())
+        future.cancel()
 
     def first_token(self, rid: str, engine_id: str, reported_cached_tokens: int | None) -> None:
         """The engine produced the request's first token (its prefill is done)."""
@@ -160,19 +175,24 @@ class Dispatcher:
             # A policy bug must not strand anyone: every waiting request fails explicitly.
             log.exception("scheduler %s failed; failing %d waiting requests", type(self.scheduler).__name__, len(self._waiting))
             for _, future in self._waiting.values():
-                future.set_exception(APIError(500, "the gateway's scheduler failed; see the gateway log", type="internal_error"))
+                if not future.cancelled():
+                    future.set_exception(APIError(500, "the gateway's scheduler failed; see the gateway log", type="internal_error"))
             self._waiting.clear()
             return
         for group in decision.dispatches:
             for rid in group.rids:
                 request, future = self._waiting.pop(rid)
+                if future.cancelled():  # its caller went away earlier in this loop turn, before :meth:`admit` withdrew it
+                    self.scheduler.on_complete(rid, group.engine_id, now)
+                    continue
                 self._registry.acquire(group.engine_id, request.prompt_tokens)
                 if self.first_tokens is not None:
                     self._deadlines[rid] = request.deadline_s
                 future.set_result(group.engine_id)
         for rid in decision.rejected:
             _, future = self._waiting.pop(rid)
-            future.set_exception(APIError(503, "no healthy engine is available; retry later", type="service_unavailable", code="no_engine"))
+            if not future.cancelled():
+                future.set_exception(APIError(503, "no healthy engine is available; retry later", type="service_unavailable", code="no_engine"))
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None

@@ -22,9 +22,14 @@ int, float, bytes, None); their meaning is the scheduler's business, not the
 channel's (:mod:`gateway.sched_service` documents the gateway's messages).
 The scheduler's handler gets each message with the :class:`Peer` (the worker's
 connection) it came on, and ``on_disconnect(peer)`` when that connection is
-lost, so it can release what a dead worker left. Frames the kernel delivers together are decoded in one
-``data_received`` and their replies written in one ``transport.write`` per
-batch, so under load the per-frame syscalls amortise.
+lost, so it can release what a dead worker left.
+
+Both sides coalesce: frames the kernel delivers together are decoded in one
+``data_received``, a handler's immediate results are answered there without a
+task, and every frame a side sends in one turn of its event loop (replies,
+calls, notes) goes out in one ``transport.write`` at the end of that turn
+(:class:`_FrameWriter`), so under load the syscalls and loop wake-ups per frame
+amortise on both ends.
 
 Measured round trip: ``bench/sched_channel_rtt.py`` (README, Several gateway
 processes).
@@ -34,11 +39,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import itertools
 import logging
 import os
+import types
 from collections.abc import Awaitable, Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +55,7 @@ log = logging.getLogger("laps.sched_channel")
 CALL, REPLY, FAILED, NOTE = 0, 1, 2, 3
 MAX_FRAME_BYTES = 16 * 1024 * 1024
 _HEADER_BYTES = 4
+_LATER = (asyncio.Future, types.CoroutineType)  # a handler's results answered when done (exact types: a cheap test)
 
 
 
@@ -127,10 +134,37 @@ def encode_frame(kind: int, call_id: int, payload: Any) -> bytes:
     return len(body).to_bytes(_HEADER_BYTES, "big") + body
 
 
+class _FrameWriter:
+    """Frames sent to ``transport`` in one turn of the event loop, written together at its end (one ``write``);
+    frames go out in the order sent. Frames sent once the transport is closing are dropped."""
+
+    __slots__ = ("_transport", "_frames", "_scheduled")
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+        self._frames: list[bytes] = []
+        self._scheduled = False
+
+    def send(self, frame: bytes) -> None:
+        self._frames.append(frame)
+        if not self._scheduled:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self.flush)
+
+    def flush(self) -> None:
+        """Write what was sent so far now (also what the end of the turn does)."""
+        self._scheduled = False
+        if self._frames:
+            if not self._transport.is_closing():
+                self._transport.write(b"".join(self._frames))
+            self._frames.clear()
+
+
 # ---------------------------------------------------------------- the scheduler's side
 
 class _ServerConnection(asyncio.Protocol):
-    """One worker's connection: runs the handler per CALL / NOTE; sync results are written back per batch."""
+    """One worker's connection: runs the handler per CALL / NOTE, answers immediate results at once and awaitable
+    ones when they are done, every reply through one :class:`_FrameWriter`."""
 
     def __init__(self, handler: Handler, connections: set[_ServerConnection], peer: Peer,
                  on_disconnect: Callable[[Peer], None] | None) -> None:
@@ -139,11 +173,13 @@ class _ServerConnection(asyncio.Protocol):
         self._decoder = FrameDecoder()
         self._tasks: set[asyncio.Task] = set()
         self._on_disconnect = on_disconnect
+        self._writer: _FrameWriter | None = None
         self.peer = peer
         self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         self.transport = transport
+        self._writer = _FrameWriter(transport)
         self._connections.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -163,24 +199,23 @@ class _ServerConnection(asyncio.Protocol):
             log.warning("scheduler channel: closing a worker's connection: %s", err)
             self.transport.close()
             return
-        out = []
         for kind, call_id, message in frames:
             try:
                 result = self._handler(message, self.peer)
             except Exception as err:  # the handler's failure goes back to the caller, not into the loop
                 if kind == CALL:
-                    out.append(encode_frame(FAILED, call_id, f"{type(err).__name__}: {err}"))
+                    self._writer.send(encode_frame(FAILED, call_id, f"{type(err).__name__}: {err}"))
                 else:
                     log.exception("scheduler channel: a note's handler failed")
                 continue
-            if inspect.isawaitable(result):
-                task = asyncio.ensure_future(self._answer_later(kind, call_id, result))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+            if isinstance(result, _LATER):
+                pending = asyncio.ensure_future(result)
+                if pending is not result:  # a coroutine's task is the channel's: cancelled when the worker goes
+                    self._tasks.add(pending)
+                    pending.add_done_callback(self._tasks.discard)
+                pending.add_done_callback(partial(self._answer_later, kind, call_id))
             elif kind == CALL:
-                out.append(self._reply(call_id, result))
-        if out and not self.transport.is_closing():
-            self.transport.write(b"".join(out))
+                self._writer.send(self._reply(call_id, result))
 
     @staticmethod
     def _reply(call_id: int, result: Any) -> bytes:
@@ -189,31 +224,31 @@ class _ServerConnection(asyncio.Protocol):
         except (TypeError, ValueError) as err:
             return encode_frame(FAILED, call_id, f"unsendable result: {err}")
 
-    async def _answer_later(self, kind: int, call_id: int, pending: Awaitable[Any]) -> None:
-        try:
-            result = await pending
-        except Exception as err:
-            if kind != CALL:
-                log.exception("scheduler channel: a note's handler failed")
-                return
-            frame = encode_frame(FAILED, call_id, f"{type(err).__name__}: {err}")
+    def _answer_later(self, kind: int, call_id: int, pending: asyncio.Future) -> None:
+        if pending.cancelled():
+            return
+        err = pending.exception()
+        if kind != CALL:
+            if err is not None:
+                log.error("scheduler channel: a note's handler failed", exc_info=err)
+        elif err is not None:
+            self._writer.send(encode_frame(FAILED, call_id, f"{type(err).__name__}: {err}"))
         else:
-            if kind != CALL:
-                return
-            frame = self._reply(call_id, result)
-        if not self.transport.is_closing():
-            self.transport.write(frame)
+            self._writer.send(self._reply(call_id, pending.result()))
 
 
 class ChannelServer:
     """Serves ``handler`` on the Unix socket ``path`` to any number of workers (the scheduler process's side).
 
     ``handler(message, peer)`` gets each CALL's and NOTE's message with the
-    :class:`Peer` it came from and returns the result (or an awaitable of it;
-    those run concurrently). An exception it raises becomes the caller's
+    :class:`Peer` it came from and returns the result, or a coroutine of it (run
+    as a task, concurrently), or an ``asyncio.Future`` of it (settled by
+    whoever made it: the cheap way to answer later, no task). A cancelled
+    future or task sends nothing. An exception it raises becomes the caller's
     :class:`ChannelError`; one from a NOTE is logged. ``on_disconnect(peer)``
     runs when a worker's connection is lost (the worker closed it or died; also
-    at :meth:`close`), after that peer's pending handler tasks were cancelled.
+    at :meth:`close`), after that peer's coroutines' tasks were cancelled (its
+    futures are the handler's to drop there).
     """
 
     def __init__(self, path: str | os.PathLike, handler: Handler, on_disconnect: Callable[[Peer], None] | None = None) -> None:
@@ -281,13 +316,14 @@ class _ClientConnection(asyncio.Protocol):
 
 class ChannelClient:
     """A worker's connection to the scheduler: :meth:`call` (ask and wait) and :meth:`note` (tell), over one
-    Unix socket, many calls in flight at once.
+    Unix socket, many calls in flight at once; what is sent in one turn of the event loop goes out in one write.
 
     Use ``client = await ChannelClient.connect(path)`` ... ``await client.close()``.
     """
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
+        self._writer: _FrameWriter | None = None
         self._pending: dict[int, asyncio.Future] = {}
         self._ids = itertools.count(1)
         self._closed: str | None = None  # why the channel is closed, once it is
@@ -302,6 +338,7 @@ class ChannelClient:
         client = cls()
         loop = asyncio.get_running_loop()
         client.transport, _ = await loop.create_unix_connection(lambda: _ClientConnection(client), str(path))
+        client._writer = _FrameWriter(client.transport)
         return client
 
     async def call(self, message: Any) -> Any:
@@ -318,7 +355,7 @@ class ChannelClient:
         frame = encode_frame(CALL, call_id, message)
         future = asyncio.get_running_loop().create_future()
         self._pending[call_id] = future
-        self.transport.write(frame)
+        self._writer.send(frame)
         try:
             return await future
         finally:
@@ -333,11 +370,12 @@ class ChannelClient:
         """
         if self._closed is not None:
             raise ChannelClosed(self._closed)
-        self.transport.write(encode_frame(NOTE, 0, message))
+        self._writer.send(encode_frame(NOTE, 0, message))
 
     async def close(self) -> None:
-        """Close the connection; calls in flight fail with :class:`ChannelClosed`."""
+        """Send what is not sent yet, close the connection; calls in flight fail with :class:`ChannelClosed`."""
         if self.transport is not None and not self.transport.is_closing():
+            self._writer.flush()
             self.transport.close()
         self._lost(None)
 

@@ -48,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from array import array
+from functools import partial
 
 from gateway.dispatcher import Arrival
 from gateway.errors import APIError
@@ -76,7 +77,8 @@ class SchedulerService:
     def __init__(self, gw: Gateway) -> None:
         self.gw = gw
         self._placed: dict[str, tuple[RequestView, str, Peer]] = {}  # dispatched, not done: view, engine, its worker
-        self._waiting: dict[str, asyncio.Task] = {}  # place calls not answered yet
+        # place calls not answered yet: view, the dispatcher's future, the channel's answer, its worker
+        self._waiting: dict[str, tuple[RequestView, asyncio.Future[str], asyncio.Future[dict], Peer]] = {}
         self._server: ChannelServer | None = None
         self._ops = {"state": self._state, "place": self._place, "first": self._first, "done": self._done, "insert": self._insert,
                      "observe": self._observe, "down": self._down}
@@ -99,8 +101,10 @@ class SchedulerService:
         return self._ops[message["op"]](message, peer)
 
     def worker_gone(self, peer: Peer) -> None:
-        """Release what the worker of ``peer`` left: its dispatched requests complete and are aborted on their
-        engines (its waiting ones were withdrawn when the channel cancelled their place calls)."""
+        """Release what the worker of ``peer`` left: its waiting requests are withdrawn (first, so that the capacity
+        freed next goes to others), its dispatched ones complete and are aborted on their engines."""
+        for rid in [rid for rid, (_, _, _, owner) in self._waiting.items() if owner is peer]:
+            self._withdraw(rid)
         rids = [rid for rid, (_, _, owner) in self._placed.items() if owner is peer]
         for rid in rids:
             view, engine_id, _ = self._placed.pop(rid)
@@ -111,20 +115,49 @@ class SchedulerService:
     def _state(self, message: dict, peer: Peer) -> dict:
         return {"engines": engines_of(self.gw), "context_tokens": self.gw.context_tokens, "stats": self.gw.dispatcher.scheduler.stats()}
 
-    async def _place(self, message: dict, peer: Peer) -> dict:
+    def _place(self, message: dict, peer: Peer) -> dict | asyncio.Future[dict]:
+        """The answer (module doc) when the dispatcher decides at once, else a future of it, set from the dispatcher's
+        future's callback (no task per call)."""
         rid = message["rid"]
         chain = BlockChain(self.gw.prefix_index.block_tokens, array("q", message["keys"]), array("I", message["ids"]))
         arrival = Arrival(rid, chain, message["arrival_s"], message["deadline_s"], message["max_tokens"], tuple(message["reply_tokens"]),
                           message["stream"], message["priority"])
-        self._waiting[rid] = asyncio.current_task()
+        view = self.gw.dispatcher.classify(arrival)
+        decided = self.gw.dispatcher.enter(view)
+        if decided.done():
+            return self._answer(view, decided, peer)
+        answer = asyncio.get_running_loop().create_future()
+        self._waiting[rid] = (view, decided, answer, peer)
+        decided.add_done_callback(partial(self._decided, rid))
+        return answer
+
+    def _decided(self, rid: str, decided: asyncio.Future[str]) -> None:
+        waiting = self._waiting.pop(rid, None)
+        if waiting is None:  # withdrawn (``decided`` was cancelled)
+            return
+        view, _, answer, peer = waiting
         try:
-            view, engine_id = await self.gw.dispatcher.place(arrival)
+            answer.set_result(self._answer(view, decided, peer))
+        except Exception as err:  # the caller's ChannelError
+            answer.set_exception(err)
+
+    def _answer(self, view: RequestView, decided: asyncio.Future[str], peer: Peer) -> dict:
+        """The place call's answer from the dispatcher's done future; a dispatched request is ``peer``'s from now.
+
+        Raises:
+            Exception: ``decided``'s, when it is not an :class:`~gateway.errors.APIError` (a bug: the channel's error).
+        """
+        try:
+            engine_id = decided.result()
         except APIError as err:
             return {"error": {"status": err.status, "message": err.message, "type": err.type, "code": err.code}}
-        finally:
-            del self._waiting[rid]
-        self._placed[rid] = (view, engine_id, peer)
+        self._placed[view.rid] = (view, engine_id, peer)
         return {"engine": engine_id, "class": view.request_class, "cached_by_engine": dict(view.cached_by_engine), "deadline_s": view.deadline_s}
+
+    def _withdraw(self, rid: str) -> None:
+        view, decided, answer, _ = self._waiting.pop(rid)
+        self.gw.dispatcher.withdraw(view, decided)
+        answer.cancel()  # nobody to answer
 
     def _first(self, message: dict, peer: Peer) -> None:
         if message["rid"] in self._placed:
@@ -136,7 +169,7 @@ class SchedulerService:
         if placed is not None:
             self.gw.dispatcher.complete(placed[0], placed[1])
         elif rid in self._waiting:
-            self._waiting[rid].cancel()  # the Dispatcher withdraws it
+            self._withdraw(rid)
 
     def _insert(self, message: dict, peer: Peer) -> None:
         self.gw.prefix_index.insert(message["engine"], array("q", message["keys"]))

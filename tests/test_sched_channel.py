@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from gateway.sched_channel import (CALL, MAX_FRAME_BYTES, NOTE, REPLY, ChannelClient, ChannelClosed, ChannelError,
-                                   ChannelServer, FrameDecoder, encode_frame)
+                                   ChannelServer, FrameDecoder, _FrameWriter, encode_frame)
 
 
 @pytest.fixture
@@ -175,3 +175,54 @@ async def test_each_worker_is_its_own_peer_and_its_disconnect_is_reported_once(s
         await second.close()
         await server.close()
     assert lost == [(first_id, ["a", "c"]), (second_id, ["b", "d"])]
+
+
+class _Transport:
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+        self.closing = False
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(data)
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+
+async def test_frames_sent_in_one_loop_turn_go_out_in_one_write_in_order():
+    transport = _Transport()
+    writer = _FrameWriter(transport)
+    frames = [encode_frame(CALL, n, {"n": n}) for n in range(3)]
+    for frame in frames:
+        writer.send(frame)
+    assert transport.writes == []  # not before the end of the turn
+    await asyncio.sleep(0)
+    assert transport.writes == [b"".join(frames)]
+    writer.send(frames[0])
+    transport.closing = True
+    await asyncio.sleep(0)
+    assert transport.writes == [b"".join(frames)]  # nothing to a closing transport
+
+
+async def test_a_future_result_is_answered_once_set_and_a_cancelled_one_never(sock_path):
+    futures = {}
+
+    def later(m, peer):
+        if m == "sync":
+            return "sync"
+        futures[m] = asyncio.get_running_loop().create_future()
+        return futures[m]
+
+    server, client = await _serving(sock_path, later)
+    try:
+        kept, dropped = asyncio.ensure_future(client.call("kept")), asyncio.ensure_future(client.call("dropped"))
+        assert await client.call("sync") == "sync"
+        futures["dropped"].cancel()
+        futures["kept"].set_result({"engine": "e0"})
+        assert await kept == {"engine": "e0"}
+        assert await client.call("sync") == "sync"  # replies go out in order: one for "dropped" would have come first
+        assert not dropped.done()
+        dropped.cancel()
+    finally:
+        await client.close()
+        await server.close()

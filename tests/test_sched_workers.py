@@ -192,3 +192,59 @@ async def test_a_dead_workers_requests_are_released_and_aborted(tmp_path):
         await alive.close()
         await service.close()
         side.dispatcher.close()
+
+
+async def test_a_held_request_is_withdrawn_when_its_caller_goes_and_when_its_worker_goes(tmp_path):
+    config = _config()
+    side = _scheduler_side(config, Clock())
+    aborted = []
+
+    async def abort(url, rid):
+        aborted.append(rid)
+
+    side.client = SimpleNamespace(abort=abort)
+    service = SchedulerService(side)
+    await service.start(str(tmp_path / "sched.sock"))
+    first, second = await ChannelClient.connect(tmp_path / "sched.sock"), await ChannelClient.connect(tmp_path / "sched.sock")
+    try:
+        short = BlockChain(config.scheduling.prefix_block_tokens).extend(range(40))
+        for rid in ("busy-1", "busy-2", "busy-3"):  # every engine prefilling: the next short request is held in an AWD window
+            await RemoteDispatcher(first).place(Arrival(rid, short, 1000.0, None))
+        call = asyncio.ensure_future(RemoteDispatcher(first).place(Arrival("gone-1", short, 1000.0, None)))
+        await asyncio.sleep(0)  # its place call goes first
+        await first.call({"op": "state"})
+        assert [v.rid for v in side.dispatcher.queued_requests()] == ["gone-1"]
+        call.cancel()  # the client went away: the worker tells the scheduler
+        await first.call({"op": "state"})
+        assert side.dispatcher.queued == 0
+        held = asyncio.ensure_future(RemoteDispatcher(second).place(Arrival("dead-1", short, 1000.0, None)))
+        await asyncio.sleep(0)
+        await second.call({"op": "state"})
+        assert side.dispatcher.queued == 1
+        await second.close()  # its worker died
+        while side.dispatcher.queued:
+            await asyncio.sleep(0.01)
+        assert held.done() and aborted == []  # withdrawn before any engine got it
+        assert sum(e.in_flight for e in side.registry) == 3  # the busy ones only
+    finally:
+        await first.close()
+        await service.close()
+        side.dispatcher.close()
+
+
+async def test_a_request_whose_caller_went_away_in_the_same_turn_is_not_dispatched_to_it():
+    side = _scheduler_side(_config(), Clock())
+    dispatcher = side.dispatcher
+    short = BlockChain(16).extend(range(40))
+    busy = [await dispatcher.place(Arrival(f"busy-{i}", short, 1000.0, None)) for i in range(3)]  # every engine prefilling
+    held = asyncio.ensure_future(dispatcher.place(Arrival("held", short, 1000.0, None)))
+    await asyncio.sleep(0)
+    assert dispatcher.queued == 1
+    held.cancel()  # its client went away; in the same turn another request's first token frees an engine
+    view, engine = busy[0]
+    dispatcher.first_token(view.rid, engine, None)
+    dispatcher.complete(view, engine)
+    await asyncio.sleep(0)
+    assert held.cancelled() and dispatcher.queued == 0
+    assert sum(e.in_flight for e in side.registry) == 2  # the other busy ones: "held" counts nowhere
+    dispatcher.close()
