@@ -77,8 +77,9 @@ How these rules were chosen (``laps simulate`` engine model, 8 H200s running
 ``shortest-prefill-first`` with SGLang's 8,192-token chunks, as
 ``examples/sim-h200x8.yaml`` shipped then; the points of ``bench/dominance.py``,
 10 s at most each; violations of the 0.4 s objective; the file now ships
-2,048-token chunks, which lowers every figure below in overload, laps' and the
-baselines' alike: README, What the simulator says so far).
+2,048-token chunks, which lowers laps' figures below in overload, as it does
+least_load's to engines given the same chunk: README, What the simulator says
+so far).
 The first design predicted each engine's backlog first come first served,
 gated long prefills at 16,384 tokens per engine and kept them in the long pool
 while its best engine met the deadline with the observed P99 of actual over
