@@ -68,7 +68,7 @@ from laps.tokenizer import load_tokenizer  # noqa: E402
 from loadgen.report import build_report  # noqa: E402
 from loadgen.simulate import simulate_run  # noqa: E402
 from loadgen.workloads import build_workload, load_azure_trace  # noqa: E402
-from policy_compare import ROLES, deployment  # noqa: E402
+from policy_compare import POLICIES as COMPARED, ROLES  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = ROOT / "examples" / "sim-h200x8.yaml"
@@ -103,23 +103,24 @@ def shipped_flags() -> dict:
     return dict(load_config(SHIPPED).roles["short-prefill"].flags)
 
 
-def baseline_role(policy: str) -> dict:
-    """The role every engine of a baseline (or the control) runs."""
+def baseline_setup(policy: str) -> tuple[str, str, dict]:
+    """A baseline's (or the control's) ``scheduling.policy``, and the name and body of the role every engine runs."""
     if policy == CONTROL:
-        return {"pool": "short", "flags": shipped_flags()}
-    return ROLES["sglang-spf" if policy == "least_load+spf" else "sglang-default"]
+        return "least_load", "laps-flags", {"pool": "short", "flags": shipped_flags()}
+    scheduling, role = COMPARED[BASELINES[policy]]
+    return scheduling, role, ROLES[role]
 
 
 def pd_deployment(policy: str) -> Config:
     """6 prefill + 2 decode simulated engines: laps with the shipped pools and controller, or a baseline placing prefills."""
     shipped = load_config(SHIPPED)
     roles = {**({k: v.model_dump() for k, v in shipped.roles.items()} if policy == "laps" else
-                {"prefill": baseline_role(policy)}),
+                {"prefill": baseline_setup(policy)[2]}),
              "decode": {"pool": "decode", "flags": {}}}
     prefill_roles = ["short-prefill"] * 3 + ["long-prefill"] * 3 if policy == "laps" else ["prefill"] * 6
     data = {
         "model": {"name": "Qwen2.5-7B-Instruct"}, "slo": {"ttft_s": SLO_TTFT_S}, "sim": {"model": "qwen2.5-7b", "gpu": "h200"},
-        "scheduling": {"policy": "laps" if policy == "laps" else scheduling_policy(policy)},
+        "scheduling": {"policy": "laps" if policy == "laps" else baseline_setup(policy)[0]},
         "pd": {"link": "nvlink"}, "roles": roles,
         "engines": [{"name": f"p{i}", "kind": "sim", "role": r, "gpus": [i]} for i, r in enumerate(prefill_roles)]
                    + [{"name": f"d{i}", "kind": "sim", "role": "decode", "gpus": [6 + i]} for i in range(2)],
@@ -129,24 +130,18 @@ def pd_deployment(policy: str) -> Config:
     return parse_config(data, f"dominance-pd[{policy}]")
 
 
-def scheduling_policy(policy: str) -> str:
-    """The gateway's ``scheduling.policy`` for a baseline or the control."""
-    return "least_load" if policy == CONTROL else BASELINES[policy].replace("sglang-spf", "least_load")
-
-
 def point_config(policy: str, pd: bool) -> Config:
     """The deployment ``policy`` runs on: the shipped file for laps, 8 engines of one role for a baseline or the control."""
     if pd:
         return pd_deployment(policy)
     if policy == "laps":
         return load_config(SHIPPED)
-    if policy != CONTROL:
-        return deployment(8, BASELINES[policy])
+    scheduling, role, body = baseline_setup(policy)
     return parse_config({
         "model": {"name": "Qwen2.5-7B-Instruct"}, "slo": {"ttft_s": SLO_TTFT_S}, "sim": {"model": "qwen2.5-7b", "gpu": "h200"},
-        "scheduling": {"policy": "least_load"}, "roles": {"laps-flags": baseline_role(CONTROL)},
-        "engines": [{"name": f"e{i}", "kind": "sim", "role": "laps-flags", "gpus": [i]} for i in range(8)],
-    }, "dominance[control]")
+        "scheduling": {"policy": scheduling}, "roles": {role: body},
+        "engines": [{"name": f"e{i}", "kind": "sim", "role": role, "gpus": [i]} for i in range(8)],
+    }, f"dominance[{policy}]")
 
 
 REQUESTS_PER_POINT = 3000

@@ -115,5 +115,6 @@ def test_the_control_runs_laps_engine_flags_under_least_load():
     assert config.scheduling.policy == "least_load" and len(config.engines) == 8
     assert {e.role for e in config.engines} == {"laps-flags"}
     assert config.roles["laps-flags"].flags == shipped.roles["long-prefill"].flags
+    assert dominance.point_config("cache_aware", False).scheduling.policy == "cache_aware"
     pd = dominance.point_config(dominance.CONTROL, True)
     assert pd.roles["prefill"].flags == shipped.roles["short-prefill"].flags and pd.scheduling.policy == "least_load"
