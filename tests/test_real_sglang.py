@@ -198,10 +198,16 @@ def test_client_disconnect_mid_stream_aborts_on_the_engine(deployment: Deploymen
 
 
 def test_load_tracking_counts_a_request_as_the_engine_reports_it(deployment: Deployment):
+    # Nothing of an earlier test still in flight (an aborted stream is released a moment after its client left): with
+    # both engines idle the short request takes e0, the short pool's, and does not spill to the standby.
+    registry = deployment.live.gateway.registry
+    eventually(lambda: [registry[e].in_flight for e in ("e0", "standby")], lambda counts: counts == [0, 0])
     before = deployment.load()
-    done = deployment.client.chat.completions.create(
+    raw = deployment.client.chat.completions.with_raw_response.create(
         model=MODEL, messages=[{"role": "user", "content": "Name three rivers."}], max_tokens=5, extra_body={"ignore_eos": True}
     )
+    assert raw.headers["x-laps-engine"] == "e0"
+    done = raw.parse()
     after = eventually(deployment.load, lambda load: load.requests_total == before.requests_total + 1)
     assert after.prompt_tokens_total - before.prompt_tokens_total == done.usage.prompt_tokens
     assert after.cached_tokens_total - before.cached_tokens_total == done.usage.prompt_tokens_details.cached_tokens
