@@ -24,6 +24,13 @@ Our reading of LAPS Algorithm 1 (DESIGN §2.4), per short-request group:
   slack-forced → one bucket down. W adapts through W_GR and W_SLA.
   Ŝ, the short batch's dispatch-to-first-token time, is an EWMA of observations.
 
+The windows are off unless ``awd_windows`` is set: then every short request
+goes at once ("immediate") to its cheapest engine, with whatever else waits in
+its group at that decision. SGLang batches whatever waits at the start of its
+next pass, so a window held while every engine is busy batches nothing the
+engine would not, and a request held past a pass boundary waits one whole pass
+more; in the engine model holding never helped (measured below).
+
 Grouping ("memory first"): one queue per length bucket (8/16/32/…/256 new
 tokens) so a batch's sequences pad to similar lengths; "latency first": one queue.
 
@@ -35,7 +42,10 @@ prefill with that engine's cached prefix H_e, priced by the engine's latency
 function), so a re-prefill goes where its context is cached unless recomputing
 it elsewhere gives an earlier first token. On ``shortest-prefill-first``
 engines a request also delays every longer prefill it overtakes there by its
-own prefill time, and that is part of its cost for each of them that can still
+new tokens' share of a full chunk pass (the overtaken prefill shares its
+passes, or the tokens push the overtaken prefill's into a later one: it pays
+for the tokens, not for another pass's fixed cost), and that is part of its
+cost for each of them that can still
 meet its deadline (a greedy choice by its own TTFT alone piles shorter requests
 onto the engine where a long one waits, which then starves):
 
@@ -122,6 +132,31 @@ stacked on fewer engines and overtaken there after dispatch), and taking the
 engines where the long prefill meets its predicted deadline first did not win
 that back (1.99%): the charge stays at the pass in progress alone.
 
+The windows, and the charge of an overtaken prefill as the overtaking
+batch's whole prefill time, were measured on the 2,048-token chunks (seed 0
+unless said, 1.0/1.2/1.5× least_load's saturation load, violations of the
+0.4 s objective). On single-turn chats (``chat-single``: nine in ten prompts
+short, 256-token replies) the windows were the loss against least_load: at
+1.0× they dispatched batches of ~50 requests, the per-engine predictions
+drifted, and one engine came to hold twice the requests of another (3.23%,
+0.89% without windows; least_load to engines with the same flags 0.91%).
+The whole-pass charge was the rest: a 100-token prefill alone is a 4.9 ms
+pass, but it adds about 2 ms to a full one. At 1.2× and 1.5×: with both
+5.01% and 6.83%, without windows 2.30% and 4.04%, without windows and with
+the charge as the tokens' share of a full chunk pass (now) 1.31% and 1.92%
+(that control: 1.41% and 2.44%). Elsewhere the two changes moved nothing
+beyond the noise between seeds: ``mixed`` at 1.2× 3.46% → 3.39%, ``docs``
+at 1.2× 7.21% → 7.51%, ``azure-conv`` at 1.0× 0.08% → 0.20% and at 1.5×
+7.94% → 8.48%; with the charge as the prefill time less one shortest pass
+(nearly the same), seed 1: ``docs`` 1.2× 6.81% → 6.64%, ``mixed`` 1.0×
+0.09% → 0.15%, ``azure-conv`` 1.2× 4.07% → 3.99%, ``chat-single`` 1.0×
+1.07% → 0.61%; short-class P90 TTFT at 0.5× on ``mixed`` 12.5 → 10.1 ms.
+Dropping the charge altogether gave ``chat-single`` 1.47% and 2.37% but
+``azure-conv`` 0.51% at 1.0× and 9.14% at 1.5×, and short P90 TTFT at 1.0×
+on ``shared-docs`` 98 ms (10 ms with it); counting only the overtaken
+prefills predicted to meet their deadline in the engine's order (not on
+their own work alone) gave ``chat-single`` 2.73% and 4.88%.
+
 Temporal mode (one engine serving both classes, the ``mixed`` role) was decided
 in the simulator (one simulated H200, Qwen2.5-7B, the mixed real-chat workload,
 30 s per point): gating long prefills in the gateway alone halves short P90
@@ -146,10 +181,10 @@ from typing import Literal, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from policies.ttft_model import EngineQueueModel, EngineTraits, SeqShape, batch_prefill_s, isolated_prefill_s
+from policies.ttft_model import EngineQueueModel, EngineTraits, SeqShape, isolated_prefill_s
 from policies.types import Decision, Dispatch, EngineView, RequestView
 
-Trigger = Literal["idle", "depth", "window", "slack"]
+Trigger = Literal["immediate", "idle", "depth", "window", "slack"]
 _EPS_RATE = 1e-9
 FCFS_LONG_PREFILL_TOKENS = 16384  # the gate's default room on FCFS engines: SGLang's max_prefill_tokens
 
@@ -159,6 +194,9 @@ class LapsConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    awd_windows: bool = Field(
+        False, description="hold short requests in AWD windows while every engine is busy prefilling; False: each goes "
+        "at once to its cheapest engine, which batches what waits at its next pass (module docstring)")
     window_min_ms: float = Field(0.5, ge=0)
     window_max_ms: float = Field(8.0, gt=0)
     token_buckets: list[int] = Field(default_factory=lambda: [64, 128, 256, 512, 1024, 2048], min_length=1)
@@ -232,7 +270,7 @@ class LapsScheduler:
         self._rate = _DecayingRate(self.config.rate_window_s)
         self._short_batches = _DecayingRate(self.config.rate_window_s)  # short batches dispatched per second
         self._in_flight: dict[str, _InFlight] = {}
-        self.triggers: dict[Trigger, int] = {"idle": 0, "depth": 0, "window": 0, "slack": 0}
+        self.triggers: dict[Trigger, int] = {"immediate": 0, "idle": 0, "depth": 0, "window": 0, "slack": 0}
         self.requests_batched = 0
         self.short_spilled = 0  # short batches sent to a long-pool engine
         self.long_borrowed = 0  # long prefills sent to a short-pool engine
@@ -301,8 +339,12 @@ class LapsScheduler:
         for group in sorted(self._queues):
             queue = self._queues[group]
             while queue:
-                idle = any(e.healthy and self.model.prefilling(e.id, now) == 0 for e in load.values())
-                trigger, when = ("idle", now) if idle else self.trigger(queue, now)
+                if not self.config.awd_windows:
+                    trigger, when = "immediate", now
+                elif any(e.healthy and self.model.prefilling(e.id, now) == 0 for e in load.values()):
+                    trigger, when = "idle", now
+                else:
+                    trigger, when = self.trigger(queue, now)
                 if trigger is None:
                     wake = when if wake is None else min(wake, when)
                     break
@@ -353,11 +395,12 @@ class LapsScheduler:
 
     def _cost(self, engine: EngineView, batch: Sequence[RequestView], now: float) -> float:
         """Seconds of first-token time that sending ``batch`` to ``engine`` costs: its own predicted TTFT plus the
-        delay its prefill adds to each longer prefill it overtakes there that can still meet its deadline."""
+        delay it adds to each longer prefill it overtakes there that can still meet its deadline: what its new tokens
+        add to a full chunk pass (:attr:`EngineQueueModel.token_in_pass_s`)."""
         shapes = self._shapes(batch, engine.id)
         own_s = self.model.predict_ttft_s(engine.id, shapes, now, self._decoding_context(engine))
         n = self.model.displaced(engine.id, shapes, now)
-        return own_s + n * batch_prefill_s(self.model.cost, shapes, self.model.chunk_tokens) if n else own_s
+        return own_s + n * self.model.token_in_pass_s * sum(max(1, new) for new, _ in shapes)
 
     def _dispatch_short(self, queue: list[RequestView], trigger: Trigger, load: dict[str, EngineView], now: float) -> Dispatch:
         batch, tokens = [], 0

@@ -130,6 +130,8 @@ class EngineQueueModel:
         self.short_first = traits.short_first
         self.chunk_pass_s = traits.cost.prefill_s(((traits.chunk_tokens, 0),))
         self.pass_floor_s = traits.cost.prefill_s(((1, 0),))  # the shortest forward pass: the model's resolution
+        # What one more new token adds to a full chunk pass (its compute share; the pass's fixed cost is paid anyway).
+        self.token_in_pass_s = max(0.0, self.chunk_pass_s - self.pass_floor_s) / traits.chunk_tokens
         self._pending: dict[str, _Prefill] = {}
         self._by_engine: dict[str, dict[str, _Prefill]] = {}
         self._clock: dict[str, float] = {}  # engine -> the time its entries' remaining_s are as of

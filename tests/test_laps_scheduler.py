@@ -42,7 +42,7 @@ def laps(cfg: LapsConfig, busy=("s", "l")) -> LapsScheduler:
 
 
 def config(**overrides) -> LapsConfig:
-    base = dict(window_min_ms=0.5, window_max_ms=8.0, token_buckets=[64, 128, 256], initial_depth_tokens=128,
+    base = dict(awd_windows=True, window_min_ms=0.5, window_max_ms=8.0, token_buckets=[64, 128, 256], initial_depth_tokens=128,
                 slack_ms=50.0, margin_ms=10.0, grouping="latency-first", rate_window_s=1.0, initial_service_ms=10.0)
     return LapsConfig(**{**base, **overrides})
 
@@ -100,6 +100,18 @@ def test_fill_time_at_the_arrival_rate_sets_the_window():
     s = laps(config(rate_window_s=0.01))
     s.submit(short("r0", 96, 0.0), 0.0)  # rate 96 / 0.01 s = 9600 tok/s; (128 - 96) / 9600 = 3.33 ms
     assert s.decide(ENGINES, 0.0).wake_at_s == pytest.approx(32 / 9600)
+
+
+def test_without_awd_windows_each_short_request_goes_at_once_though_every_engine_is_busy():
+    assert LapsConfig().awd_windows is False  # the default: measured in the engine model (module docstring)
+    s = laps(config(awd_windows=False))
+    s.submit(short("r0", 96, 0.0), 0.0)  # with windows, the case of the first test: held 3.33 ms for 32 more tokens
+    assert s.decide(ENGINES, 0.0) == Decision((Dispatch("s", ("r0",)),))
+    s.submit(short("r1", 10, 0.001), 0.001)
+    s.submit(short("r2", 10, 0.001), 0.001)  # what is queued at a decision goes together: the engine would batch it
+    # r0's prefill now waits on s behind its backlog, so l's equal backlog ends sooner
+    assert s.decide(ENGINES, 0.001) == Decision((Dispatch("l", ("r1", "r2")),))
+    assert s.triggers["immediate"] == 2 and s.depth_tokens == 128  # no window, no adaptation
 
 
 def test_memory_first_groups_by_length_bucket():
@@ -241,10 +253,12 @@ def test_on_shortest_prefill_first_engines_long_prefills_are_not_held_and_pay_fo
     s = LapsScheduler(config(), SPF)
     s.model.dispatched("a", ["big"], [(20000, 0)], 0.0)  # a is in a 20,000-token prefill
     for i in range(4):
-        s.model.dispatched("b", [f"p{i}"], [(800, 0)], 0.0)  # b has 4 × 13 ms of 800-token prefills
+        s.model.dispatched("b", [f"p{i}"], [(700, 0)], 0.0)  # b has 4 × 12 ms of 700-token prefills
     s.submit(long("N", 1000, 0.0), 0.0)
-    # On a, N waits for a chunk (45.96 ms) and its own 15 ms, and delays the big one 15 ms: 76 ms in all (61 ms
-    # without that charge); on b it waits 52 ms for the shorter ones and its own 15 ms: 67 ms.
+    # On a, N waits for a chunk (45.96 ms) and its own 15 ms, and delays the big one by what its 1,000 tokens add to a
+    # full chunk pass ((45.96 - 5.01) ms / 4,096 each: 10.00 ms): 70.96 ms in all; on b it waits 48 ms for the shorter
+    # ones and its own 15 ms: 63 ms. Without the charge a's 60.96 ms would be within one pass (5.01 ms) of b's, and a
+    # would win the tie on list order.
     assert s.decide(engines, 0.0).dispatches == (Dispatch("b", ("N",)),)
     for i, n in enumerate((30000, 30000, 30000)):  # no gate: each goes at once
         s.submit(long(f"L{i}", n, 0.0), 0.0)
@@ -253,12 +267,12 @@ def test_on_shortest_prefill_first_engines_long_prefills_are_not_held_and_pay_fo
 
 def test_overtaking_a_prefill_that_misses_its_deadline_anyway_costs_nothing():
     # The case above, but a's big prefill (0.2448 s of work) was due at 0.2 s: N delaying it loses no deadline, so on a
-    # N costs its 61 ms alone, less than b's 67 ms.
+    # N costs its 60.96 ms alone, less than b's 63 ms.
     engines = [EngineView("a", "long"), EngineView("b", "long")]
     s = LapsScheduler(config(), SPF)
     s.model.dispatched("a", ["big"], [(20000, 0)], 0.0, deadlines_s=[0.2])
     for i in range(4):
-        s.model.dispatched("b", [f"p{i}"], [(800, 0)], 0.0)
+        s.model.dispatched("b", [f"p{i}"], [(700, 0)], 0.0)
     s.submit(long("N", 1000, 0.0), 0.0)
     assert s.decide(engines, 0.0).dispatches == (Dispatch("a", ("N",)),)
 
