@@ -21,6 +21,7 @@ from aiohttp import web
 
 from gateway.auth import admin_key_given
 from gateway.errors import APIError
+from gateway.handlers import read_body
 from gateway.role_switch import check_side, switch_role
 from gateway.state import GATEWAY, Gateway
 
@@ -71,7 +72,7 @@ async def set_role(request: web.Request) -> web.Response:
         raise APIError(501, "role switches through the admin API need gateway.workers: 1 for now (the pressure controller "
                             "still moves engines)", type="not_implemented_error", code="not_with_workers")
     try:
-        body = orjson.loads(await request.read())
+        body = orjson.loads(await read_body(request, gw.config.gateway.body_timeout_s))
     except orjson.JSONDecodeError as err:
         raise APIError(400, f"request body is not valid JSON: {err}") from None
     role = body.get("role") if isinstance(body, dict) else None

@@ -241,8 +241,10 @@ def create_worker_app(config: Config, channel_path: str) -> web.Application:
 
 def app_runner(config: Config, app: web.Application | None = None) -> web.AppRunner:
     """The runner of ``app`` (default: :func:`create_app` of ``config``): handlers are cancelled when their client
-    goes away."""
-    return web.AppRunner(app if app is not None else create_app(config), handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+    goes away; a connection without a whole request head for ``gateway.keepalive_timeout_s`` (idle, or sending its
+    headers slowly) is closed. (``gateway.body_timeout_s`` is the handlers': :func:`gateway.handlers.read_body`.)"""
+    return web.AppRunner(app if app is not None else create_app(config), handler_cancellation=True, access_log=None, shutdown_timeout=5.0,
+                         keepalive_timeout=config.gateway.keepalive_timeout_s)
 
 
 def listen_socket(host: str, port: int, reuse_port: bool = False, listen: bool = True) -> socket.socket:

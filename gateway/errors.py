@@ -14,7 +14,10 @@ log = logging.getLogger("laps.gateway")
 
 
 class APIError(Exception):
-    """An error to return to the client as an OpenAI error body with HTTP ``status`` (and ``headers``)."""
+    """An error to return to the client as an OpenAI error body with HTTP ``status`` (and ``headers``); with
+    ``close_connection`` the answer closes the connection (``Connection: close``)."""
+
+    close_connection = False
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
@@ -29,7 +32,10 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status, headers=self.headers, dumps=lambda o: orjson.dumps(o).decode())
+        response = web.json_response(self.body(), status=self.status, headers=self.headers, dumps=lambda o: orjson.dumps(o).decode())
+        if self.close_connection:
+            response.force_close()
+        return response
 
 
 class EngineUnavailable(APIError):
@@ -50,6 +56,32 @@ class EngineTimeout(EngineUnavailable):
 
     def __init__(self, engine_id: str, detail: str) -> None:
         super().__init__(engine_id, detail, status=504, code="engine_timeout", message=f"engine {engine_id} stopped answering; retry later")
+
+
+class BodyTooLarge(APIError):
+    """A request body over the gateway's limit of ``limit_bytes`` (HTTP 413); ``received_bytes``: its size when the
+    client declared it (``Content-Length``), ``None`` when it was found over the limit while being read (chunked, or
+    compressed and larger once decompressed). The connection is closed (aiohttp first reads and drops what
+    still comes, for up to 10 s)."""
+
+    close_connection = True
+
+    def __init__(self, limit_bytes: int, received_bytes: int | None) -> None:
+        size = "" if received_bytes is None else f" of {received_bytes} bytes (Content-Length)"
+        super().__init__(413, f"request body{size} is over the gateway's limit of {limit_bytes} bytes ({limit_bytes / 2**20:g} MiB)",
+                         code="request_too_large")
+        self.limit_bytes = limit_bytes
+        self.received_bytes = received_bytes
+
+
+class BodyTimeout(APIError):
+    """A request body that did not arrive within ``timeout_s`` seconds of its head (``gateway.body_timeout_s``;
+    HTTP 408). The connection is closed."""
+
+    close_connection = True
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(408, f"the request body did not arrive within {timeout_s:g} s (gateway.body_timeout_s)", code="request_timeout")
 
 
 class ShuttingDown(APIError):

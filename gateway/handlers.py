@@ -28,7 +28,7 @@ from engines.client import EngineHTTPError
 from gateway import pd_dispatch
 from gateway.auth import admin_key_given
 from gateway.dispatcher import Arrival
-from gateway.errors import APIError, EngineTimeout, EngineUnavailable, ShuttingDown
+from gateway.errors import APIError, BodyTimeout, BodyTooLarge, EngineTimeout, EngineUnavailable, ShuttingDown
 from gateway.guard import RequestGuard
 from gateway.health import engine_failed
 from gateway.priority import set_engine_priority, view_priority
@@ -60,11 +60,31 @@ def next_request_id() -> str:
     return f"{_RID_PREFIX}-{next(_rid_counter):x}"
 
 
-async def _json_body(request: web.Request) -> dict:
+async def read_body(request: web.Request, timeout_s: float) -> bytes:
+    """The request's body, read within ``timeout_s`` seconds (``gateway.body_timeout_s``).
+
+    Raises:
+        BodyTooLarge: the body is over ``request.client_max_size`` (``MAX_BODY_BYTES``); by its Content-Length
+            before any of it is read, else once the bytes read pass it.
+        BodyTimeout: the body did not arrive in time.
+    """
+    limit = request.client_max_size
+    if request.content_length is not None and request.content_length > limit:
+        raise BodyTooLarge(limit, request.content_length)
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise BodyTooLarge(limit, None) from None
+    except TimeoutError:
+        raise BodyTimeout(timeout_s) from None
+
+
+async def _json_body(request: web.Request, timeout_s: float) -> dict:
     if request.content_type != "application/json":
         raise APIError(415, f"Content-Type must be application/json, got {request.content_type or 'none'!r}", param="Content-Type",
                        code="unsupported_media_type")
-    raw = await request.read()
+    raw = await read_body(request, timeout_s)
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as err:
@@ -147,7 +167,7 @@ async def _serve(request: web.Request, schema: type[ChatCompletionRequest] | typ
     if gw.closing:
         raise ShuttingDown()
     with child_span(gw.tracer, "validation"):
-        body = await _json_body(request)
+        body = await _json_body(request, gw.config.gateway.body_timeout_s)
         req = _validate(schema, body)
         _check_model(gw, req.model)
     with child_span(gw.tracer, "tokenization") as span:

@@ -38,7 +38,7 @@ class GatewayMetrics:
             MultiProcessCollector(self.registry)
         own = CollectorRegistry() if multiprocess else self.registry  # multiprocess: the values go to the files only
         self.requests = Counter("laps_requests", "Requests finished, by class and outcome", ["cls", "outcome"], registry=own)
-        self.ttft = Histogram("laps_time_to_first_token_seconds", "Time to first token seen by the gateway", ["cls"], buckets=_LATENCY_BUCKETS_S, registry=own)
+        self.ttft = Histogram("laps_time_to_first_token_seconds", "Time to first token seen by the gateway, of streamed requests (a JSON answer arrives whole)", ["cls"], buckets=_LATENCY_BUCKETS_S, registry=own)
         self.e2e = Histogram("laps_e2e_request_latency_seconds", "End-to-end request latency", ["cls"], buckets=_LATENCY_BUCKETS_S, registry=own)
         self.prompt_tokens = Counter("laps_prompt_tokens", "Templated prompt tokens routed, by class", ["cls"], registry=own)
         self.in_flight = Gauge("laps_engine_in_flight_requests", "Requests in flight per engine", ["engine"], multiprocess_mode="livesum", registry=own)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import signal
 from collections import OrderedDict
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -194,8 +195,11 @@ _worker_cache: ChatPrefixCache | None = None  # in an EncodePool worker process:
 
 
 def _start_worker(model_path: Path | None, block_tokens: int) -> None:
-    """An :class:`EncodePool` worker's initializer: load the tokenizer once for the process's life."""
+    """An :class:`EncodePool` worker's initializer: ignore SIGINT (a Ctrl-C reaches the terminal's whole process
+    group; the gateway shuts down and then stops its workers, :meth:`EncodePool.close`), and load the tokenizer once
+    for the process's life."""
     global _worker_cache
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _worker_cache = ChatPrefixCache(load_tokenizer(model_path), block_tokens, max_bytes=0)
 
 
@@ -215,9 +219,11 @@ class EncodePool:
     tuples of token ids, whose hashes, unlike strings', do not vary between processes (the chat digests, which hash
     strings, are computed here). ``processes`` 0: threads for every text over the inline size.
 
-    Workers are spawned (not forked: the gateway runs threads) on the first text that needs one, ~0.5 s each with the
-    built-in tokenizer. A worker that dies (e.g. killed for memory) breaks the pool: the texts then in it are
-    tokenized in threads instead and the next one starts a new pool. :meth:`close` stops the workers.
+    The pool (its queues hold named semaphores) is made on the first text that needs it, and its workers are spawned
+    (not forked: the gateway runs threads) then, ~0.5 s each with the built-in tokenizer; they ignore SIGINT. A worker
+    that dies (e.g. killed for memory) breaks the pool: the texts then in it are tokenized in threads instead and the
+    next one makes a new pool. :meth:`close` stops the workers and frees the semaphores; a process killed before it
+    could (SIGKILL) leaves them to multiprocessing's resource tracker, which removes them and warns about them.
     """
 
     def __init__(self, cache: ChatPrefixCache, model_path: Path | None, processes: int, process_min_chars: int,
@@ -227,28 +233,28 @@ class EncodePool:
         self.inline_chars = inline_chars
         self._model_path = model_path
         self._processes = processes
-        self._pool = self._new_pool()
+        self._pool: ProcessPoolExecutor | None = None  # made on the first text that needs it
 
-    def _new_pool(self) -> ProcessPoolExecutor | None:
-        if self._processes == 0:
-            return None
-        return ProcessPoolExecutor(self._processes, mp_context=multiprocessing.get_context("spawn"),
-                                   initializer=_start_worker, initargs=(self._model_path, self.cache.block_tokens))
+    def _worker_pool(self) -> ProcessPoolExecutor:
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(self._processes, mp_context=multiprocessing.get_context("spawn"),
+                                             initializer=_start_worker, initargs=(self._model_path, self.cache.block_tokens))
+        return self._pool
 
     async def run(self, chars: int, method: EncodeMethod, *args: Any) -> Any:
         """``cache.<method>(*args)``, for a text of ``chars`` new characters, run where its size says (class doc)."""
         if chars <= self.inline_chars:
             return getattr(self.cache, method)(*args)
         loop = asyncio.get_running_loop()
-        pool = self._pool
-        if pool is not None and chars >= self.process_min_chars:
+        if self._processes > 0 and chars >= self.process_min_chars:
+            pool = self._worker_pool()
             try:
                 return await loop.run_in_executor(pool, _in_worker, method, *args)
             except BrokenProcessPool:
                 if self._pool is pool:
-                    log.warning("a tokenizer worker process died; starting new ones (texts in flight are tokenized in threads)")
+                    log.warning("a tokenizer worker process died; new ones start with the next large text (texts in flight are tokenized in threads)")
                     pool.shutdown(wait=False, cancel_futures=True)
-                    self._pool = self._new_pool()
+                    self._pool = None
         return await loop.run_in_executor(None, getattr(self.cache, method), *args)
 
     async def close(self) -> None:

@@ -60,6 +60,16 @@ class GatewayConfig(_Strict):
     model, :mod:`engines.sim.latency`); a decode stream may wait out several such passes.
     ``shutdown_grace_s``: on SIGTERM/Ctrl-C, how long requests in flight may still run before those left
     end with an error (streams: an error event and ``[DONE]``; others: 503).
+    ``keepalive_timeout_s``: the longest a client connection may go without a whole request head, counted
+    from the connection's opening or from the end of its previous response: an idle keep-alive connection
+    and one that sends its headers slowly (slowloris) are both closed then, without an answer (aiohttp's
+    ``keepalive_timeout``, which bytes arriving do not restart; the default outlasts the 60 s idle timeout
+    of common proxies and load balancers, so they, not the gateway, close their pooled connections).
+    ``body_timeout_s``: the longest a request's body may take to arrive once its head is in; then the
+    request gets 408 ``request_timeout`` and its connection is closed (aiohttp first reads and discards
+    what still comes, for up to 10 s). Neither limit applies once a request is being answered: a reply,
+    streamed or not, may take up to ``request_timeout_s``. A request line or header line over 8,190 bytes,
+    or more than 128 headers, gets aiohttp's plain-text 400 (its limits).
     ``admin_key``: the admin API's key (``None`` turns the admin API off). ``api_keys``: client keys for
     the ``/v1`` API, a list of keys or the path of a file of their SHA-256 digests
     (:mod:`laps.api_keys`), each at least ``MIN_API_KEY_CHARS`` characters; ``None`` lets every client in.
@@ -77,6 +87,8 @@ class GatewayConfig(_Strict):
     first_byte_timeout_s: float = Field(60.0, gt=0)
     stall_timeout_s: float = Field(30.0, gt=0)
     shutdown_grace_s: float = Field(30.0, ge=0)
+    keepalive_timeout_s: float = Field(75.0, gt=0)
+    body_timeout_s: float = Field(60.0, gt=0)
     admin_key: str | None = Field(None, min_length=8)
     api_keys: list[str] | Path | None = Field(None, union_mode="left_to_right")
     tokenizer_processes: int = Field(2, ge=0, le=256)

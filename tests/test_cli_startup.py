@@ -1,12 +1,16 @@
-"""`laps serve` and `laps demo` start-up failures: one clear line, before any engine starts; the bound port shown."""
+"""`laps serve` and `laps demo` start-up failures: one clear line, before any engine starts; the bound port shown; a Ctrl-C
+ends the gateway quietly."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -66,9 +70,23 @@ def test_a_bad_override_names_only_the_flag_given(tmp_path):
     assert "greater than or equal to 1" in result.stderr
 
 
-def test_port_0_prints_the_port_it_bound(tmp_path):
+def _tokenizer_workers(pid: int) -> list[int]:
+    """The pids of ``pid``'s children that multiprocessing spawned (the gateway's tokenizer workers)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid and b"multiprocessing.spawn" in (stat.parent / "cmdline").read_bytes():
+                found.append(int(stat.parent.name))
+    return found
+
+
+def test_port_0_prints_the_port_it_bound_and_a_ctrl_c_stops_it_quietly(tmp_path):
+    """The ready line names the bound port; a Ctrl-C at the terminal (SIGINT to the whole process group, the tokenizer
+    worker that a long prompt started included) ends it with code 0 and nothing but log lines on stderr."""
     config_path, _ = write_config(tmp_path, gateway={"port": 0})
-    proc = subprocess.Popen([sys.executable, "-m", "laps.cli", "serve", "--config", str(config_path)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    with (tmp_path / "stderr").open("w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "laps.cli", "serve", "--config", str(config_path)], stdout=subprocess.PIPE, stderr=stderr,
+                                text=True, start_new_session=True)  # its own process group, as a shell gives a command
     try:
         line = proc.stdout.readline()  # blocks until the gateway is ready (or exits: then the match below fails)
         match = re.fullmatch(r"laps: ready on http://127\.0\.0\.1:(\d+)\n", line)
@@ -76,9 +94,16 @@ def test_port_0_prints_the_port_it_bound(tmp_path):
         port = int(match.group(1))
         assert port != 0
         assert httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).json()["data"][0]["id"] == "Qwen2.5-7B-Instruct"
+        chat = {"model": "Qwen2.5-7B-Instruct", "messages": [{"role": "user", "content": "word " * 8000}], "max_tokens": 2}
+        assert httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=chat, timeout=60).status_code == 200
+        assert len(_tokenizer_workers(proc.pid)) == 1  # 40,000 characters: over gateway.tokenizer_process_min_chars
     finally:
-        proc.send_signal(signal.SIGINT)
+        os.killpg(proc.pid, signal.SIGINT)
         assert proc.wait(timeout=30) == 0
+    stderr = (tmp_path / "stderr").read_text()
+    assert "laps.gateway: shutting down: no new connections" in stderr  # the log lines are there
+    for noise in ("Traceback", "KeyboardInterrupt", "leaked semaphore"):
+        assert noise not in stderr
 
 
 def test_the_demo_shows_why_the_gateway_did_not_start(tmp_path):

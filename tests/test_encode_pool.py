@@ -3,6 +3,7 @@ without holding up mid-size texts or costing the gateway process the tokenizer's
 
 import asyncio
 import os
+import signal
 import time
 
 import pytest
@@ -93,17 +94,38 @@ async def test_large_texts_cost_this_process_a_small_part_of_their_tokenizing():
     assert pooled_s < 0.25 * inline_s, (pooled_s, inline_s)
 
 
+async def test_workers_ignore_sigint(pool):
+    """A Ctrl-C reaches the whole process group: the workers leave the shutdown to the gateway (EncodePool.close)."""
+    assert await asyncio.wrap_future(pool._pool.submit(signal.getsignal, signal.SIGINT)) == signal.SIG_IGN
+    pid = await asyncio.wrap_future(pool._pool.submit(os.getpid))
+    os.kill(pid, signal.SIGINT)
+    assert await asyncio.wrap_future(pool._pool.submit(os.getpid)) == pid  # the same worker, still serving
+
+
+async def test_no_pool_until_a_text_needs_one():
+    """A pool's queues hold named semaphores; a gateway process that never tokenizes a large text makes none (one
+    killed would leave them to the resource tracker)."""
+    encoder = EncodePool(ChatPrefixCache(load_tokenizer(), 16), None, processes=1, process_min_chars=4096)
+    await encoder.run(4095, "encode_text", text(0, 4095))
+    assert encoder._pool is None
+    await encoder.run(4096, "encode_text", text(0, 4096))
+    assert encoder._pool is not None
+    await encoder.close()
+
+
 async def test_a_dead_worker_is_replaced_and_its_texts_still_encoded(caplog):
     cache = ChatPrefixCache(load_tokenizer(), 16)
     encoder = EncodePool(cache, None, processes=1, process_min_chars=4096)
     prompt = text(11, 8000)
     expected = chain(cache.encode_text(prompt).prompt)
+    assert chain((await encoder.run(len(prompt), "encode_text", prompt)).prompt) == expected  # in the worker
     broken = encoder._pool
     with pytest.raises(Exception):
         await asyncio.wrap_future(broken.submit(os._exit, 1))  # the worker process dies
     assert chain((await encoder.run(len(prompt), "encode_text", prompt)).prompt) == expected  # in a thread
-    assert "a tokenizer worker process died" in caplog.text and encoder._pool is not broken
+    assert "a tokenizer worker process died" in caplog.text
     assert chain((await encoder.run(len(prompt), "encode_text", prompt)).prompt) == expected  # in the new worker
+    assert encoder._pool not in (None, broken)
     await encoder.close()
 
 

@@ -194,12 +194,15 @@ async def test_models_health_and_metrics(stack):
         assert [(e["id"], e["url"]) for e in (await resp.json())["engines"]] == [("sp0", fakes["sp0"].url), ("lp0", fakes["lp0"].url)]
     async with session.post("/v1/chat/completions", json=chat("Hi", stream=True)) as resp:
         await resp.read()
+    async with session.post("/v1/chat/completions", json=chat("Hi")) as resp:
+        await resp.read()
     async with session.get("/metrics") as resp:
         text = await resp.text()
-    assert 'laps_requests_total{cls="short",outcome="ok"} 1.0' in text
-    assert 'laps_time_to_first_token_seconds_count{cls="short"} 1.0' in text
+    assert 'laps_requests_total{cls="short",outcome="ok"} 2.0' in text
+    # TTFT: the stream's only (the JSON answer came whole, its first token's time unknown); end-to-end: both
+    assert 'laps_time_to_first_token_seconds_count{cls="short"} 1.0' in text and 'laps_e2e_request_latency_seconds_count{cls="short"} 2.0' in text
     assert "laps_scheduler_awd_depth_tokens " in text and "laps_scheduler_queued_long_requests 0.0" in text
-    assert "# TYPE laps_scheduler_short_batches_total counter" in text and "laps_scheduler_short_batches_total 1.0" in text
+    assert "# TYPE laps_scheduler_short_batches_total counter" in text and "laps_scheduler_short_batches_total 2.0" in text
 
 
 @pytest.mark.parametrize("stack", [1000], indirect=True)

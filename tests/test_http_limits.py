@@ -1,0 +1,170 @@
+"""The gateway's HTTP server against slow and oversized clients, served as `laps serve` serves it
+(:func:`gateway.app.app_runner` on a listening socket): a connection without a whole request head for
+``gateway.keepalive_timeout_s`` is closed, a body slower than ``gateway.body_timeout_s`` gets 408, a body over
+``MAX_BODY_BYTES`` gets 413, all as OpenAI error bodies where an answer is possible; replies slower than both
+limits, streamed or not, are not cut."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import aiohttp
+import orjson
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from gateway.app import MAX_BODY_BYTES, app_runner, create_app, listen_socket
+from laps.config import load_config
+from tests.fake_engine import FakeEngine
+from tests.test_gateway import chat, with_gateway
+
+LIMIT_S = 0.2  # both limits in these tests; the slow replies take 5 times as long
+SLOW_REPLY_S = 5 * LIMIT_S
+CLOSE_WAIT_S = 30.0  # far over LIMIT_S: a connection still open then was not closed by the limit
+
+
+@pytest.fixture
+async def gateway(request):
+    """Two fake engines behind the gateway's app runner on a free loopback port, both limits ``LIMIT_S`` (or the
+    seconds of an indirect parameter); yields (port, fake engines by name)."""
+    limit_s = getattr(request, "param", LIMIT_S)
+    fakes = {"sp0": FakeEngine("sp0"), "lp0": FakeEngine("lp0")}
+    servers = {name: TestServer(f.app) for name, f in fakes.items()}
+    for s in servers.values():
+        await s.start_server()
+    config = with_gateway(load_config(), keepalive_timeout_s=limit_s, body_timeout_s=limit_s)
+    runner = app_runner(config, create_app(config, engine_urls={name: str(s.make_url("")).rstrip("/") for name, s in servers.items()}))
+    await runner.setup()
+    sock = listen_socket("127.0.0.1", 0)
+    try:
+        await web.SockSite(runner, sock).start()
+        yield sock.getsockname()[1], fakes
+    finally:
+        await runner.cleanup()
+        sock.close()
+        for s in servers.values():
+            await s.close()
+
+
+async def read_response(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
+    """One HTTP/1.1 response with a Content-Length body: (status, headers with lower-case names, body)."""
+    head = (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), CLOSE_WAIT_S)).decode()
+    status_line, *lines = head.rstrip("\r\n").split("\r\n")
+    headers = {name.lower(): value for name, value in (line.split(": ", 1) for line in lines)}
+    return int(status_line.split()[1]), headers, await reader.readexactly(int(headers["content-length"]))
+
+
+async def closed_by_the_server(reader: asyncio.StreamReader) -> bool:
+    """Whether the server closes the connection (end of stream) within ``CLOSE_WAIT_S``, reading what it sends."""
+    with contextlib.suppress(ConnectionError):
+        try:
+            while await asyncio.wait_for(reader.read(65536), CLOSE_WAIT_S):
+                pass
+        except TimeoutError:
+            return False
+    return True
+
+
+async def test_a_client_sending_its_headers_a_byte_at_a_time_is_cut_off(gateway):
+    port, fakes = gateway
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: laps\r\nX-Slow: ")
+
+    async def dribble() -> None:  # a byte every quarter of the limit: bytes arriving do not restart it
+        with contextlib.suppress(ConnectionError):
+            while True:
+                writer.write(b"a")
+                await writer.drain()
+                await asyncio.sleep(LIMIT_S / 4)
+
+    task = asyncio.ensure_future(dribble())
+    try:
+        assert await closed_by_the_server(reader)
+    finally:
+        task.cancel()
+        writer.close()
+    assert fakes["sp0"].bodies == fakes["lp0"].bodies == []
+
+
+async def test_an_idle_keep_alive_connection_is_closed_after_its_answer(gateway):
+    port, _ = gateway
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET /health HTTP/1.1\r\nHost: laps\r\n\r\n")
+    status, headers, body = await read_response(reader)
+    assert (status, orjson.loads(body)["status"]) == (200, "ok") and headers.get("connection") != "close"  # kept alive
+    assert await closed_by_the_server(reader)  # then closed, having sent nothing more
+    writer.close()
+
+
+async def test_a_body_that_stops_arriving_gets_an_openai_408_and_the_connection_closes(gateway):
+    port, fakes = gateway
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: laps\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+                 b'{"model": ')  # 10 of the 100 bytes, then nothing
+    status, headers, body = await read_response(reader)
+    writer.close()
+    assert (status, headers["connection"]) == (408, "close")
+    assert orjson.loads(body) == {"error": {"message": f"the request body did not arrive within {LIMIT_S:g} s (gateway.body_timeout_s)",
+                                            "type": "invalid_request_error", "param": None, "code": "request_timeout"}}
+    assert fakes["sp0"].bodies == fakes["lp0"].bodies == []
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_replies_slower_than_the_limits_are_not_cut(gateway, stream):
+    """The engine holds the reply (a stream after its first chunk, an answer before it) for 5 times both limits,
+    then finishes it: the client gets all of it."""
+    port, fakes = gateway
+    engine = fakes["sp0"]
+    engine.hold_streams, engine.hold_answers = stream, not stream
+
+    async def ask(session: aiohttp.ClientSession) -> str:
+        async with session.post("/v1/chat/completions", json=chat("Hi", stream=stream)) as resp:
+            assert resp.status == 200
+            return (await resp.read()).decode()
+
+    async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as session:
+        reply = asyncio.ensure_future(ask(session))
+        await asyncio.sleep(SLOW_REPLY_S)
+        assert not reply.done()  # still held by the engine
+        (engine.release if stream else engine.answer).set()
+        text = await reply
+    if stream:
+        events = [e.removeprefix("data: ") for e in text.split("\n\n") if e]
+        assert "hi from sp0" in events[0] and events[-1] == "[DONE]"
+        assert orjson.loads(events[-2])["choices"][0]["finish_reason"] == "stop"
+    else:
+        assert orjson.loads(text)["choices"][0]["message"]["content"] == "hi from sp0"
+
+
+async def test_a_declared_body_over_the_limit_gets_an_openai_413_before_it_is_read(gateway):
+    port, fakes = gateway
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: laps\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % (MAX_BODY_BYTES + 1))  # and no byte of the body
+    status, headers, body = await read_response(reader)
+    writer.close()
+    assert (status, headers["connection"]) == (413, "close")
+    assert orjson.loads(body) == {"error": {
+        "message": f"request body of {MAX_BODY_BYTES + 1} bytes (Content-Length) is over the gateway's limit of {MAX_BODY_BYTES} bytes (64 MiB)",
+        "type": "invalid_request_error", "param": None, "code": "request_too_large"}}
+    assert fakes["sp0"].bodies == fakes["lp0"].bodies == []
+
+
+@pytest.mark.parametrize("gateway", [60.0], indirect=True)  # time to read 64 MiB
+async def test_a_chunked_body_over_the_limit_gets_an_openai_413(gateway):
+    port, _ = gateway
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: laps\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
+    chunk = b"%x\r\n%s\r\n" % (2**20, b" " * 2**20)
+    for _ in range(MAX_BODY_BYTES // 2**20):
+        writer.write(chunk)
+        await writer.drain()
+    writer.write(b"1\r\n \r\n0\r\n\r\n")  # one byte over
+    await writer.drain()
+    status, headers, body = await read_response(reader)
+    writer.close()
+    assert (status, headers["connection"]) == (413, "close")
+    assert orjson.loads(body)["error"] == {"message": f"request body is over the gateway's limit of {MAX_BODY_BYTES} bytes (64 MiB)",
+                                           "type": "invalid_request_error", "param": None, "code": "request_too_large"}
