@@ -171,7 +171,7 @@ class SchedulingConfig(_Strict):
     that publishes nothing is estimated. Each engine's page size (its role's
     ``page-size`` flag, default 1) must divide ``prefix_block_tokens``.
     ``policy``: the scheduler (see :data:`policies.registry.POLICIES`): ``laps``
-    (AWD windows, gated long prefills), ``pools`` (short/long pools, no
+    (predicted-TTFT routing, gated long prefills, AWD windows if asked), ``pools`` (short/long pools, no
     window), or a baseline over all engines: ``least_load`` (unified FCFS),
     ``round_robin``, ``cache_aware``, ``bucket``; or ``aligned`` (AlignedServe
     decode placement over all engines, :class:`policies.decode_placement.AlignedPlacement`);

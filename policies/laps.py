@@ -159,7 +159,7 @@ their own work alone) gave ``chat-single`` 2.73% and 4.88%.
 
 Temporal mode (one engine serving both classes, the ``mixed`` role) was decided
 in the simulator (one simulated H200, Qwen2.5-7B, the mixed real-chat workload,
-30 s per point): gating long prefills in the gateway alone halves short P90
+30 s per point, with the windows on as they were then by default): gating long prefills in the gateway alone halves short P90
 TTFT at moderate load (49 vs 103 ms at 20 conversations/s, against least-load
 FCFS) but collapses in overload (13% SLO violations at 40/s, 98% at 60/s),
 because a short batch that arrives during a long prefill still waits for all
