@@ -23,7 +23,8 @@ its first token after
   that have had their first token).
 
 On ``shortest-prefill-first`` engines a request delays the longer prefills it
-overtakes by its own prefill time: :meth:`EngineQueueModel.displaced` counts
+overtakes by what its new tokens add to their passes (``token_in_pass_s`` each, the
+compute share of a token in a full chunk pass): :meth:`EngineQueueModel.displaced` counts
 those that can still meet their first-token deadline (their deadline is after
 now plus their own work left), for the scheduler to charge; a delay to a
 prefill that misses its deadline anyway costs no deadline.
@@ -170,7 +171,7 @@ class EngineQueueModel:
         return start - now + batch_prefill_s(self.cost, batch, self.chunk_tokens)
 
     def displaced(self, engine_id: str, batch: Sequence[SeqShape], now: float) -> int:
-        """Prefills on ``engine_id`` that ``batch`` sent now would go ahead of (so delay by its own prefill) and that can
+        """Prefills on ``engine_id`` that ``batch`` sent now would go ahead of (so delay by its tokens) and that can
         still meet their deadline (it is after ``now`` plus their own work left): those with more new tokens, on
         ``short_first`` engines; none on FCFS ones."""
         if not self.short_first:
@@ -189,7 +190,7 @@ class EngineQueueModel:
         counts by the earliest.
 
         On ``short_first`` engines the group goes ahead of the longer prefills waiting there, which
-        its own prefill time pushes back (:meth:`displaced`).
+        its tokens push back (:meth:`displaced`).
         """
         finish = now + self.predict_ttft_s(engine_id, batch, now, decoding_context_tokens)
         work_s = batch_prefill_s(self.cost, batch, self.chunk_tokens)
