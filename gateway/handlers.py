@@ -291,6 +291,7 @@ async def _serve_once(request: web.Request, gw: Gateway, body: dict, path: str, 
         "x-request-id": rid,
         "x-laps-prompt-tokens": str(view.prompt_tokens),
         "x-laps-cached-tokens-est": cached_est,
+        "x-laps-new-tokens": str(view.new_tokens),
     }
     class_metrics = gw.metrics.of_class(req_class)
     in_flight = gw.metrics.in_flight_of(engine_id)

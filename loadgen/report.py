@@ -40,7 +40,16 @@ def _violations(records: Sequence[RequestRecord], slo_ttft_s: float) -> int:
 
 def length_objective_s(record: RequestRecord, slo_ttft_s: float, per_1k_new_tokens_s: float) -> float:
     """The length-aware TTFT objective of ``record``: ``slo_ttft_s`` plus ``per_1k_new_tokens_s`` per 1,000 new
-    prompt tokens (prompt minus the cached tokens its engine reported; a request with no usage counts gets none)."""
+    prompt tokens.
+
+    New tokens are those the gateway classified the request by at its arrival (``new_tokens_est``), as the
+    scheduler's deadline counts them; without that header, the prompt minus the cached tokens its engine
+    reported (a request with no usage counts gets none). The engine's report comes after the fact: a question on a
+    document that another request is still prefilling there finds the document cached once it starts, and by it
+    alone would be allowed nothing for the prefill it waited for.
+    """
+    if record.new_tokens_est is not None:
+        return slo_ttft_s + per_1k_new_tokens_s * record.new_tokens_est / 1000
     new_tokens = max(0, (record.prompt_tokens or 0) - (record.cached_tokens or 0))
     return slo_ttft_s + per_1k_new_tokens_s * new_tokens / 1000
 

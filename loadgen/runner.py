@@ -64,7 +64,10 @@ class RequestRecord:
     ``error`` is ``None`` for a success. ``user`` and ``max_tokens`` make the
     record replayable (see :func:`loadgen.workloads.load_replay`).
     ``cached_tokens_est`` is the H the gateway routed by on the chosen engine
-    (the ``x-laps-cached-tokens-est`` header; ``None`` without it).
+    (the ``x-laps-cached-tokens-est`` header; ``None`` without it);
+    ``new_tokens_est`` the L it classified the request by at its arrival: the
+    prompt minus the most any engine was estimated to cache of it (the
+    ``x-laps-new-tokens`` header; ``None`` without it).
     """
 
     conversation_id: str
@@ -82,6 +85,7 @@ class RequestRecord:
     completion_tokens: int | None = None
     cached_tokens: int | None = None
     cached_tokens_est: int | None = None
+    new_tokens_est: int | None = None
     laps_class: str = "unknown"
     status: int | None = None
     error: str | None = None
@@ -273,6 +277,8 @@ class _Run:
                 rec.laps_class = resp.headers.get("x-laps-class", "unknown")
                 est = resp.headers.get("x-laps-cached-tokens-est")
                 rec.cached_tokens_est = int(est) if est is not None and est.isdigit() else None
+                new = resp.headers.get("x-laps-new-tokens")
+                rec.new_tokens_est = int(new) if new is not None and new.isdigit() else None
                 if resp.status != 200:
                     rec.error = f"HTTP {resp.status}: {error_text(await resp.read())}"
                 else:

@@ -350,7 +350,8 @@ class VirtualRun:
     def _dispatch(self, req: SimRequest, engine_id: str) -> None:
         self.registry.acquire(engine_id, req.view.prompt_tokens)
         req.engine_id = engine_id
-        req.record.cached_tokens_est = req.view.cached_by_engine.get(engine_id, 0)  # as the gateway's header
+        req.record.cached_tokens_est = req.view.cached_by_engine.get(engine_id, 0)  # as the gateway's headers
+        req.record.new_tokens_est = req.view.new_tokens
         if self._hop_s:
             self._push(self.now + self._hop_s, _ENGINE_IN, (req, self.engines[engine_id]))
         else:

@@ -291,6 +291,7 @@ async def test_follow_up_estimate_covers_the_previous_reply(stack):
     history += [{"role": "assistant", "content": reply}, {"role": "user", "content": "More?"}]
     async with session.post("/v1/chat/completions", json={"model": MODEL, "messages": history}) as resp:
         estimate = int(resp.headers["x-laps-cached-tokens-est"])
+        assert int(resp.headers["x-laps-new-tokens"]) == int(resp.headers["x-laps-prompt-tokens"]) - estimate  # one engine
     # Cached: turn 1's prompt (ending "<|im_start|>assistant\n") and the reply's turn as the next request renders it
     # (reply, "<|im_end|>", "\n"), in whole 16-token blocks.
     reply_tokens = len(load_tokenizer().encode(reply + "<|im_end|>\n"))

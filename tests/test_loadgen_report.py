@@ -3,7 +3,7 @@
 import orjson
 import pytest
 
-from loadgen.report import build_report, summarize, write_report
+from loadgen.report import build_report, length_objective_s, summarize, write_report
 from loadgen.runner import RequestRecord
 
 
@@ -91,3 +91,15 @@ def test_the_length_aware_objective_allows_time_per_new_prompt_token():
     assert report["length_slo"] == {"ttft_s": 0.4, "per_1k_new_tokens_s": 0.06, "violations": 2, "violation_rate": 0.5}
     assert report["by_class"]["long"]["length_slo_violation_rate"] == pytest.approx(2 / 3)
     assert "length_slo" not in build_report(records, slo_ttft_s=0.4)
+
+
+def test_the_length_aware_objective_counts_the_new_tokens_the_gateway_saw_at_arrival():
+    # A question on a 20k-token document that another request was still prefilling on its engine: nothing of it was
+    # cached anywhere when it arrived (the gateway's L: 20,000), all of it once it started (the engine's report).
+    waited = rec(0, "long", 0.9)
+    waited.prompt_tokens, waited.cached_tokens, waited.new_tokens_est = 20_000, 19_990, 20_000
+    unknown = rec(1, "long", 0.9)
+    unknown.prompt_tokens, unknown.cached_tokens = 20_000, 19_990  # no x-laps-new-tokens: the engine's count
+    assert length_objective_s(waited, 0.4, 0.06) == pytest.approx(1.6)
+    assert length_objective_s(unknown, 0.4, 0.06) == pytest.approx(0.4006)
+    assert build_report([waited, unknown], slo_ttft_s=0.4, slo_ttft_per_1k_s=0.06)["length_slo"]["violations"] == 1
