@@ -41,6 +41,16 @@ def test_verdict_checks_every_load_the_knee_goodput_and_short_p90():
     assert not dominance.verdict(rows, "w", 100.0)["never_worse"]
 
 
+def test_a_goodput_ratio_without_a_baseline_goodput_is_none_not_infinite():
+    rows = [row("laps", 50, 100, 0.01), row("laps", 100, 200, 0.2), row("least_load+spf", 50, 100, 0.1),
+            row("least_load+spf", 100, 200, 0.3)]
+    g = dominance.verdict(rows, "w", 100.0)["goodput"]
+    assert (g["best_load"], g["ratio"], g["ok"]) == (0.0, None, True)  # laps meets load 50, no baseline meets any
+    rows[0]["slo_violation_rate"] = 0.1
+    g = dominance.verdict(rows, "w", 100.0)["goodput"]
+    assert (g["laps_load"], g["ratio"], g["ok"]) == (0.0, None, False)
+
+
 
 def test_the_verdict_gives_the_best_baselines_prefill_busy_share_at_saturation():
     rows = [{**row("laps", 100, 100, 0.02), "prefill_busy_fraction": 0.7},
