@@ -30,6 +30,7 @@ def _config():
     data["engines"] = [{"name": name, "kind": "sim", "role": role, "gpus": [i]} for i, (name, role) in enumerate(ENGINES)]
     data["slo"] = {"ttft_s": 0.4, "ttft_per_1k_new_tokens_s": 0.05}  # length-aware deadlines: decided where the index is
     data["controller"] = {"enabled": False}
+    data.setdefault("scheduling", {}).setdefault("laps", {})["awd_windows"] = True  # held requests: timers cross the channel too
     return parse_config(data, "test")
 
 
