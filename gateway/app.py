@@ -52,7 +52,7 @@ from gateway.sched_worker import RemoteDispatcher, RemotePrefixIndex, StatePolle
 from gateway.state import GATEWAY, Gateway
 from gateway.supervisor import EngineSupervisor
 from laps.api_keys import load_keys
-from laps.config import Config
+from laps.config import Config, GatewayConfig
 from laps.cost import engine_traits
 from laps.tokenizer import load_tokenizer
 from policies.pool_signals import FirstTokenWindow
@@ -247,10 +247,13 @@ def app_runner(config: Config, app: web.Application | None = None) -> web.AppRun
                          keepalive_timeout=config.gateway.keepalive_timeout_s)
 
 
-def listen_socket(host: str, port: int, reuse_port: bool = False, listen: bool = True) -> socket.socket:
+def listen_socket(host: str, port: int, reuse_port: bool = False, listen: bool = True,
+                  backlog: int = GatewayConfig.model_fields["listen_backlog"].default) -> socket.socket:
     """A TCP socket bound to ``host``:``port`` (``0``: a free port the kernel picks; read it off the socket), listening
-    unless ``listen`` is false; with ``reuse_port``, ``SO_REUSEPORT``: other such sockets may bind the same port and
-    the kernel spreads connections over those that listen.
+    with a queue of ``backlog`` accepted connections (``gateway.listen_backlog``) unless ``listen`` is false; with
+    ``reuse_port``, ``SO_REUSEPORT``: other such sockets may bind the same port and the kernel spreads connections
+    over those that listen. (:func:`serve_until` listens again with the same backlog: aiohttp's site calls
+    ``listen()`` too.)
 
     Raises:
         OSError: the address cannot be bound (the port is taken, the host is not local); the message names it.
@@ -258,7 +261,7 @@ def listen_socket(host: str, port: int, reuse_port: bool = False, listen: bool =
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
         if listen:
-            return socket.create_server((host, port), family=family, reuse_port=reuse_port)
+            return socket.create_server((host, port), family=family, backlog=backlog, reuse_port=reuse_port)
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -304,7 +307,7 @@ async def serve(config: Config) -> None:
         OSError: the gateway's port is taken.
     """
     stop = stop_on_signals((signal.SIGINT, signal.SIGTERM))
-    sock = listen_socket(config.gateway.host, config.gateway.port)
+    sock = listen_socket(config.gateway.host, config.gateway.port, backlog=config.gateway.listen_backlog)
 
     def ready(url: str) -> None:
         log.info("laps gateway listening on %s (Ctrl-C to stop; twice to stop at once)", url)
@@ -341,7 +344,7 @@ async def serve_until(config: Config, runner: web.AppRunner, sock: socket.socket
     with sock:
         await runner.setup()
         try:
-            site = web.SockSite(runner, sock)
+            site = web.SockSite(runner, sock, backlog=config.gateway.listen_backlog)  # its listen() replaces the socket's
             await site.start()
             ready(f"http://{config.gateway.host}:{sock.getsockname()[1]}")
             await stop.wait()

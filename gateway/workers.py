@@ -117,7 +117,7 @@ async def _worker(config: Config, channel_path: str, ready: Connection) -> int:
     from gateway.app import app_runner, create_worker_app, listen_socket, serve_until, stop_on_signals
 
     stop = stop_on_signals((signal.SIGTERM,))
-    sock = listen_socket(config.gateway.host, config.gateway.port, reuse_port=True)
+    sock = listen_socket(config.gateway.host, config.gateway.port, reuse_port=True, backlog=config.gateway.listen_backlog)
     await serve_until(config, app_runner(config, create_worker_app(config, channel_path)), sock, stop,
                       lambda url: ready.send((READY, os.getpid())))
     return 0

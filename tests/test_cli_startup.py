@@ -19,6 +19,7 @@ import yaml
 import laps.cli
 from laps.config import DEFAULT_CONFIG_PATH
 from laps.demo import serving
+from tests.test_http_limits import listen_backlogs
 
 
 def write_config(tmp_path, **changes) -> tuple:
@@ -83,7 +84,7 @@ def _tokenizer_workers(pid: int) -> list[int]:
 def test_port_0_prints_the_port_it_bound_and_a_ctrl_c_stops_it_quietly(tmp_path):
     """The ready line names the bound port; a Ctrl-C at the terminal (SIGINT to the whole process group, the tokenizer
     worker that a long prompt started included) ends it with code 0 and nothing but log lines on stderr."""
-    config_path, _ = write_config(tmp_path, gateway={"port": 0})
+    config_path, _ = write_config(tmp_path, gateway={"port": 0, "listen_backlog": 777})
     with (tmp_path / "stderr").open("w") as stderr:
         proc = subprocess.Popen([sys.executable, "-m", "laps.cli", "serve", "--config", str(config_path)], stdout=subprocess.PIPE, stderr=stderr,
                                 text=True, start_new_session=True)  # its own process group, as a shell gives a command
@@ -93,6 +94,7 @@ def test_port_0_prints_the_port_it_bound_and_a_ctrl_c_stops_it_quietly(tmp_path)
         assert match, line
         port = int(match.group(1))
         assert port != 0
+        assert listen_backlogs(port) == [777]  # gateway.listen_backlog, not aiohttp's 128
         assert httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).json()["data"][0]["id"] == "Qwen2.5-7B-Instruct"
         chat = {"model": "Qwen2.5-7B-Instruct", "messages": [{"role": "user", "content": "word " * 8000}], "max_tokens": 2}
         assert httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=chat, timeout=60).status_code == 200

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
+import subprocess
 
 import aiohttp
 import orjson
@@ -15,7 +17,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from gateway.app import MAX_BODY_BYTES, app_runner, create_app, listen_socket
+from gateway.app import MAX_BODY_BYTES, app_runner, create_app, listen_socket, serve_until
 from laps.config import load_config
 from tests.fake_engine import FakeEngine
 from tests.test_gateway import chat, with_gateway
@@ -168,3 +170,42 @@ async def test_a_chunked_body_over_the_limit_gets_an_openai_413(gateway):
     assert (status, headers["connection"]) == (413, "close")
     assert orjson.loads(body)["error"] == {"message": f"request body is over the gateway's limit of {MAX_BODY_BYTES} bytes (64 MiB)",
                                            "type": "invalid_request_error", "param": None, "code": "request_too_large"}
+
+
+def listen_backlogs(port: int) -> list[int]:
+    """The backlog of every socket listening on TCP ``port`` (``ss``'s Send-Q of a listening socket: the kernel's
+    ``sk_max_ack_backlog``, the ``listen()`` backlog capped at ``net.core.somaxconn``); skips the test without ``ss``."""
+    if shutil.which("ss") is None:
+        pytest.skip("needs ss (iproute2) to read a listening socket's backlog")
+    lines = subprocess.run(["ss", "-Hltn", f"sport = :{port}"], capture_output=True, text=True, check=True).stdout.splitlines()
+    return [int(line.split()[2]) for line in lines]
+
+
+async def test_serve_until_listens_with_gateway_listen_backlog():
+    """aiohttp's site calls listen() again (its own default backlog is 128): what the kernel keeps is the config's."""
+    fakes = {"sp0": FakeEngine("sp0"), "lp0": FakeEngine("lp0")}
+    servers = {name: TestServer(f.app) for name, f in fakes.items()}
+    for s in servers.values():
+        await s.start_server()
+    config = with_gateway(load_config(), port=0, listen_backlog=777)  # under Linux's default somaxconn, 4096
+    runner = app_runner(config, create_app(config, engine_urls={name: str(s.make_url("")).rstrip("/") for name, s in servers.items()}))
+    stop = asyncio.Event()
+    backlogs = []
+
+    def ready(url: str) -> None:
+        backlogs.append(listen_backlogs(int(url.rsplit(":", 1)[1])))
+        stop.set()
+
+    try:
+        await serve_until(config, runner, listen_socket("127.0.0.1", 0, backlog=config.gateway.listen_backlog), stop, ready)
+    finally:
+        for s in servers.values():
+            await s.close()
+    assert backlogs == [[777]]
+
+
+def test_listen_socket_listens_with_the_backlog_given():
+    with listen_socket("127.0.0.1", 0, backlog=333) as sock:
+        assert listen_backlogs(sock.getsockname()[1]) == [333]
+    with listen_socket("127.0.0.1", 0) as sock:
+        assert listen_backlogs(sock.getsockname()[1]) == [2048]  # gateway.listen_backlog's default

@@ -17,6 +17,7 @@ import orjson
 import pytest
 
 from tests.test_cli_startup import write_config
+from tests.test_http_limits import listen_backlogs
 
 MODEL = "Qwen2.5-7B-Instruct"
 START_TIMEOUT_S = 120.0
@@ -63,7 +64,7 @@ def gateway(tmp_path_factory):
     """``laps serve --workers 2`` on the default config's two sim engines, port 0, in its own process group (as a shell
     starts it), shared by this module's tests (the last one stops it); (base URL, gateway log, process, its stderr)."""
     tmp = tmp_path_factory.mktemp("workers")
-    config_path, log_dir = write_config(tmp, gateway={"port": 0, "shutdown_grace_s": 5, "admin_key": ADMIN_KEY})
+    config_path, log_dir = write_config(tmp, gateway={"port": 0, "shutdown_grace_s": 5, "admin_key": ADMIN_KEY, "listen_backlog": 777})
     with (tmp / "stderr").open("w") as stderr:
         proc = subprocess.Popen([sys.executable, "-m", "laps.cli", "serve", "--config", str(config_path), "--workers", "2"],
                                 stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True)
@@ -111,6 +112,7 @@ def test_a_killed_worker_is_started_again_and_the_other_workers_request_complete
 
 def test_two_workers_serve_chats_errors_and_one_metrics_and_stop_on_ctrl_c(gateway):
     url, log, proc, stderr = gateway
+    assert listen_backlogs(int(url.rsplit(":", 1)[1])) == [777, 777]  # each worker's SO_REUSEPORT socket: gateway.listen_backlog
     before = len(re.findall(r"outcome=ok", log.read_text()))
     workers: set[str] = set()
     sent = 0
