@@ -43,7 +43,7 @@ from gateway.controller_loop import CONTROLLER, ControllerLoop
 from gateway.dispatcher import Dispatcher, classify
 from gateway.engine_load import fetch_engine_load
 from gateway.auth import api_key_middleware, is_loopback
-from gateway.errors import ShuttingDown, error_middleware
+from gateway.errors import ServerLog, ShuttingDown, error_middleware
 from gateway.health import HealthMonitor
 from gateway.kv_events import Following
 from gateway.metrics import GatewayMetrics
@@ -244,9 +244,10 @@ def create_worker_app(config: Config, channel_path: str) -> web.Application:
 def app_runner(config: Config, app: web.Application | None = None) -> web.AppRunner:
     """The runner of ``app`` (default: :func:`create_app` of ``config``): handlers are cancelled when their client
     goes away; a connection without a whole request head for ``gateway.keepalive_timeout_s`` (idle, or sending its
-    headers slowly) is closed. (``gateway.body_timeout_s`` is the handlers': :func:`gateway.handlers.read_body`.)"""
+    headers slowly) is closed. (``gateway.body_timeout_s`` is the handlers': :func:`gateway.handlers.read_body`.)
+    A request aiohttp cannot parse gets its plain-text 400 and one INFO log line (:class:`gateway.errors.ServerLog`)."""
     return web.AppRunner(app if app is not None else create_app(config), handler_cancellation=True, access_log=None, shutdown_timeout=5.0,
-                         keepalive_timeout=config.gateway.keepalive_timeout_s)
+                         keepalive_timeout=config.gateway.keepalive_timeout_s, logger=ServerLog())
 
 
 def listen_socket(host: str, port: int, reuse_port: bool = False, listen: bool = True,

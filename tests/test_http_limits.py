@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import shutil
 import subprocess
 
@@ -170,6 +171,40 @@ async def test_a_chunked_body_over_the_limit_gets_an_openai_413(gateway):
     assert (status, headers["connection"]) == (413, "close")
     assert orjson.loads(body)["error"] == {"message": f"request body is over the gateway's limit of {MAX_BODY_BYTES} bytes (64 MiB)",
                                            "type": "invalid_request_error", "param": None, "code": "request_too_large"}
+
+
+MANY_HEADERS = b"".join(b"X-H%d: 1\r\n" % i for i in range(129))
+
+
+@pytest.mark.parametrize("first, request_bytes, logged", [
+    (None, b"GET /health HTTP/1.1\r\nHost: laps\r\nX-Big: " + b"a" * 8191 + b"\r\n\r\n",
+     "LineTooLong: Got more than 8190 bytes when reading: b'aaaa"),
+    (None, b"GET /health HTTP/1.1\r\nHost: laps\r\n" + MANY_HEADERS + b"\r\n", "BadHttpMessage: Too many headers received"),
+    (None, b"POST /v1/chat/completions HTTP/1.1\r\nHost: laps\r\nContent-Length: abc\r\n\r\n",
+     "BadHttpMessage: Invalid character in Content-Length: b'Content-Length: abc'"),
+    (None, b"POST /v1/chat/completions HTTP/1.1\r\nHost: laps\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+     "BadHttpMessage: Transfer-Encoding can't be present with Content-Length: b'Transfer-Encoding: chunked'"),
+    (b"GET /health HTTP/1.1\r\nHost: laps\r\n\r\n", b"G@T /health HTTP/1.1\r\nHost: laps\r\n\r\n",  # aiohttp logs a first one at DEBUG
+     "BadHttpMethod: Invalid method encountered: b'G@T /health HTTP/1.1'"),
+], ids=["header-line-over-8190-bytes", "over-128-headers", "bad-content-length", "content-length-and-transfer-encoding",
+        "bad-method-on-a-second-request"])
+async def test_a_malformed_request_gets_aiohttps_400_and_one_info_line_without_a_traceback(gateway, caplog, first, request_bytes, logged):
+    port, fakes = gateway
+    caplog.set_level(logging.INFO)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    if first is not None:  # a good request first: the connection is an established one
+        writer.write(first)
+        assert (await read_response(reader))[0] == 200
+    writer.write(request_bytes)
+    status, headers, _ = await read_response(reader)
+    assert (status, headers["content-type"]) == (400, "text/plain; charset=utf-8")
+    assert await closed_by_the_server(reader)
+    writer.close()
+    lines = [(r.levelno, r.exc_info, r.getMessage()) for r in caplog.records if r.name == "aiohttp.server"]
+    assert len(lines) == 1 and lines[0][:2] == (logging.INFO, None), lines
+    assert lines[0][2].startswith(f"malformed HTTP request from 127.0.0.1 (answered 400): {logged}")
+    assert "\n" not in lines[0][2]
+    assert fakes["sp0"].bodies == fakes["lp0"].bodies == []
 
 
 def listen_backlogs(port: int) -> list[int]:
