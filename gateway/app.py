@@ -43,7 +43,7 @@ from gateway.controller_loop import CONTROLLER, ControllerLoop
 from gateway.dispatcher import Dispatcher, classify
 from gateway.engine_load import fetch_engine_load
 from gateway.auth import api_key_middleware, is_loopback
-from gateway.errors import ServerLog, ShuttingDown, error_middleware
+from gateway.errors import ServerLog, ShuttingDown, error_middleware, expect_continue
 from gateway.health import HealthMonitor
 from gateway.kv_events import Following
 from gateway.metrics import GatewayMetrics
@@ -192,8 +192,8 @@ def _application(config: Config, span_exporter: SpanExporter | None) -> tuple[we
     if tracer is not None:
         middlewares.insert(0, tracing.tracing_middleware(tracer))
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
-    app.router.add_post("/v1/chat/completions", handlers.chat_completions)
-    app.router.add_post("/v1/completions", handlers.completions)
+    app.router.add_post("/v1/chat/completions", handlers.chat_completions, expect_handler=expect_continue)
+    app.router.add_post("/v1/completions", handlers.completions, expect_handler=expect_continue)
     app.router.add_get("/v1/models", handlers.list_models)
     app.router.add_get("/health", handlers.health)
     app.router.add_get("/metrics", handlers.metrics)

@@ -10,6 +10,7 @@ import logging
 import orjson
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_urldispatcher import _default_expect_handler  # what a route without expect_handler= gets
 
 log = logging.getLogger("laps.gateway")
 
@@ -75,6 +76,16 @@ class BodyTooLarge(APIError):
                          code="request_too_large")
         self.limit_bytes = limit_bytes
         self.received_bytes = received_bytes
+
+
+async def expect_continue(request: web.Request) -> web.StreamResponse | None:
+    """The ``expect_handler`` of the routes that take a body: ``Expect: 100-continue`` with a Content-Length over
+    the body limit (``request.client_max_size``) is answered at once with :class:`BodyTooLarge`'s 413, without the
+    ``100 Continue`` that would have the client send the body first; any other ``Expect`` as aiohttp answers it
+    (``100 Continue``; 417 for an expectation it does not know)."""
+    if request.content_length is not None and request.content_length > request.client_max_size:
+        return BodyTooLarge(request.client_max_size, request.content_length).response()
+    return await _default_expect_handler(request)
 
 
 class BodyTimeout(APIError):

@@ -207,6 +207,30 @@ async def test_a_malformed_request_gets_aiohttps_400_and_one_info_line_without_a
     assert fakes["sp0"].bodies == fakes["lp0"].bodies == []
 
 
+async def test_expect_100_continue_with_a_declared_body_over_the_limit_gets_the_413_without_the_100(gateway):
+    port, fakes = gateway
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: laps\r\nContent-Type: application/json\r\nExpect: 100-continue\r\n"
+                 b"Content-Length: %d\r\n\r\n" % (MAX_BODY_BYTES + 1))
+    status, headers, body = await read_response(reader)
+    writer.close()
+    assert (status, headers["connection"], orjson.loads(body)["error"]["code"]) == (413, "close", "request_too_large")
+    assert fakes["sp0"].bodies == fakes["lp0"].bodies == []
+
+
+async def test_expect_100_continue_with_a_body_within_the_limit_gets_the_100_then_the_answer(gateway):
+    port, fakes = gateway
+    body = orjson.dumps(chat("Hi"))
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: laps\r\nContent-Type: application/json\r\nExpect: 100-continue\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(body))
+    assert await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), CLOSE_WAIT_S) == b"HTTP/1.1 100 Continue\r\n\r\n"
+    writer.write(body)
+    status, _, answer = await read_response(reader)
+    writer.close()
+    assert (status, orjson.loads(answer)["choices"][0]["message"]["content"]) == (200, "hi from sp0")
+
+
 def listen_backlogs(port: int) -> list[int]:
     """The backlog of every socket listening on TCP ``port`` (``ss``'s Send-Q of a listening socket: the kernel's
     ``sk_max_ack_backlog``, the ``listen()`` backlog capped at ``net.core.somaxconn``); skips the test without ``ss``."""
