@@ -49,6 +49,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
@@ -69,7 +70,11 @@ LogSetup = Callable[[str], None]
 # ---------------------------------------------------------------- the children
 
 def _child_start(setup_logging: LogSetup, label: str) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor turns a Ctrl-C into an ordered SIGTERM
+    """Ignore SIGINT (the supervisor turns a Ctrl-C into an ordered SIGTERM), then unblock it: the child started with
+    it blocked (:class:`_Child`), and a Ctrl-C that came meanwhile, pending, is dropped here instead of raising
+    KeyboardInterrupt in the middle of the child's imports; set up logging."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # discards a pending SIGINT
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     setup_logging(label)
 
 
@@ -132,13 +137,19 @@ async def _worker(config: Config, channel_path: str, ready: Connection) -> int:
 
 class _Child:
     """One started child process, ``target(ready pipe, setup_logging, *args)``, and the read end of its ready pipe
-    (``ready``, ``None`` once read)."""
+    (``ready``, ``None`` once read). The child starts with SIGINT blocked (the mask outlives exec) until its
+    :func:`_child_start` ignores it: a Ctrl-C at the terminal while it starts reaches only the supervisor."""
 
     def __init__(self, ctx, label: str, target: Callable, setup_logging: LogSetup, args: tuple) -> None:
         reader, writer = ctx.Pipe(duplex=False)
         self.label = label
         self.process = ctx.Process(target=target, args=(writer, setup_logging, *args), name=f"laps-{label}", daemon=False)
-        self.process.start()
+        resource_tracker.ensure_running()  # starting its process unblocks SIGINT: before the block, not during start()
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            self.process.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)  # a Ctrl-C meanwhile reaches the supervisor now
         writer.close()
         self.ready: Connection | None = reader
         self.started_s = time.monotonic()

@@ -165,3 +165,30 @@ def test_a_port_held_by_a_multi_worker_gateway_is_refused_to_another():
                 pass
     with port_lock(port):  # released with its holder
         pass
+
+
+def _no_logging(label: str) -> None:
+    pass
+
+
+def _ctrl_c_while_starting(ready, setup_logging) -> None:
+    """A child whose start-up (its imports, before :func:`gateway.workers._child_start`) gets a Ctrl-C."""
+    from gateway.workers import READY, _child_start
+
+    signal.raise_signal(signal.SIGINT)  # as the terminal's SIGINT to the process group would reach it
+    _child_start(setup_logging, "test")
+    ready.send((READY, os.getpid()))
+
+
+def test_a_ctrl_c_while_a_child_starts_reaches_only_the_supervisor():
+    """The supervisor starts its children with SIGINT blocked; the child drops a Ctrl-C pending when it starts
+    ignoring SIGINT (without the block, the child died of KeyboardInterrupt in the middle of its imports)."""
+    import multiprocessing
+
+    from gateway.workers import READY, _Child
+
+    child = _Child(multiprocessing.get_context("spawn"), "test", _ctrl_c_while_starting, _no_logging, ())
+    message = child.read_ready()
+    child.process.join(30)
+    assert (message, child.process.exitcode) == ((READY, child.process.pid), 0)
+    assert not signal.pthread_sigmask(signal.SIG_BLOCK, [])  # the supervisor's mask is as it was
