@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("laps.engines")
 
 _PR_SET_PDEATHSIG = 1
+LOG_TAIL_MAX_BYTES = 1 << 16  # of an engine's log read for the tail of a failure message
 
 
 def die_with_parent() -> None:
@@ -43,6 +44,23 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:  # not Linux: fall back to the manager's own shutdown
         pass
+
+
+def leave_the_terminal() -> None:
+    """``preexec_fn`` part for engine processes: put the child in a session of its own (if ``start_new_session`` has
+    not yet), out of the terminal's foreground process group, which a Ctrl-C signals; and drop a SIGINT that reached
+    it before it left. uvloop (libuv) forks with every signal blocked and unblocks them with default dispositions
+    just before exec, after ``setsid()``: a Ctrl-C in between stays pending and kills the engine at its start
+    (exit code -2). The gateway turns that Ctrl-C into an ordered stop of the engines instead."""
+    if os.getsid(0) != os.getpid():
+        os.setsid()
+    signal.sigtimedwait((signal.SIGINT,), 0)  # a pending SIGINT is consumed; none: returns at once
+
+
+def engine_preexec() -> None:
+    """``preexec_fn`` of engine processes: :func:`leave_the_terminal`, then :func:`die_with_parent`."""
+    leave_the_terminal()
+    die_with_parent()
 
 
 FREE_PORT_RANGE = (20000, 32767)  # below Linux's default ephemeral range (32768-60999)
@@ -294,20 +312,24 @@ class EngineProcess:
     kv_events: KVEventsConfig | None = None  # where it publishes its KV cache events (None: it does not)
     process: asyncio.subprocess.Process | None = field(default=None, repr=False)
     restarting: bool = False  # stopped on purpose by :meth:`EngineManager.restart`: not a crash
+    log_offset: int = field(default=0, repr=False)  # where this start's section of :attr:`log_path` begins (bytes)
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     async def start(self) -> None:
-        """Spawn the process with :attr:`env` added, stdout and stderr appended to :attr:`log_path`."""
+        """Spawn the process with :attr:`env` added, stdout and stderr appended to :attr:`log_path` after a
+        ``=== <date> <time> starting as <role>: <command>`` line (where :attr:`log_offset` points), in a session of
+        its own (:func:`engine_preexec`: a Ctrl-C at the gateway's terminal does not reach it)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as logf:
+            self.log_offset = logf.tell()
             logf.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} starting as {self.role}: {' '.join(self.command)}\n".encode())
             logf.flush()
             self.process = await asyncio.create_subprocess_exec(
                 *self.command, stdout=logf, stderr=asyncio.subprocess.STDOUT, env={**os.environ, **self.env},
-                start_new_session=True, preexec_fn=die_with_parent,
+                start_new_session=True, preexec_fn=engine_preexec,
             )
         log.info("engine %s: started pid %d on port %d as %s, log %s", self.config.name, self.process.pid, self.port, self.role, self.log_path)
 
@@ -332,10 +354,17 @@ class EngineProcess:
         raise RuntimeError(f"engine {self.config.name} not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
 
     def log_tail(self, lines: int = 20) -> str:
+        """The last ``lines`` lines of the log of the process's latest start (from its ``=== ... starting`` line; the
+        file keeps earlier runs' too); ``(no log)`` when the file cannot be read."""
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+            with open(self.log_path, "rb") as f:
+                size = f.seek(0, os.SEEK_END)
+                start = self.log_offset if size >= self.log_offset else 0  # smaller: cut or replaced since, all this run's
+                f.seek(max(start, size - LOG_TAIL_MAX_BYTES))
+                text = f.read().decode(errors="replace")
         except OSError:
             return "(no log)"
+        return "\n".join(text.strip("\n").splitlines()[-lines:])
 
     async def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM to the process group, wait up to ``timeout_s``, then SIGKILL; always reaps the process.

@@ -20,7 +20,7 @@ import orjson
 from aiohttp import web
 
 from gateway.auth import admin_key_given
-from gateway.errors import APIError
+from gateway.errors import APIError, expect_continue
 from gateway.handlers import read_body
 from gateway.role_switch import check_side, switch_role
 from gateway.state import GATEWAY, Gateway
@@ -118,4 +118,4 @@ def add_admin_routes(app: web.Application) -> None:
     """Register the admin routes (and their switch registry) on ``app``."""
     app[SWITCHES] = {}
     app.router.add_get("/admin/engines", list_engines)
-    app.router.add_post("/admin/engines/{id}/role", set_role)
+    app.router.add_post("/admin/engines/{id}/role", set_role, expect_handler=expect_continue)

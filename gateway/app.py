@@ -10,7 +10,9 @@ Shutdown (:func:`serve`, on SIGINT or SIGTERM): the gateway stops listening and
 answers new requests on open connections with 503, lets the requests in flight
 run for up to ``gateway.shutdown_grace_s``, then ends those left with an
 explicit error (:func:`end_requests`), then stops the engines. A second signal
-exits at once (the engines, started with a parent-death signal, follow).
+exits at once (the engines, started with a parent-death signal, follow). A signal
+during the start-up cancels it (:func:`start_or_interrupt`): the engines started
+so far are stopped.
 
 With ``gateway.workers`` > 1 (:mod:`gateway.workers`) the scheduler process runs
 :func:`create_app`'s start-up without serving HTTP, and each worker serves
@@ -41,7 +43,7 @@ from gateway.controller_loop import CONTROLLER, ControllerLoop
 from gateway.dispatcher import Dispatcher, classify
 from gateway.engine_load import fetch_engine_load
 from gateway.auth import api_key_middleware, is_loopback
-from gateway.errors import ShuttingDown, error_middleware
+from gateway.errors import ServerLog, ShuttingDown, error_middleware, expect_continue
 from gateway.health import HealthMonitor
 from gateway.kv_events import Following
 from gateway.metrics import GatewayMetrics
@@ -52,7 +54,7 @@ from gateway.sched_worker import RemoteDispatcher, RemotePrefixIndex, StatePolle
 from gateway.state import GATEWAY, Gateway
 from gateway.supervisor import EngineSupervisor
 from laps.api_keys import load_keys
-from laps.config import Config
+from laps.config import Config, GatewayConfig
 from laps.cost import engine_traits
 from laps.tokenizer import load_tokenizer
 from policies.pool_signals import FirstTokenWindow
@@ -190,8 +192,8 @@ def _application(config: Config, span_exporter: SpanExporter | None) -> tuple[we
     if tracer is not None:
         middlewares.insert(0, tracing.tracing_middleware(tracer))
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
-    app.router.add_post("/v1/chat/completions", handlers.chat_completions)
-    app.router.add_post("/v1/completions", handlers.completions)
+    app.router.add_post("/v1/chat/completions", handlers.chat_completions, expect_handler=expect_continue)
+    app.router.add_post("/v1/completions", handlers.completions, expect_handler=expect_continue)
     app.router.add_get("/v1/models", handlers.list_models)
     app.router.add_get("/health", handlers.health)
     app.router.add_get("/metrics", handlers.metrics)
@@ -242,15 +244,19 @@ def create_worker_app(config: Config, channel_path: str) -> web.Application:
 def app_runner(config: Config, app: web.Application | None = None) -> web.AppRunner:
     """The runner of ``app`` (default: :func:`create_app` of ``config``): handlers are cancelled when their client
     goes away; a connection without a whole request head for ``gateway.keepalive_timeout_s`` (idle, or sending its
-    headers slowly) is closed. (``gateway.body_timeout_s`` is the handlers': :func:`gateway.handlers.read_body`.)"""
+    headers slowly) is closed. (``gateway.body_timeout_s`` is the handlers': :func:`gateway.handlers.read_body`.)
+    A request aiohttp cannot parse gets its plain-text 400 and one INFO log line (:class:`gateway.errors.ServerLog`)."""
     return web.AppRunner(app if app is not None else create_app(config), handler_cancellation=True, access_log=None, shutdown_timeout=5.0,
-                         keepalive_timeout=config.gateway.keepalive_timeout_s)
+                         keepalive_timeout=config.gateway.keepalive_timeout_s, logger=ServerLog())
 
 
-def listen_socket(host: str, port: int, reuse_port: bool = False, listen: bool = True) -> socket.socket:
+def listen_socket(host: str, port: int, reuse_port: bool = False, listen: bool = True,
+                  backlog: int = GatewayConfig.model_fields["listen_backlog"].default) -> socket.socket:
     """A TCP socket bound to ``host``:``port`` (``0``: a free port the kernel picks; read it off the socket), listening
-    unless ``listen`` is false; with ``reuse_port``, ``SO_REUSEPORT``: other such sockets may bind the same port and
-    the kernel spreads connections over those that listen.
+    with a queue of ``backlog`` accepted connections (``gateway.listen_backlog``) unless ``listen`` is false; with
+    ``reuse_port``, ``SO_REUSEPORT``: other such sockets may bind the same port and the kernel spreads connections
+    over those that listen. (:func:`serve_until` listens again with the same backlog: aiohttp's site calls
+    ``listen()`` too.)
 
     Raises:
         OSError: the address cannot be bound (the port is taken, the host is not local); the message names it.
@@ -258,7 +264,7 @@ def listen_socket(host: str, port: int, reuse_port: bool = False, listen: bool =
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
         if listen:
-            return socket.create_server((host, port), family=family, reuse_port=reuse_port)
+            return socket.create_server((host, port), family=family, backlog=backlog, reuse_port=reuse_port)
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -297,14 +303,16 @@ async def serve(config: Config) -> None:
     """Run the gateway until SIGINT or SIGTERM, then shut everything down (see the module docstring).
 
     The port is bound before any engine starts, so a taken port fails at once. The ready line names the bound
-    port (with ``gateway.port: 0``, the one the kernel picked).
+    port (with ``gateway.port: 0``, the one the kernel picked). A signal during the start-up cancels it
+    (:func:`start_or_interrupt`).
 
     Raises:
         RuntimeError: an engine failed to start (its log tail is in the message).
         OSError: the gateway's port is taken.
+        StartInterrupted: a SIGINT or SIGTERM came before the gateway was ready; the engines started are stopped.
     """
     stop = stop_on_signals((signal.SIGINT, signal.SIGTERM))
-    sock = listen_socket(config.gateway.host, config.gateway.port)
+    sock = listen_socket(config.gateway.host, config.gateway.port, backlog=config.gateway.listen_backlog)
 
     def ready(url: str) -> None:
         log.info("laps gateway listening on %s (Ctrl-C to stop; twice to stop at once)", url)
@@ -313,13 +321,31 @@ async def serve(config: Config) -> None:
     await serve_until(config, app_runner(config), sock, stop, ready)
 
 
-def stop_on_signals(signals: tuple[signal.Signals, ...]) -> asyncio.Event:
-    """An event set at the first of ``signals``; the second exits the process at once (code 130)."""
-    stop = asyncio.Event()
+class StopEvent(asyncio.Event):
+    """An :class:`asyncio.Event` that :func:`stop_on_signals` sets; ``signum``: the signal that set it (``None``
+    before, or when it was set otherwise)."""
+
+    signum: int | None = None
+
+
+class StartInterrupted(Exception):
+    """A SIGINT or SIGTERM (``signum``; ``None``: the stop event was set otherwise) came while the gateway was
+    starting: the start-up was cancelled and the engines it had started were stopped."""
+
+    def __init__(self, signum: int | None) -> None:
+        super().__init__(f"interrupted during start-up ({signal.Signals(signum).name if signum else 'stop'})")
+        self.signum = signum
+
+
+def stop_on_signals(signals: tuple[signal.Signals, ...]) -> StopEvent:
+    """An event set at the first of ``signals`` (its ``signum`` says which); the second exits the process at once
+    (code 130)."""
+    stop = StopEvent()
     loop = asyncio.get_running_loop()
 
-    def on_signal() -> None:
+    def on_signal(signum: int) -> None:
         if not stop.is_set():
+            stop.signum = signum
             stop.set()
             return
         log.warning("second signal: exiting now")
@@ -327,21 +353,53 @@ def stop_on_signals(signals: tuple[signal.Signals, ...]) -> asyncio.Event:
         os._exit(130)
 
     for sig in signals:
-        loop.add_signal_handler(sig, on_signal)
+        loop.add_signal_handler(sig, on_signal, sig)
     return stop
 
 
-async def serve_until(config: Config, runner: web.AppRunner, sock: socket.socket, stop: asyncio.Event, ready) -> None:
-    """Start ``runner`` (its app's start-up), serve it on the listening ``sock``, call ``ready(url)``, and when
-    ``stop`` is set shut down as the module docstring says (``sock`` is closed at the end).
+async def start_or_interrupt(runner: web.AppRunner, stop: asyncio.Event) -> None:
+    """``runner.setup()`` (the app's start-up: with engines to launch, until every one is ready) unless ``stop`` is
+    set before it ends: then the start-up is cancelled, which stops the engines it had started (an engine that
+    exited meanwhile, e.g. by the same Ctrl-C, is not an engine failure), and :class:`StartInterrupted` is raised.
 
     Raises:
+        StartInterrupted: ``stop`` was set first (its ``signum`` when it is a :class:`StopEvent`).
+        Exception: whatever the start-up raises while ``stop`` is not set (e.g. RuntimeError: an engine failed to start).
+    """
+    setup = asyncio.ensure_future(runner.setup())
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait((setup, stopped), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        setup.cancel()
+        raise
+    finally:
+        stopped.cancel()
+    if not stop.is_set():
+        setup.result()  # the start-up's error, if any
+        return
+    signum = getattr(stop, "signum", None)
+    log.info("interrupted during start-up (%s): stopping the engines started so far", signal.Signals(signum).name if signum else "stop")
+    setup.cancel()
+    await asyncio.wait((setup,))
+    if not setup.cancelled() and setup.exception() is not None:
+        log.debug("the interrupted start-up ended with: %s", setup.exception())
+    await runner.cleanup()  # what had started (all of it when the start-up had just ended)
+    raise StartInterrupted(signum)
+
+
+async def serve_until(config: Config, runner: web.AppRunner, sock: socket.socket, stop: asyncio.Event, ready) -> None:
+    """Start ``runner`` (its app's start-up; :func:`start_or_interrupt`), serve it on the listening ``sock``, call
+    ``ready(url)``, and when ``stop`` is set shut down as the module docstring says (``sock`` is closed at the end).
+
+    Raises:
+        StartInterrupted: ``stop`` was set during the start-up (the engines started are stopped).
         Exception: whatever the app's start-up raises (e.g. RuntimeError: an engine failed to start).
     """
     with sock:
-        await runner.setup()
+        await start_or_interrupt(runner, stop)
         try:
-            site = web.SockSite(runner, sock)
+            site = web.SockSite(runner, sock, backlog=config.gateway.listen_backlog)  # its listen() replaces the socket's
             await site.start()
             ready(f"http://{config.gateway.host}:{sock.getsockname()[1]}")
             await stop.wait()

@@ -9,8 +9,12 @@ import logging
 
 import orjson
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_urldispatcher import _default_expect_handler  # what a route without expect_handler= gets
 
 log = logging.getLogger("laps.gateway")
+
+MALFORMED_MESSAGE_CHARS = 200  # of aiohttp's reason in the log line of a malformed request
 
 
 class APIError(Exception):
@@ -74,6 +78,16 @@ class BodyTooLarge(APIError):
         self.received_bytes = received_bytes
 
 
+async def expect_continue(request: web.Request) -> web.StreamResponse | None:
+    """The ``expect_handler`` of the routes that take a body: ``Expect: 100-continue`` with a Content-Length over
+    the body limit (``request.client_max_size``) is answered at once with :class:`BodyTooLarge`'s 413, without the
+    ``100 Continue`` that would have the client send the body first; any other ``Expect`` as aiohttp answers it
+    (``100 Continue``; 417 for an expectation it does not know)."""
+    if request.content_length is not None and request.content_length > request.client_max_size:
+        return BodyTooLarge(request.client_max_size, request.content_length).response()
+    return await _default_expect_handler(request)
+
+
 class BodyTimeout(APIError):
     """A request body that did not arrive within ``timeout_s`` seconds of its head (``gateway.body_timeout_s``;
     HTTP 408). The connection is closed."""
@@ -106,3 +120,29 @@ async def error_middleware(request: web.Request, handler):
     except Exception:
         log.exception("internal error on %s %s", request.method, request.path)
         return APIError(500, "internal gateway error; see the gateway log", type="internal_error").response()
+
+
+class ServerLog(logging.LoggerAdapter):
+    """aiohttp's server logger (``aiohttp.server``) as the gateway's HTTP server uses it (``logger=`` of its
+    runner): a request aiohttp cannot parse (a request or header line over 8,190 bytes, more than 128 headers, a bad
+    Content-Length, Content-Length with Transfer-Encoding, a bad method, a bad chunk) is one INFO line
+    (``malformed HTTP request from <address> (answered 400): <aiohttp's reason>``), not an ERROR with a traceback,
+    since any client can send them; aiohttp still answers it with its plain-text 400 and closes the connection.
+    Every other error is logged as aiohttp logs it."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.getLogger("aiohttp.server"), {})
+
+    def exception(self, msg, *args, exc_info=True, **kwargs) -> None:
+        if not isinstance(exc_info, HttpProcessingError):
+            super().exception(msg, *args, exc_info=exc_info, **kwargs)
+            return
+        if not self.isEnabledFor(logging.INFO):
+            return
+        # aiohttp's reason spans lines (the bad line, a caret under the culprit): one line, printable, bounded
+        reason = " ".join(line.strip() for line in exc_info.message.splitlines() if line.strip(" ^"))
+        reason = "".join(c if c.isprintable() else repr(c)[1:-1] for c in reason)
+        if len(reason) > MALFORMED_MESSAGE_CHARS:
+            reason = reason[:MALFORMED_MESSAGE_CHARS] + "..."
+        remote = args[0] if args else None
+        self.info("malformed HTTP request from %s (answered %s): %s: %s", remote, exc_info.code or 400, type(exc_info).__name__, reason)

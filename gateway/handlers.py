@@ -421,7 +421,11 @@ async def _relay_stream(request: web.Request, gw: Gateway, engine: EngineState, 
     in_background(gw.client.abort(engine.url, view.rid))
     if sse.response is None:
         raise api_error
-    log.warning("%s: engine %s failed mid-stream (%s); the stream ends with an error event", view.rid, engine.id, getattr(api_error, "detail", api_error.message))
+    if isinstance(api_error, ShuttingDown):  # the engine did nothing wrong
+        log.info("%s: stream to engine %s cut: the gateway is shutting down; the stream ends with an error event", view.rid, engine.id)
+    else:
+        log.warning("%s: engine %s failed mid-stream (%s); the stream ends with an error event", view.rid, engine.id,
+                    getattr(api_error, "detail", api_error.message))
     if isinstance(api_error, EngineUnavailable):
         engine_failed(gw, api_error)
     return await sse.fail(api_error), outcome_of(api_error)

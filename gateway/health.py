@@ -118,7 +118,7 @@ class HealthMonitor:
             failures = self._ready_failures[engine.id] = 0 if ok else self._ready_failures.get(engine.id, 0) + 1
             busy = state == "timeout" and loop.time() - engine.last_byte_s < BUSY_WITHIN_S
             if ok and not engine.healthy:
-                log.warning("engine %s is now healthy", engine.id)
+                log.info("engine %s is now healthy", engine.id)
                 engine.healthy = True
             elif not ok and engine.healthy and (not busy or failures >= READY_FAILURES_WHEN_BUSY):
                 take_out_of_service(gw, engine, f"GET /ready: {state} ({failures} time(s) in a row)", stalled=False)

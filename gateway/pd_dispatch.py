@@ -217,8 +217,12 @@ class _Pair:
             api_error, outcome = err, outcome_of(err)
             if self.response is None:
                 raise err
-            log.warning("%s: PD pair %s/%s failed mid-stream (%s); the stream ends with an error event", self.view.rid,
-                        self.prefill_id, self.decode_id, getattr(err, "detail", err.message))
+            if isinstance(err, ShuttingDown):  # the engines did nothing wrong
+                log.info("%s: stream to PD pair %s/%s cut: the gateway is shutting down; the stream ends with an error event", self.view.rid,
+                         self.prefill_id, self.decode_id)
+            else:
+                log.warning("%s: PD pair %s/%s failed mid-stream (%s); the stream ends with an error event", self.view.rid,
+                            self.prefill_id, self.decode_id, getattr(err, "detail", err.message))
             if isinstance(err, EngineUnavailable):
                 engine_failed(self.gw, err)
         else:

@@ -86,7 +86,7 @@ async def switch_role(gw: Gateway, engine_id: str, role: str, drain_timeout_s: f
     gw.prefix_index.forget_engine(engine_id)
     state.pool = gw.config.roles[role].pool
     if not state.healthy:  # the health poller saw the restart; it logs no recovery for a flag set here
-        log.warning("engine %s is now healthy", engine_id)
+        log.info("engine %s is now healthy", engine_id)
     state.healthy = True
     state.draining = False
     log.info("engine %s: serving as %s in the %s pool after %.1f s", engine_id, role, state.pool, time.monotonic() - started)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
 
 class TextPart(BaseModel):
@@ -22,11 +23,17 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    """One chat message; list content must be text parts (images are not served)."""
+    """One chat message; list content must be text parts (images are not served).
+
+    ``content`` is required, as in OpenAI's API (absent or ``null`` is an error), except in an assistant message
+    with ``tool_calls`` (or the older ``function_call``): the model's turn that only called tools.
+    """
 
     model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    tool_calls: list | None = None  # declared before content, which is checked against them
+    function_call: dict | None = None
+    content: str | list[TextPart] | None = Field(None, validate_default=True)
 
     @field_validator("content", mode="before")
     @classmethod
@@ -36,6 +43,18 @@ class ChatMessage(BaseModel):
         if isinstance(v, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in v):
             return v
         raise ValueError('content must be a string or a list of text parts {"type": "text", "text": "..."}; laps serves text only')
+
+    @field_validator("content")
+    @classmethod
+    def _required(cls, v, info: ValidationInfo):
+        role = info.data.get("role")
+        if v is not None or role is None:  # no role: that error is reported
+            return v
+        if role == "assistant":
+            if info.data.get("tool_calls") or info.data.get("function_call"):
+                return v
+            raise PydanticCustomError("missing", "an assistant message needs content unless it has tool_calls")
+        raise PydanticCustomError("missing", f"a {role} message needs content (a string or a list of text parts)")  # the param keeps "content"
 
     def text(self) -> str:
         """The content as one string; text parts are joined with a space, as SGLang 0.5.23
@@ -76,6 +95,14 @@ class _SamplingFields(BaseModel):
     top_p: float | None = Field(None, gt=0, le=1)
     stop: str | list[str] | None = None
     priority: int | None = Field(None, ge=-(1 << 63), lt=1 << 63)  # SGLang's; see gateway/priority.py
+    stream_options: dict | None = None  # OpenAI's: only with "stream": true
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, v, info: ValidationInfo):
+        if v is not None and info.data.get("stream") is False:  # absent: False; not a bool: that error is reported
+            raise ValueError("only allowed when stream is true")
+        return v
 
 
 class ChatCompletionRequest(_SamplingFields):

@@ -26,7 +26,9 @@ Shutdown, on SIGINT or SIGTERM to the supervisor (the children ignore SIGINT, so
 Ctrl-C to the terminal's process group reaches them only this way): SIGTERM to
 every worker, which drain as one gateway does (``gateway.shutdown_grace_s``,
 :func:`gateway.app.serve_until`); then SIGTERM to the scheduler, which stops the
-engines. A second signal kills every child at once and exits (code 130).
+engines. A second signal kills every child at once and exits (code 130). A signal
+before the gateway is ready ends the start-up the same way (the scheduler cancels
+its engines' start and stops them) and exits with 128 + its number (130 for SIGINT).
 
 Metrics: the supervisor points ``PROMETHEUS_MULTIPROC_DIR`` at a fresh directory
 for its children (:mod:`gateway.metrics`), so any worker's ``/metrics`` reports
@@ -47,6 +49,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
@@ -67,7 +70,11 @@ LogSetup = Callable[[str], None]
 # ---------------------------------------------------------------- the children
 
 def _child_start(setup_logging: LogSetup, label: str) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor turns a Ctrl-C into an ordered SIGTERM
+    """Ignore SIGINT (the supervisor turns a Ctrl-C into an ordered SIGTERM), then unblock it: the child started with
+    it blocked (:class:`_Child`), and a Ctrl-C that came meanwhile, pending, is dropped here instead of raising
+    KeyboardInterrupt in the middle of the child's imports; set up logging."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # discards a pending SIGINT
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     setup_logging(label)
 
 
@@ -80,14 +87,16 @@ def scheduler_main(ready: Connection, setup_logging: LogSetup, config: Config, c
 
 
 async def _scheduler(config: Config, channel_path: str, ready: Connection) -> int:
-    from gateway.app import app_runner, stop_on_signals
+    from gateway.app import StartInterrupted, app_runner, start_or_interrupt, stop_on_signals
     from gateway.sched_service import SchedulerService
     from gateway.state import GATEWAY
 
     stop = stop_on_signals((signal.SIGTERM,))
     runner = app_runner(config)
     try:
-        await runner.setup()
+        await start_or_interrupt(runner, stop)
+    except StartInterrupted:  # the supervisor stops the gateway while the engines start: they are stopped
+        return 0
     except Exception as err:  # an engine that does not start: the supervisor reports it
         log.exception("scheduler: start-up failed")
         ready.send((FAILED, str(err)))
@@ -114,12 +123,13 @@ def worker_main(ready: Connection, setup_logging: LogSetup, config: Config, chan
 
 
 async def _worker(config: Config, channel_path: str, ready: Connection) -> int:
-    from gateway.app import app_runner, create_worker_app, listen_socket, serve_until, stop_on_signals
+    from gateway.app import StartInterrupted, app_runner, create_worker_app, listen_socket, serve_until, stop_on_signals
 
     stop = stop_on_signals((signal.SIGTERM,))
-    sock = listen_socket(config.gateway.host, config.gateway.port, reuse_port=True)
-    await serve_until(config, app_runner(config, create_worker_app(config, channel_path)), sock, stop,
-                      lambda url: ready.send((READY, os.getpid())))
+    sock = listen_socket(config.gateway.host, config.gateway.port, reuse_port=True, backlog=config.gateway.listen_backlog)
+    with contextlib.suppress(StartInterrupted):  # stopped before it served: nothing to drain
+        await serve_until(config, app_runner(config, create_worker_app(config, channel_path)), sock, stop,
+                          lambda url: ready.send((READY, os.getpid())))
     return 0
 
 
@@ -127,13 +137,19 @@ async def _worker(config: Config, channel_path: str, ready: Connection) -> int:
 
 class _Child:
     """One started child process, ``target(ready pipe, setup_logging, *args)``, and the read end of its ready pipe
-    (``ready``, ``None`` once read)."""
+    (``ready``, ``None`` once read). The child starts with SIGINT blocked (the mask outlives exec) until its
+    :func:`_child_start` ignores it: a Ctrl-C at the terminal while it starts reaches only the supervisor."""
 
     def __init__(self, ctx, label: str, target: Callable, setup_logging: LogSetup, args: tuple) -> None:
         reader, writer = ctx.Pipe(duplex=False)
         self.label = label
         self.process = ctx.Process(target=target, args=(writer, setup_logging, *args), name=f"laps-{label}", daemon=False)
-        self.process.start()
+        resource_tracker.ensure_running()  # starting its process unblocks SIGINT: before the block, not during start()
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            self.process.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)  # a Ctrl-C meanwhile reaches the supervisor now
         writer.close()
         self.ready: Connection | None = reader
         self.started_s = time.monotonic()
@@ -158,6 +174,7 @@ class Supervisor:
         self.setup_logging = setup_logging
         self._ctx = multiprocessing.get_context("spawn")
         self._signals = 0
+        self._signum: int | None = None  # the first signal's
         self._wake_r, self._wake_w = socket.socketpair()  # the signal wake-up pipe (signal.set_wakeup_fd)
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -165,7 +182,9 @@ class Supervisor:
         self.workers: list[_Child | None] = [None] * config.gateway.workers
 
     def run(self) -> int:
-        """Start everything, supervise, shut down on a signal; the exit code (0, or 1 when the scheduler failed).
+        """Start everything, supervise, shut down on a signal; the exit code (0; 1 when the scheduler failed; 128 +
+        the signal's number, 130 for SIGINT, when a signal came before the gateway was ready: the engines started
+        are stopped).
 
         Raises:
             RuntimeError: the scheduler failed to start (its error is the message).
@@ -174,12 +193,12 @@ class Supervisor:
         try:
             self.scheduler = self._start_scheduler()
             if not self._await_ready(self.scheduler):
-                return 0  # a signal while the engines started
+                return self._interrupted()  # a signal while the engines started
             for i in range(len(self.workers)):
                 self.workers[i] = self._start_worker(i)
             for worker in self.workers:
                 if not self._await_ready(worker):
-                    return 0
+                    return self._interrupted()
             url = f"http://{self.config.gateway.host}:{self.config.gateway.port}"
             log.info("laps gateway listening on %s with %d workers (Ctrl-C to stop; twice to stop at once)", url, len(self.workers))
             print(f"laps: ready on {url}", flush=True)
@@ -192,6 +211,7 @@ class Supervisor:
 
         def on_signal(signum, frame) -> None:
             self._signals += 1
+            self._signum = self._signum or signum
             if self._signals > 1:
                 log.warning("second signal: killing the gateway's processes now")
                 for child in self._children():
@@ -201,6 +221,11 @@ class Supervisor:
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, on_signal)
+
+    def _interrupted(self) -> int:
+        """Log a signal during the start-up; the exit code it gives (128 + its number)."""
+        log.info("interrupted during start-up (%s): stopping the engines started so far", signal.Signals(self._signum).name)
+        return 128 + self._signum
 
     def _children(self) -> list[_Child]:
         return [c for c in (*self.workers, self.scheduler) if c is not None]

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import importlib
 import logging
+import signal
 import sys
 from functools import partial
 from pathlib import Path
@@ -44,7 +45,7 @@ def _run(coro) -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from gateway.app import serve
+    from gateway.app import StartInterrupted, serve
     from laps.config import DEFAULT_CONFIG_PATH, load_config, parse_config
     from laps.tokenizer import load_tokenizer
 
@@ -68,6 +69,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         from gateway.workers import serve_workers
 
         return serve_workers(config, partial(_setup_logging, args.log_level, config.log_dir / "gateway.log"))
+    except StartInterrupted as err:  # logged when it came; the engines started are stopped
+        return 128 + (err.signum or signal.SIGINT)
     except (RuntimeError, OSError) as err:
         logging.getLogger("laps").error("%s", err)
         return 1

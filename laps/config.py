@@ -79,6 +79,10 @@ class GatewayConfig(_Strict):
     ``workers``: gateway processes that share the port (``SO_REUSEPORT``) and do HTTP, validation,
     tokenization and relaying, while one scheduler process keeps the scheduling state (:mod:`gateway.workers`);
     1: everything in one process.
+    ``listen_backlog``: the length of the listening socket's queue of connections the kernel has accepted and the
+    gateway not yet taken (``listen(2)``'s backlog; Linux caps it at ``net.core.somaxconn``, 4096 by default), each
+    worker's socket's with ``workers`` > 1: a burst of new connections beyond it waits for the clients' SYN retries
+    (a second or more) or fails. The default is uvicorn's, which SGLang serves with; aiohttp's own is 128.
     """
 
     host: str = "127.0.0.1"
@@ -94,6 +98,7 @@ class GatewayConfig(_Strict):
     tokenizer_processes: int = Field(2, ge=0, le=256)
     tokenizer_process_min_chars: int = Field(32768, gt=0)
     workers: int = Field(1, ge=1, le=256)
+    listen_backlog: int = Field(2048, ge=1)
 
     @field_validator("api_keys", mode="before")
     @classmethod

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -19,6 +20,7 @@ import yaml
 import laps.cli
 from laps.config import DEFAULT_CONFIG_PATH
 from laps.demo import serving
+from tests.test_http_limits import listen_backlogs
 
 
 def write_config(tmp_path, **changes) -> tuple:
@@ -83,7 +85,7 @@ def _tokenizer_workers(pid: int) -> list[int]:
 def test_port_0_prints_the_port_it_bound_and_a_ctrl_c_stops_it_quietly(tmp_path):
     """The ready line names the bound port; a Ctrl-C at the terminal (SIGINT to the whole process group, the tokenizer
     worker that a long prompt started included) ends it with code 0 and nothing but log lines on stderr."""
-    config_path, _ = write_config(tmp_path, gateway={"port": 0})
+    config_path, _ = write_config(tmp_path, gateway={"port": 0, "listen_backlog": 777})
     with (tmp_path / "stderr").open("w") as stderr:
         proc = subprocess.Popen([sys.executable, "-m", "laps.cli", "serve", "--config", str(config_path)], stdout=subprocess.PIPE, stderr=stderr,
                                 text=True, start_new_session=True)  # its own process group, as a shell gives a command
@@ -93,6 +95,7 @@ def test_port_0_prints_the_port_it_bound_and_a_ctrl_c_stops_it_quietly(tmp_path)
         assert match, line
         port = int(match.group(1))
         assert port != 0
+        assert listen_backlogs(port) == [777]  # gateway.listen_backlog, not aiohttp's 128
         assert httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).json()["data"][0]["id"] == "Qwen2.5-7B-Instruct"
         chat = {"model": "Qwen2.5-7B-Instruct", "messages": [{"role": "user", "content": "word " * 8000}], "max_tokens": 2}
         assert httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=chat, timeout=60).status_code == 200
@@ -103,6 +106,48 @@ def test_port_0_prints_the_port_it_bound_and_a_ctrl_c_stops_it_quietly(tmp_path)
     stderr = (tmp_path / "stderr").read_text()
     assert "laps.gateway: shutting down: no new connections" in stderr  # the log lines are there
     for noise in ("Traceback", "KeyboardInterrupt", "leaked semaphore"):
+        assert noise not in stderr
+
+
+# A stand-in for SGLang (through sglang.python) that says it is up, then never becomes ready.
+NEVER_READY_ENGINE = '#!/bin/sh\necho "stand-in engine $$ up"\nexec sleep 600\n'
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_ctrl_c_during_start_up_stops_the_engines_started_and_exits_130(tmp_path, workers):
+    """sp0 (simulated) starts, lp0 never becomes ready; a Ctrl-C at the terminal (SIGINT to the gateway's process
+    group) meanwhile cancels the start-up at once: both engines are stopped, nothing is reported as an engine failure,
+    the exit code is 130."""
+    stand_in = tmp_path / "sglang-stand-in"
+    stand_in.write_text(NEVER_READY_ENGINE)
+    stand_in.chmod(0o755)
+    config_path, log_dir = write_config(tmp_path, gateway={"port": 0, "workers": workers}, sglang={"python": str(stand_in)})
+    data = yaml.safe_load(config_path.read_text())
+    data["engines"][1]["kind"] = "sglang"
+    config_path.write_text(yaml.safe_dump(data))
+    with (tmp_path / "stderr").open("w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "laps.cli", "serve", "--config", str(config_path)], stdout=subprocess.PIPE,
+                                stderr=stderr, text=True, start_new_session=True)  # its own process group, as a shell gives a command
+    try:
+        engine_log = log_dir / "engine-lp0.log"
+        deadline = time.monotonic() + 60
+        while not (engine_log.exists() and (up := re.search(r"stand-in engine (\d+) up", engine_log.read_text()))):
+            assert proc.poll() is None and time.monotonic() < deadline, "lp0 was not started"
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=30) == 130  # not once lp0's 300 s ready timeout is over
+        assert proc.stdout.read() == ""  # never ready
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    with pytest.raises(ProcessLookupError):  # stopped (and reaped)
+        os.kill(int(up.group(1)), 0)
+    log = (log_dir / "gateway.log").read_text()
+    assert "interrupted during start-up (SIGINT): stopping the engines started so far" in log
+    assert "engine lp0: stopped" in log and "engine sp0: stopped" in log
+    stderr = (tmp_path / "stderr").read_text()
+    for noise in ("exited with code", "before it was ready", "did not start", "ERROR", "Traceback", "KeyboardInterrupt"):
         assert noise not in stderr
 
 

@@ -16,6 +16,7 @@ def test_default_config_is_the_documented_deployment():
     config = load_config()
     assert (config.gateway.host, config.gateway.port) == ("127.0.0.1", 8000)
     assert (config.gateway.keepalive_timeout_s, config.gateway.body_timeout_s) == (75.0, 60.0)
+    assert config.gateway.listen_backlog == 2048
     assert config.model.name == "Qwen2.5-7B-Instruct" and config.model.path is None
     assert (config.sim.model, config.sim.gpu) == ("qwen2.5-7b", "h200")
     assert config.slo.ttft_s == 0.4
@@ -28,9 +29,10 @@ def test_default_config_is_the_documented_deployment():
     [
         (lambda d: d["slo"].update(ttft_s=-1), ["slo.ttft_s", "greater than 0", "-1"]),
         (lambda d: d["engines"][0].update(kind="gpu"), ["engines.0.kind", "'sim'", "'gpu'"]),
-        (lambda d: d["gateway"].update(prot=8000), ["gateway.prot: unknown key; allowed: admin_key, api_keys, body_timeout_s, first_byte_timeout_s, host, keepalive_timeout_s, port, request_timeout_s, shutdown_grace_s, stall_timeout_s"]),
+        (lambda d: d["gateway"].update(prot=8000), ["gateway.prot: unknown key; allowed: admin_key, api_keys, body_timeout_s, first_byte_timeout_s, host, keepalive_timeout_s, listen_backlog, port, request_timeout_s, shutdown_grace_s, stall_timeout_s"]),
         (lambda d: d["gateway"].update(keepalive_timeout_s=0), ["gateway.keepalive_timeout_s", "greater than 0"]),
         (lambda d: d["gateway"].update(body_timeout_s=-1), ["gateway.body_timeout_s", "greater than 0", "-1"]),
+        (lambda d: d["gateway"].update(listen_backlog=0), ["gateway.listen_backlog", "greater than or equal to 1", "0"]),
         (lambda d: d["roles"]["mixed"].update(flag={}), ["roles.mixed.flag: unknown key; allowed: flags, pool"]),
         (lambda d: d["engines"][0].update(colour="red"), ["engines.0.colour: unknown key; allowed: bootstrap_port, gpus, kind, kv_events_endpoint, kv_events_replay_endpoint, name, port, role, url"]),
         (lambda d: d["engines"][1].update(role="tiny"), ["engines.1.role", "'tiny'", "allowed: long-prefill, mixed, short-prefill"]),

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -20,7 +22,7 @@ from engines.manager import (FREE_PORT_RANGE, EngineManager, EngineProcess, _eph
                              kv_event_sources, server_args)
 from gateway.app import create_app
 from gateway.state import GATEWAY
-from laps.config import DEFAULT_CONFIG_PATH, Config, load_config, parse_config
+from laps.config import DEFAULT_CONFIG_PATH, Config, EngineConfig, load_config, parse_config
 from laps.tokenizer import load_tokenizer
 from loadgen.virtual import engine_cores
 from tests import sglang_env
@@ -252,3 +254,47 @@ def test_engines_laps_starts_publish_kv_events_on_ports_of_their_own(monkeypatch
     assert set(sources) == {"sp0", "lp0", "far"} and kv_event_sources(config, {}).keys() == {"far"}  # engines given by URL: not followed
     off = config.model_copy(update={"scheduling": config.scheduling.model_copy(update={"kv_events": False})})
     assert "--kv-events-config" not in engine_command(off, off.engines[0], 31000) and kv_event_sources(off, manager.engines) == {}
+
+
+class _NeverReady:
+    """An engine client whose ``GET /ready`` never answers ready."""
+
+    async def ready(self, url: str) -> str:
+        return "unreachable"
+
+
+async def test_an_engine_that_exits_before_it_is_ready_shows_its_own_start_s_log_only(tmp_path: Path):
+    """The engine's log file keeps every earlier run (appended); the failure shows the lines of this start."""
+    log = tmp_path / "engine-x.log"
+    log.write_text("".join(f"\n=== 2026-01-01 10:0{i}:00 starting as mixed: earlier command\nearlier run {i}\n" for i in range(5)))
+    engine = EngineProcess(EngineConfig(name="x", role="mixed"), "mixed", [sys.executable, "-c", "print('this run'); raise SystemExit(3)"], {},
+                           free_port(), log)
+    await engine.start()
+    with pytest.raises(RuntimeError) as info:
+        await engine.wait_ready(_NeverReady(), timeout_s=60)
+    header, *lines = str(info.value).splitlines()
+    assert header == "engine x exited with code 3 before it was ready:"
+    assert len(lines) == 2 and lines[0].startswith("=== ") and lines[0].endswith(f"starting as mixed: {sys.executable} -c print('this run'); raise SystemExit(3)")
+    assert lines[1] == "this run"
+    assert log.read_text().count("earlier run") == 5  # still in the file
+
+
+def test_an_engine_process_leaves_the_terminal_and_outlives_a_ctrl_c_caught_before_it_did():
+    """uvloop forks an engine with every signal blocked and unblocks them just before exec: a Ctrl-C to the terminal's
+    process group between the fork and setsid() was pending then, and killed the engine (exit code -2). The child
+    here makes that SIGINT pending, runs the engines' preexec_fn, unblocks as libuv does, and must live on, a session
+    leader."""
+    script = (
+        "import os, signal\n"
+        "from engines.manager import engine_preexec\n"
+        "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})\n"
+        "signal.raise_signal(signal.SIGINT)\n"  # to this thread (the imports started others, which do not block it)
+        "engine_preexec()\n"
+        "signal.signal(signal.SIGINT, signal.SIG_DFL)\n"
+        "signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})\n"
+        "print(os.getsid(0) == os.getpid() != os.getppid())\n"
+    )
+    root = Path(__file__).resolve().parent.parent
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=root,
+                            env={**os.environ, "PYTHONPATH": str(root)})
+    assert (result.returncode, result.stdout, result.stderr) == (0, "True\n", "")

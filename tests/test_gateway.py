@@ -349,6 +349,20 @@ async def test_a_stream_read_to_the_end_then_closed_is_ok_and_not_aborted(stack)
         ("/v1/chat/completions", chat("x", top_logprobs=3), "top_logprobs", "top_logprobs: needs logprobs: true"),
         ("/v1/chat/completions", chat("x", logprobs=False, top_logprobs=3), "top_logprobs", "needs logprobs: true"),
         ("/v1/chat/completions", chat("x", logprobs=True, top_logprobs=21), "top_logprobs", "less than or equal to 20"),
+        # content is required (OpenAI), but for an assistant turn that called tools
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user"}]}, "messages.0.content",
+         "messages.0.content: a user message needs content (a string or a list of text parts)"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": None}]}, "messages.0.content", "a user message needs content"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "system", "content": None}, {"role": "user", "content": "x"}]},
+         "messages.0.content", "a system message needs content"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None},
+                                                                {"role": "user", "content": "y"}]},
+         "messages.1.content", "messages.1.content: an assistant message needs content unless it has tool_calls"),
+        # stream_options only with "stream": true (OpenAI)
+        ("/v1/chat/completions", chat("x", stream_options={"include_usage": True}), "stream_options", "stream_options: only allowed when stream is true"),
+        ("/v1/chat/completions", chat("x", stream=False, stream_options={"include_usage": True}), "stream_options", "only allowed when stream is true"),
+        ("/v1/chat/completions", chat("x", stream=True, stream_options=True), "stream_options", "valid dictionary"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "only allowed when stream is true"),
     ],
 )
 async def test_wrong_types_are_refused_by_the_gateway_naming_the_field(stack, path, payload, param, fragment):
@@ -385,6 +399,16 @@ async def test_a_client_leaving_right_after_done_while_the_engine_stream_is_stil
 
 WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather at a place",
                                                  "parameters": {"type": "object", "properties": {"place": {"type": "string"}}}}}
+
+
+async def test_an_assistant_turn_with_tool_calls_and_null_content_is_valid(stack):
+    session, fakes, _ = stack
+    called = {"role": "assistant", "content": None,
+              "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"place": "Oslo"}'}}]}
+    messages = [{"role": "user", "content": "Weather in Oslo?"}, called, {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    async with session.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "tools": [WEATHER_TOOL]}) as resp:
+        assert resp.status == 200
+    assert fakes["sp0"].bodies[-1]["messages"] == messages  # passed on as sent
 
 
 @pytest.mark.parametrize("tools, param, fragment", [

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import shutil
+import subprocess
 
 import aiohttp
 import orjson
@@ -15,7 +18,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from gateway.app import MAX_BODY_BYTES, app_runner, create_app, listen_socket
+from gateway.app import MAX_BODY_BYTES, app_runner, create_app, listen_socket, serve_until
 from laps.config import load_config
 from tests.fake_engine import FakeEngine
 from tests.test_gateway import chat, with_gateway
@@ -168,3 +171,100 @@ async def test_a_chunked_body_over_the_limit_gets_an_openai_413(gateway):
     assert (status, headers["connection"]) == (413, "close")
     assert orjson.loads(body)["error"] == {"message": f"request body is over the gateway's limit of {MAX_BODY_BYTES} bytes (64 MiB)",
                                            "type": "invalid_request_error", "param": None, "code": "request_too_large"}
+
+
+MANY_HEADERS = b"".join(b"X-H%d: 1\r\n" % i for i in range(129))
+
+
+@pytest.mark.parametrize("first, request_bytes, logged", [
+    (None, b"GET /health HTTP/1.1\r\nHost: laps\r\nX-Big: " + b"a" * 8191 + b"\r\n\r\n",
+     "LineTooLong: Got more than 8190 bytes when reading: b'aaaa"),
+    (None, b"GET /health HTTP/1.1\r\nHost: laps\r\n" + MANY_HEADERS + b"\r\n", "BadHttpMessage: Too many headers received"),
+    (None, b"POST /v1/chat/completions HTTP/1.1\r\nHost: laps\r\nContent-Length: abc\r\n\r\n",
+     "BadHttpMessage: Invalid character in Content-Length: b'Content-Length: abc'"),
+    (None, b"POST /v1/chat/completions HTTP/1.1\r\nHost: laps\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+     "BadHttpMessage: Transfer-Encoding can't be present with Content-Length: b'Transfer-Encoding: chunked'"),
+    (b"GET /health HTTP/1.1\r\nHost: laps\r\n\r\n", b"G@T /health HTTP/1.1\r\nHost: laps\r\n\r\n",  # aiohttp logs a first one at DEBUG
+     "BadHttpMethod: Invalid method encountered: b'G@T /health HTTP/1.1'"),
+], ids=["header-line-over-8190-bytes", "over-128-headers", "bad-content-length", "content-length-and-transfer-encoding",
+        "bad-method-on-a-second-request"])
+async def test_a_malformed_request_gets_aiohttps_400_and_one_info_line_without_a_traceback(gateway, caplog, first, request_bytes, logged):
+    port, fakes = gateway
+    caplog.set_level(logging.INFO)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    if first is not None:  # a good request first: the connection is an established one
+        writer.write(first)
+        assert (await read_response(reader))[0] == 200
+    writer.write(request_bytes)
+    status, headers, _ = await read_response(reader)
+    assert (status, headers["content-type"]) == (400, "text/plain; charset=utf-8")
+    assert await closed_by_the_server(reader)
+    writer.close()
+    lines = [(r.levelno, r.exc_info, r.getMessage()) for r in caplog.records if r.name == "aiohttp.server"]
+    assert len(lines) == 1 and lines[0][:2] == (logging.INFO, None), lines
+    assert lines[0][2].startswith(f"malformed HTTP request from 127.0.0.1 (answered 400): {logged}")
+    assert "\n" not in lines[0][2]
+    assert fakes["sp0"].bodies == fakes["lp0"].bodies == []
+
+
+async def test_expect_100_continue_with_a_declared_body_over_the_limit_gets_the_413_without_the_100(gateway):
+    port, fakes = gateway
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: laps\r\nContent-Type: application/json\r\nExpect: 100-continue\r\n"
+                 b"Content-Length: %d\r\n\r\n" % (MAX_BODY_BYTES + 1))
+    status, headers, body = await read_response(reader)
+    writer.close()
+    assert (status, headers["connection"], orjson.loads(body)["error"]["code"]) == (413, "close", "request_too_large")
+    assert fakes["sp0"].bodies == fakes["lp0"].bodies == []
+
+
+async def test_expect_100_continue_with_a_body_within_the_limit_gets_the_100_then_the_answer(gateway):
+    port, fakes = gateway
+    body = orjson.dumps(chat("Hi"))
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: laps\r\nContent-Type: application/json\r\nExpect: 100-continue\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(body))
+    assert await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), CLOSE_WAIT_S) == b"HTTP/1.1 100 Continue\r\n\r\n"
+    writer.write(body)
+    status, _, answer = await read_response(reader)
+    writer.close()
+    assert (status, orjson.loads(answer)["choices"][0]["message"]["content"]) == (200, "hi from sp0")
+
+
+def listen_backlogs(port: int) -> list[int]:
+    """The backlog of every socket listening on TCP ``port`` (``ss``'s Send-Q of a listening socket: the kernel's
+    ``sk_max_ack_backlog``, the ``listen()`` backlog capped at ``net.core.somaxconn``); skips the test without ``ss``."""
+    if shutil.which("ss") is None:
+        pytest.skip("needs ss (iproute2) to read a listening socket's backlog")
+    lines = subprocess.run(["ss", "-Hltn", f"sport = :{port}"], capture_output=True, text=True, check=True).stdout.splitlines()
+    return [int(line.split()[2]) for line in lines]
+
+
+async def test_serve_until_listens_with_gateway_listen_backlog():
+    """aiohttp's site calls listen() again (its own default backlog is 128): what the kernel keeps is the config's."""
+    fakes = {"sp0": FakeEngine("sp0"), "lp0": FakeEngine("lp0")}
+    servers = {name: TestServer(f.app) for name, f in fakes.items()}
+    for s in servers.values():
+        await s.start_server()
+    config = with_gateway(load_config(), port=0, listen_backlog=777)  # under Linux's default somaxconn, 4096
+    runner = app_runner(config, create_app(config, engine_urls={name: str(s.make_url("")).rstrip("/") for name, s in servers.items()}))
+    stop = asyncio.Event()
+    backlogs = []
+
+    def ready(url: str) -> None:
+        backlogs.append(listen_backlogs(int(url.rsplit(":", 1)[1])))
+        stop.set()
+
+    try:
+        await serve_until(config, runner, listen_socket("127.0.0.1", 0, backlog=config.gateway.listen_backlog), stop, ready)
+    finally:
+        for s in servers.values():
+            await s.close()
+    assert backlogs == [[777]]
+
+
+def test_listen_socket_listens_with_the_backlog_given():
+    with listen_socket("127.0.0.1", 0, backlog=333) as sock:
+        assert listen_backlogs(sock.getsockname()[1]) == [333]
+    with listen_socket("127.0.0.1", 0) as sock:
+        assert listen_backlogs(sock.getsockname()[1]) == [2048]  # gateway.listen_backlog's default

@@ -11,7 +11,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from gateway import pd_dispatch
-from gateway.app import create_app
+from gateway.app import create_app, end_requests
 from gateway.relay import settle_background
 from gateway.state import GATEWAY
 from tests.fake_engine import FakeEngine
@@ -304,6 +304,21 @@ async def test_log_lines_name_the_decode_engine_of_the_pair(pd_stack, caplog):
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith(rid)]
     assert f"{rid}: client went away; aborting on ps0 and d0" in lines
     assert any("class=short engine=ps0 decode=d0 prompt_tokens=" in line and "outcome=client_gone" in line for line in lines)
+
+
+async def test_a_stream_the_shutdown_ends_is_logged_as_cut_not_as_a_failed_pair(pd_stack, caplog):
+    session, fakes, _, app = pd_stack
+    fakes["d0"].hold_streams = True
+    caplog.set_level(logging.INFO, logger="laps.gateway")
+    resp = await session.post("/v1/chat/completions", json=chat("Hi", stream=True))
+    rid = resp.headers["x-request-id"]
+    assert b"hi from d0" in await resp.content.readuntil(b"\n\n")
+    await asyncio.wait_for(end_requests(app[GATEWAY], grace_s=0.0), timeout=10)
+    got = events((await resp.read()).decode())
+    assert got[-1] == "data: [DONE]" and orjson.loads(got[-2].removeprefix("data: "))["error"]["code"] == "shutting_down"
+    fakes["d0"].release.set()
+    cut = [(r.levelno, r.getMessage()) for r in caplog.records if r.getMessage().startswith(rid) and ("mid-stream" in r.getMessage() or " cut: " in r.getMessage())]
+    assert cut == [(logging.INFO, f"{rid}: stream to PD pair ps0/d0 cut: the gateway is shutting down; the stream ends with an error event")]
 
 
 async def test_the_startup_log_says_pd_mode_policy_and_controller(caplog):

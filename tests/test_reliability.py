@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import aiohttp
 import orjson
@@ -123,8 +124,9 @@ async def test_a_malformed_json_answer_is_retried_elsewhere(stack):
 
 
 @pytest.mark.parametrize("stack", [{"stall_timeout_s": 60.0}], indirect=True)  # only the shutdown ends the held stream
-async def test_shutdown_ends_the_requests_left_after_the_grace_period_explicitly(stack):
+async def test_shutdown_ends_the_requests_left_after_the_grace_period_explicitly(stack, caplog):
     session, fakes, app = stack
+    caplog.set_level(logging.INFO, logger="laps.gateway")
     gw = app[GATEWAY]
     fakes["sp0"].hold_streams = True
     fakes["lp0"].hold_answers = True
@@ -146,6 +148,8 @@ async def test_shutdown_ends_the_requests_left_after_the_grace_period_explicitly
         "message": "the gateway is shutting down; retry on another instance or later", "type": "service_unavailable",
         "param": None, "code": "shutting_down"}
     assert not gw.guards
+    cut = [(r.levelno, r.getMessage().split(": ", 1)[1]) for r in caplog.records if "mid-stream" in r.getMessage() or " cut: " in r.getMessage()]
+    assert cut == [(logging.INFO, "stream to engine sp0 cut: the gateway is shutting down; the stream ends with an error event")]  # no engine failure
 
 
 async def test_shutdown_waits_for_requests_that_finish_within_the_grace_period(stack):
@@ -193,3 +197,18 @@ async def test_a_busy_engine_whose_probe_times_out_stays_in_service_until_it_kee
     assert sp0.healthy
     await monitor.poll()  # the third timeout in a row
     assert not sp0.healthy
+
+
+async def test_an_engine_back_in_service_is_logged_at_info(stack, monkeypatch, caplog):
+    _, _, app = stack
+    gw = app[GATEWAY]
+
+    async def ready(url: str) -> str:
+        return "ready"
+
+    monkeypatch.setattr(gw.client, "ready", ready)
+    gw.registry["lp0"].healthy = False
+    caplog.set_level(logging.INFO, logger="laps.gateway")
+    await HealthMonitor(gw).poll()
+    assert gw.registry["lp0"].healthy
+    assert [(r.levelno, r.getMessage()) for r in caplog.records if "now healthy" in r.getMessage()] == [(logging.INFO, "engine lp0 is now healthy")]

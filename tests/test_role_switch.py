@@ -48,7 +48,7 @@ def test_a_switch_logs_the_engine_healthy_again_when_the_poller_had_seen_it_down
     state = gw.registry["lp0"]
     assert (state.pool, state.healthy, state.draining) == ("short", True, False)
     assert gw.manager.restarts == [("lp0", "short-prefill")] and gw.prefix_index.forgotten == ["lp0"]
-    assert ("engine lp0 is now healthy" in caplog.messages) is recovery_logged
+    assert [r.levelno for r in caplog.records if r.getMessage() == "engine lp0 is now healthy"] == ([logging.INFO] if recovery_logged else [])
 
 
 def test_a_switch_to_a_role_with_the_same_flags_is_instant_and_keeps_the_cache(caplog):

@@ -17,6 +17,7 @@ import orjson
 import pytest
 
 from tests.test_cli_startup import write_config
+from tests.test_http_limits import listen_backlogs
 
 MODEL = "Qwen2.5-7B-Instruct"
 START_TIMEOUT_S = 120.0
@@ -63,7 +64,7 @@ def gateway(tmp_path_factory):
     """``laps serve --workers 2`` on the default config's two sim engines, port 0, in its own process group (as a shell
     starts it), shared by this module's tests (the last one stops it); (base URL, gateway log, process, its stderr)."""
     tmp = tmp_path_factory.mktemp("workers")
-    config_path, log_dir = write_config(tmp, gateway={"port": 0, "shutdown_grace_s": 5, "admin_key": ADMIN_KEY})
+    config_path, log_dir = write_config(tmp, gateway={"port": 0, "shutdown_grace_s": 5, "admin_key": ADMIN_KEY, "listen_backlog": 777})
     with (tmp / "stderr").open("w") as stderr:
         proc = subprocess.Popen([sys.executable, "-m", "laps.cli", "serve", "--config", str(config_path), "--workers", "2"],
                                 stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True)
@@ -111,6 +112,7 @@ def test_a_killed_worker_is_started_again_and_the_other_workers_request_complete
 
 def test_two_workers_serve_chats_errors_and_one_metrics_and_stop_on_ctrl_c(gateway):
     url, log, proc, stderr = gateway
+    assert listen_backlogs(int(url.rsplit(":", 1)[1])) == [777, 777]  # each worker's SO_REUSEPORT socket: gateway.listen_backlog
     before = len(re.findall(r"outcome=ok", log.read_text()))
     workers: set[str] = set()
     sent = 0
@@ -163,3 +165,30 @@ def test_a_port_held_by_a_multi_worker_gateway_is_refused_to_another():
                 pass
     with port_lock(port):  # released with its holder
         pass
+
+
+def _no_logging(label: str) -> None:
+    pass
+
+
+def _ctrl_c_while_starting(ready, setup_logging) -> None:
+    """A child whose start-up (its imports, before :func:`gateway.workers._child_start`) gets a Ctrl-C."""
+    from gateway.workers import READY, _child_start
+
+    signal.raise_signal(signal.SIGINT)  # as the terminal's SIGINT to the process group would reach it
+    _child_start(setup_logging, "test")
+    ready.send((READY, os.getpid()))
+
+
+def test_a_ctrl_c_while_a_child_starts_reaches_only_the_supervisor():
+    """The supervisor starts its children with SIGINT blocked; the child drops a Ctrl-C pending when it starts
+    ignoring SIGINT (without the block, the child died of KeyboardInterrupt in the middle of its imports)."""
+    import multiprocessing
+
+    from gateway.workers import READY, _Child
+
+    child = _Child(multiprocessing.get_context("spawn"), "test", _ctrl_c_while_starting, _no_logging, ())
+    message = child.read_ready()
+    child.process.join(30)
+    assert (message, child.process.exitcode) == ((READY, child.process.pid), 0)
+    assert not signal.pthread_sigmask(signal.SIG_BLOCK, [])  # the supervisor's mask is as it was
