@@ -16,10 +16,11 @@ from loadgen.runner import run_loadgen
 from loadgen.simulate import simulate
 from loadgen.workloads import build_workload
 
-DURATION_S = 12.0
+DURATION_S = 24.0
 RATE = 3.0
-# bench/live_vs_virtual.py (60-120 s) lands within 5% on TTFT p50 and p90; with the ~50 requests of this
-# test, a 10 ms p50 moves by about 1.5 ms from run to run on a shared 2-core machine.
+# bench/live_vs_virtual.py (60-120 s) lands within 5% on TTFT p50 and p90; with the ~120 requests of this
+# test the live p90 sits 8-10% above the virtual one on a quiet 2-core machine (with ~50, 13-16%, and a busy
+# machine pushed it past 20% in half the runs).
 TOLERANCE_PCT = 20
 
 
