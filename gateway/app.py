@@ -147,7 +147,10 @@ def create_app(config: Config, engine_urls: dict[str, str] | None = None, span_e
                 app[CONTROLLER].start()
             log.info("serving %s with %d engines: %s", config.model.name, len(urls), ", ".join(f"{k}={v}" for k, v in urls.items()))
             pd_mode = "off" if config.pd is None else f"on (decode placement {config.scheduling.decode_placement}, KV transfer {config.pd.transfer_backend})"
-            log.info("scheduling policy %s; PD %s; controller %s", config.scheduling.policy, pd_mode, "on" if config.controller.enabled else "off")
+            policy = config.scheduling.policy
+            if policy == "laps":
+                policy += f" (AWD windows {'on' if config.scheduling.laps.awd_windows else 'off'})"
+            log.info("scheduling policy %s; PD %s; controller %s", policy, pd_mode, "on" if config.controller.enabled else "off")
             if gw.api_keys is None and not is_loopback(config.gateway.host):
                 log.warning("gateway.host is %s, reachable from other machines, and gateway.api_keys is not set: "
                             "any client can use the /v1 API; set gateway.api_keys", config.gateway.host)

@@ -332,7 +332,7 @@ async def test_the_startup_log_says_pd_mode_policy_and_controller(caplog):
     await gateway.close()
     for s in servers.values():
         await s.close()
-    assert "scheduling policy laps; PD on (decode placement least_load, KV transfer mooncake); controller on" in [r.getMessage() for r in caplog.records]
+    assert "scheduling policy laps (AWD windows off); PD on (decode placement least_load, KV transfer mooncake); controller on" in [r.getMessage() for r in caplog.records]
 
 
 async def test_pd_answers_report_the_prefill_engines_cached_tokens(pd_stack):
