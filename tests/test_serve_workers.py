@@ -168,7 +168,8 @@ def test_a_port_held_by_a_multi_worker_gateway_is_refused_to_another():
 
 
 def _no_logging(label: str) -> None:
-    pass
+    """The child's logging set-up, left out: the test reads the child's stderr for tracebacks alone (a top-level
+    function, so that the spawned child can import it)."""
 
 
 def _ctrl_c_while_starting(ready, setup_logging) -> None:
