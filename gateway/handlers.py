@@ -411,7 +411,7 @@ async def _relay_stream(request: web.Request, gw: Gateway, engine: EngineState, 
             async with gw.client.post(engine.url, path, body, stream=True) as upstream:
                 if upstream.status != 200:
                     return upstream_error(engine.id, upstream.status, await upstream.read(), headers), f"http_{upstream.status}"
-                await sse.pump(upstream)
+                await sse.pump(upstream.chunks())
     except EngineHTTPError as err:
         api_error: APIError = unreachable(engine, err)
     except (EngineUnavailable, ShuttingDown) as err:

@@ -44,6 +44,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from typing import AsyncIterator
 
 import orjson
 from aiohttp import web
@@ -267,7 +268,7 @@ class _Pair:
                 self.sse = SSERelay(self.request, self.gw, self.headers, StreamTap(self.reply, drop_usage=not self.client_wants_usage,
                                                                           cached_tokens=lambda: self.prefill_cached_tokens),
                                     self.guard, engine, self._first_bytes)
-                await self.sse.pump(upstream)
+                await self.sse.pump(self._usage_after_prefill(upstream.chunks()))
         except EngineHTTPError as err:
             raise unreachable(engine, err) from None
         finally:
@@ -275,6 +276,16 @@ class _Pair:
                 self.response = self.sse.response
         await self.sse.finish()
         return "ok"
+
+    async def _usage_after_prefill(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """The decode engine's ``chunks``; one that carries a usage event waits for the prefill engine's answer
+        (up to ``PREFILL_REPORT_WAIT_S``), so that the usage relayed reports the prefill engine's ``cached_tokens``.
+        It is normally in long before (the decode side needs the prefill's KV first), but the two answers travel
+        on separate connections and nothing orders their arrival at the gateway."""
+        async for chunk in chunks:
+            if self.prefill_cached_tokens is None and b'"usage"' in chunk and not self._prefill_task.done():
+                await asyncio.wait((self._prefill_task,), timeout=PREFILL_REPORT_WAIT_S)
+            yield chunk
 
     def _first_bytes(self) -> None:
         now = time.monotonic()

@@ -25,12 +25,11 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Coroutine
+from typing import Any, AsyncIterator, Callable, Coroutine
 
 import orjson
 from aiohttp import web
 
-from engines.client import EngineResponse
 from gateway.errors import APIError, EngineUnavailable
 from gateway.guard import RequestGuard
 from gateway.health import back_in_service
@@ -279,8 +278,9 @@ class SSERelay:
         self.on_first = on_first
         self.response: web.StreamResponse | None = None
 
-    async def pump(self, upstream: EngineResponse) -> None:
-        """Relay ``upstream``'s body event by event, under the guard's limits.
+    async def pump(self, chunks: AsyncIterator[bytes]) -> None:
+        """Relay an engine's streamed body (``chunks``, :meth:`engines.client.EngineResponse.chunks`) event by event, under the
+        guard's limits.
 
         Raises:
             EngineUnavailable: the engine sent an event that is not SSE JSON, or ended without ``data: [DONE]``.
@@ -288,7 +288,7 @@ class SSERelay:
         """
         guard, engine, tap = self.guard, self.engine, self.tap
         try:
-            async for chunk in upstream.chunks():
+            async for chunk in chunks:
                 data = tap.feed(chunk)
                 if tap.malformed is not None:
                     raise EngineUnavailable(engine.id, f"malformed SSE event {tap.malformed[:200]!r}")
