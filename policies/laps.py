@@ -157,6 +157,27 @@ on ``shared-docs`` 98 ms (10 ms with it); counting only the overtaken
 prefills predicted to meet their deadline in the engine's order (not on
 their own work alone) gave ``chat-single`` 2.73% and 4.88%.
 
+In PD (6 prefill + 2 decode engines, ``mixed``, at least_load's saturation
+load) laps loses to ``cache_aware`` (1.50% against 0.24% violations, seed 0;
+0.99% against 0.00%, seed 1). The misses are prefills of 2–6k tokens (a fifth
+of those of 2–4k tokens), predicted at 0.11–0.38 s at dispatch and served at
+0.41–2.5 s: on their ``shortest-prefill-first`` engine ~10 later prefills of
+1–2k tokens (15–20k tokens, 0.3–0.4 s of work) overtook each of them.
+``cache_aware``'s FCFS engines serve them in arrival order, but collapse in
+overload (81% at 1.2×, laps 2.83%). Tried and not kept (1.0× / 1.2×): FCFS or
+``hrrn`` prefill engines (0.00% / 73%, 0.55% / 13%); charging an overtake that
+pushes a prefill predicted in time past its deadline one whole objective
+(1.39% / 2.99%), or holding the overtaking long request in the gateway instead
+(1.37% / 3.21%), or holding it whenever it would overtake a prefill predicted in
+time (1.68% / 3.95%); a gate of 8,192, 12,288 or 16,384 long-prefill tokens in
+progress per engine (0.29, 1.07, 1.05% / 4.63, 4.37, 4.23%); a room of half
+the request's objective in predicted long-prefill work per engine while Moore
+and Hodgson's rule (minimum late jobs, EDD order) finds every held request in
+time on the engines as one fluid pool, open otherwise (0.55% / 2.75%, but
+``mixed`` without PD 0.09% / 4.02% against 0.65% / 2.80%, and ``shared-docs``
+at 1.0× 1.52% length-aware violations against 0.00%: documents held for room
+wait for a clean engine).
+
 Temporal mode (one engine serving both classes, the ``mixed`` role) was decided
 in the simulator (one simulated H200, Qwen2.5-7B, the mixed real-chat workload,
 30 s per point, with the windows on as they were then by default): gating long prefills in the gateway alone halves short P90
