@@ -366,7 +366,7 @@ async def _learn_from_reply(gw: Gateway, engine_id: str, view: RequestView, prom
     if observed:
         gw.prefix_index.insert(engine_id, keys)
     else:
-        gw.prefix_index.observe(engine_id, keys, reply.cached_tokens)
+        gw.prefix_index.observe(engine_id, keys, reply.cached_tokens, view.cached_by_engine.get(engine_id, 0))
 
 
 async def _relay_json(gw: Gateway, engine: EngineState, path: str, body: dict, headers: dict, view: RequestView, guard: RequestGuard,
@@ -396,7 +396,7 @@ async def _relay_json(gw: Gateway, engine: EngineState, path: str, body: dict, h
     if not isinstance(obj, dict):
         raise EngineUnavailable(engine.id, f"answer is not a JSON object: {payload[:200]!r}")
     reply.take(obj)
-    gw.prefix_index.observe(engine.id, prompt_keys, reply.cached_tokens)
+    gw.prefix_index.observe(engine.id, prompt_keys, reply.cached_tokens, view.cached_by_engine.get(engine.id, 0))
     gw.dispatcher.first_token(view.rid, engine.id, reply.cached_tokens)
     return web.Response(body=payload, status=status, content_type="application/json", headers=headers), "ok"
 
@@ -404,7 +404,8 @@ async def _relay_json(gw: Gateway, engine: EngineState, path: str, body: dict, h
 async def _relay_stream(request: web.Request, gw: Gateway, engine: EngineState, path: str, body: dict, headers: dict, view: RequestView,
                         guard: RequestGuard, reply: Reply, prompt_keys: Sequence[int]) -> tuple[web.StreamResponse, str]:
     """Relay the engine's stream; at its first chunk the prompt is prefilled, so it is in the engine's prefix cache
-    from then on (``prompt_keys`` go into the prefix index: a request arriving meanwhile can use them).
+    from then on (the ``prompt_keys`` past what the index held there at routing go into it: a request arriving
+    meanwhile can use them; those it held keep their place until the engine's report, which may say one was evicted).
 
     Raises:
         EngineUnavailable: the engine failed before its first byte (the caller retries elsewhere once).
@@ -413,7 +414,7 @@ async def _relay_stream(request: web.Request, gw: Gateway, engine: EngineState, 
 
     def on_first() -> None:
         gw.metrics.of_class(view.request_class).ttft.observe(time.monotonic() - view.arrival_s)
-        gw.prefix_index.insert(engine.id, prompt_keys)
+        gw.prefix_index.insert(engine.id, prompt_keys[view.cached_by_engine.get(engine.id, 0) // gw.prefix_index.block_tokens:])
         gw.dispatcher.first_token(view.rid, engine.id, None)
 
     sse = SSERelay(request, gw, headers, tap, guard, engine, on_first)

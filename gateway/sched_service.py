@@ -32,7 +32,7 @@ Notes, one-way, applied in the order sent (one connection per worker):
 - ``{"op": "done", "rid"}``: the request ended (answered, failed, client gone);
   a ``place`` still waiting is withdrawn;
 - ``{"op": "insert", "engine", "keys": bytes}``, ``{"op": "observe", "engine",
-  "keys": bytes, "cached"}``: the prefix index learns what the engine holds
+  "keys": bytes, "cached", "routed"}``: the prefix index learns what the engine holds
   (:meth:`policies.exact_prefix.PrefixCaches.insert` / ``observe``);
 - ``{"op": "down", "engine", "why", "stalled"}``: a worker saw the engine fail:
   it leaves service here (:func:`gateway.health.take_out_of_service`); the
@@ -175,7 +175,7 @@ class SchedulerService:
         self.gw.prefix_index.insert(message["engine"], array("q", message["keys"]))
 
     def _observe(self, message: dict, peer: Peer) -> None:
-        self.gw.prefix_index.observe(message["engine"], array("q", message["keys"]), message["cached"])
+        self.gw.prefix_index.observe(message["engine"], array("q", message["keys"]), message["cached"], message["routed"])
 
     def _down(self, message: dict, peer: Peer) -> None:
         engine = self.gw.registry[message["engine"]]

@@ -122,8 +122,10 @@ class RemotePrefixIndex:
     def insert(self, engine_id: str, keys: Sequence[int]) -> None:
         _tell(self._channel, {"op": "insert", "engine": engine_id, "keys": _key_bytes(keys)})
 
-    def observe(self, engine_id: str, keys: Sequence[int], reported_cached_tokens: int | None) -> None:
-        _tell(self._channel, {"op": "observe", "engine": engine_id, "keys": _key_bytes(keys), "cached": reported_cached_tokens})
+    def observe(self, engine_id: str, keys: Sequence[int], reported_cached_tokens: int | None,
+                routed_cached_tokens: int | None = None) -> None:
+        _tell(self._channel, {"op": "observe", "engine": engine_id, "keys": _key_bytes(keys), "cached": reported_cached_tokens,
+                              "routed": routed_cached_tokens})
 
 
 def registry_of(engines: list[list]) -> EngineRegistry:

@@ -453,7 +453,8 @@ class VirtualRun:
                 continue  # timed out and withdrawn
             self._record_tokens(req, ev)
             if ev.first_token:
-                self.prefix_index.insert(engine_id, req.keys)  # prefilled: cached there from now on (as the live relay)
+                # Prefilled: cached there from now on, past what the index held there at routing (as the live relay).
+                self.prefix_index.insert(engine_id, req.keys[req.view.cached_by_engine.get(engine_id, 0) // self.prefix_index.block_tokens:])
                 if self.controller is not None:
                     self.first_tokens.record(engine_id, now, req.view.deadline_s)
                 self.scheduler.on_first_token(ev.rid, engine_id, now, ev.cached_tokens)
@@ -484,7 +485,8 @@ class VirtualRun:
         assert req.engine_id is not None
         # As the live gateway does: the engine now caches the prompt and the reply (re-encoded from its text).
         reply_ids = self.tokenizer.encode(self.tokenizer.decode([t for t in req.output_ids if t not in self._special]))
-        self.prefix_index.observe(req.engine_id, block_keys(req.prompt_ids + reply_ids, self.prefix_index.block_tokens), ev.cached_tokens)
+        self.prefix_index.observe(req.engine_id, block_keys(req.prompt_ids + reply_ids, self.prefix_index.block_tokens), ev.cached_tokens,
+                                  req.view.cached_by_engine.get(req.engine_id, 0))
         self._end(req)
         self._release(req)
 

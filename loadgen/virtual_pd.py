@@ -183,7 +183,7 @@ class VirtualPDRun(VirtualRun):
         prefill.core.finish_transfer(rid)
         if prefill.core.has_work() and not prefill.busy and prefill not in self._to_kick:
             self._to_kick.append(prefill)  # the freed KV may admit what waited for room
-        self.prefix_index.observe(transfer.src, req.keys, state.prefill_cached)
+        self.prefix_index.observe(transfer.src, req.keys, state.prefill_cached, req.view.cached_by_engine.get(transfer.src, 0))
         self._release_prefill(req)
         req.engine_id = state.decode_id  # from now on the request is the decode engine's
         decode = self.engines[state.decode_id]

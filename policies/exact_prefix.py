@@ -227,9 +227,10 @@ class PrefixCaches:
         """The estimate's :meth:`~policies.prefix_index.PrefixIndex.insert`."""
         self.estimate.insert(engine_id, keys)
 
-    def observe(self, engine_id: str, keys: Sequence[int], reported_cached_tokens: int | None) -> None:
+    def observe(self, engine_id: str, keys: Sequence[int], reported_cached_tokens: int | None,
+                routed_cached_tokens: int | None = None) -> None:
         """The estimate's :meth:`~policies.prefix_index.PrefixIndex.observe`."""
-        self.estimate.observe(engine_id, keys, reported_cached_tokens)
+        self.estimate.observe(engine_id, keys, reported_cached_tokens, routed_cached_tokens)
 
     def set_capacity(self, engine_id: str, kv_tokens: int) -> None:
         """The estimate's :meth:`~policies.prefix_index.PrefixIndex.set_capacity`."""

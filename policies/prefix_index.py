@@ -157,19 +157,25 @@ class PrefixIndex:
             blocks.move_to_end(key)
         self._trim(engine_id)
 
-    def observe(self, engine_id: str, keys: Sequence[int], reported_cached_tokens: int | None) -> None:
+    def observe(self, engine_id: str, keys: Sequence[int], reported_cached_tokens: int | None,
+                routed_cached_tokens: int | None = None) -> None:
         """Take the engine's report of a finished prefill of ``keys``, then insert ``keys``.
 
         ``None``: the engine reported nothing (e.g. a stream without usage); only insert.
+        ``routed_cached_tokens``: what the index held of ``keys`` on ``engine_id`` when the request was
+        routed there (None: all of ``keys`` counts). Only those blocks can have been evicted since; the
+        ones the request's own prefill added (inserted at its first token: :meth:`insert` of the keys past
+        these) are no sign of an eviction.
 
-        When the engine reports fewer cached tokens than the index holds, it had
+        When the engine reports fewer cached tokens than the index held, it had
         evicted block ``keys[reported // block_tokens]``; its cache is LRU, so every
         block used less recently than that one is gone too and is forgotten here.
         The whole prompt is then cached on the engine (it just computed it).
         """
         blocks = self._engines.get(engine_id)
         first_missing = len(keys) if reported_cached_tokens is None else reported_cached_tokens // self.block_tokens
-        if blocks and first_missing < len(keys) and keys[first_missing] in blocks:
+        held = len(keys) if routed_cached_tokens is None else min(len(keys), routed_cached_tokens // self.block_tokens)
+        if blocks and first_missing < held and keys[first_missing] in blocks:
             evicted = keys[first_missing]
             while blocks:
                 key, _ = blocks.popitem(last=False)

@@ -100,3 +100,18 @@ def test_block_chain_extended_piece_by_piece_equals_block_keys_of_the_whole(part
         assert list(chain.ids) == whole
         assert before.tokens == len(whole) - len(part)  # extend never changes the chain it extends
     assert chain.nbytes == 8 * len(chain.keys) + 4 * len(whole) + CHAIN_OVERHEAD_BYTES
+
+
+def test_a_prefill_reported_after_its_own_first_token_forgets_nothing_of_other_prompts():
+    # Another conversation's blocks, then this request: routed with nothing cached, its prefill's blocks go in at
+    # its first token, and the engine reports 16 of its tokens cached. Block 1 is in the index only because the
+    # request put it there: no eviction, and the other conversation's blocks stay.
+    index = PrefixIndex(16, 4096)
+    index.insert("e", [100, 101, 102])
+    index.insert("e", [1, 2, 3])
+    index.observe("e", [1, 2, 3, 4], 16, routed_cached_tokens=0)
+    assert index.cached_tokens("e", [100, 101, 102]) == 48 and index.cached_tokens("e", [1, 2, 3, 4]) == 64
+    # Routed with 48 tokens cached but only 16 reported: block 1 was evicted, and with it every block used before it.
+    index.insert("e", [7, 8])
+    index.observe("e", [1, 2, 3, 4], 16, routed_cached_tokens=48)
+    assert index.cached_tokens("e", [100, 101, 102]) == 0 and index.cached_tokens("e", [7, 8]) == 32
