@@ -9,7 +9,10 @@ the longest run of leading blocks present for an engine; L = prompt - H.
 The estimate is corrected by what the engine reports (``cached_tokens``)
 after each prefill: a shorter hit than estimated means the engine evicted
 that block and, its cache being LRU, every block older than it
-(:meth:`PrefixIndex.observe`).
+(:meth:`PrefixIndex.observe`). Only blocks the index held when the request was
+routed count: the relay puts a prefill's new blocks in at its first token, so
+that a request arriving meanwhile finds them, and those are no sign of an
+eviction when the report comes at the end.
 
 Memory: one ``OrderedDict`` entry per block, ~``BYTES_PER_BLOCK_ENTRY`` bytes
 with its key (measured by ``bench/decision_cost.py`` on CPython 3.11: 154 bytes
