@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from typing import AsyncIterator
 
@@ -68,6 +69,8 @@ PREFILL_GRACE_S = 1.0
 # How long a JSON answer waits for the prefill engine's answer, for its cached_tokens (seconds); it is normally in
 # already, and a hanging prefill side must not hold the client's answer back.
 PREFILL_REPORT_WAIT_S = 0.2
+# A usage event's object, as against SGLang's ``"usage":null`` in every other chunk of a stream.
+_USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{')
 
 
 class _SideFailed(Exception):
@@ -278,13 +281,16 @@ class _Pair:
         return "ok"
 
     async def _usage_after_prefill(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-        """The decode engine's ``chunks``; one that carries a usage event waits for the prefill engine's answer
-        (up to ``PREFILL_REPORT_WAIT_S``), so that the usage relayed reports the prefill engine's ``cached_tokens``.
-        It is normally in long before (the decode side needs the prefill's KV first), but the two answers travel
-        on separate connections and nothing orders their arrival at the gateway."""
+        """The decode engine's ``chunks``; the one where a usage object begins (``"usage":{``, also across two
+        chunks; not SGLang's ``"usage":null`` of every chunk) waits for the prefill engine's answer, up to
+        ``PREFILL_REPORT_WAIT_S``, so that the usage relayed reports the prefill engine's ``cached_tokens``. That
+        answer is normally in long before (the decode side needs the prefill's KV first), but the two travel on
+        separate connections and nothing orders their arrival at the gateway."""
+        tail = b""
         async for chunk in chunks:
-            if self.prefill_cached_tokens is None and b'"usage"' in chunk and not self._prefill_task.done():
+            if self.prefill_cached_tokens is None and not self._prefill_task.done() and _USAGE_OBJECT.search(tail + chunk):
                 await asyncio.wait((self._prefill_task,), timeout=PREFILL_REPORT_WAIT_S)
+            tail = chunk[-16:]
             yield chunk
 
     def _first_bytes(self) -> None:

@@ -9,8 +9,8 @@ the longest run of leading blocks present for an engine; L = prompt - H.
 The estimate is corrected by what the engine reports (``cached_tokens``)
 after each prefill: a shorter hit than estimated means the engine evicted
 that block and, its cache being LRU, every block older than it
-(:meth:`PrefixIndex.observe`). Only blocks the index held when the request was
-routed count: the relay puts a prefill's new blocks in at its first token, so
+(:meth:`PrefixIndex.observe`). Only blocks the request was routed by
+count: the relay puts a prefill's new blocks in at its first token, so
 that a request arriving meanwhile finds them, and those are no sign of an
 eviction when the report comes at the end.
 
@@ -165,10 +165,11 @@ class PrefixIndex:
         """Take the engine's report of a finished prefill of ``keys``, then insert ``keys``.
 
         ``None``: the engine reported nothing (e.g. a stream without usage); only insert.
-        ``routed_cached_tokens``: what the index held of ``keys`` on ``engine_id`` when the request was
-        routed there (None: all of ``keys`` counts). Only those blocks can have been evicted since; the
-        ones the request's own prefill added (inserted at its first token: :meth:`insert` of the keys past
-        these) are no sign of an eviction.
+        ``routed_cached_tokens``: what the request was routed by on ``engine_id`` (None: all of ``keys``
+        counts). Only those blocks can have been evicted since; the ones the request's own prefill added
+        (inserted at its first token: :meth:`insert` of the keys past these) are no sign of an eviction.
+        With KV events the figure is the exact one, so this estimate learns evictions only below it (it is
+        what routes again only after a fall-back, and each report there corrects it).
 
         When the engine reports fewer cached tokens than the index held, it had
         evicted block ``keys[reported // block_tokens]``; its cache is LRU, so every
@@ -176,7 +177,9 @@ class PrefixIndex:
         The whole prompt is then cached on the engine (it just computed it).
         """
         blocks = self._engines.get(engine_id)
-        first_missing = len(keys) if reported_cached_tokens is None else reported_cached_tokens // self.block_tokens
+        # + 1: an engine never reports a prompt's last token as cached (it computes it again for the first output
+        # token), so a whole hit on a prompt of whole blocks reads one token short of its last block.
+        first_missing = len(keys) if reported_cached_tokens is None else (reported_cached_tokens + 1) // self.block_tokens
         held = len(keys) if routed_cached_tokens is None else min(len(keys), routed_cached_tokens // self.block_tokens)
         if blocks and first_missing < held and keys[first_missing] in blocks:
             evicted = keys[first_missing]

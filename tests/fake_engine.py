@@ -75,6 +75,8 @@ class FakeEngine:
         if self.error_reply is not None:
             return web.Response(status=self.error_reply[0], body=self.error_reply[1])
         chunk = {"id": body["rid"], "choices": [{"index": 0, "delta": {"content": f"hi from {self.name}"}, "finish_reason": None}]}
+        if (body.get("stream_options") or {}).get("include_usage"):
+            chunk["usage"] = None  # as SGLang 0.5.23 writes it into every chunk but the usage event
         if not body.get("stream"):
             usage = {"prompt_tokens": 7, "completion_tokens": 1, "total_tokens": 8, "prompt_tokens_details": {"cached_tokens": self.reported_cached_tokens}}
             return web.json_response({"id": body["rid"], "object": "chat.completion", "choices": [{"index": 0, "message": {"role": "assistant", "content": f"hi from {self.name}"}, "finish_reason": "stop"}], "usage": usage})
@@ -92,7 +94,7 @@ class FakeEngine:
             return response
         if self.hold_streams:
             await self.release.wait()
-        last = {"id": body["rid"], "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+        last = {"id": body["rid"], "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}], **({"usage": None} if "usage" in chunk else {})}
         await response.write(b"data: " + orjson.dumps(last) + b"\n\n")
         if (body.get("stream_options") or {}).get("include_usage"):
             usage = {"prompt_tokens": 7, "completion_tokens": 1, "total_tokens": 8, "prompt_tokens_details": {"cached_tokens": self.reported_cached_tokens}}

@@ -57,7 +57,7 @@ async def test_stream_goes_to_both_sides_with_one_room_and_the_decode_stream_is_
         rid = resp.headers["x-request-id"]
         text = (await resp.read()).decode()
     assert "hi from d0" in text and "hi from ps0" not in text
-    assert events(text)[-1] == "data: [DONE]" and '"usage"' not in text  # usage asked of the engines, not relayed
+    assert events(text)[-1] == "data: [DONE]" and '"usage":{' not in text  # usage asked of the engines, not relayed
     prefill, decode = fakes["ps0"].bodies[0], fakes["d0"].bodies[0]
     assert prefill == decode  # one body to both sides, as SGLang's PD router sends it
     assert prefill["rid"] == rid and prefill["bootstrap_host"] == "127.0.0.1" and prefill["bootstrap_port"] == 8998
@@ -335,11 +335,25 @@ async def test_the_startup_log_says_pd_mode_policy_and_controller(caplog):
     assert "scheduling policy laps (AWD windows off); PD on (decode placement least_load, KV transfer mooncake); controller on" in [r.getMessage() for r in caplog.records]
 
 
+async def test_pd_stream_chunks_do_not_wait_for_the_prefill_answer_only_its_usage_event_does(pd_stack, monkeypatch):
+    session, fakes, _, _ = pd_stack
+    monkeypatch.setattr(pd_dispatch, "PREFILL_REPORT_WAIT_S", 30.0)
+    fakes["ps0"].hold_answers = True  # the prefill engine's answer comes late
+    fakes["ps0"].reported_cached_tokens = 71
+    # Every chunk carries SGLang's "usage":null; none of them waits for the prefill engine (the response starts with
+    # the first one).
+    resp = await asyncio.wait_for(session.post("/v1/chat/completions", json=chat("Hi", stream=True, stream_options={"include_usage": True})), timeout=5)
+    assert b"hi from d0" in await asyncio.wait_for(resp.content.readuntil(b"\n\n"), timeout=5)
+    fakes["ps0"].answer.set()  # the usage event, held until now, reports the prefill engine's figure
+    usage = [orjson.loads(e.removeprefix("data: "))["usage"] for e in events((await resp.read()).decode()) if '"usage":{' in e]
+    assert [u["prompt_tokens_details"] for u in usage] == [{"cached_tokens": 71}]
+
+
 async def test_pd_answers_report_the_prefill_engines_cached_tokens(pd_stack):
     session, fakes, _, _ = pd_stack
     fakes["ps0"].reported_cached_tokens = 71  # the decode engine reports 0: it computed no prompt
     async with session.post("/v1/chat/completions", json=chat("Hi")) as resp:
         assert (await resp.json())["usage"]["prompt_tokens_details"] == {"cached_tokens": 71}
     async with session.post("/v1/chat/completions", json=chat("Hi", stream=True, stream_options={"include_usage": True})) as resp:
-        usage = [orjson.loads(e.removeprefix("data: "))["usage"] for e in events((await resp.read()).decode()) if '"usage"' in e]
+        usage = [orjson.loads(e.removeprefix("data: "))["usage"] for e in events((await resp.read()).decode()) if '"usage":{' in e]
     assert [u["prompt_tokens_details"] for u in usage] == [{"cached_tokens": 71}]

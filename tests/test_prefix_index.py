@@ -115,3 +115,13 @@ def test_a_prefill_reported_after_its_own_first_token_forgets_nothing_of_other_p
     index.insert("e", [7, 8])
     index.observe("e", [1, 2, 3, 4], 16, routed_cached_tokens=48)
     assert index.cached_tokens("e", [100, 101, 102]) == 0 and index.cached_tokens("e", [7, 8]) == 32
+
+
+def test_a_whole_hit_on_a_prompt_of_whole_blocks_is_no_eviction():
+    # The engine reports at most prompt - 1 tokens cached (it computes the last one again): 31 of a 32-token prompt
+    # it holds whole. Nothing was evicted, so the other prompt's blocks stay.
+    index = PrefixIndex(16, 4096)
+    index.insert("e", [100, 101, 102])
+    index.insert("e", [1, 2])
+    index.observe("e", [1, 2], 31, routed_cached_tokens=32)
+    assert index.cached_tokens("e", [100, 101, 102]) == 48
