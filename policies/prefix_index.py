@@ -172,7 +172,7 @@ class PrefixIndex:
         what routes again only after a fall-back, and each report there corrects it).
 
         When the engine reports fewer cached tokens than the index held, it had
-        evicted block ``keys[reported // block_tokens]``; its cache is LRU, so every
+        evicted block ``keys[(reported + 1) // block_tokens]``; its cache is LRU, so every
         block used less recently than that one is gone too and is forgotten here.
         The whole prompt is then cached on the engine (it just computed it).
         """
