@@ -404,8 +404,7 @@ async def _relay_json(gw: Gateway, engine: EngineState, path: str, body: dict, h
 async def _relay_stream(request: web.Request, gw: Gateway, engine: EngineState, path: str, body: dict, headers: dict, view: RequestView,
                         guard: RequestGuard, reply: Reply, prompt_keys: Sequence[int]) -> tuple[web.StreamResponse, str]:
     """Relay the engine's stream; at its first chunk the prompt is prefilled, so it is in the engine's prefix cache
-    from then on (the ``prompt_keys`` past what the index held there at routing go into it: a request arriving
-    meanwhile can use them; those it held keep their place until the engine's report, which may say one was evicted).
+    from then on (its blocks go into the prefix index: :meth:`~policies.prefix_index.PrefixIndex.insert_prefilled`).
 
     Raises:
         EngineUnavailable: the engine failed before its first byte (the caller retries elsewhere once).
@@ -414,7 +413,7 @@ async def _relay_stream(request: web.Request, gw: Gateway, engine: EngineState, 
 
     def on_first() -> None:
         gw.metrics.of_class(view.request_class).ttft.observe(time.monotonic() - view.arrival_s)
-        gw.prefix_index.insert(engine.id, prompt_keys[view.cached_by_engine.get(engine.id, 0) // gw.prefix_index.block_tokens:])
+        gw.prefix_index.insert_prefilled(engine.id, prompt_keys, view.cached_by_engine.get(engine.id, 0))
         gw.dispatcher.first_token(view.rid, engine.id, None)
 
     sse = SSERelay(request, gw, headers, tap, guard, engine, on_first)

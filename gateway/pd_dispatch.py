@@ -288,10 +288,15 @@ class _Pair:
         separate connections and nothing orders their arrival at the gateway."""
         tail = b""
         async for chunk in chunks:
-            if self.prefill_cached_tokens is None and not self._prefill_task.done() and _USAGE_OBJECT.search(tail + chunk):
-                await asyncio.wait((self._prefill_task,), timeout=PREFILL_REPORT_WAIT_S)
-            tail = chunk[-16:]
+            if self.prefill_cached_tokens is None and not self._prefill_task.done():  # normally long done
+                if _USAGE_OBJECT.search(tail + chunk):
+                    await self._prefill_report()
+                tail = chunk[-16:]
             yield chunk
+
+    async def _prefill_report(self) -> None:
+        """Wait for the prefill engine's answer (its ``cached_tokens``), at most ``PREFILL_REPORT_WAIT_S``."""
+        await asyncio.wait((self._prefill_task,), timeout=PREFILL_REPORT_WAIT_S)
 
     def _first_bytes(self) -> None:
         now = time.monotonic()
@@ -318,7 +323,7 @@ class _Pair:
         if not isinstance(obj, dict):
             raise EngineUnavailable(self.decode_id, f"answer is not a JSON object: {payload[:200]!r}")
         self.reply.take(obj)
-        await asyncio.wait((self._prefill_task,), timeout=PREFILL_REPORT_WAIT_S)
+        await self._prefill_report()
         if self.prefill_cached_tokens is not None and isinstance(obj.get("usage"), dict):
             payload = orjson.dumps({**obj, "usage": with_cached_tokens(obj["usage"], self.prefill_cached_tokens)})
         self.response = web.Response(body=payload, status=200, content_type="application/json", headers=self.headers)

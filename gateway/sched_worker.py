@@ -122,6 +122,9 @@ class RemotePrefixIndex:
     def insert(self, engine_id: str, keys: Sequence[int]) -> None:
         _tell(self._channel, {"op": "insert", "engine": engine_id, "keys": _key_bytes(keys)})
 
+    def insert_prefilled(self, engine_id: str, keys: Sequence[int], routed_cached_tokens: int) -> None:
+        self.insert(engine_id, keys[routed_cached_tokens // self.block_tokens:])  # as PrefixIndex.insert_prefilled
+
     def observe(self, engine_id: str, keys: Sequence[int], reported_cached_tokens: int | None,
                 routed_cached_tokens: int | None = None) -> None:
         _tell(self._channel, {"op": "observe", "engine": engine_id, "keys": _key_bytes(keys), "cached": reported_cached_tokens,

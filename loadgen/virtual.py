@@ -453,8 +453,8 @@ class VirtualRun:
                 continue  # timed out and withdrawn
             self._record_tokens(req, ev)
             if ev.first_token:
-                # Prefilled: cached there from now on, past what the index held there at routing (as the live relay).
-                self.prefix_index.insert(engine_id, req.keys[req.view.cached_by_engine.get(engine_id, 0) // self.prefix_index.block_tokens:])
+                # Prefilled: cached there from now on (as the live relay).
+                self.prefix_index.insert_prefilled(engine_id, req.keys, req.view.cached_by_engine.get(engine_id, 0))
                 if self.controller is not None:
                     self.first_tokens.record(engine_id, now, req.view.deadline_s)
                 self.scheduler.on_first_token(ev.rid, engine_id, now, ev.cached_tokens)

@@ -227,6 +227,10 @@ class PrefixCaches:
         """The estimate's :meth:`~policies.prefix_index.PrefixIndex.insert`."""
         self.estimate.insert(engine_id, keys)
 
+    def insert_prefilled(self, engine_id: str, keys: Sequence[int], routed_cached_tokens: int) -> None:
+        """The estimate's :meth:`~policies.prefix_index.PrefixIndex.insert_prefilled`."""
+        self.estimate.insert_prefilled(engine_id, keys, routed_cached_tokens)
+
     def observe(self, engine_id: str, keys: Sequence[int], reported_cached_tokens: int | None,
                 routed_cached_tokens: int | None = None) -> None:
         """The estimate's :meth:`~policies.prefix_index.PrefixIndex.observe`."""

@@ -10,9 +10,9 @@ The estimate is corrected by what the engine reports (``cached_tokens``)
 after each prefill: a shorter hit than estimated means the engine evicted
 that block and, its cache being LRU, every block older than it
 (:meth:`PrefixIndex.observe`). Only blocks the request was routed by
-count: the relay puts a prefill's new blocks in at its first token, so
-that a request arriving meanwhile finds them, and those are no sign of an
-eviction when the report comes at the end.
+count: a prefill's new blocks go in at its first token
+(:meth:`PrefixIndex.insert_prefilled`), so that a request arriving meanwhile
+finds them, and those are no sign of an eviction when the report comes.
 
 Memory: one ``OrderedDict`` entry per block, ~``BYTES_PER_BLOCK_ENTRY`` bytes
 with its key (measured by ``bench/decision_cost.py`` on CPython 3.11: 154 bytes
@@ -160,6 +160,12 @@ class PrefixIndex:
             blocks.move_to_end(key)
         self._trim(engine_id)
 
+    def insert_prefilled(self, engine_id: str, keys: Sequence[int], routed_cached_tokens: int) -> None:
+        """A prefill of ``keys`` routed to ``engine_id`` by ``routed_cached_tokens`` has its first token: insert its
+        blocks past those, so that a request arriving meanwhile finds them. The blocks it was routed by keep their
+        LRU place until the engine's report (:meth:`observe`), which may say one of them was evicted."""
+        self.insert(engine_id, keys[routed_cached_tokens // self.block_tokens:])
+
     def observe(self, engine_id: str, keys: Sequence[int], reported_cached_tokens: int | None,
                 routed_cached_tokens: int | None = None) -> None:
         """Take the engine's report of a finished prefill of ``keys``, then insert ``keys``.
@@ -167,7 +173,7 @@ class PrefixIndex:
         ``None``: the engine reported nothing (e.g. a stream without usage); only insert.
         ``routed_cached_tokens``: what the request was routed by on ``engine_id`` (None: all of ``keys``
         counts). Only those blocks can have been evicted since; the ones the request's own prefill added
-        (inserted at its first token: :meth:`insert` of the keys past these) are no sign of an eviction.
+        (:meth:`insert_prefilled`) are no sign of an eviction.
         With KV events the figure is the exact one, so this estimate learns evictions only below it (it is
         what routes again only after a fall-back, and each report there corrects it).
 

@@ -108,7 +108,7 @@ def test_a_prefill_reported_after_its_own_first_token_forgets_nothing_of_other_p
     # request put it there: no eviction, and the other conversation's blocks stay.
     index = PrefixIndex(16, 4096)
     index.insert("e", [100, 101, 102])
-    index.insert("e", [1, 2, 3])
+    index.insert_prefilled("e", [1, 2, 3], routed_cached_tokens=0)
     index.observe("e", [1, 2, 3, 4], 16, routed_cached_tokens=0)
     assert index.cached_tokens("e", [100, 101, 102]) == 48 and index.cached_tokens("e", [1, 2, 3, 4]) == 64
     # Routed with 48 tokens cached but only 16 reported: block 1 was evicted, and with it every block used before it.
@@ -125,3 +125,12 @@ def test_a_whole_hit_on_a_prompt_of_whole_blocks_is_no_eviction():
     index.insert("e", [1, 2])
     index.observe("e", [1, 2], 31, routed_cached_tokens=32)
     assert index.cached_tokens("e", [100, 101, 102]) == 48
+
+
+def test_a_first_token_inserts_only_the_blocks_past_those_it_was_routed_by():
+    index = PrefixIndex(16, max_blocks=5)
+    index.insert("e", [1, 2])
+    index.insert("e", [100])
+    index.insert_prefilled("e", [1, 2, 3, 4], routed_cached_tokens=32)  # blocks 1 and 2 keep their place, behind 100
+    index.insert("e", [200])  # a sixth block: the least recently used, block 1, goes
+    assert index.cached_tokens("e", [1, 2, 3, 4]) == 0 and index.cached_tokens("e", [100]) == 16
