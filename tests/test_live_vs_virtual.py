@@ -22,6 +22,24 @@ RATE = 3.0
 # test the live p90 sits 8-10% above the virtual one on a quiet 2-core machine (with ~50, 13-16%, and a busy
 # machine pushed it past 20% in half the runs).
 TOLERANCE_PCT = 20
+# The live stack's idle overhead, measured before and after the live run, may move by this much (seconds) or this
+# share of itself, whichever is more; past that, something else took the machine's CPU during the run (live TTFT p50
+# came out 22% above the virtual one once in a full suite, and within 13% on every rerun), and the run is done again.
+OVERHEAD_DRIFT_S = 1e-3
+OVERHEAD_DRIFT_SHARE = 0.5
+ATTEMPTS = 2
+
+
+def _steady(before_s: float, after_s: float) -> bool:
+    """Whether the idle overhead stayed put across the live run (:data:`OVERHEAD_DRIFT_S`, :data:`OVERHEAD_DRIFT_SHARE`)."""
+    return abs(after_s - before_s) <= max(OVERHEAD_DRIFT_S, OVERHEAD_DRIFT_SHARE * min(before_s, after_s))
+
+
+def test_overhead_drift_rule():
+    assert _steady(0.0020, 0.0029)  # within 1 ms
+    assert _steady(0.0040, 0.0059)  # within half of 4 ms
+    assert not _steady(0.0020, 0.0031)
+    assert not _steady(0.0060, 0.0095)
 
 
 def test_live_and_virtual_ttft_agree_at_moderate_load():
@@ -31,10 +49,15 @@ def test_live_and_virtual_ttft_agree_at_moderate_load():
     def workload():
         return build_workload("mixed", random.Random("workload/0"), tokenizer=tok)
 
-    with serving(DEFAULT_CONFIG_PATH) as url:
-        latency_s = asyncio.run(serving_latency(url, config, tok, count=12))
-        live = asyncio.run(run_loadgen(url, workload(), duration_s=DURATION_S, seed=0, rate=RATE,
-                                       extra_body={"ignore_eos": True}))
+    for attempt in range(1, ATTEMPTS + 1):
+        with serving(DEFAULT_CONFIG_PATH) as url:
+            before_s = asyncio.run(serving_latency(url, config, tok, count=12))
+            live = asyncio.run(run_loadgen(url, workload(), duration_s=DURATION_S, seed=0, rate=RATE,
+                                           extra_body={"ignore_eos": True}))
+            after_s = asyncio.run(serving_latency(url, config, tok, count=12))
+        if _steady(before_s, after_s) or attempt == ATTEMPTS:
+            break
+    latency_s = (before_s + after_s) / 2
     virtual = simulate(config, workload(), duration_s=DURATION_S, seed=0, rate=RATE, ignore_eos=True,
                        serving_latency_s=latency_s, tokenizer=tok)
     assert 0 < latency_s < 0.05
@@ -42,7 +65,8 @@ def test_live_and_virtual_ttft_agree_at_moderate_load():
     assert all(r.ok for r in live + virtual)
     rows = {(r["group"], r["metric"], r["stat"]): r for r in compare(build_report(live, slo_ttft_s=0.4),
                                                                       build_report(virtual, slo_ttft_s=0.4))}
+    drift = f"idle overhead {1e3 * before_s:.2f} ms before the live run, {1e3 * after_s:.2f} ms after (attempt {attempt})"
     for stat in ("p50", "p90"):
         row = rows[("all", "ttft_s", stat)]
-        assert row["diff_pct"] == pytest.approx(0, abs=TOLERANCE_PCT), row
-    assert rows[("all", "tpot_s", "p50")]["diff_pct"] == pytest.approx(0, abs=TOLERANCE_PCT)
+        assert row["diff_pct"] == pytest.approx(0, abs=TOLERANCE_PCT), (row, drift)
+    assert rows[("all", "tpot_s", "p50")]["diff_pct"] == pytest.approx(0, abs=TOLERANCE_PCT), drift
