@@ -9,6 +9,11 @@ any other drains the engine, then flips it between prefill and decode in place
 for real SGLang), so the POST answers 202 at once (``"status": "switching"``)
 and ``GET /admin/engines`` shows ``switching`` until it is done. To the role the
 engine has already, it answers 200 ``"unchanged"`` and does nothing.
+
+With ``gateway.workers`` > 1 the engines, and so their roles and switches, are
+the scheduler process's: a worker checks the key and the body, then asks the
+scheduler (:mod:`gateway.sched_service`'s ``admin_engines`` and ``admin_role``),
+which answers from :func:`engine_rows` and :func:`begin_switch` as one process does.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from aiohttp import web
 from gateway.auth import admin_key_given
 from gateway.errors import APIError, expect_continue
 from gateway.handlers import read_body
+from gateway.priority import engine_role
 from gateway.role_switch import check_side, switch_role
 from gateway.state import GATEWAY, Gateway
 
@@ -42,24 +48,24 @@ def _authorize(request: web.Request) -> Gateway:
     return gw
 
 
-def _role(gw: Gateway, engine_id: str) -> str:
-    process = gw.manager.engines.get(engine_id) if gw.manager is not None else None
-    return process.role if process is not None else next(e.role for e in gw.config.engines if e.name == engine_id)
-
-
 async def list_engines(request: web.Request) -> web.Response:
     """``GET /admin/engines``: every engine's kind, role, pool, state, GPUs, URL and gateway-side load."""
     gw = _authorize(request)
-    switching = request.app[SWITCHES]
+    rows = (await _ask_scheduler(gw, {"op": "admin_engines"}))["engines"] if gw.admin is not None else engine_rows(gw, request.app[SWITCHES])
+    return web.json_response({"engines": rows}, dumps=lambda o: orjson.dumps(o).decode())
+
+
+def engine_rows(gw: Gateway, switching: dict[str, asyncio.Task]) -> list[dict]:
+    """``GET /admin/engines``' rows, from the process that runs the engines (``switching``: its :data:`SWITCHES`)."""
     configured = {e.name: e for e in gw.config.engines}
     rows = []
     for e in gw.registry:
         state = "switching" if e.id in switching else "draining" if e.draining else "healthy" if e.healthy else "unhealthy"
         rows.append({
-            "id": e.id, "kind": configured[e.id].kind, "role": _role(gw, e.id), "pool": e.pool, "state": state,
+            "id": e.id, "kind": configured[e.id].kind, "role": engine_role(gw, e.id), "pool": e.pool, "state": state,
             "gpus": configured[e.id].gpus, "url": e.url, "in_flight": e.in_flight, "in_flight_prompt_tokens": e.in_flight_prompt_tokens,
         })
-    return web.json_response({"engines": rows}, dumps=lambda o: orjson.dumps(o).decode())
+    return rows
 
 
 async def set_role(request: web.Request) -> web.Response:
@@ -68,9 +74,6 @@ async def set_role(request: web.Request) -> web.Response:
     engine_id = request.match_info["id"]
     if engine_id not in {e.id for e in gw.registry}:
         raise APIError(404, f"no engine {engine_id!r}", type="not_found_error", param="id")
-    if gw.config.gateway.workers > 1:  # the engines are the scheduler process's (gateway/workers.py)
-        raise APIError(501, "role switches through the admin API need gateway.workers: 1 for now (the pressure controller "
-                            "still moves engines)", type="not_implemented_error", code="not_with_workers")
     try:
         body = orjson.loads(await read_body(request, gw.config.gateway.body_timeout_s))
     except orjson.JSONDecodeError as err:
@@ -79,23 +82,52 @@ async def set_role(request: web.Request) -> web.Response:
     drain_timeout_s = body.get("drain_timeout_s", 60.0) if isinstance(body, dict) else None
     if not isinstance(role, str) or role not in gw.config.roles:
         raise APIError(400, f"role: expected one of {', '.join(sorted(gw.config.roles))}, got {role!r}", param="role")
+    if not isinstance(drain_timeout_s, (int, float)) or isinstance(drain_timeout_s, bool) or drain_timeout_s < 0:
+        raise APIError(400, f"drain_timeout_s: expected seconds >= 0, got {drain_timeout_s!r}", param="drain_timeout_s")
+    if gw.admin is not None:  # a gateway worker: the engines are the scheduler process's (gateway/workers.py)
+        answer = await _ask_scheduler(gw, {"op": "admin_role", "engine": engine_id, "role": role, "drain_timeout_s": float(drain_timeout_s)})
+        status, answer = answer["status"], answer["answer"]
+    else:
+        status, answer = begin_switch(gw, request.app[SWITCHES], engine_id, role, float(drain_timeout_s))
+    return web.json_response(answer, status=status)
+
+
+def begin_switch(gw: Gateway, switches: dict[str, asyncio.Task], engine_id: str, role: str, drain_timeout_s: float) -> tuple[int, dict]:
+    """Start moving ``engine_id`` (an engine of ``gw``'s registry) to ``role`` (one of the config's), in the process
+    that runs the engines; the HTTP status and body of the answer: 202 ``moving`` (same flags) or ``switching``, 200
+    ``unchanged`` (its role already).
+
+    Raises:
+        APIError: 400 the role is of the other PD side where the engine cannot flip, or the engine is external;
+            409 it is switching already.
+    """
     try:
         check_side(gw, engine_id, role)
     except ValueError as err:
         raise APIError(400, f"role: {err}", param="role") from None
-    if not isinstance(drain_timeout_s, (int, float)) or isinstance(drain_timeout_s, bool) or drain_timeout_s < 0:
-        raise APIError(400, f"drain_timeout_s: expected seconds >= 0, got {drain_timeout_s!r}", param="drain_timeout_s")
     if gw.manager is None or engine_id not in gw.manager.engines:
         raise APIError(400, f"engine {engine_id!r} runs outside laps (external): it cannot change role here", param="id")
-    switches = request.app[SWITCHES]
     if engine_id in switches:
         raise APIError(409, f"engine {engine_id!r} is already switching role", type="conflict_error")
     if gw.manager.engines[engine_id].role == role:
-        return web.json_response({"engine": engine_id, "role": role, "status": "unchanged"})  # 200: nothing to do
+        return 200, {"engine": engine_id, "role": role, "status": "unchanged"}
     instant = gw.config.instant_move(gw.manager.engines[engine_id].role, role)  # same flags: no drain, no restart
-    start_switch(switches, gw, engine_id, role, float(drain_timeout_s))
+    start_switch(switches, gw, engine_id, role, drain_timeout_s)
     log.info("admin: engine %s %s role %s", engine_id, "moving at once to" if instant else "switching to", role)
-    return web.json_response({"engine": engine_id, "role": role, "status": "moving" if instant else "switching"}, status=202)
+    return 202, {"engine": engine_id, "role": role, "status": "moving" if instant else "switching"}
+
+
+async def _ask_scheduler(gw: Gateway, message: dict) -> dict:
+    """An admin call to the scheduler process (a gateway worker's :attr:`~gateway.state.Gateway.admin`); its answer.
+
+    Raises:
+        APIError: the scheduler's (as :func:`begin_switch`'s), or 503 ``scheduler_unavailable`` when it is not reachable.
+    """
+    answer = await gw.admin(message)
+    error = answer.get("error")
+    if error is not None:
+        raise APIError(error["status"], error["message"], type=error["type"], param=error["param"], code=error["code"])
+    return answer
 
 
 def start_switch(switches: dict[str, asyncio.Task], gw: Gateway, engine_id: str, role: str, drain_timeout_s: float) -> asyncio.Task:

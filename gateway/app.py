@@ -50,7 +50,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.pd_setup import PDDispatch
 from gateway.registry import EngineRegistry, EngineState
 from gateway.sched_channel import ChannelClient
-from gateway.sched_worker import RemoteDispatcher, RemotePrefixIndex, StatePoller, registry_of, report_out_of_service
+from gateway.sched_worker import RemoteDispatcher, RemotePrefixIndex, StatePoller, admin_caller, registry_of, report_out_of_service
 from gateway.state import GATEWAY, Gateway
 from gateway.supervisor import EngineSupervisor
 from laps.api_keys import load_keys
@@ -225,7 +225,8 @@ def create_worker_app(config: Config, channel_path: str) -> web.Application:
             gw = Gateway(config, tokenizer, registry, client, RemoteDispatcher(channel),
                          RemotePrefixIndex(channel, config.scheduling.prefix_block_tokens), GatewayMetrics(), tracer=tracer,
                          api_keys=load_keys(config.gateway.api_keys) if config.gateway.api_keys is not None else None,
-                         context_tokens=state["context_tokens"], report_out_of_service=partial(report_out_of_service, channel))
+                         context_tokens=state["context_tokens"], report_out_of_service=partial(report_out_of_service, channel),
+                         admin=admin_caller(channel))
             poller = StatePoller(channel, registry, state)
             gw.metrics.watch_scheduler(lambda: poller.stats)
             app[GATEWAY] = gw

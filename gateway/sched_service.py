@@ -25,6 +25,13 @@ Messages (msgpack maps; ``op`` says which). Calls, answered:
   once dispatched, or ``{"error": {"status", "message", "type", "code"}}``
   (503 no engine, 500 policy failure, 503 shutting down).
 
+- ``{"op": "admin_engines"}`` -> ``{"engines": [row, ...]}``: ``GET /admin/engines``'
+  rows (:func:`gateway.admin.engine_rows`);
+- ``{"op": "admin_role", "engine", "role", "drain_timeout_s"}`` -> ``{"status":
+  200 | 202, "answer": {...}}`` or ``{"error": {"status", "message", "type",
+  "param", "code"}}``: the admin API's role switch, checked and started here
+  (:func:`gateway.admin.begin_switch`; a worker has checked the key and the body).
+
 Notes, one-way, applied in the order sent (one connection per worker):
 
 - ``{"op": "first", "rid", "engine", "cached"}``: the request's first token
@@ -50,6 +57,7 @@ import logging
 from array import array
 from functools import partial
 
+from gateway.admin import begin_switch, engine_rows
 from gateway.dispatcher import Arrival
 from gateway.errors import APIError
 from gateway.health import take_out_of_service
@@ -69,19 +77,21 @@ def engines_of(gw: Gateway) -> list[list]:
 
 
 class SchedulerService:
-    """Answers the workers' calls and notes (module doc) on ``gw``, the scheduler process's gateway.
+    """Answers the workers' calls and notes (module doc) on ``gw``, the scheduler process's gateway (``switches``:
+    its app's role switches in progress, :data:`gateway.admin.SWITCHES`).
 
     :meth:`start` listens on the Unix socket ``path``; :meth:`close` drops the workers.
     """
 
-    def __init__(self, gw: Gateway) -> None:
+    def __init__(self, gw: Gateway, switches: dict[str, asyncio.Task]) -> None:
         self.gw = gw
+        self.switches = switches
         self._placed: dict[str, tuple[RequestView, str, Peer]] = {}  # dispatched, not done: view, engine, its worker
         # place calls not answered yet: view, the dispatcher's future, the channel's answer, its worker
         self._waiting: dict[str, tuple[RequestView, asyncio.Future[str], asyncio.Future[dict], Peer]] = {}
         self._server: ChannelServer | None = None
         self._ops = {"state": self._state, "place": self._place, "first": self._first, "done": self._done, "insert": self._insert,
-                     "observe": self._observe, "down": self._down}
+                     "observe": self._observe, "down": self._down, "admin_engines": self._admin_engines, "admin_role": self._admin_role}
 
     async def start(self, path: str) -> None:
         """Listen for workers on ``path``.
@@ -158,6 +168,16 @@ class SchedulerService:
         view, decided, answer, _ = self._waiting.pop(rid)
         self.gw.dispatcher.withdraw(view, decided)
         answer.cancel()  # nobody to answer
+
+    def _admin_engines(self, message: dict, peer: Peer) -> dict:
+        return {"engines": engine_rows(self.gw, self.switches)}
+
+    def _admin_role(self, message: dict, peer: Peer) -> dict:
+        try:
+            status, answer = begin_switch(self.gw, self.switches, message["engine"], message["role"], message["drain_timeout_s"])
+        except APIError as err:
+            return {"error": {"status": err.status, **err.body()["error"]}}
+        return {"status": status, "answer": answer}
 
     def _first(self, message: dict, peer: Peer) -> None:
         if message["rid"] in self._placed:

@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from gateway.dispatcher import Arrival
 from gateway.errors import APIError
@@ -144,6 +144,18 @@ def apply_state(registry: EngineRegistry, engines: list[list]) -> None:
         e = registry[engine_id]
         e.pool, e.healthy, e.draining, e.stalled = pool, healthy, draining, stalled
         e.in_flight, e.in_flight_prompt_tokens, e.kv_capacity_tokens = in_flight, in_flight_prompt_tokens, kv_capacity_tokens
+
+
+def admin_caller(channel: ChannelClient) -> Callable[[dict], Awaitable[dict]]:
+    """:attr:`gateway.state.Gateway.admin` of a worker: an admin call to the scheduler; a lost channel answers with
+    :func:`scheduler_gone`'s error."""
+    async def call(message: dict) -> dict:
+        try:
+            return await channel.call(message)
+        except ChannelClosed:
+            err = scheduler_gone()
+            return {"error": {"status": err.status, **err.body()["error"]}}
+    return call
 
 
 def report_out_of_service(channel: ChannelClient, engine: EngineState, why: str, stalled: bool) -> None:

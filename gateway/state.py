@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Awaitable, Callable
 
 from aiohttp import web
 
@@ -39,7 +39,8 @@ class Gateway:
     shutting down and takes no new request.
     In a gateway worker (``gateway.workers`` > 1) ``dispatcher`` and ``prefix_index`` are the scheduler
     process's, reached over the channel (:mod:`gateway.sched_worker`), ``registry`` mirrors its registry, and
-    ``report_out_of_service(engine, why, stalled)`` tells it an engine this worker saw fail.
+    ``report_out_of_service(engine, why, stalled)`` tells it an engine this worker saw fail, and
+    ``admin(message)`` sends it the admin API's calls (:mod:`gateway.admin`; ``None`` in one process).
     """
 
     config: Config
@@ -58,6 +59,7 @@ class Gateway:
     guards: "set[RequestGuard]" = field(default_factory=set)
     closing: bool = False
     report_out_of_service: Callable[[EngineState, str, bool], None] | None = None
+    admin: Callable[[dict], Awaitable[dict]] | None = None
     encoder: EncodePool = field(init=False)  # where ``prompt_cache`` tokenizes, by size; closed by the app's clean-up
 
     def __post_init__(self) -> None:

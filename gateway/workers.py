@@ -87,6 +87,7 @@ def scheduler_main(ready: Connection, setup_logging: LogSetup, config: Config, c
 
 
 async def _scheduler(config: Config, channel_path: str, ready: Connection) -> int:
+    from gateway.admin import SWITCHES
     from gateway.app import StartInterrupted, app_runner, start_or_interrupt, stop_on_signals
     from gateway.sched_service import SchedulerService
     from gateway.state import GATEWAY
@@ -102,7 +103,7 @@ async def _scheduler(config: Config, channel_path: str, ready: Connection) -> in
         ready.send((FAILED, str(err)))
         await runner.cleanup()
         return 1
-    service = SchedulerService(runner.app[GATEWAY])
+    service = SchedulerService(runner.app[GATEWAY], runner.app[SWITCHES])
     try:
         await service.start(channel_path)
         ready.send((READY, os.getpid()))

@@ -13,9 +13,9 @@ import yaml
 from gateway.dispatcher import Arrival, Dispatcher, classify
 from gateway.errors import APIError
 from gateway.registry import EngineRegistry, EngineState
-from gateway.sched_channel import ChannelClient
+from gateway.sched_channel import ChannelClient, ChannelClosed
 from gateway.sched_service import SchedulerService
-from gateway.sched_worker import RemoteDispatcher, RemotePrefixIndex
+from gateway.sched_worker import RemoteDispatcher, RemotePrefixIndex, admin_caller
 from laps.config import DEFAULT_CONFIG_PATH, parse_config
 from laps.cost import engine_traits
 from policies.exact_prefix import PrefixCaches
@@ -134,7 +134,7 @@ async def _in_one_process(side):
 
 def _through_the_channel(path):
     async def front_of(side):
-        service = SchedulerService(side)
+        service = SchedulerService(side, {})
         await service.start(str(path))
         channel = await ChannelClient.connect(path)
 
@@ -169,7 +169,7 @@ async def test_a_dead_workers_requests_are_released_and_aborted(tmp_path):
         aborted.append((url, rid))
 
     side.client = SimpleNamespace(abort=abort)
-    service = SchedulerService(side)
+    service = SchedulerService(side, {})
     await service.start(str(tmp_path / "sched.sock"))
     dead, alive = await ChannelClient.connect(tmp_path / "sched.sock"), await ChannelClient.connect(tmp_path / "sched.sock")
     try:
@@ -204,7 +204,7 @@ async def test_a_held_request_is_withdrawn_when_its_caller_goes_and_when_its_wor
         aborted.append(rid)
 
     side.client = SimpleNamespace(abort=abort)
-    service = SchedulerService(side)
+    service = SchedulerService(side, {})
     await service.start(str(tmp_path / "sched.sock"))
     first, second = await ChannelClient.connect(tmp_path / "sched.sock"), await ChannelClient.connect(tmp_path / "sched.sock")
     try:
@@ -249,3 +249,13 @@ async def test_a_request_whose_caller_went_away_in_the_same_turn_is_not_dispatch
     assert held.cancelled() and dispatcher.queued == 0
     assert sum(e.in_flight for e in side.registry) == 2  # the other busy ones: "held" counts nowhere
     dispatcher.close()
+
+
+async def test_an_admin_call_to_a_lost_scheduler_answers_503_scheduler_unavailable():
+    class Lost:
+        async def call(self, message: dict) -> dict:
+            raise ChannelClosed("the scheduler closed the channel")
+
+    answer = await admin_caller(Lost())({"op": "admin_engines"})
+    assert answer == {"error": {"status": 503, "message": "the gateway's scheduler is not reachable; retry later",
+                                "type": "service_unavailable", "param": None, "code": "scheduler_unavailable"}}

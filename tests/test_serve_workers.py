@@ -1,5 +1,5 @@
 """`laps serve --workers 2` on simulated engines: both workers serve chats (streamed and not) and OpenAI 4xx errors,
-one /metrics counts them all, a killed worker is started again while the other's request goes on, Ctrl-C stops all."""
+the admin API's role switch, one /metrics counts them all, a killed worker is started again while the other's request goes on, Ctrl-C stops all."""
 
 from __future__ import annotations
 
@@ -136,8 +136,7 @@ def test_two_workers_serve_chats_errors_and_one_metrics_and_stop_on_ctrl_c(gatew
             assert bad.json() == {"error": {"message": "messages: Field required", "type": "invalid_request_error", "param": "messages", "code": None}}
             unknown = client.post("/v1/chat/completions", json=_chat() | {"model": "nope"})
             assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
-    switch = httpx.post(f"{url}/admin/engines/sp0/role", json={"role": "long-prefill"}, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=10)
-    assert switch.status_code == 501 and switch.json()["error"]["code"] == "not_with_workers"  # said, not half done
+    sent += _switch_through_a_worker(url)
     text = log.read_text()
     ok = len(re.findall(r"outcome=ok", text))
     assert ok == before + sent
@@ -151,6 +150,33 @@ def test_two_workers_serve_chats_errors_and_one_metrics_and_stop_on_ctrl_c(gatew
     # Quiet, the killed worker's too: it had made no tokenizer pool, whose semaphores the resource tracker would report
     for noise in ("Traceback", "KeyboardInterrupt", "leaked semaphore"):
         assert noise not in stderr.read_text()
+
+
+def _switch_through_a_worker(url: str) -> int:
+    """The admin API through whichever worker takes the connection: the scheduler process checks and starts the switch
+    (sp0 to ``mixed``: other flags, so a restart of the simulated engine), and every worker's listing shows it; the
+    number of chats sent after it."""
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    wrong = httpx.post(f"{url}/admin/engines/sp0/role", json={"role": "nope"}, headers=admin, timeout=10)
+    assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "role"
+    switch = httpx.post(f"{url}/admin/engines/sp0/role", json={"role": "mixed", "drain_timeout_s": 5}, headers=admin, timeout=10)
+    assert switch.status_code == 202 and switch.json() == {"engine": "sp0", "role": "mixed", "status": "switching"}
+    again = httpx.post(f"{url}/admin/engines/sp0/role", json={"role": "mixed"}, headers=admin, timeout=10)
+    assert again.status_code == 409 and again.json()["error"]["type"] == "conflict_error"  # the scheduler's registry of switches
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        rows = {r["id"]: r for r in httpx.get(f"{url}/admin/engines", headers=admin, timeout=10).json()["engines"]}
+        if rows["sp0"]["state"] == "healthy" and rows["sp0"]["role"] == "mixed":
+            break
+        assert time.monotonic() < deadline, rows
+        time.sleep(0.2)
+    assert rows["sp0"]["pool"] == "short" and rows["lp0"]["role"] == "long-prefill"
+    unchanged = httpx.post(f"{url}/admin/engines/sp0/role", json={"role": "mixed"}, headers=admin, timeout=10)
+    assert unchanged.status_code == 200 and unchanged.json()["status"] == "unchanged"
+    for _ in range(4):  # fresh connections: both workers route to the switched engine's new URL
+        with httpx.Client(base_url=url, timeout=30) as client:
+            assert client.post("/v1/chat/completions", json=_chat()).status_code == 200
+    return 4
 
 
 def test_a_port_held_by_a_multi_worker_gateway_is_refused_to_another():
