@@ -228,6 +228,7 @@ def create_worker_app(config: Config, channel_path: str) -> web.Application:
                          context_tokens=state["context_tokens"], report_out_of_service=partial(report_out_of_service, channel),
                          admin=admin_caller(channel))
             poller = StatePoller(channel, registry, state)
+            gw.engine_roles = poller.roles
             gw.metrics.watch_scheduler(lambda: poller.stats)
             app[GATEWAY] = gw
             yield

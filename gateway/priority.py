@@ -69,7 +69,10 @@ def view_priority(request: web.Request, body: dict, config: Config) -> int | Non
 
 
 def engine_role(gw: Gateway, engine_id: str) -> str:
-    """The role ``engine_id`` runs now: its process's (the controller may have moved it), else its configured one."""
+    """The role ``engine_id`` runs now: its process's (the controller may have moved it), in a gateway worker the
+    scheduler's as of its last state poll, else its configured one."""
+    if gw.engine_roles is not None:
+        return gw.engine_roles[engine_id]
     if gw.manager is not None and engine_id in gw.manager.engines:
         return gw.manager.engines[engine_id].role
     return next(e.role for e in gw.config.engines if e.name == engine_id)

@@ -11,8 +11,9 @@ Messages (msgpack maps; ``op`` says which). Calls, answered:
 
 - ``{"op": "state"}`` -> ``{"engines": [[id, url, pool, healthy, draining,
   stalled, in_flight, in_flight_prompt_tokens, kv_capacity_tokens], ...],
-  "context_tokens": int | None, "stats": {name: value}}``: the registry in
-  configuration order, the model's context length, the scheduler's
+  "roles": {id: role}, "context_tokens": int | None, "stats": {name: value}}``:
+  the registry in configuration order, the role each engine runs now (the
+  controller or the admin API may have moved it), the model's context length, the scheduler's
   :meth:`~policies.scheduler.Scheduler.stats`. Workers ask at start and then
   every :data:`gateway.sched_worker.STATE_POLL_S`.
 - ``{"op": "place", "rid", "keys": bytes, "ids": bytes, "arrival_s",
@@ -61,6 +62,7 @@ from gateway.admin import begin_switch, engine_rows
 from gateway.dispatcher import Arrival
 from gateway.errors import APIError
 from gateway.health import take_out_of_service
+from gateway.priority import engine_role
 from gateway.relay import in_background
 from gateway.sched_channel import ChannelServer, Peer
 from gateway.state import Gateway
@@ -123,7 +125,7 @@ class SchedulerService:
         log.info("a gateway worker's channel closed; %d of its requests were in flight (released, aborted on their engines)", len(rids))
 
     def _state(self, message: dict, peer: Peer) -> dict:
-        return {"engines": engines_of(self.gw), "context_tokens": self.gw.context_tokens, "stats": self.gw.dispatcher.scheduler.stats()}
+        return {"engines": engines_of(self.gw), "roles": {e.id: engine_role(self.gw, e.id) for e in self.gw.registry}, "context_tokens": self.gw.context_tokens, "stats": self.gw.dispatcher.scheduler.stats()}
 
     def _place(self, message: dict, peer: Peer) -> dict | asyncio.Future[dict]:
         """The answer (module doc) when the dispatcher decides at once, else a future of it, set from the dispatcher's

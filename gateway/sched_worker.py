@@ -164,12 +164,15 @@ def report_out_of_service(channel: ChannelClient, engine: EngineState, why: str,
 
 
 class StatePoller:
-    """Refreshes ``registry`` and :attr:`stats` (the scheduler's, for ``/metrics``) from the ``state`` call every
-    :data:`STATE_POLL_S`; ``state`` is the first answer (already applied)."""
+    """Refreshes ``registry``, :attr:`roles` (each engine's role now: the worker's
+    :attr:`gateway.state.Gateway.engine_roles`, updated in place) and :attr:`stats` (the scheduler's, for
+    ``/metrics``) from the ``state`` call every :data:`STATE_POLL_S`; ``state`` is the first answer (already applied
+    to ``registry``)."""
 
     def __init__(self, channel: ChannelClient, registry: EngineRegistry, state: dict) -> None:
         self._channel = channel
         self._registry = registry
+        self.roles: dict[str, str] = dict(state["roles"])
         self.stats: dict[str, float] = state["stats"]
         self._task = asyncio.get_running_loop().create_task(self._run())
 
@@ -182,6 +185,7 @@ class StatePoller:
                 log.error("worker: %s; requests now get 503 scheduler_unavailable", err)
                 return
             apply_state(self._registry, state["engines"])
+            self.roles.update(state["roles"])
             self.stats = state["stats"]
 
     async def close(self) -> None:

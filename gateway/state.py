@@ -40,7 +40,8 @@ class Gateway:
     In a gateway worker (``gateway.workers`` > 1) ``dispatcher`` and ``prefix_index`` are the scheduler
     process's, reached over the channel (:mod:`gateway.sched_worker`), ``registry`` mirrors its registry, and
     ``report_out_of_service(engine, why, stalled)`` tells it an engine this worker saw fail, and
-    ``admin(message)`` sends it the admin API's calls (:mod:`gateway.admin`; ``None`` in one process).
+    ``admin(message)`` sends it the admin API's calls (:mod:`gateway.admin`), and ``engine_roles`` mirrors the
+    role each engine runs now (``None`` both, in one process: the engine manager knows).
     """
 
     config: Config
@@ -60,6 +61,7 @@ class Gateway:
     closing: bool = False
     report_out_of_service: Callable[[EngineState, str, bool], None] | None = None
     admin: Callable[[dict], Awaitable[dict]] | None = None
+    engine_roles: dict[str, str] | None = None
     encoder: EncodePool = field(init=False)  # where ``prompt_cache`` tokenizes, by size; closed by the app's clean-up
 
     def __post_init__(self) -> None:

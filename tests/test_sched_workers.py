@@ -15,7 +15,8 @@ from gateway.errors import APIError
 from gateway.registry import EngineRegistry, EngineState
 from gateway.sched_channel import ChannelClient, ChannelClosed
 from gateway.sched_service import SchedulerService
-from gateway.sched_worker import RemoteDispatcher, RemotePrefixIndex, admin_caller
+from gateway.priority import engine_role
+from gateway.sched_worker import STATE_POLL_S, RemoteDispatcher, RemotePrefixIndex, StatePoller, admin_caller, registry_of
 from laps.config import DEFAULT_CONFIG_PATH, parse_config
 from laps.cost import engine_traits
 from policies.exact_prefix import PrefixCaches
@@ -51,7 +52,8 @@ def _scheduler_side(config, clock):
     dispatcher = Dispatcher(make_scheduler(config.scheduling, engine_traits(config)), registry, clock=clock,
                             classify=partial(classify, config=config, engine_ids=[n for n, _ in ENGINES], prefix_index=prefix_index,
                                              classifier=make_classifier(config.scheduling)))
-    return SimpleNamespace(dispatcher=dispatcher, prefix_index=prefix_index, registry=registry, context_tokens=None, client=None)
+    return SimpleNamespace(config=config, dispatcher=dispatcher, prefix_index=prefix_index, registry=registry, context_tokens=None,
+                           client=None, manager=None, engine_roles=None)
 
 
 def _script(seed: int = 7, steps: int = 120):
@@ -259,3 +261,24 @@ async def test_an_admin_call_to_a_lost_scheduler_answers_503_scheduler_unavailab
     answer = await admin_caller(Lost())({"op": "admin_engines"})
     assert answer == {"error": {"status": 503, "message": "the gateway's scheduler is not reachable; retry later",
                                 "type": "service_unavailable", "param": None, "code": "scheduler_unavailable"}}
+
+
+async def test_the_state_call_carries_each_engines_role_now_and_a_worker_mirrors_it(tmp_path):
+    config = _config()
+    side = _scheduler_side(config, Clock())
+    service = SchedulerService(side, {})
+    await service.start(str(tmp_path / "sched.sock"))
+    channel = await ChannelClient.connect(tmp_path / "sched.sock")
+    try:
+        state = await channel.call({"op": "state"})
+        assert state["roles"] == {"sp0": "short-prefill", "sp1": "short-prefill", "lp0": "long-prefill"}
+        poller = StatePoller(channel, registry_of(state["engines"]), state)
+        side.engine_roles = {"sp0": "short-prefill", "sp1": "mixed", "lp0": "long-prefill"}  # as if sp1 had been moved
+        await asyncio.sleep(STATE_POLL_S * 2.5)
+        assert poller.roles["sp1"] == "mixed"
+        worker = SimpleNamespace(config=config, manager=None, engine_roles=poller.roles)
+        assert engine_role(worker, "sp1") == "mixed" and engine_role(worker, "sp0") == "short-prefill"
+        await poller.close()
+    finally:
+        await channel.close()
+        await service.close()
