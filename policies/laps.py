@@ -176,7 +176,17 @@ and Hodgson's rule (minimum late jobs, EDD order) finds every held request in
 time on the engines as one fluid pool, open otherwise (0.55% / 2.75%, but
 ``mixed`` without PD 0.09% / 4.02% against 0.65% / 2.80%, and ``shared-docs``
 at 1.0× 1.52% length-aware violations against 0.00%: documents held for room
-wait for a clean engine).
+wait for a clean engine). Nor does the engine choice (seed 0, 1.0× / 1.2×):
+charging a request that recomputes a context cached elsewhere its extra
+tokens × ρ/(1 − ρ) (the prefill engines' recent load ρ: the queue its extra
+work delays) gave 1.39% / 2.69% (laps prefills 2% more tokens than
+``cache_aware``, but that is not the loss), and pricing a long prefill on
+each engine as its predicted TTFT ÷ (1 − the load of shorter prefills sent
+there in the last second: those that will overtake it) gave 2.92% / 3.39%
+(long prefills crowd the engines few shorter ones go to). What moves it is
+the chunk: laps with 4,096- or 8,192-token chunks on every engine has 0.77% /
+3.74% and 0.38% / 4.53%, but short-class P90 TTFT 181 and 262 ms at 1.0×
+(93 ms with 2,048), so the shipped chunk stays.
 
 Temporal mode (one engine serving both classes, the ``mixed`` role) was decided
 in the simulator (one simulated H200, Qwen2.5-7B, the mixed real-chat workload,
