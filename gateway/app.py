@@ -44,7 +44,7 @@ from gateway.dispatcher import Dispatcher, classify
 from gateway.engine_load import fetch_engine_load
 from gateway.auth import api_key_middleware, is_loopback
 from gateway.errors import ServerLog, ShuttingDown, error_middleware, expect_continue
-from gateway.health import HealthMonitor
+from gateway.health import HealthMonitor, watch_silence
 from gateway.kv_events import Following
 from gateway.metrics import GatewayMetrics
 from gateway.pd_setup import PDDispatch
@@ -230,8 +230,10 @@ def create_worker_app(config: Config, channel_path: str) -> web.Application:
             poller = StatePoller(channel, registry, state)
             gw.engine_roles = poller.roles
             gw.metrics.watch_scheduler(lambda: poller.stats)
+            silence = asyncio.create_task(watch_silence(gw))  # this worker's streams: only it sees them
             app[GATEWAY] = gw
             yield
+            silence.cancel()
             await poller.close()
             await relay.settle_background()
             await gw.encoder.close()

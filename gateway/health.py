@@ -76,6 +76,25 @@ def engine_failed(gw: Gateway, err: EngineUnavailable) -> None:
         take_out_of_service(gw, engine, err.detail, stalled=True)
 
 
+def check_silence(gw: Gateway, now: float) -> None:
+    """Take out of service (stalled) every engine of ``gw`` whose open streams have all brought nothing for longer than
+    :func:`silence_s` (``now``: the event loop's time)."""
+    limit_s = silence_s(gw)
+    for engine in gw.registry:
+        if engine.open_streams and not engine.stalled and now - engine.last_byte_s > limit_s:
+            take_out_of_service(gw, engine, f"its {engine.open_streams} open streams brought nothing for {now - engine.last_byte_s:.1f} s", stalled=True)
+
+
+async def watch_silence(gw: Gateway) -> None:
+    """:func:`check_silence` every ``HEALTH_POLL_INTERVAL_S``, forever: a gateway worker's (``gateway.workers`` > 1),
+    whose streams only it sees; the scheduler process, told of an engine it takes out, polls and probes it as
+    :class:`HealthMonitor` does and brings it back."""
+    loop = asyncio.get_running_loop()
+    while True:
+        await asyncio.sleep(HEALTH_POLL_INTERVAL_S)
+        check_silence(gw, loop.time())
+
+
 def silence_s(gw: Gateway) -> float:
     """How long an engine's open streams may all be silent before the engine counts as stalled (seconds)."""
     return gw.config.gateway.stall_timeout_s * SILENCE_SHARE_OF_STALL
@@ -123,11 +142,8 @@ class HealthMonitor:
             elif not ok and engine.healthy and (not busy or failures >= READY_FAILURES_WHEN_BUSY):
                 take_out_of_service(gw, engine, f"GET /ready: {state} ({failures} time(s) in a row)", stalled=False)
             gw.metrics.engine_healthy.labels(engine.id).set(int(engine.serving))
-        limit_s = silence_s(gw)
-        now = loop.time()
+        check_silence(gw, loop.time())
         for engine in engines:
-            if engine.open_streams and not engine.stalled and now - engine.last_byte_s > limit_s:
-                take_out_of_service(gw, engine, f"its {engine.open_streams} open streams brought nothing for {now - engine.last_byte_s:.1f} s", stalled=True)
             if engine.stalled and engine.healthy and engine.id not in self._probes:
                 self._probes[engine.id] = asyncio.ensure_future(self._probe(engine))
 

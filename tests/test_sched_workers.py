@@ -12,6 +12,7 @@ import yaml
 
 from gateway.dispatcher import Arrival, Dispatcher, classify
 from gateway.errors import APIError
+from gateway.health import SILENCE_SHARE_OF_STALL, check_silence
 from gateway.registry import EngineRegistry, EngineState
 from gateway.sched_channel import ChannelClient, ChannelClosed
 from gateway.sched_service import SchedulerService
@@ -282,3 +283,21 @@ async def test_the_state_call_carries_each_engines_role_now_and_a_worker_mirrors
     finally:
         await channel.close()
         await service.close()
+
+
+async def test_a_workers_silent_streams_take_their_engine_out_and_tell_the_scheduler():
+    config = _config()
+    registry = EngineRegistry([EngineState(name, f"http://{name}", config.roles[role].pool) for name, role in ENGINES])
+    told = []
+    metrics = SimpleNamespace(engine_healthy=SimpleNamespace(labels=lambda engine_id: SimpleNamespace(set=lambda value: None)))
+    worker = SimpleNamespace(config=config, registry=registry, metrics=metrics, guards=set(),
+                             report_out_of_service=lambda engine, why, stalled: told.append((engine.id, stalled)))
+    limit_s = config.gateway.stall_timeout_s * SILENCE_SHARE_OF_STALL
+    registry["sp0"].open_streams, registry["sp0"].last_byte_s = 2, 100.0  # silent since 100 s
+    registry["sp1"].open_streams, registry["sp1"].last_byte_s = 1, 100.0 + limit_s  # a byte later
+    registry["lp0"].last_byte_s = 0.0  # no open stream: nothing to hear from it
+    check_silence(worker, 100.0 + limit_s + 0.01)
+    assert told == [("sp0", True)]
+    assert registry["sp0"].stalled and registry["sp0"].healthy and not registry["sp1"].stalled and not registry["lp0"].stalled
+    check_silence(worker, 100.0 + 2 * limit_s + 0.01)  # sp0 is out already: told once; sp1 is silent now too
+    assert told == [("sp0", True), ("sp1", True)]
