@@ -304,15 +304,15 @@ async def _serve_once(request: web.Request, gw: Gateway, body: dict, path: str, 
     detail = ""
     try:
         if gw.pd is not None:  # prefill-decode pair: engine_id prefills, a decode engine answers
-            response, outcome = await pd_dispatch.relay(request, gw, path, body, headers, view, engine_id, guard, reply, stream)
+            response, outcome = await pd_dispatch.relay(request, gw, path, body, headers, view, engine_id, guard, reply, stream,
+                                                        prompt.prompt.keys)
         elif stream:
             response, outcome = await _relay_stream(request, gw, engine, path, body, headers, view, guard, reply, prompt.prompt.keys)
         else:
             response, outcome = await _relay_json(gw, engine, path, body, headers, view, guard, reply, prompt.prompt.keys)
         if outcome == "ok":
             # The client has its whole answer; learning from it must not hold (or be cancelled with) the handler.
-            in_background(_learn_from_reply(gw, engine_id, view, prompt, reply, reply_cached_on_engine=gw.pd is None,
-                                            observed=gw.pd is None and not stream))
+            in_background(_learn_from_reply(gw, engine_id, view, prompt, reply, reply_cached_on_engine=gw.pd is None))
         return response
     except APIError as err:
         err.headers.update(headers)  # which class and engine failed, as on every answer
@@ -341,7 +341,7 @@ async def _serve_once(request: web.Request, gw: Gateway, body: dict, path: str, 
 
 
 async def _learn_from_reply(gw: Gateway, engine_id: str, view: RequestView, prompt: EncodedPrompt, reply: Reply,
-                            reply_cached_on_engine: bool, observed: bool = False) -> None:
+                            reply_cached_on_engine: bool) -> None:
     """Correct the prefix index with the reported hit, then record the chat + reply as cached on the engine.
 
     The engine's radix cache keeps the generated tokens too, so the next turn of
@@ -352,8 +352,8 @@ async def _learn_from_reply(gw: Gateway, engine_id: str, view: RequestView, prom
     computes the reply (``reply_cached_on_engine`` false): the prefix index then
     learns only the prompt on it, while the chat cache still keeps the chain
     with the reply (it is about tokenizing, not about which engine caches what).
-    ``observed``: the prefix index took the engine's report on the prompt already (:func:`_relay_json`); the
-    chain is only inserted.
+    Where the prefix index took the engine's report on the prompt already (:attr:`Reply.prompt_observed`:
+    :func:`_relay_json`, or PD's prefill answer) the chain is only inserted.
     """
     if reply.cached_tokens is not None:
         class_metrics = gw.metrics.of_class(view.request_class)
@@ -363,7 +363,7 @@ async def _learn_from_reply(gw: Gateway, engine_id: str, view: RequestView, prom
     chain = await gw.encoder.run(len(text), "reply_chain", prompt, text)
     gw.prompt_cache.store_reply(prompt, text, chain)  # the conversation's next request will tokenize its new message only
     keys = chain.keys if reply_cached_on_engine else prompt.prompt.keys
-    if observed:
+    if reply.prompt_observed:
         gw.prefix_index.insert(engine_id, keys)
     else:
         gw.prefix_index.observe(engine_id, keys, reply.cached_tokens, view.cached_by_engine.get(engine_id, 0))
@@ -397,6 +397,7 @@ async def _relay_json(gw: Gateway, engine: EngineState, path: str, body: dict, h
         raise EngineUnavailable(engine.id, f"answer is not a JSON object: {payload[:200]!r}")
     reply.take(obj)
     gw.prefix_index.observe(engine.id, prompt_keys, reply.cached_tokens, view.cached_by_engine.get(engine.id, 0))
+    reply.prompt_observed = True
     gw.dispatcher.first_token(view.rid, engine.id, reply.cached_tokens)
     return web.Response(body=payload, status=status, content_type="application/json", headers=headers), "ok"
 

@@ -45,7 +45,7 @@ import contextlib
 import logging
 import re
 import time
-from typing import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import orjson
 from aiohttp import web
@@ -104,8 +104,13 @@ def _cached_tokens(payload: bytes) -> int | None:
 
 
 async def relay(request: web.Request, gw: Gateway, path: str, body: dict, headers: dict, view: RequestView,
-                prefill_id: str, guard: RequestGuard, reply: Reply, stream: bool) -> tuple[web.StreamResponse, str]:
+                prefill_id: str, guard: RequestGuard, reply: Reply, stream: bool,
+                prompt_keys: Sequence[int]) -> tuple[web.StreamResponse, str]:
     """Serve ``view`` (already admitted to ``prefill_id``) on a prefill–decode pair; see the module docstring.
+
+    Once the prefill engine has answered, the prompt (its block keys ``prompt_keys``) is in that engine's prefix
+    cache: the prefix index takes the engine's report on it then, while the decode side may still run, so that the
+    conversation's next turn is routed with it (:attr:`~gateway.relay.Reply.prompt_observed`).
 
     ``reply`` receives the decode engine's text and the prefill engine's
     reported ``cached_tokens`` (``None`` if the prefill engine did not answer
@@ -133,7 +138,7 @@ async def relay(request: web.Request, gw: Gateway, path: str, body: dict, header
     decode = gw.registry[decode_id]
     gw.registry.acquire(decode_id, view.prompt_tokens)
     gw.metrics.in_flight_of(decode_id).inc()
-    pair = _Pair(request, gw, path, body, headers, view, prefill_id, decode_id, guard, reply, stream)
+    pair = _Pair(request, gw, path, body, headers, view, prefill_id, decode_id, guard, reply, stream, prompt_keys)
     try:
         return await pair.run()
     except (ClientGone, asyncio.CancelledError):
@@ -150,9 +155,10 @@ class _Pair:
     """One request in flight on a prefill engine and a decode engine (see :func:`relay`)."""
 
     def __init__(self, request: web.Request, gw: Gateway, path: str, body: dict, headers: dict, view: RequestView,
-                 prefill_id: str, decode_id: str, guard: RequestGuard, reply: Reply, stream: bool) -> None:
+                 prefill_id: str, decode_id: str, guard: RequestGuard, reply: Reply, stream: bool, prompt_keys: Sequence[int]) -> None:
         self.request, self.gw, self.path, self.body, self.headers, self.view = request, gw, path, body, headers, view
         self.prefill_id, self.decode_id, self.guard, self.reply, self.stream = prefill_id, decode_id, guard, reply, stream
+        self.prompt_keys = prompt_keys
         self.response: web.StreamResponse | None = None
         self.sse: SSERelay | None = None
         self.client_wants_usage = False
@@ -245,6 +251,9 @@ class _Pair:
         if status != 200:
             raise _SideFailed(self.prefill_id, _engine_error(self.prefill_id, "prefill", status, payload))
         self.prefill_cached_tokens = _cached_tokens(payload)
+        self.gw.prefix_index.observe(self.prefill_id, self.prompt_keys, self.prefill_cached_tokens,
+                                     self.view.cached_by_engine.get(self.prefill_id, 0))
+        self.reply.prompt_observed = True
         self.guard.also = None  # the prefill is done: a stall from now on is the decode engine's
         self.gw.registry.release(self.prefill_id, self.view.prompt_tokens)
         self._prefill_released = True

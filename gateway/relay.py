@@ -79,11 +79,14 @@ def unreachable(engine: EngineState, err: BaseException) -> EngineUnavailable:
 class Reply:
     """What the gateway learns from an engine's answer: the text it produced (pieces, in order), its reported
     prompt cache hit (``cached_tokens``, tokens; ``None`` until the engine reports it), and whether the client
-    has been handed the whole answer (``done``: a stream's ``data: [DONE]`` was relayed, or the whole JSON body was sent)."""
+    has been handed the whole answer (``done``: a stream's ``data: [DONE]`` was relayed, or the whole JSON body was sent);
+    ``prompt_observed``: the prefix index has taken the engine's report on the prompt already (a JSON answer's, or in
+    PD the prefill engine's answer), so what is learnt from the reply afterwards only inserts."""
 
     text: list[str] = field(default_factory=list)
     cached_tokens: int | None = None
     done: bool = False
+    prompt_observed: bool = False
 
     def take(self, obj: dict) -> None:
         """Read one OpenAI response object or stream chunk (``choices[].message|delta.content`` or

@@ -202,6 +202,35 @@ async def test_the_prefix_index_learns_the_prompt_on_the_prefill_engine_not_the_
     assert estimate == first_prompt // 16 * 16
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_the_prefix_index_learns_the_prompt_when_the_prefill_engine_answers_not_after_the_reply(pd_stack, stream):
+    session, fakes, _, app = pd_stack
+    fakes["ps0"].reported_cached_tokens = 0
+    fakes["d0"].hold_answers = True  # the decode side still runs: the client has nothing yet
+    history = [{"role": "user", "content": "Tell me about the history of pens. " * 5}]
+
+    async def turn_one() -> int:
+        async with session.post("/v1/chat/completions", json={"model": MODEL, "messages": history, "stream": stream}) as resp:
+            await resp.read()
+            return int(resp.headers["x-laps-prompt-tokens"])
+
+    first = asyncio.ensure_future(turn_one())
+    try:
+        await asyncio.wait_for(fakes["d0"].received.wait(), timeout=5)
+        gw = app[GATEWAY]
+        chain = gw.prompt_cache.prompt(history).prompt
+        deadline = asyncio.get_running_loop().time() + 5
+        while gw.prefix_index.cached_tokens("ps0", chain) == 0:  # ps0 answers at once; d0 holds its answer
+            assert asyncio.get_running_loop().time() < deadline, "the prefix index did not learn the prompt from the prefill answer"
+            await asyncio.sleep(0.01)
+        assert not first.done()
+        assert gw.prefix_index.cached_tokens("ps0", chain) == chain.tokens // 16 * 16
+    finally:
+        fakes["d0"].answer.set()
+    assert await first == chain.tokens
+    await settle_background()
+
+
 @pytest.mark.parametrize("engine, role, pools", [("d0", "prefill-long", ("decode", "long")), ("pl0", "decode", ("long", "decode"))])
 async def test_the_admin_api_refuses_moves_between_the_prefill_and_decode_sides(pd_stack, engine, role, pools):
     session, _, _, _ = pd_stack
