@@ -47,10 +47,11 @@ from gateway.errors import ServerLog, ShuttingDown, error_middleware, expect_con
 from gateway.health import HealthMonitor, watch_silence
 from gateway.kv_events import Following
 from gateway.metrics import GatewayMetrics
-from gateway.pd_setup import PDDispatch
+from gateway.pd_setup import PDDispatch, bootstrap_addresses
 from gateway.registry import EngineRegistry, EngineState
 from gateway.sched_channel import ChannelClient
-from gateway.sched_worker import RemoteDispatcher, RemotePrefixIndex, StatePoller, admin_caller, registry_of, report_out_of_service
+from gateway.sched_worker import (RemoteDecodeSide, RemoteDispatcher, RemotePrefixIndex, StatePoller, admin_caller, registry_of,
+                                  report_out_of_service)
 from gateway.state import GATEWAY, Gateway
 from gateway.supervisor import EngineSupervisor
 from laps.api_keys import load_keys
@@ -222,11 +223,14 @@ def create_worker_app(config: Config, channel_path: str) -> web.Application:
             channel = await ChannelClient.connect(channel_path)
             state = await channel.call({"op": "state"})
             registry = registry_of(state["engines"])
-            gw = Gateway(config, tokenizer, registry, client, RemoteDispatcher(channel),
+            dispatcher = RemoteDispatcher(channel)
+            gw = Gateway(config, tokenizer, registry, client, dispatcher,
                          RemotePrefixIndex(channel, config.scheduling.prefix_block_tokens), GatewayMetrics(), tracer=tracer,
                          api_keys=load_keys(config.gateway.api_keys) if config.gateway.api_keys is not None else None,
                          context_tokens=state["context_tokens"], report_out_of_service=partial(report_out_of_service, channel),
                          admin=admin_caller(channel))
+            if config.pd is not None:
+                gw.pd = RemoteDecodeSide(channel, dispatcher, bootstrap_addresses(config, {e.id: e.url for e in registry}))
             poller = StatePoller(channel, registry, state)
             gw.engine_roles = poller.roles
             gw.metrics.watch_scheduler(lambda: poller.stats)

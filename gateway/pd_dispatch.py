@@ -5,7 +5,10 @@ pools; :meth:`gateway.registry.EngineRegistry.views`). :func:`relay` then
 
 1. picks the decode engine with the decode placement
    (:func:`policies.registry.make_decode_placement`, ``scheduling.decode_placement``)
-   over :meth:`~gateway.registry.EngineRegistry.decode_views`;
+   over :meth:`~gateway.registry.EngineRegistry.decode_views`
+   (:meth:`gateway.pd_setup.PDDispatch.take_decode`; with several gateway
+   workers the scheduler process has picked it with the prefill engine:
+   :class:`gateway.sched_worker.RemoteDecodeSide`);
 2. adds SGLang's PD routing fields to the request body, as SGLang's own PD
    router does (sglang-router ``mini_lb``; SGLang 0.5.23
    ``entrypoints/openai/protocol.py`` ``PDRoutingFields``: top-level keys of
@@ -54,7 +57,7 @@ from engines.client import EngineHTTPError
 from gateway.errors import APIError, EngineUnavailable, ShuttingDown
 from gateway.guard import RequestGuard
 from gateway.health import engine_failed
-from gateway.pd_setup import PDDispatch, bootstrap_room
+from gateway.pd_setup import DecodeSide, bootstrap_room, no_decode_engine
 from gateway.relay import ClientGone, Reply, SSERelay, StreamTap, ask_engine_for_usage, error_of_answer, in_background, outcome_of, send_now, unreachable, with_cached_tokens
 from gateway.state import Gateway
 from policies.types import RequestView
@@ -128,15 +131,14 @@ async def relay(request: web.Request, gw: Gateway, path: str, body: dict, header
         asyncio.CancelledError, ClientGone: the client went away;
             the decode side is aborted here.
     """
-    pd: PDDispatch = gw.pd
-    decode_id = pd.placement.pick(view.rid, view.prompt_tokens, gw.registry.decode_views(), time.monotonic(), reports_progress=stream)
+    pd: DecodeSide = gw.pd
+    decode_id = pd.take_decode(gw.registry, view.rid, view.prompt_tokens, stream, time.monotonic())
     if decode_id is None:
-        raise APIError(503, "no healthy decode engine is available; retry later", type="service_unavailable", code="no_engine")
+        raise no_decode_engine()
     host, port = pd.bootstrap[prefill_id]
     body.update(bootstrap_host=host, bootstrap_port=port, bootstrap_room=bootstrap_room())
     headers[DECODE_ENGINE_HEADER] = decode_id
     decode = gw.registry[decode_id]
-    gw.registry.acquire(decode_id, view.prompt_tokens)
     gw.metrics.in_flight_of(decode_id).inc()
     pair = _Pair(request, gw, path, body, headers, view, prefill_id, decode_id, guard, reply, stream, prompt_keys)
     try:
@@ -146,9 +148,8 @@ async def relay(request: web.Request, gw: Gateway, path: str, body: dict, header
         raise
     finally:
         pair.restore_prefill_load()
-        gw.registry.release(decode_id, view.prompt_tokens)
         gw.metrics.in_flight_of(decode_id).dec()
-        pd.placement.on_done(view.rid, time.monotonic())
+        pd.release_decode(gw.registry, view.rid, decode_id, view.prompt_tokens, time.monotonic())
 
 
 class _Pair:
@@ -308,23 +309,21 @@ class _Pair:
         await asyncio.wait((self._prefill_task,), timeout=PREFILL_REPORT_WAIT_S)
 
     def _first_bytes(self) -> None:
-        now = time.monotonic()
-        self.gw.metrics.of_class(self.view.request_class).ttft.observe(now - self.view.arrival_s)
-        self.gw.pd.placement.on_progress(self.view.rid, 1, now)
-        self._count_first_token()
+        self.gw.metrics.of_class(self.view.request_class).ttft.observe(time.monotonic() - self.view.arrival_s)
+        self._decoding()
 
-    def _count_first_token(self) -> None:
-        """For the controller's decode sizing: the decode engine's first token, late when it reaches the client after
-        the deadline although the prefill was done by then (the transfer and the decode admission made it late)."""
-        first_tokens, now = self.gw.dispatcher.first_tokens, self.gw.dispatcher.clock()
-        if first_tokens is not None:
-            first_tokens.record_late(self.decode_id, now, now > self.view.deadline_s >= self.prefill_done_s)
+    def _decoding(self) -> None:
+        """The decode engine's first token reaches the client: for the decode placement, and for the controller's
+        decode sizing, late when after the deadline although the prefill was done by then (the transfer and the
+        decode admission made it late)."""
+        now = self.gw.dispatcher.clock()
+        self.gw.pd.decoding(self.gw.dispatcher.first_tokens, self.view.rid, self.decode_id, now,
+                            now > self.view.deadline_s >= self.prefill_done_s)
 
     async def _relay_json(self, payload: bytes) -> str:
         """Send the decode engine's JSON answer, its usage with the prefill engine's ``cached_tokens`` (awaited up to
         ``PREFILL_REPORT_WAIT_S``: it normally came long before), without waiting until the prefill side is settled."""
-        self.gw.pd.placement.on_progress(self.view.rid, 1, time.monotonic())
-        self._count_first_token()
+        self._decoding()
         try:
             obj = orjson.loads(payload)
         except orjson.JSONDecodeError:

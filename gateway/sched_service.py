@@ -24,7 +24,10 @@ Messages (msgpack maps; ``op`` says which). Calls, answered:
   index and admitted (:meth:`gateway.dispatcher.Dispatcher.place`) ->
   ``{"engine", "class", "cached_by_engine": {engine: tokens}, "deadline_s"}``
   once dispatched, or ``{"error": {"status", "message", "type", "code"}}``
-  (503 no engine, 500 policy failure, 503 shutting down).
+  (503 no engine, 500 policy failure, 503 shutting down). In a prefill-decode
+  deployment ``engine`` is the prefill engine and the answer has ``"decode"``,
+  the decode engine picked then (:meth:`gateway.pd_setup.PDDispatch.take_decode`;
+  503 when none is healthy).
 
 - ``{"op": "admin_engines"}`` -> ``{"engines": [row, ...]}``: ``GET /admin/engines``'
   rows (:func:`gateway.admin.engine_rows`);
@@ -36,7 +39,10 @@ Messages (msgpack maps; ``op`` says which). Calls, answered:
 Notes, one-way, applied in the order sent (one connection per worker):
 
 - ``{"op": "first", "rid", "engine", "cached"}``: the request's first token
-  (``cached``: the engine's reported ``cached_tokens`` or None);
+  (``cached``: the engine's reported ``cached_tokens`` or None); in PD, the
+  prefill engine's answer: its gateway-side load ends there, as in one process;
+- ``{"op": "decoding", "rid", "late"}``: in PD, the decode engine's first token
+  reached the client (:meth:`gateway.pd_setup.PDDispatch.decoding`);
 - ``{"op": "done", "rid"}``: the request ended (answered, failed, client gone);
   a ``place`` still waiting is withdrawn;
 - ``{"op": "insert", "engine", "keys": bytes}``, ``{"op": "observe", "engine",
@@ -48,7 +54,7 @@ Notes, one-way, applied in the order sent (one connection per worker):
 
 A worker whose connection drops (it died) has its requests released: those
 waiting are withdrawn, those dispatched complete and are aborted on their
-engine (``/abort_request``).
+engines (``/abort_request``; in PD on both).
 """
 
 from __future__ import annotations
@@ -56,12 +62,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from array import array
+from dataclasses import dataclass
 from functools import partial
 
 from gateway.admin import begin_switch, engine_rows
 from gateway.dispatcher import Arrival
 from gateway.errors import APIError
 from gateway.health import take_out_of_service
+from gateway.pd_setup import no_decode_engine
 from gateway.priority import engine_role
 from gateway.relay import in_background
 from gateway.sched_channel import ChannelServer, Peer
@@ -78,6 +86,18 @@ def engines_of(gw: Gateway) -> list[list]:
             for e in gw.registry]
 
 
+@dataclass
+class _Placed:
+    """A dispatched request not done yet: its view, engine (in PD the prefill engine), worker, and in PD its
+    ``decode`` engine and whether the prefill has answered (``prefilled``: the prefill engine's load ended)."""
+
+    view: RequestView
+    engine: str
+    peer: Peer
+    decode: str | None = None
+    prefilled: bool = False
+
+
 class SchedulerService:
     """Answers the workers' calls and notes (module doc) on ``gw``, the scheduler process's gateway (``switches``:
     its app's role switches in progress, :data:`gateway.admin.SWITCHES`).
@@ -88,12 +108,13 @@ class SchedulerService:
     def __init__(self, gw: Gateway, switches: dict[str, asyncio.Task]) -> None:
         self.gw = gw
         self.switches = switches
-        self._placed: dict[str, tuple[RequestView, str, Peer]] = {}  # dispatched, not done: view, engine, its worker
+        self._placed: dict[str, _Placed] = {}
         # place calls not answered yet: view, the dispatcher's future, the channel's answer, its worker
         self._waiting: dict[str, tuple[RequestView, asyncio.Future[str], asyncio.Future[dict], Peer]] = {}
         self._server: ChannelServer | None = None
         self._ops = {"state": self._state, "place": self._place, "first": self._first, "done": self._done, "insert": self._insert,
-                     "observe": self._observe, "down": self._down, "admin_engines": self._admin_engines, "admin_role": self._admin_role}
+                     "observe": self._observe, "down": self._down, "admin_engines": self._admin_engines, "admin_role": self._admin_role,
+                     "decoding": self._decoding}
 
     async def start(self, path: str) -> None:
         """Listen for workers on ``path``.
@@ -117,11 +138,13 @@ class SchedulerService:
         freed next goes to others), its dispatched ones complete and are aborted on their engines."""
         for rid in [rid for rid, (_, _, _, owner) in self._waiting.items() if owner is peer]:
             self._withdraw(rid)
-        rids = [rid for rid, (_, _, owner) in self._placed.items() if owner is peer]
+        rids = [rid for rid, placed in self._placed.items() if placed.peer is peer]
         for rid in rids:
-            view, engine_id, _ = self._placed.pop(rid)
-            self.gw.dispatcher.complete(view, engine_id)
-            in_background(self.gw.client.abort(self.gw.registry[engine_id].url, rid))
+            placed = self._placed.pop(rid)
+            self._end(placed)
+            for engine_id in (placed.engine, placed.decode):
+                if engine_id is not None:
+                    in_background(self.gw.client.abort(self.gw.registry[engine_id].url, rid))
         log.info("a gateway worker's channel closed; %d of its requests were in flight (released, aborted on their engines)", len(rids))
 
     def _state(self, message: dict, peer: Peer) -> dict:
@@ -162,9 +185,17 @@ class SchedulerService:
         try:
             engine_id = decided.result()
         except APIError as err:
-            return {"error": {"status": err.status, "message": err.message, "type": err.type, "code": err.code}}
-        self._placed[view.rid] = (view, engine_id, peer)
-        return {"engine": engine_id, "class": view.request_class, "cached_by_engine": dict(view.cached_by_engine), "deadline_s": view.deadline_s}
+            return _error(err)
+        answer = {"engine": engine_id, "class": view.request_class, "cached_by_engine": dict(view.cached_by_engine), "deadline_s": view.deadline_s}
+        placed = _Placed(view, engine_id, peer)
+        if self.gw.pd is not None:  # the decode engine is picked now, as one process picks it right after the prefill engine
+            placed.decode = answer["decode"] = self.gw.pd.take_decode(self.gw.registry, view.rid, view.prompt_tokens, view.stream,
+                                                                       self.gw.dispatcher.clock())
+            if placed.decode is None:
+                self.gw.dispatcher.complete(view, engine_id)
+                return _error(no_decode_engine())
+        self._placed[view.rid] = placed
+        return answer
 
     def _withdraw(self, rid: str) -> None:
         view, decided, answer, _ = self._waiting.pop(rid)
@@ -182,16 +213,34 @@ class SchedulerService:
         return {"status": status, "answer": answer}
 
     def _first(self, message: dict, peer: Peer) -> None:
-        if message["rid"] in self._placed:
-            self.gw.dispatcher.first_token(message["rid"], message["engine"], message["cached"])
+        placed = self._placed.get(message["rid"])
+        if placed is None:
+            return
+        if placed.decode is not None and not placed.prefilled:  # PD: the prefill engine answered (gateway.pd_dispatch)
+            self.gw.registry.release(placed.engine, placed.view.prompt_tokens)
+            placed.prefilled = True
+        self.gw.dispatcher.first_token(message["rid"], message["engine"], message["cached"])
+
+    def _decoding(self, message: dict, peer: Peer) -> None:
+        placed = self._placed.get(message["rid"])
+        if placed is not None and placed.decode is not None:
+            self.gw.pd.decoding(self.gw.dispatcher.first_tokens, message["rid"], placed.decode, self.gw.dispatcher.clock(), message["late"])
 
     def _done(self, message: dict, peer: Peer) -> None:
         rid = message["rid"]
         placed = self._placed.pop(rid, None)
         if placed is not None:
-            self.gw.dispatcher.complete(placed[0], placed[1])
+            self._end(placed)
         elif rid in self._waiting:
             self._withdraw(rid)
+
+    def _end(self, placed: _Placed) -> None:
+        """Release a dispatched request's engines."""
+        if placed.prefilled:  # counted on its prefill engine again, so that the dispatcher's release balances
+            self.gw.registry.acquire(placed.engine, placed.view.prompt_tokens)
+        self.gw.dispatcher.complete(placed.view, placed.engine)
+        if placed.decode is not None:
+            self.gw.pd.release_decode(self.gw.registry, placed.view.rid, placed.decode, placed.view.prompt_tokens, self.gw.dispatcher.clock())
 
     def _insert(self, message: dict, peer: Peer) -> None:
         self.gw.prefix_index.insert(message["engine"], array("q", message["keys"]))
@@ -203,3 +252,8 @@ class SchedulerService:
         engine = self.gw.registry[message["engine"]]
         if engine.serving:
             take_out_of_service(self.gw, engine, f"{message['why']} (seen by a gateway worker)", stalled=message["stalled"])
+
+
+def _error(err: APIError) -> dict:
+    """A place call's error answer (module doc)."""
+    return {"error": {"status": err.status, "message": err.message, "type": err.type, "code": err.code}}

@@ -9,6 +9,9 @@ handlers as one process does, with these in its :class:`~gateway.state.Gateway`:
   (:mod:`gateway.sched_service` lists the messages);
 - :class:`RemotePrefixIndex`: ``insert`` / ``observe`` as notes (the global
   index lives in the scheduler, which classifies every request against it);
+- in a prefill-decode deployment, :class:`RemoteDecodeSide`: the decode engine
+  the scheduler picked with the prefill engine, and the decode side's progress
+  as notes (the decode placement and the controller live in the scheduler);
 - a mirror of the scheduler's engine registry (URLs, pools, health, load) that
   :class:`StatePoller` refreshes every :data:`STATE_POLL_S`; an engine a
   worker sees fail is reported (:func:`report_out_of_service`).
@@ -19,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from array import array
 from collections.abc import Awaitable, Callable, Sequence
 
@@ -26,6 +30,7 @@ from gateway.dispatcher import Arrival
 from gateway.errors import APIError
 from gateway.registry import EngineRegistry, EngineState
 from gateway.sched_channel import ChannelClient, ChannelClosed
+from policies.pool_signals import FirstTokenWindow
 from policies.types import RequestView
 
 log = logging.getLogger("laps.gateway")
@@ -49,12 +54,18 @@ def scheduler_gone() -> APIError:
 
 
 class RemoteDispatcher:
-    """The dispatcher of a worker: each :meth:`place` is a ``place`` call to the scheduler, the rest are notes."""
+    """The dispatcher of a worker: each :meth:`place` is a ``place`` call to the scheduler, the rest are notes.
+
+    ``decode_of``: in PD, ``{rid: decode engine}`` of the requests placed and not yet taken by
+    :meth:`RemoteDecodeSide.take_decode`.
+    """
 
     first_tokens = None  # the controller runs in the scheduler process
 
     def __init__(self, channel: ChannelClient) -> None:
         self._channel = channel
+        self.clock = time.monotonic  # the node's one clock: the scheduler's too
+        self.decode_of: dict[str, str] = {}
         self._waiting: set[asyncio.Task] = set()
         self._ended_with: Callable[[], APIError] | None = None
 
@@ -91,6 +102,8 @@ class RemoteDispatcher:
         error = answer.get("error")
         if error is not None:
             raise APIError(error["status"], error["message"], type=error["type"], code=error["code"])
+        if "decode" in answer:
+            self.decode_of[arrival.rid] = answer["decode"]
         cached = answer["cached_by_engine"]
         view = RequestView(arrival.rid, chain.tokens, max(cached.values(), default=0), arrival.arrival_s, answer["deadline_s"], answer["class"],
                            cached, arrival.max_tokens, arrival.reply_tokens, arrival.stream, arrival.priority)
@@ -100,6 +113,7 @@ class RemoteDispatcher:
         _tell(self._channel, {"op": "first", "rid": rid, "engine": engine_id, "cached": reported_cached_tokens})
 
     def complete(self, request: RequestView, engine_id: str) -> None:
+        self.decode_of.pop(request.rid, None)  # placed but never relayed (its client went away first)
         _tell(self._channel, {"op": "done", "rid": request.rid})
 
     def fail_waiting(self, error: Callable[[], APIError]) -> None:
@@ -129,6 +143,31 @@ class RemotePrefixIndex:
                 routed_cached_tokens: int | None = None) -> None:
         _tell(self._channel, {"op": "observe", "engine": engine_id, "keys": _key_bytes(keys), "cached": reported_cached_tokens,
                               "routed": routed_cached_tokens})
+
+
+class RemoteDecodeSide:
+    """A worker's :attr:`gateway.state.Gateway.pd` (:class:`gateway.pd_setup.DecodeSide`): the decode engine is the
+    one the scheduler picked with the prefill engine (``dispatcher``'s :attr:`RemoteDispatcher.decode_of`), the
+    decode side's first token is a ``decoding`` note, its end the ``done`` note the dispatcher sends; the mirror
+    ``registry`` counts the request meanwhile, until the next state poll. ``bootstrap``: as
+    :attr:`gateway.pd_setup.PDDispatch.bootstrap`."""
+
+    def __init__(self, channel: ChannelClient, dispatcher: RemoteDispatcher, bootstrap: dict[str, tuple[str, int]]) -> None:
+        self._channel = channel
+        self._dispatcher = dispatcher
+        self.bootstrap = bootstrap
+
+    def take_decode(self, registry: EngineRegistry, rid: str, prompt_tokens: int, stream: bool, now: float) -> str | None:
+        decode_id = self._dispatcher.decode_of.pop(rid, None)
+        if decode_id is not None:
+            registry.acquire(decode_id, prompt_tokens)
+        return decode_id
+
+    def decoding(self, first_tokens: FirstTokenWindow | None, rid: str, decode_id: str, now: float, late: bool) -> None:
+        _tell(self._channel, {"op": "decoding", "rid": rid, "late": late})
+
+    def release_decode(self, registry: EngineRegistry, rid: str, decode_id: str, prompt_tokens: int, now: float) -> None:
+        registry.release(decode_id, prompt_tokens)
 
 
 def registry_of(engines: list[list]) -> EngineRegistry:

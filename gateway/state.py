@@ -11,7 +11,7 @@ from engines.client import EngineClient
 from engines.manager import EngineManager
 from gateway.dispatcher import Dispatcher
 from gateway.metrics import GatewayMetrics
-from gateway.pd_setup import PDDispatch
+from gateway.pd_setup import DecodeSide
 from gateway.registry import EngineRegistry, EngineState
 from gateway.sched_worker import RemoteDispatcher, RemotePrefixIndex
 from laps.chat_cache import ChatPrefixCache, EncodePool
@@ -30,8 +30,8 @@ class Gateway:
     """The gateway's long-lived parts: config, tokenizer, engines, dispatcher (it classifies too), prefix index, metrics.
 
     ``manager`` runs the engine processes; ``None`` when the gateway was given
-    the URLs of engines that run on their own. ``pd``: the decode placement and
-    bootstrap addresses of a prefill-decode deployment (``None``: no ``pd:``).
+    the URLs of engines that run on their own. ``pd``: the decode side of a
+    prefill-decode deployment, its placement and bootstrap addresses (``None``: no ``pd:``).
     ``tracer``: the request spans' tracer (``None``: tracing off).
     ``api_keys``: the client keys' ``{SHA-256 digest: label}`` (``None``: no client key needed).
     ``context_tokens``: the model's context length (tokens) as the engines list it (``None``: unknown, not checked).
@@ -52,7 +52,7 @@ class Gateway:
     prefix_index: PrefixCaches | RemotePrefixIndex
     metrics: GatewayMetrics
     manager: EngineManager | None = None
-    pd: PDDispatch | None = None
+    pd: DecodeSide | None = None
     prompt_cache: ChatPrefixCache | None = None  # built from ``tokenizer``, the prefix block size and the budget when None
     tracer: "Tracer | None" = None  # with tracing: on, gateway/tracing.py's spans
     api_keys: dict[str, str] | None = None

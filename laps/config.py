@@ -440,8 +440,6 @@ class Config(_Strict):
                 gpu_owner[gpu] = engine.name
         _check_controller_roles(self)
         _check_pd(self)
-        if self.pd is not None and self.gateway.workers > 1:
-            raise ValueError("gateway.workers: a prefill-decode deployment (the pd: section) runs in one gateway process for now; set workers: 1")
         _check_scheduling(self)
         _check_kv_events(self)
         return self

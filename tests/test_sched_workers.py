@@ -1,5 +1,5 @@
 """Several gateway processes: the LAPS decisions through the real channel equal one process's on a scripted sequence;
-the scheduler releases a dead worker's requests."""
+the scheduler releases a dead worker's requests; in PD it picks the decode engine and keeps both sides' load."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import random
 from functools import partial
 from types import SimpleNamespace
 
+import pytest
 import yaml
 
 from gateway.dispatcher import Arrival, Dispatcher, classify
@@ -17,12 +18,16 @@ from gateway.registry import EngineRegistry, EngineState
 from gateway.sched_channel import ChannelClient, ChannelClosed
 from gateway.sched_service import SchedulerService
 from gateway.priority import engine_role
-from gateway.sched_worker import STATE_POLL_S, RemoteDispatcher, RemotePrefixIndex, StatePoller, admin_caller, registry_of
+from gateway.pd_setup import PDDispatch
+from gateway.sched_worker import (STATE_POLL_S, RemoteDecodeSide, RemoteDispatcher, RemotePrefixIndex, StatePoller, admin_caller,
+                                  registry_of)
 from laps.config import DEFAULT_CONFIG_PATH, parse_config
 from laps.cost import engine_traits
 from policies.exact_prefix import PrefixCaches
+from policies.pool_signals import FirstTokenWindow
 from policies.prefix_index import BlockChain, PrefixIndex
-from policies.registry import make_classifier, make_scheduler
+from policies.registry import make_classifier, make_decode_placement, make_scheduler
+from tests.pd_stack import pd_config
 
 ENGINES = [("sp0", "short-prefill"), ("sp1", "short-prefill"), ("lp0", "long-prefill")]
 
@@ -54,7 +59,7 @@ def _scheduler_side(config, clock):
                             classify=partial(classify, config=config, engine_ids=[n for n, _ in ENGINES], prefix_index=prefix_index,
                                              classifier=make_classifier(config.scheduling)))
     return SimpleNamespace(config=config, dispatcher=dispatcher, prefix_index=prefix_index, registry=registry, context_tokens=None,
-                           client=None, manager=None, engine_roles=None)
+                           client=None, manager=None, engine_roles=None, pd=None)
 
 
 def _script(seed: int = 7, steps: int = 120):
@@ -301,3 +306,66 @@ async def test_a_workers_silent_streams_take_their_engine_out_and_tell_the_sched
     assert registry["sp0"].stalled and registry["sp0"].healthy and not registry["sp1"].stalled and not registry["lp0"].stalled
     check_silence(worker, 100.0 + 2 * limit_s + 0.01)  # sp0 is out already: told once; sp1 is silent now too
     assert told == [("sp0", True), ("sp1", True)]
+
+
+async def test_in_pd_the_scheduler_picks_the_decode_engine_and_keeps_both_sides_load_as_one_process_does(tmp_path):
+    config = pd_config(controller={"enabled": False})
+    clock = Clock()
+    registry = EngineRegistry([EngineState(e.name, f"http://{e.name}", config.pool(e)) for e in config.engines])
+    prefix_index = PrefixCaches(PrefixIndex(config.scheduling.prefix_block_tokens, 4096))
+    first_tokens = FirstTokenWindow(60.0)
+    dispatcher = Dispatcher(make_scheduler(config.scheduling, engine_traits(config)), registry, clock=clock, first_tokens=first_tokens,
+                            classify=partial(classify, config=config, engine_ids=[e.id for e in registry], prefix_index=prefix_index,
+                                             classifier=make_classifier(config.scheduling)))
+    aborted = []
+
+    async def abort(url, rid):
+        aborted.append((url, rid))
+
+    side = SimpleNamespace(config=config, dispatcher=dispatcher, prefix_index=prefix_index, registry=registry, context_tokens=None,
+                           client=SimpleNamespace(abort=abort), manager=None, engine_roles=None,
+                           pd=PDDispatch(make_decode_placement(config.scheduling)))
+    service = SchedulerService(side, {})
+    await service.start(str(tmp_path / "sched.sock"))
+    channel = await ChannelClient.connect(tmp_path / "sched.sock")
+    try:
+        def in_flight():
+            return {e.id: e.in_flight for e in registry if e.in_flight}
+
+        remote = RemoteDispatcher(channel)
+        mirror = registry_of((await channel.call({"op": "state"}))["engines"])
+        decode_side = RemoteDecodeSide(channel, remote, {})
+        chain = BlockChain(config.scheduling.prefix_block_tokens).extend(range(3000))  # long: no AWD window
+        first, prefill = await remote.place(Arrival("r1", chain, 1000.0, None, max_tokens=64))
+        second, spilled = await remote.place(Arrival("r2", chain, 1000.0, None, max_tokens=64))
+        assert (prefill, spilled) == ("pl0", "ps0")  # the long engine is busy: the idle short one takes it
+        assert remote.decode_of == {"r1": "d0", "r2": "d1"}  # least_load: the idle one, then the other
+        assert in_flight() == {"pl0": 1, "ps0": 1, "d0": 1, "d1": 1}
+        assert decode_side.take_decode(mirror, "r1", first.prompt_tokens, False, clock()) == "d0"
+        assert remote.decode_of == {"r2": "d1"} and mirror["d0"].in_flight == 1
+
+        remote.first_token("r1", "pl0", 0)  # the prefill engine answered: its load ends there
+        decode_side.decoding(None, "r1", "d0", clock(), late=True)  # the first decoded token came after the deadline
+        await channel.call({"op": "state"})
+        assert in_flight() == {"ps0": 1, "d0": 1, "d1": 1}
+        assert first_tokens.violation_share("d0", clock()) == 1.0
+        remote.complete(first, "pl0")
+        await channel.call({"op": "state"})
+        assert in_flight() == {"ps0": 1, "d1": 1}
+
+        for engine_id in ("d0", "d1"):
+            registry[engine_id].healthy = False
+        with pytest.raises(APIError) as refused:
+            await remote.place(Arrival("r3", chain, 1000.0, None, max_tokens=64))
+        assert (refused.value.status, refused.value.code) == (503, "no_engine")
+        assert in_flight() == {"ps0": 1, "d1": 1}  # the prefill engine chosen for r3 was released
+
+        await channel.close()  # the worker died with r2 on ps0 and d1
+        while len(aborted) < 2:
+            await asyncio.sleep(0.01)
+        assert sorted(aborted) == [("http://d1", "r2"), ("http://ps0", "r2")]
+        assert in_flight() == {} and second.rid == "r2"
+    finally:
+        await channel.close()
+        await service.close()
+        dispatcher.close()

@@ -1,5 +1,6 @@
 """`laps serve --workers 2` on simulated engines: both workers serve chats (streamed and not) and OpenAI 4xx errors,
-the admin API's role switch, one /metrics counts them all, a killed worker is started again while the other's request goes on, Ctrl-C stops all."""
+the admin API's role switch, one /metrics counts them all, a killed worker is started again while the other's request goes on, Ctrl-C stops all;
+a prefill-decode deployment served by two workers."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ import httpx
 import orjson
 import pytest
 
+import yaml
+
+from tests.pd_stack import pd_data
 from tests.test_cli_startup import write_config
 from tests.test_http_limits import listen_backlogs
 
@@ -59,27 +63,40 @@ def _served_by(log: Path, *rids: str) -> dict[str, str]:
         time.sleep(0.05)
 
 
+def _start(config_path: Path, stderr_path: Path) -> tuple[str, subprocess.Popen]:
+    """``laps serve --workers 2`` of ``config_path`` in its own process group (as a shell starts it), once ready:
+    (base URL, process)."""
+    with stderr_path.open("w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "laps.cli", "serve", "--config", str(config_path), "--workers", "2"],
+                                stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True)
+    line = proc.stdout.readline()  # blocks until ready (or exit: then the match fails)
+    match = re.fullmatch(r"laps: ready on (http://127\.0\.0\.1:\d+)\n", line)
+    if not match:
+        _stop(proc)
+    assert match, line
+    return match.group(1), proc
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory):
     """``laps serve --workers 2`` on the default config's two sim engines, port 0, in its own process group (as a shell
     starts it), shared by this module's tests (the last one stops it); (base URL, gateway log, process, its stderr)."""
     tmp = tmp_path_factory.mktemp("workers")
     config_path, log_dir = write_config(tmp, gateway={"port": 0, "shutdown_grace_s": 5, "admin_key": ADMIN_KEY, "listen_backlog": 777})
-    with (tmp / "stderr").open("w") as stderr:
-        proc = subprocess.Popen([sys.executable, "-m", "laps.cli", "serve", "--config", str(config_path), "--workers", "2"],
-                                stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True)
+    url, proc = _start(config_path, tmp / "stderr")
     try:
-        line = proc.stdout.readline()  # blocks until ready (or exit: then the match fails)
-        match = re.fullmatch(r"laps: ready on (http://127\.0\.0\.1:\d+)\n", line)
-        assert match, line
-        yield match.group(1), log_dir / "gateway.log", proc, tmp / "stderr"
+        yield url, log_dir / "gateway.log", proc, tmp / "stderr"
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        _stop(proc)
 
 
 def test_a_killed_worker_is_started_again_and_the_other_workers_request_completes(gateway):
@@ -177,6 +194,62 @@ def _switch_through_a_worker(url: str) -> int:
         with httpx.Client(base_url=url, timeout=30) as client:
             assert client.post("/v1/chat/completions", json=_chat()).status_code == 200
     return 4
+
+
+def _free_port_pair() -> int:
+    """A port free now whose next one is free too (the two prefill engines' KV bootstrap ports)."""
+    while True:
+        with socket.socket() as first, socket.socket() as second:
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+            try:
+                second.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+
+
+def test_two_workers_serve_a_prefill_decode_deployment(tmp_path):
+    """Each request is prefilled and decoded on the pair the scheduler picked; the prefix index learns through the
+    workers (a follow-up turn is routed with its cached history); every engine's load is back to none afterwards."""
+    data = pd_data(log_dir=str(tmp_path / "logs"), controller={"enabled": False})
+    data["gateway"].update(port=0, shutdown_grace_s=5, admin_key=ADMIN_KEY)
+    data["pd"]["bootstrap_port"] = _free_port_pair()
+    config_path = tmp_path / "config.yaml"
+    config_path.write_text(yaml.safe_dump(data))
+    url, proc = _start(config_path, tmp_path / "stderr")
+    try:
+        decode_engines, workers = set(), set()
+        for i in range(6):  # fresh connections: both workers serve
+            history = [{"role": "user", "content": f"Conversation {i}: tell me about rivers and the towns along them. " * 8}]
+            with httpx.Client(base_url=url, timeout=30) as client:
+                first = client.post("/v1/chat/completions", json={"model": MODEL, "messages": history, "max_tokens": 8})
+                assert first.status_code == 200, first.text
+                history += [first.json()["choices"][0]["message"], {"role": "user", "content": "And the longest one?"}]
+                with client.stream("POST", "/v1/chat/completions",
+                                   json={"model": MODEL, "messages": history, "max_tokens": 8, "stream": True}) as follow_up:
+                    lines = [line for line in follow_up.iter_lines() if line]
+            assert follow_up.status_code == 200 and lines[-1] == "data: [DONE]"
+            for answer in (first, follow_up):
+                assert answer.headers["x-laps-engine"] in {"ps0", "pl0"}
+                decode_engines.add(answer.headers["x-laps-decode-engine"])
+            assert int(follow_up.headers["x-laps-cached-tokens-est"]) >= int(first.headers["x-laps-prompt-tokens"]) // 16 * 16 - 16
+            workers.update(_served_by(tmp_path / "logs" / "gateway.log", first.headers["x-request-id"]).values())
+        assert decode_engines <= {"d0", "d1"} and workers == {"worker-0", "worker-1"}  # least_load: one at a time, d0
+        admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+        deadline = time.monotonic() + 10
+        while True:  # a request's done note follows its answer
+            rows = httpx.get(f"{url}/admin/engines", headers=admin, timeout=10).json()["engines"]
+            if all(r["in_flight"] == 0 for r in rows) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert {r["id"]: (r["pool"], r["in_flight"]) for r in rows} == {"ps0": ("short", 0), "pl0": ("long", 0), "d0": ("decode", 0),
+                                                                         "d1": ("decode", 0)}
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+        assert "Traceback" not in (tmp_path / "stderr").read_text()
+    finally:
+        _stop(proc)
 
 
 def test_a_port_held_by_a_multi_worker_gateway_is_refused_to_another():
