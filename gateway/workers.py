@@ -19,8 +19,12 @@ the scheduler, waits for it (its engines ready), then the workers, then prints
 ``laps: ready on URL``. A worker that dies is started again (after
 :data:`RESTART_DELAY_S` when it lived less than :data:`SHORT_LIFE_S`); the
 scheduler releases the dead worker's requests when its channel drops; the other
-workers' requests go on. A scheduler that dies ends the whole gateway (its engines
-die with it) with exit code 1.
+workers' requests go on. A scheduler that dies takes its engines with it (they
+stop when their parent dies: :func:`engines.manager.die_with_parent`): it is
+started again the same way, with its engines, while the workers answer 503
+``scheduler_unavailable``; once it is ready a fresh set of workers (connected to
+it) starts, and the old ones drain and stop. A scheduler that then fails to start
+ends the gateway (exit code 1).
 
 Shutdown, on SIGINT or SIGTERM to the supervisor (the children ignore SIGINT, so a
 Ctrl-C to the terminal's process group reaches them only this way): SIGTERM to
@@ -181,14 +185,15 @@ class Supervisor:
         self._wake_w.setblocking(False)
         self.scheduler: _Child | None = None
         self.workers: list[_Child | None] = [None] * config.gateway.workers
+        self._retiring: list[_Child] = []  # the workers of a dead scheduler, while their successors start
 
     def run(self) -> int:
-        """Start everything, supervise, shut down on a signal; the exit code (0; 1 when the scheduler failed; 128 +
-        the signal's number, 130 for SIGINT, when a signal came before the gateway was ready: the engines started
-        are stopped).
+        """Start everything, supervise, shut down on a signal; the exit code (0; 128 + the signal's number, 130 for
+        SIGINT, when a signal came before the gateway was ready: the engines started are stopped).
 
         Raises:
-            RuntimeError: the scheduler failed to start (its error is the message).
+            RuntimeError: the scheduler or a worker failed to start, or to start again after the scheduler died (the
+                error is the message).
         """
         self._catch_signals()
         try:
@@ -229,7 +234,7 @@ class Supervisor:
         return 128 + self._signum
 
     def _children(self) -> list[_Child]:
-        return [c for c in (*self.workers, self.scheduler) if c is not None]
+        return [c for c in (*self.workers, *self._retiring, self.scheduler) if c is not None]
 
     def _start_scheduler(self) -> _Child:
         child = _Child(self._ctx, "scheduler", scheduler_main, self.setup_logging, (self.config, self.channel_path))
@@ -281,33 +286,57 @@ class Supervisor:
                     if message is not None:
                         log.info("%s is ready (pid %s)", pipes[pipe].label, message[1])
             if self.scheduler.process.sentinel in ready:
-                self.scheduler.process.join()
-                log.error("the scheduler process exited (code %s); stopping the gateway", self.scheduler.process.exitcode)
-                self.scheduler = None
-                return 1
+                if not self._restart_scheduler():
+                    break  # a signal while it started again
+                continue
             for i, worker in enumerate(self.workers):
                 if worker.process.sentinel in ready:
                     self._restart(i, worker)
         return 0
 
     def _restart(self, index: int, worker: _Child) -> None:
-        from prometheus_client import multiprocess
-
-        worker.process.join()
-        if worker.ready is not None:
-            worker.ready.close()
-        multiprocess.mark_process_dead(worker.process.pid)
-        lived_s = time.monotonic() - worker.started_s
+        lived_s = _bury(worker)
         log.warning("worker %d (pid %d) exited with code %s after %.1f s; starting it again", index, worker.process.pid,
                     worker.process.exitcode, lived_s)
         if lived_s < SHORT_LIFE_S:
             time.sleep(RESTART_DELAY_S)
         self.workers[index] = self._start_worker(index)
 
+    def _restart_scheduler(self) -> bool:
+        """Start the dead scheduler again (its engines with it), then replace the workers, whose channel it was, by a
+        fresh set connected to the new one (the old ones answer 503 ``scheduler_unavailable`` until then, and drain);
+        ``False`` when a signal came first.
+
+        Raises:
+            RuntimeError: the scheduler or a worker failed to start.
+        """
+        dead = self.scheduler
+        lived_s = _bury(dead)
+        log.error("the scheduler process (pid %d) exited with code %s after %.1f s, its engines with it; starting it again "
+                  "(until it is ready the workers answer 503 scheduler_unavailable)", dead.process.pid, dead.process.exitcode, lived_s)
+        if lived_s < SHORT_LIFE_S:
+            time.sleep(RESTART_DELAY_S)
+        self.scheduler = self._start_scheduler()
+        if not self._await_ready(self.scheduler):
+            return False
+        self._retiring = [w for w in self.workers if w is not None]  # stopped with the rest if a signal comes meanwhile
+        self.workers = [None] * len(self.workers)
+        for i in range(len(self.workers)):
+            self.workers[i] = self._start_worker(i)
+            if not self._await_ready(self.workers[i]):
+                return False
+        log.info("the scheduler is back (pid %d) with %d fresh workers; the old ones drain and stop", self.scheduler.process.pid,
+                 len(self.workers))
+        _terminate(self._retiring, self.config.gateway.shutdown_grace_s + 10.0)
+        for worker in self._retiring:
+            _bury(worker)
+        self._retiring = []
+        return True
+
     def _stop_all(self) -> None:
         """SIGTERM the workers and wait for them to drain, then the scheduler; kill what outlives its time."""
         grace_s = self.config.gateway.shutdown_grace_s + 10.0  # their drain, the end of the requests left, the clean-up
-        workers = [w for w in self.workers if w is not None]
+        workers = [w for w in (*self.workers, *self._retiring) if w is not None]
         if workers:
             log.info("shutting down: %d workers drain (up to %.0f s)", len(workers), self.config.gateway.shutdown_grace_s)
         _terminate(workers, grace_s)
@@ -316,6 +345,18 @@ class Supervisor:
         signal.set_wakeup_fd(-1)
         self._wake_r.close()
         self._wake_w.close()
+
+
+def _bury(child: _Child) -> float:
+    """Reap a child that exited (its ready pipe closed, its metrics' live gauges dropped); how long it lived (s)."""
+    from prometheus_client import multiprocess
+
+    child.process.join()
+    if child.ready is not None:
+        child.ready.close()
+        child.ready = None
+    multiprocess.mark_process_dead(child.process.pid)
+    return time.monotonic() - child.started_s
 
 
 def _terminate(children: list[_Child], within_s: float) -> None:

@@ -1,6 +1,6 @@
 """`laps serve --workers 2` on simulated engines: both workers serve chats (streamed and not) and OpenAI 4xx errors,
 the admin API's role switch, one /metrics counts them all, a killed worker is started again while the other's request goes on, Ctrl-C stops all;
-a prefill-decode deployment served by two workers."""
+a prefill-decode deployment served by two workers; a killed scheduler is started again with its engines and fresh workers."""
 
 from __future__ import annotations
 
@@ -245,6 +245,39 @@ def test_two_workers_serve_a_prefill_decode_deployment(tmp_path):
             time.sleep(0.1)
         assert {r["id"]: (r["pool"], r["in_flight"]) for r in rows} == {"ps0": ("short", 0), "pl0": ("long", 0), "d0": ("decode", 0),
                                                                          "d1": ("decode", 0)}
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+        assert "Traceback" not in (tmp_path / "stderr").read_text()
+    finally:
+        _stop(proc)
+
+
+def test_a_killed_scheduler_is_started_again_with_its_engines_and_fresh_workers(tmp_path):
+    config_path, log_dir = write_config(tmp_path, gateway={"port": 0, "shutdown_grace_s": 2})
+    log = log_dir / "gateway.log"
+    url, proc = _start(config_path, tmp_path / "stderr")
+    try:
+        scheduler = int(re.search(r"scheduler process started \(pid (\d+)\)", log.read_text()).group(1))
+        old_workers = set(_worker_pids(log).values())
+        os.kill(scheduler, signal.SIGKILL)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        answers = set()
+        while "the scheduler is back" not in log.read_text():  # meanwhile every answer is explicit: a 503 naming why
+            assert time.monotonic() < deadline, "the scheduler was not started again"
+            with httpx.Client(base_url=url, timeout=30) as client:
+                answer = client.post("/v1/chat/completions", json=_chat())  # the old workers listen until the new ones do
+                if answer.status_code != 200:
+                    answers.add((answer.status_code, answer.json()["error"]["code"]))
+            time.sleep(0.05)
+        assert (503, "scheduler_unavailable") in answers and answers <= {(503, "scheduler_unavailable"), (503, "engine_unavailable")}, answers
+        text = log.read_text()
+        assert f"the scheduler process (pid {scheduler}) exited with code -9" in text
+        assert len(re.findall(r"scheduler process started", text)) == 2
+        new_workers = set(_worker_pids(log).values())
+        assert len(new_workers) == 2 and not new_workers & old_workers
+        for _ in range(6):  # fresh connections: the new workers serve, through the new scheduler's engines
+            with httpx.Client(base_url=url, timeout=30) as client:
+                assert client.post("/v1/chat/completions", json=_chat()).status_code == 200
         os.killpg(proc.pid, signal.SIGINT)
         assert proc.wait(timeout=60) == 0
         assert "Traceback" not in (tmp_path / "stderr").read_text()
