@@ -126,7 +126,7 @@ def create_app(config: Config, engine_urls: dict[str, str] | None = None, span_e
             prefix_index = PrefixCaches(PrefixIndex.from_byte_budget(config.scheduling.prefix_block_tokens, config.scheduling.prefix_index_bytes, len(config.engines)))
             classifier = make_classifier(config.scheduling)
             dispatcher = Dispatcher(make_scheduler(config.scheduling, engine_traits(config)), registry, first_tokens=first_tokens,
-                                    classify=partial(classify, config=config, engine_ids=[e.id for e in registry], prefix_index=prefix_index,
+                                    classify=partial(classify, config=config, registry=registry, prefix_index=prefix_index,
                                                      classifier=classifier))
             await _mirror_kv_capacity(client, registry, prefix_index)
             context_tokens = await _context_tokens(client, registry)

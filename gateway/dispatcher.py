@@ -16,7 +16,6 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Callable
 
@@ -54,12 +53,13 @@ class Arrival:
     priority: int | None = None
 
 
-def classify(arrival: Arrival, config: Config, engine_ids: Sequence[str], prefix_index: PrefixCaches, classifier: Classifier) -> RequestView:
-    """The scheduler's view of ``arrival``: its cached tokens per engine from ``prefix_index``, its class, its
-    deadline (the configured SLO's, length-aware on its new tokens, unless the client set one)."""
+def classify(arrival: Arrival, config: Config, registry: EngineRegistry, prefix_index: PrefixCaches, classifier: Classifier) -> RequestView:
+    """The scheduler's view of ``arrival``: its cached tokens on each prefill engine of ``registry`` now from
+    ``prefix_index`` (not on a PD deployment's decode engines: they hold prompts and replies that no prefill engine
+    has), its class, its deadline (the configured SLO's, length-aware on its new tokens, unless the client set one)."""
     deadline_s = arrival.deadline_s if arrival.deadline_s is not None else arrival.arrival_s + config.slo.ttft_s
-    view = classified_view_of_chain(arrival.rid, arrival.chain, arrival.arrival_s, deadline_s, engine_ids, prefix_index, classifier,
-                                    arrival.max_tokens, arrival.reply_tokens)
+    view = classified_view_of_chain(arrival.rid, arrival.chain, arrival.arrival_s, deadline_s, registry.prefill_ids(), prefix_index,
+                                    classifier, arrival.max_tokens, arrival.reply_tokens)
     if arrival.deadline_s is None and config.slo.ttft_per_1k_new_tokens_s is not None:
         deadline_s = config.slo.deadline_s(arrival.arrival_s, view.new_tokens)
     return dataclasses.replace(view, deadline_s=deadline_s, stream=arrival.stream, priority=arrival.priority)

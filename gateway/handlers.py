@@ -46,6 +46,7 @@ from policies.types import RequestView
 log = logging.getLogger("laps.gateway")
 
 SLO_HEADER = "x-laps-slo-ttft-s"
+UNPLACED = "unplaced"  # the class label of a request that no engine took (laps_requests_total, the request log)
 # Request ids: this process's random prefix + a counter. The engines' abort_request matches ids of requests still
 # running, so ids must not repeat across gateway restarts: the 64 random bits keep them apart. (``uuid4().hex`` costs
 # ~2 µs a request, this ~0.2 µs.)
@@ -272,12 +273,20 @@ async def _serve_once(request: web.Request, gw: Gateway, body: dict, path: str, 
     account for it.
 
     An :class:`EngineUnavailable` of a try that ``may_retry`` is logged as outcome ``retried`` and not counted in
-    ``laps_requests_total`` (the retry is).
+    ``laps_requests_total`` (the retry is). A request that no engine took (none healthy, the scheduler process
+    unreachable, a policy failure, the gateway shutting down) is counted and logged with class ``unplaced``.
     """
     with child_span(gw.tracer, "queueing") as span:
         if span is not None:
             span.set_attributes({"laps.prompt_tokens": arrival.chain.tokens, "laps.queued_ahead": gw.dispatcher.queued})
-        view, engine_id = await gw.dispatcher.place(arrival)
+        try:
+            view, engine_id = await gw.dispatcher.place(arrival)
+        except APIError as err:
+            outcome = outcome_of(err)
+            gw.metrics.of_class(UNPLACED).requests(outcome).inc()
+            log.info("%s %s class=%s prompt_tokens=%d outcome=%s (%s) %.1f ms", arrival.rid, path, UNPLACED, arrival.chain.tokens, outcome,
+                     err.message, 1e3 * (time.monotonic() - arrival.arrival_s))
+            raise
         if span is not None:
             span.set_attributes({"laps.class": view.request_class, "laps.new_tokens": view.new_tokens, "laps.engine": engine_id})
     rid, req_class, arrival_s = view.rid, view.request_class, view.arrival_s
@@ -353,7 +362,8 @@ async def _learn_from_reply(gw: Gateway, engine_id: str, view: RequestView, prom
     learns only the prompt on it, while the chat cache still keeps the chain
     with the reply (it is about tokenizing, not about which engine caches what).
     Where the prefix index took the engine's report on the prompt already (:attr:`Reply.prompt_observed`:
-    :func:`_relay_json`, or PD's prefill answer) the chain is only inserted.
+    :func:`_relay_json`, or PD's prefill answer) the chain with the reply is only inserted, and in PD nothing is
+    left to learn.
     """
     if reply.cached_tokens is not None:
         class_metrics = gw.metrics.of_class(view.request_class)
@@ -363,10 +373,10 @@ async def _learn_from_reply(gw: Gateway, engine_id: str, view: RequestView, prom
     chain = await gw.encoder.run(len(text), "reply_chain", prompt, text)
     gw.prompt_cache.store_reply(prompt, text, chain)  # the conversation's next request will tokenize its new message only
     keys = chain.keys if reply_cached_on_engine else prompt.prompt.keys
-    if reply.prompt_observed:
-        gw.prefix_index.insert(engine_id, keys)
-    else:
+    if not reply.prompt_observed:
         gw.prefix_index.observe(engine_id, keys, reply.cached_tokens, view.cached_by_engine.get(engine_id, 0))
+    elif reply_cached_on_engine:
+        gw.prefix_index.insert(engine_id, keys)
 
 
 async def _relay_json(gw: Gateway, engine: EngineState, path: str, body: dict, headers: dict, view: RequestView, guard: RequestGuard,

@@ -62,6 +62,10 @@ class EngineRegistry:
         """The prefill engines (pools ``short`` and ``long``), as the scheduler and the controller see them."""
         return [e.view() for e in self._engines.values() if e.pool != "decode"]
 
+    def prefill_ids(self) -> list[str]:
+        """The ids of the prefill engines (pools ``short`` and ``long``) now."""
+        return [e.id for e in self._engines.values() if e.pool != "decode"]
+
     def decode_views(self) -> list[EngineView]:
         """The decode engines of a PD deployment (pool ``decode``), for the decode placement."""
         return [e.view() for e in self._engines.values() if e.pool == "decode"]

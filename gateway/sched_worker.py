@@ -12,9 +12,10 @@ handlers as one process does, with these in its :class:`~gateway.state.Gateway`:
 - in a prefill-decode deployment, :class:`RemoteDecodeSide`: the decode engine
   the scheduler picked with the prefill engine, and the decode side's progress
   as notes (the decode placement and the controller live in the scheduler);
-- a mirror of the scheduler's engine registry (URLs, pools, health, load) that
-  :class:`StatePoller` refreshes every :data:`STATE_POLL_S`; an engine a
-  worker sees fail is reported (:func:`report_out_of_service`).
+- a mirror of the scheduler's engine registry (URLs, pools, health, load),
+  :class:`MirrorRegistry`, that :class:`StatePoller` refreshes every
+  :data:`STATE_POLL_S` (and marks unserving once the scheduler is gone); an
+  engine a worker sees fail is reported (:func:`report_out_of_service`).
 """
 
 from __future__ import annotations
@@ -147,10 +148,9 @@ class RemotePrefixIndex:
 
 class RemoteDecodeSide:
     """A worker's :attr:`gateway.state.Gateway.pd` (:class:`gateway.pd_setup.DecodeSide`): the decode engine is the
-    one the scheduler picked with the prefill engine (``dispatcher``'s :attr:`RemoteDispatcher.decode_of`), the
-    decode side's first token is a ``decoding`` note, its end the ``done`` note the dispatcher sends; the mirror
-    ``registry`` counts the request meanwhile, until the next state poll. ``bootstrap``: as
-    :attr:`gateway.pd_setup.PDDispatch.bootstrap`."""
+    one the scheduler picked with the prefill engine (``dispatcher``'s :attr:`RemoteDispatcher.decode_of`) and counts
+    the request on, the decode side's first token is a ``decoding`` note, its end the ``done`` note the dispatcher
+    sends. ``bootstrap``: as :attr:`gateway.pd_setup.PDDispatch.bootstrap`."""
 
     def __init__(self, channel: ChannelClient, dispatcher: RemoteDispatcher, bootstrap: dict[str, tuple[str, int]]) -> None:
         self._channel = channel
@@ -158,21 +158,31 @@ class RemoteDecodeSide:
         self.bootstrap = bootstrap
 
     def take_decode(self, registry: EngineRegistry, rid: str, prompt_tokens: int, stream: bool, now: float) -> str | None:
-        decode_id = self._dispatcher.decode_of.pop(rid, None)
-        if decode_id is not None:
-            registry.acquire(decode_id, prompt_tokens)
-        return decode_id
+        return self._dispatcher.decode_of.pop(rid, None)
 
     def decoding(self, first_tokens: FirstTokenWindow | None, rid: str, decode_id: str, now: float, late: bool) -> None:
         _tell(self._channel, {"op": "decoding", "rid": rid, "late": late})
 
     def release_decode(self, registry: EngineRegistry, rid: str, decode_id: str, prompt_tokens: int, now: float) -> None:
-        registry.release(decode_id, prompt_tokens)
+        """Nothing: the scheduler ends the decode side at the request's ``done`` note."""
 
 
-def registry_of(engines: list[list]) -> EngineRegistry:
+class MirrorRegistry(EngineRegistry):
+    """A worker's copy of the scheduler's registry (:func:`registry_of`, :func:`apply_state`). The scheduler counts
+    every request's load, this worker's too (its place answers, ``first`` and ``done`` notes), so the copy counts
+    nothing itself: :meth:`acquire` and :meth:`release` do nothing, and the load it shows is the scheduler's as of the
+    last state poll."""
+
+    def acquire(self, engine_id: str, prompt_tokens: int) -> None:
+        """Nothing (class doc)."""
+
+    def release(self, engine_id: str, prompt_tokens: int) -> None:
+        """Nothing (class doc)."""
+
+
+def registry_of(engines: list[list]) -> MirrorRegistry:
     """A worker's registry from the ``state`` call's engines (:mod:`gateway.sched_service`)."""
-    registry = EngineRegistry([EngineState(row[0], row[1], row[2]) for row in engines])
+    registry = MirrorRegistry([EngineState(row[0], row[1], row[2]) for row in engines])
     apply_state(registry, engines)
     return registry
 
@@ -206,7 +216,9 @@ class StatePoller:
     """Refreshes ``registry``, :attr:`roles` (each engine's role now: the worker's
     :attr:`gateway.state.Gateway.engine_roles`, updated in place) and :attr:`stats` (the scheduler's, for
     ``/metrics``) from the ``state`` call every :data:`STATE_POLL_S`; ``state`` is the first answer (already applied
-    to ``registry``)."""
+    to ``registry``). Once the channel is lost (the scheduler died, its engines with it) every engine of ``registry``
+    is marked unhealthy and polling stops: the worker's ``/health`` answers 503 ``unavailable``, as its requests get
+    503 ``scheduler_unavailable``."""
 
     def __init__(self, channel: ChannelClient, registry: EngineRegistry, state: dict) -> None:
         self._channel = channel
@@ -222,6 +234,8 @@ class StatePoller:
                 state = await self._channel.call({"op": "state"})
             except ChannelClosed as err:
                 log.error("worker: %s; requests now get 503 scheduler_unavailable", err)
+                for engine in self._registry:  # its engines stopped with it: /health says so
+                    engine.healthy = False
                 return
             apply_state(self._registry, state["engines"])
             self.roles.update(state["roles"])

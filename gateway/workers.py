@@ -320,10 +320,9 @@ class Supervisor:
         if not self._await_ready(self.scheduler):
             return False
         self._retiring = [w for w in self.workers if w is not None]  # stopped with the rest if a signal comes meanwhile
-        self.workers = [None] * len(self.workers)
-        for i in range(len(self.workers)):
-            self.workers[i] = self._start_worker(i)
-            if not self._await_ready(self.workers[i]):
+        self.workers = [self._start_worker(i) for i in range(len(self.workers))]
+        for worker in self.workers:
+            if not self._await_ready(worker):
                 return False
         log.info("the scheduler is back (pid %d) with %d fresh workers; the old ones drain and stop", self.scheduler.process.pid,
                  len(self.workers))

@@ -156,6 +156,10 @@ async def test_request_on_a_dead_engine_is_retried_on_another_once(stack):
     async with session.post("/v1/chat/completions", json=chat(" word" * 300)) as resp:
         # lp0 fails too and is marked down: nothing healthy is left to retry on.
         assert resp.status == 503 and (await resp.json())["error"]["code"] == "no_engine"
+    async with session.get("/metrics") as resp:  # the retry that no engine took counts, as unplaced
+        text = await resp.text()
+    assert 'laps_requests_total{cls="unplaced",outcome="no_engine"} 1.0' in text
+    assert 'laps_requests_total{cls="long",outcome="retried"}' not in text  # a retried try is not counted (the retry is)
 
 
 async def test_when_the_retry_fails_too_the_client_gets_a_502_naming_the_engine(stack):

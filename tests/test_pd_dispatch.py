@@ -12,8 +12,13 @@ from aiohttp.test_utils import TestServer
 
 from gateway import pd_dispatch
 from gateway.app import create_app, end_requests
+from gateway.dispatcher import Arrival, classify
+from gateway.registry import EngineRegistry, EngineState
 from gateway.relay import settle_background
 from gateway.state import GATEWAY
+from policies.exact_prefix import PrefixCaches
+from policies.prefix_index import BlockChain, PrefixIndex
+from policies.registry import make_classifier
 from tests.fake_engine import FakeEngine
 from tests.pd_stack import pd_config
 
@@ -386,3 +391,18 @@ async def test_pd_answers_report_the_prefill_engines_cached_tokens(pd_stack):
     async with session.post("/v1/chat/completions", json=chat("Hi", stream=True, stream_options={"include_usage": True})) as resp:
         usage = [orjson.loads(e.removeprefix("data: "))["usage"] for e in events((await resp.read()).decode()) if '"usage":{' in e]
     assert [u["prompt_tokens_details"] for u in usage] == [{"cached_tokens": 71}]
+
+
+def test_a_request_is_classified_by_the_prefill_engines_caches_not_by_the_decode_engines():
+    config = pd_config()
+    registry = EngineRegistry([EngineState(e.name, f"http://{e.name}", config.pool(e)) for e in config.engines])
+    index = PrefixCaches(PrefixIndex(16, 4096))
+    chain = BlockChain(16).extend(range(1000))
+    index.insert("d0", chain.keys)  # a decode engine holds the whole prompt (an earlier turn's, with its reply)
+    index.insert("ps0", chain.keys[:2])  # the prefill engines computed only its first 32 tokens
+    classifier = make_classifier(config.scheduling)
+    view = classify(Arrival("r", chain, 0.0, None), config, registry, index, classifier)
+    assert (view.cached_by_engine, view.cached_tokens, view.request_class) == ({"ps0": 32, "pl0": 0}, 32, "long")
+    registry["d0"].pool = "long"  # flipped to the prefill side (pd.role_switch): its cache counts from now
+    view = classify(Arrival("r", chain, 0.0, None), config, registry, index, classifier)
+    assert view.cached_by_engine == {"ps0": 32, "pl0": 0, "d0": 992} and view.request_class == "short"

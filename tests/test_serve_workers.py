@@ -268,8 +268,13 @@ def test_a_killed_scheduler_is_started_again_with_its_engines_and_fresh_workers(
                 answer = client.post("/v1/chat/completions", json=_chat())  # the old workers listen until the new ones do
                 if answer.status_code != 200:
                     answers.add((answer.status_code, answer.json()["error"]["code"]))
+                health = client.get("/health")
+                if health.status_code != 200:
+                    answers.add((health.status_code, health.json()["status"]))
             time.sleep(0.05)
-        assert (503, "scheduler_unavailable") in answers and answers <= {(503, "scheduler_unavailable"), (503, "engine_unavailable")}, answers
+        # the workers answer 503 and say so on /health (their engines stopped with the scheduler)
+        assert {(503, "scheduler_unavailable"), (503, "unavailable")} <= answers, answers
+        assert answers <= {(503, "scheduler_unavailable"), (503, "unavailable"), (503, "engine_unavailable")}, answers
         text = log.read_text()
         assert f"the scheduler process (pid {scheduler}) exited with code -9" in text
         assert len(re.findall(r"scheduler process started", text)) == 2
