@@ -170,7 +170,12 @@ pushes a prefill predicted in time past its deadline one whole objective
 (1.39% / 2.99%), or holding the overtaking long request in the gateway instead
 (1.37% / 3.21%), or holding it whenever it would overtake a prefill predicted in
 time (1.68% / 3.95%); a gate of 8,192, 12,288 or 16,384 long-prefill tokens in
-progress per engine (0.29, 1.07, 1.05% / 4.63, 4.37, 4.23%); a room of half
+progress per engine (0.29, 1.07, 1.05% / 4.63, 4.37, 4.23%; 8,192 swept: 0.00, 0.00,
+0.23, 4.63, 6.84% at 0.5, 0.8, 1.0, 1.2, 1.5×, never worse than the best baseline there,
+seed 1 at 1.0× 0.16% against ``cache_aware``'s 0.00%, but ``docs`` PD at 1.0× 5.58%
+against 3.78% open, and the knee ratio 0.89× against 0.53×; 6,144 gave 2.87% / 4.85%,
+so the one gate that passes sits between two that fail: a pick of this benchmark, not a
+rule, and not kept); a room of half
 the request's objective in predicted long-prefill work per engine while Moore
 and Hodgson's rule (minimum late jobs, EDD order) finds every held request in
 time on the engines as one fluid pool, open otherwise (0.55% / 2.75%, but
