@@ -132,7 +132,7 @@ async def relay(request: web.Request, gw: Gateway, path: str, body: dict, header
             the decode side is aborted here.
     """
     pd: DecodeSide = gw.pd
-    decode_id = pd.take_decode(gw.registry, view.rid, view.prompt_tokens, stream, time.monotonic())
+    decode_id = pd.take_decode(gw.registry, view.rid, view.prompt_tokens, stream, gw.dispatcher.clock())
     if decode_id is None:
         raise no_decode_engine()
     host, port = pd.bootstrap[prefill_id]
@@ -149,7 +149,7 @@ async def relay(request: web.Request, gw: Gateway, path: str, body: dict, header
     finally:
         pair.restore_prefill_load()
         gw.metrics.in_flight_of(decode_id).dec()
-        pd.release_decode(gw.registry, view.rid, decode_id, view.prompt_tokens, time.monotonic())
+        pd.release_decode(gw.registry, view.rid, decode_id, view.prompt_tokens, gw.dispatcher.clock())
 
 
 class _Pair:

@@ -327,6 +327,7 @@ class ChannelClient:
         self._pending: dict[int, asyncio.Future] = {}
         self._ids = itertools.count(1)
         self._closed: str | None = None  # why the channel is closed, once it is
+        self.on_lost: Callable[[str], None] | None = None  # called once, with the reason, when the channel closes
 
     @classmethod
     async def connect(cls, path: str | os.PathLike) -> ChannelClient:
@@ -382,6 +383,8 @@ class ChannelClient:
     def _lost(self, exc: BaseException | str | None) -> None:
         if self._closed is None:
             self._closed = f"the scheduler channel is closed{f': {exc}' if exc else ''}"
+            if self.on_lost is not None:
+                self.on_lost(self._closed)
         for future in self._pending.values():
             if not future.done():
                 future.set_exception(ChannelClosed(self._closed))

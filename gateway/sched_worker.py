@@ -216,8 +216,8 @@ class StatePoller:
     """Refreshes ``registry``, :attr:`roles` (each engine's role now: the worker's
     :attr:`gateway.state.Gateway.engine_roles`, updated in place) and :attr:`stats` (the scheduler's, for
     ``/metrics``) from the ``state`` call every :data:`STATE_POLL_S`; ``state`` is the first answer (already applied
-    to ``registry``). Once the channel is lost (the scheduler died, its engines with it) every engine of ``registry``
-    is marked unhealthy and polling stops: the worker's ``/health`` answers 503 ``unavailable``, as its requests get
+    to ``registry``). Once the channel is lost (the scheduler died, its engines with it), at once, every engine of
+    ``registry`` is marked unhealthy and polling stops: the worker's ``/health`` answers 503 ``unavailable``, as its requests get
     503 ``scheduler_unavailable``."""
 
     def __init__(self, channel: ChannelClient, registry: EngineRegistry, state: dict) -> None:
@@ -226,22 +226,28 @@ class StatePoller:
         self.roles: dict[str, str] = dict(state["roles"])
         self.stats: dict[str, float] = state["stats"]
         self._task = asyncio.get_running_loop().create_task(self._run())
+        channel.on_lost = self._scheduler_gone
+
+    def _scheduler_gone(self, why: str) -> None:
+        """The channel closed: the scheduler died, its engines with it (``/health`` says so from now); stop polling."""
+        log.error("worker: %s; requests now get 503 scheduler_unavailable", why)
+        for engine in self._registry:
+            engine.healthy = False
+        self._task.cancel()
 
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(STATE_POLL_S)
             try:
                 state = await self._channel.call({"op": "state"})
-            except ChannelClosed as err:
-                log.error("worker: %s; requests now get 503 scheduler_unavailable", err)
-                for engine in self._registry:  # its engines stopped with it: /health says so
-                    engine.healthy = False
-                return
+            except ChannelClosed:
+                return  # _scheduler_gone has run
             apply_state(self._registry, state["engines"])
             self.roles.update(state["roles"])
             self.stats = state["stats"]
 
     async def close(self) -> None:
+        self._channel.on_lost = None  # the worker closes the channel itself next: not a lost scheduler
         self._task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._task

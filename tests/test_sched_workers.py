@@ -370,3 +370,25 @@ async def test_in_pd_the_scheduler_picks_the_decode_engine_and_keeps_both_sides_
         await channel.close()
         await service.close()
         dispatcher.close()
+
+
+async def test_a_lost_scheduler_marks_the_workers_engines_unhealthy_at_once_not_at_the_next_poll(tmp_path):
+    side = _scheduler_side(_config(), Clock())
+    service = SchedulerService(side, {})
+    await service.start(str(tmp_path / "sched.sock"))
+    channel = await ChannelClient.connect(tmp_path / "sched.sock")
+    try:
+        state = await channel.call({"op": "state"})
+        mirror = registry_of(state["engines"])
+        poller = StatePoller(channel, mirror, state)
+        assert all(e.healthy for e in mirror)
+        await service.close()  # as the kernel closes a killed scheduler's sockets
+        loop = asyncio.get_running_loop()
+        lost_s = loop.time()
+        while any(e.healthy for e in mirror):
+            await asyncio.sleep(0.005)
+        assert loop.time() - lost_s < STATE_POLL_S / 2
+        await poller.close()
+    finally:
+        await channel.close()
+        side.dispatcher.close()
