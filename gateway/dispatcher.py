@@ -33,6 +33,16 @@ from policies.types import RequestView
 log = logging.getLogger("laps.gateway")
 
 
+@dataclass(slots=True)
+class _Flight:
+    """A dispatched request: the prompt tokens it counts on its engine (until ``counted`` ends), and its TTFT
+    deadline until its first token is recorded (``None`` after, or without a first-token window)."""
+
+    prompt_tokens: int
+    deadline_s: float | None
+    counted: bool = True
+
+
 @dataclass(frozen=True, slots=True)
 class Arrival:
     """A request as the gateway has it before it is classified: what :func:`classify` needs to make its view.
@@ -80,7 +90,7 @@ class Dispatcher:
         self.clock = clock
         self.first_tokens = first_tokens
         self._registry = registry
-        self._deadlines: dict[str, float] = {}  # dispatched requests' TTFT deadlines, kept only with first_tokens
+        self._flights: dict[str, _Flight] = {}  # dispatched requests not complete yet
         self._waiting: dict[str, tuple[RequestView, asyncio.Future[str]]] = {}
         self._timer: asyncio.TimerHandle | None = None
 
@@ -141,17 +151,29 @@ class Dispatcher:
             self.complete(request, future.result())
         future.cancel()
 
-    def first_token(self, rid: str, engine_id: str, reported_cached_tokens: int | None) -> None:
-        """The engine produced the request's first token (its prefill is done)."""
-        if self.first_tokens is not None and rid in self._deadlines:
-            self.first_tokens.record(engine_id, self.clock(), self._deadlines.pop(rid))
+    def first_token(self, rid: str, engine_id: str, reported_cached_tokens: int | None, load_ends: bool = False) -> None:
+        """The engine produced the request's first token (its prefill is done).
+
+        ``load_ends``: the engine's part of the request ends with it (PD: the prefill engine answered; the decode engine
+        carries on), so the request stops counting on ``engine_id``'s load now, and :meth:`complete` does not release
+        it again.
+        """
+        flight = self._flights.get(rid)
+        if flight is not None:
+            if self.first_tokens is not None and flight.deadline_s is not None:
+                self.first_tokens.record(engine_id, self.clock(), flight.deadline_s)
+            flight.deadline_s = None
+            if load_ends and flight.counted:
+                self._registry.release(engine_id, flight.prompt_tokens)
+                flight.counted = False
         self.scheduler.on_first_token(rid, engine_id, self.clock(), reported_cached_tokens)
         self._decide()
 
     def complete(self, request: RequestView, engine_id: str) -> None:
         """The request ended on ``engine_id`` (answered, failed or aborted)."""
-        self._registry.release(engine_id, request.prompt_tokens)
-        self._deadlines.pop(request.rid, None)
+        flight = self._flights.pop(request.rid, None)
+        if flight is None or flight.counted:
+            self._registry.release(engine_id, request.prompt_tokens)
         self.scheduler.on_complete(request.rid, engine_id, self.clock())
         self._decide()
 
@@ -186,8 +208,7 @@ class Dispatcher:
                     self.scheduler.on_complete(rid, group.engine_id, now)
                     continue
                 self._registry.acquire(group.engine_id, request.prompt_tokens)
-                if self.first_tokens is not None:
-                    self._deadlines[rid] = request.deadline_s
+                self._flights[rid] = _Flight(request.prompt_tokens, request.deadline_s if self.first_tokens is not None else None)
                 future.set_result(group.engine_id)
         for rid in decision.rejected:
             _, future = self._waiting.pop(rid)

@@ -147,7 +147,6 @@ async def relay(request: web.Request, gw: Gateway, path: str, body: dict, header
         in_background(gw.client.abort(decode.url, view.rid))
         raise
     finally:
-        pair.restore_prefill_load()
         gw.metrics.in_flight_of(decode_id).dec()
         pd.release_decode(gw.registry, view.rid, decode_id, view.prompt_tokens, gw.dispatcher.clock())
 
@@ -166,7 +165,6 @@ class _Pair:
         self.prefill_cached_tokens: int | None = None
         self.prefill_done_s = float("inf")  # when the prefill engine's answer came in (dispatcher clock)
         self._prefill_task: asyncio.Future | None = None
-        self._prefill_released = False
 
     async def run(self) -> tuple[web.StreamResponse, str]:
         registry = self.gw.registry
@@ -256,16 +254,8 @@ class _Pair:
                                      self.view.cached_by_engine.get(self.prefill_id, 0))
         self.reply.prompt_observed = True
         self.guard.also = None  # the prefill is done: a stall from now on is the decode engine's
-        self.gw.registry.release(self.prefill_id, self.view.prompt_tokens)
-        self._prefill_released = True
         self.prefill_done_s = self.gw.dispatcher.clock()
-        self.gw.dispatcher.first_token(self.view.rid, self.prefill_id, self.prefill_cached_tokens)
-
-    def restore_prefill_load(self) -> None:
-        """Count the request on the prefill engine again, so that the caller's final release balances."""
-        if self._prefill_released:
-            self.gw.registry.acquire(self.prefill_id, self.view.prompt_tokens)
-            self._prefill_released = False
+        self.gw.dispatcher.first_token(self.view.rid, self.prefill_id, self.prefill_cached_tokens, load_ends=True)
 
     async def _decode(self) -> str:
         """Send the request to the decode engine and relay its whole answer to the client (its text into

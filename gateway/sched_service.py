@@ -38,9 +38,10 @@ Messages (msgpack maps; ``op`` says which). Calls, answered:
 
 Notes, one-way, applied in the order sent (one connection per worker):
 
-- ``{"op": "first", "rid", "engine", "cached"}``: the request's first token
-  (``cached``: the engine's reported ``cached_tokens`` or None); in PD, the
-  prefill engine's answer: its gateway-side load ends there, as in one process;
+- ``{"op": "first", "rid", "engine", "cached", "ends"}``: the request's first token
+  (``cached``: the engine's reported ``cached_tokens`` or None); ``ends``: in PD, the
+  prefill engine's answer, whose load ends there, as in one process
+  (:meth:`gateway.dispatcher.Dispatcher.first_token`'s ``load_ends``);
 - ``{"op": "decoding", "rid", "late"}``: in PD, the decode engine's first token
   reached the client (:meth:`gateway.pd_setup.PDDispatch.decoding`);
 - ``{"op": "done", "rid"}``: the request ended (answered, failed, client gone);
@@ -89,13 +90,12 @@ def engines_of(gw: Gateway) -> list[list]:
 @dataclass
 class _Placed:
     """A dispatched request not done yet: its view, engine (in PD the prefill engine), worker, and in PD its
-    ``decode`` engine and whether the prefill has answered (``prefilled``: the prefill engine's load ended)."""
+    ``decode`` engine."""
 
     view: RequestView
     engine: str
     peer: Peer
     decode: str | None = None
-    prefilled: bool = False
 
 
 class SchedulerService:
@@ -213,13 +213,8 @@ class SchedulerService:
         return {"status": status, "answer": answer}
 
     def _first(self, message: dict, peer: Peer) -> None:
-        placed = self._placed.get(message["rid"])
-        if placed is None:
-            return
-        if placed.decode is not None and not placed.prefilled:  # PD: the prefill engine answered (gateway.pd_dispatch)
-            self.gw.registry.release(placed.engine, placed.view.prompt_tokens)
-            placed.prefilled = True
-        self.gw.dispatcher.first_token(message["rid"], message["engine"], message["cached"])
+        if message["rid"] in self._placed:
+            self.gw.dispatcher.first_token(message["rid"], message["engine"], message["cached"], message["ends"])
 
     def _decoding(self, message: dict, peer: Peer) -> None:
         placed = self._placed.get(message["rid"])
@@ -236,8 +231,6 @@ class SchedulerService:
 
     def _end(self, placed: _Placed) -> None:
         """Release a dispatched request's engines."""
-        if placed.prefilled:  # counted on its prefill engine again, so that the dispatcher's release balances
-            self.gw.registry.acquire(placed.engine, placed.view.prompt_tokens)
         self.gw.dispatcher.complete(placed.view, placed.engine)
         if placed.decode is not None:
             self.gw.pd.release_decode(self.gw.registry, placed.view.rid, placed.decode, placed.view.prompt_tokens, self.gw.dispatcher.clock())

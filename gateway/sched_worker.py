@@ -110,8 +110,8 @@ class RemoteDispatcher:
                            cached, arrival.max_tokens, arrival.reply_tokens, arrival.stream, arrival.priority)
         return view, answer["engine"]
 
-    def first_token(self, rid: str, engine_id: str, reported_cached_tokens: int | None) -> None:
-        _tell(self._channel, {"op": "first", "rid": rid, "engine": engine_id, "cached": reported_cached_tokens})
+    def first_token(self, rid: str, engine_id: str, reported_cached_tokens: int | None, load_ends: bool = False) -> None:
+        _tell(self._channel, {"op": "first", "rid": rid, "engine": engine_id, "cached": reported_cached_tokens, "ends": load_ends})
 
     def complete(self, request: RequestView, engine_id: str) -> None:
         self.decode_of.pop(request.rid, None)  # placed but never relayed (its client went away first)

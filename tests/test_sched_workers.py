@@ -345,7 +345,7 @@ async def test_in_pd_the_scheduler_picks_the_decode_engine_and_keeps_both_sides_
         assert remote.decode_of == {"r2": "d1"}
         assert mirror["d0"].in_flight == 0  # the scheduler counts it (the worker's mirror shows that as of its last poll)
 
-        remote.first_token("r1", "pl0", 0)  # the prefill engine answered: its load ends there
+        remote.first_token("r1", "pl0", 0, load_ends=True)  # the prefill engine answered: its load ends there
         decode_side.decoding(None, "r1", "d0", clock(), late=True)  # the first decoded token came after the deadline
         await channel.call({"op": "state"})
         assert in_flight() == {"ps0": 1, "d0": 1, "d1": 1}

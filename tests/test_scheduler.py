@@ -98,6 +98,23 @@ async def test_dispatcher_wakes_at_the_scheduler_time_and_counts_load():
     assert scheduler.calls == [("first_token", "r0", 3), ("complete", "r0"), ("complete", "r1")]
 
 
+
+async def test_a_first_token_that_ends_the_engines_part_releases_its_load_once():
+    """PD: the prefill engine's answer ends the request's load there; its completion later releases nothing twice."""
+    loop = asyncio.get_running_loop()
+    registry = EngineRegistry([EngineState("a", "http://a", "short")])
+    dispatcher = Dispatcher(ScriptedScheduler(release_at=0.0), registry, clock=loop.time)
+    prefilled, plain = RequestView("p", 7), RequestView("q", 5)
+    assert await asyncio.gather(dispatcher.admit(prefilled), dispatcher.admit(plain)) == ["a", "a"]
+    dispatcher.first_token("p", "a", 0, load_ends=True)
+    assert (registry["a"].in_flight, registry["a"].in_flight_prompt_tokens) == (1, 5)
+    dispatcher.first_token("p", "a", 0, load_ends=True)  # told again: nothing more ends
+    assert (registry["a"].in_flight, registry["a"].in_flight_prompt_tokens) == (1, 5)
+    dispatcher.complete(prefilled, "a")
+    assert (registry["a"].in_flight, registry["a"].in_flight_prompt_tokens) == (1, 5)
+    dispatcher.complete(plain, "a")
+    assert (registry["a"].in_flight, registry["a"].in_flight_prompt_tokens) == (0, 0)
+
 async def test_dispatcher_withdraws_a_cancelled_request_and_fails_rejected_ones():
     loop = asyncio.get_running_loop()
     registry = EngineRegistry([EngineState("a", "http://a", "short")])
