@@ -192,6 +192,21 @@ there in the last second: those that will overtake it) gave 2.92% / 3.39%
 the chunk: laps with 4,096- or 8,192-token chunks on every engine has 0.77% /
 3.74% and 0.38% / 4.53%, but short-class P90 TTFT 181 and 262 ms at 1.0×
 (93 ms with 2,048), so the shipped chunk stays.
+Nor do the engines' own priorities (SGLang's ``--enable-priority-scheduling``
+on FCFS prefill engines, a static priority set by the gateway at dispatch;
+seed 0 unless said, 0.5 / 0.8 / 1.0 / 1.2 / 1.5×): by the latest start time
+(deadline − isolated prefill) 1.41% / 80.7% at 1.0 / 1.2×; by deadline, with a
+request predicted late at dispatch on its engine's queue put behind every
+request in time, 0.02% / 6.62% (short P90 TTFT 237 ms: short prefills wait
+behind long chunks); the same with short requests ahead of every long one,
+0.00 / 0.00 / 0.70 (seed 1: 0.06) / 5.65 (5.14) / 12.03%, short P90 TTFT 85 ms
+at 0.8× and 123–140 ms from 1.0×, and on ``docs`` PD 2.99 / 12.83 / 28.87% at
+1.0 / 1.2 / 1.5× (best baseline 6.41 / 12.12 / 15.59%): a priority fixed at
+dispatch cannot follow a queue that overload makes late after it, so the
+deadline order collapses as FCFS does (measured with a scratch patch of the
+simulator's dispatch, not kept); and a 8,192-token chunk on the long pool's
+prefill engines alone (2,048 on the short pool's) gave 3.54% / 4.87%, with the
+controller moving engines by restarts and the queue model assuming one chunk.
 
 Temporal mode (one engine serving both classes, the ``mixed`` role) was decided
 in the simulator (one simulated H200, Qwen2.5-7B, the mixed real-chat workload,
