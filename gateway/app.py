@@ -220,7 +220,7 @@ def create_worker_app(config: Config, channel_path: str) -> web.Application:
         await client.start()
         channel: ChannelClient | None = None
         try:
-            channel = await ChannelClient.connect(channel_path)
+            channel = await ChannelClient.connect(channel_path, reconnect=True)
             state = await channel.call({"op": "state"})
             registry = registry_of(state["engines"])
             dispatcher = RemoteDispatcher(channel)

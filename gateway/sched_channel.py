@@ -54,6 +54,7 @@ log = logging.getLogger("laps.sched_channel")
 
 CALL, REPLY, FAILED, NOTE = 0, 1, 2, 3
 MAX_FRAME_BYTES = 16 * 1024 * 1024
+RECONNECT_S = 0.1  # how often a reconnecting worker's channel tries the scheduler's socket again
 _HEADER_BYTES = 4
 _LATER = (asyncio.Future, types.CoroutineType)  # a handler's results answered when done (exact types: a cheap test)
 
@@ -292,9 +293,14 @@ class _ClientConnection(asyncio.Protocol):
     def __init__(self, client: ChannelClient) -> None:
         self._client = client
         self._decoder = FrameDecoder()
+        self._transport: asyncio.BaseTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._client._lost(exc)
+        if self._client.transport is self._transport:  # not a connection the client has already replaced
+            self._client._lost(exc)
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -321,26 +327,49 @@ class ChannelClient:
     Use ``client = await ChannelClient.connect(path)`` ... ``await client.close()``.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, path: str | os.PathLike = "", reconnect: bool = False) -> None:
         self.transport: asyncio.Transport | None = None
         self._writer: _FrameWriter | None = None
         self._pending: dict[int, asyncio.Future] = {}
         self._ids = itertools.count(1)
-        self._closed: str | None = None  # why the channel is closed, once it is
-        self.on_lost: Callable[[str], None] | None = None  # called once, with the reason, when the channel closes
+        self._closed: str | None = None  # why the channel is closed, while it is
+        self._path = str(path)
+        self._reconnect = reconnect
+        self._reconnecting: asyncio.Task | None = None
+        self.on_lost: Callable[[str], None] | None = None  # called with the reason each time the channel closes
+        self.on_restored: Callable[[], None] | None = None  # called each time a reconnecting channel is back
 
     @classmethod
-    async def connect(cls, path: str | os.PathLike) -> ChannelClient:
-        """Connect to the scheduler listening on ``path``.
+    async def connect(cls, path: str | os.PathLike, reconnect: bool = False) -> ChannelClient:
+        """Connect to the scheduler listening on ``path``. With ``reconnect``, a channel lost other than by
+        :meth:`close` (the scheduler died) connects again every :data:`RECONNECT_S` until ``path`` listens again (the
+        scheduler started again), then calls :attr:`on_restored`; meanwhile calls and notes raise
+        :class:`ChannelClosed`.
 
         Raises:
             OSError: nothing listens there (``FileNotFoundError``, ``ConnectionRefusedError``).
         """
-        client = cls()
-        loop = asyncio.get_running_loop()
-        client.transport, _ = await loop.create_unix_connection(lambda: _ClientConnection(client), str(path))
-        client._writer = _FrameWriter(client.transport)
+        client = cls(path, reconnect)
+        await client._open()
         return client
+
+    async def _open(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.transport, _ = await loop.create_unix_connection(lambda: _ClientConnection(self), self._path)
+        self._writer = _FrameWriter(self.transport)
+        self._closed = None
+
+    async def _connect_again(self) -> None:
+        while True:
+            await asyncio.sleep(RECONNECT_S)
+            try:
+                await self._open()
+            except OSError:
+                continue  # not listening yet
+            log.info("the scheduler channel is back (%s)", self._path)
+            if self.on_restored is not None:
+                self.on_restored()
+            return
 
     async def call(self, message: Any) -> Any:
         """Send ``message``; the scheduler's result.
@@ -374,7 +403,13 @@ class ChannelClient:
         self._writer.send(encode_frame(NOTE, 0, message))
 
     async def close(self) -> None:
-        """Send what is not sent yet, close the connection; calls in flight fail with :class:`ChannelClosed`."""
+        """Send what is not sent yet, close the connection for good (no reconnecting); calls in flight fail with
+        :class:`ChannelClosed`."""
+        self._reconnect = False
+        if self._reconnecting is not None:
+            self._reconnecting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reconnecting
         if self.transport is not None and not self.transport.is_closing():
             self._writer.flush()
             self.transport.close()
@@ -385,6 +420,8 @@ class ChannelClient:
             self._closed = f"the scheduler channel is closed{f': {exc}' if exc else ''}"
             if self.on_lost is not None:
                 self.on_lost(self._closed)
+            if self._reconnect and (self._reconnecting is None or self._reconnecting.done()):
+                self._reconnecting = asyncio.get_running_loop().create_task(self._connect_again())
         for future in self._pending.values():
             if not future.done():
                 future.set_exception(ChannelClosed(self._closed))

@@ -188,10 +188,11 @@ def registry_of(engines: list[list]) -> MirrorRegistry:
 
 
 def apply_state(registry: EngineRegistry, engines: list[list]) -> None:
-    """Copy the scheduler's pools, health and load into ``registry`` (this worker's streams' own fields stay)."""
-    for engine_id, _, pool, healthy, draining, stalled, in_flight, in_flight_prompt_tokens, kv_capacity_tokens in engines:
+    """Copy the scheduler's URLs (a scheduler started again starts its engines on new ports), pools, health and load
+    into ``registry`` (this worker's streams' own fields stay)."""
+    for engine_id, url, pool, healthy, draining, stalled, in_flight, in_flight_prompt_tokens, kv_capacity_tokens in engines:
         e = registry[engine_id]
-        e.pool, e.healthy, e.draining, e.stalled = pool, healthy, draining, stalled
+        e.url, e.pool, e.healthy, e.draining, e.stalled = url, pool, healthy, draining, stalled
         e.in_flight, e.in_flight_prompt_tokens, e.kv_capacity_tokens = in_flight, in_flight_prompt_tokens, kv_capacity_tokens
 
 
@@ -217,37 +218,41 @@ class StatePoller:
     :attr:`gateway.state.Gateway.engine_roles`, updated in place) and :attr:`stats` (the scheduler's, for
     ``/metrics``) from the ``state`` call every :data:`STATE_POLL_S`; ``state`` is the first answer (already applied
     to ``registry``). Once the channel is lost (the scheduler died, its engines with it), at once, every engine of
-    ``registry`` is marked unhealthy and polling stops: the worker's ``/health`` answers 503 ``unavailable``, as its requests get
-    503 ``scheduler_unavailable``."""
+    ``registry`` is marked unhealthy: the worker's ``/health`` answers 503 ``unavailable``, as its requests get
+    503 ``scheduler_unavailable``. When the channel is back (a scheduler started again), it polls at once, and the
+    engines serve again as the new scheduler reports them."""
 
     def __init__(self, channel: ChannelClient, registry: EngineRegistry, state: dict) -> None:
         self._channel = channel
         self._registry = registry
         self.roles: dict[str, str] = dict(state["roles"])
         self.stats: dict[str, float] = state["stats"]
+        self._poll_now = asyncio.Event()
         self._task = asyncio.get_running_loop().create_task(self._run())
         channel.on_lost = self._scheduler_gone
+        channel.on_restored = self._poll_now.set
 
     def _scheduler_gone(self, why: str) -> None:
-        """The channel closed: the scheduler died, its engines with it (``/health`` says so from now); stop polling."""
-        log.error("worker: %s; requests now get 503 scheduler_unavailable", why)
+        """The channel closed: the scheduler died, its engines with it (``/health`` says so from now)."""
+        log.error("worker: %s; requests get 503 scheduler_unavailable until it is back", why)
         for engine in self._registry:
             engine.healthy = False
-        self._task.cancel()
 
     async def _run(self) -> None:
         while True:
-            await asyncio.sleep(STATE_POLL_S)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._poll_now.wait(), STATE_POLL_S)
+            self._poll_now.clear()
             try:
                 state = await self._channel.call({"op": "state"})
             except ChannelClosed:
-                return  # _scheduler_gone has run
+                continue  # the scheduler is gone (_scheduler_gone has run); its successor restores the channel
             apply_state(self._registry, state["engines"])
             self.roles.update(state["roles"])
             self.stats = state["stats"]
 
     async def close(self) -> None:
-        self._channel.on_lost = None  # the worker closes the channel itself next: not a lost scheduler
+        self._channel.on_lost = self._channel.on_restored = None  # the worker closes the channel itself next: not a lost scheduler
         self._task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._task

@@ -16,15 +16,17 @@ any engine starts; with ``port: 0`` it picks the one the workers bind) and holds
 an exclusive lock on it (:func:`port_lock`: ``SO_REUSEPORT`` alone would let a
 second multi-worker gateway share the port and split the traffic), starts
 the scheduler, waits for it (its engines ready), then the workers, then prints
-``laps: ready on URL``. A worker that dies is started again (after
-:data:`RESTART_DELAY_S` when it lived less than :data:`SHORT_LIFE_S`); the
-scheduler releases the dead worker's requests when its channel drops; the other
-workers' requests go on. A scheduler that dies takes its engines with it (they
-stop when their parent dies: :func:`engines.manager.die_with_parent`): it is
-started again the same way, with its engines, while the workers answer 503
-``scheduler_unavailable``; once it is ready a fresh set of workers (connected to
-it) starts, and the old ones drain and stop. A scheduler that then fails to start
-ends the gateway (exit code 1).
+``laps: ready on URL``. A worker that dies is started again (at once after a
+life of :data:`SHORT_LIFE_S` or more, else after :func:`restart_delay_s`: 1 s,
+doubled for each short life in a row, at most 30 s); the scheduler releases the
+dead worker's requests when its channel drops; the other workers' requests go
+on. A scheduler that dies takes its engines with it (they stop when their parent
+dies: :func:`engines.manager.die_with_parent`): it is started again the same
+way, with its engines, while the workers answer 503 ``scheduler_unavailable``
+and their ``/health`` 503 ``unavailable``; the workers' channels connect to it
+again as soon as it listens (:meth:`gateway.sched_channel.ChannelClient.connect`'s
+``reconnect``), and they serve again once it reports its engines ready. A
+scheduler that then fails to start ends the gateway (exit code 1).
 
 Shutdown, on SIGINT or SIGTERM to the supervisor (the children ignore SIGINT, so a
 Ctrl-C to the terminal's process group reaches them only this way): SIGTERM to
@@ -61,14 +63,22 @@ from laps.config import Config
 
 log = logging.getLogger("laps.gateway")
 
-RESTART_DELAY_S = 1.0
-SHORT_LIFE_S = 5.0
+RESTART_DELAY_S = 1.0  # the delay before starting a child again after one short life; doubled for each more in a row
+RESTART_DELAY_MAX_S = 30.0
+SHORT_LIFE_S = 5.0  # a child that lived less died young: it is started again after a delay
 SCHEDULER_STOP_S = 60.0  # the scheduler's own shutdown: stopping the engines
 KILL_WAIT_S = 5.0
 READY, FAILED = "ready", "failed"
 
 LogSetup = Callable[[str], None]
 """Sets up a child's logging; its argument labels the process's lines (``scheduler``, ``worker-0`` ...). Picklable."""
+
+
+def restart_delay_s(short_lives: int) -> float:
+    """Seconds to wait before starting a child again after ``short_lives`` lives in a row shorter than
+    :data:`SHORT_LIFE_S` (0: its last life was longer, so at once): :data:`RESTART_DELAY_S`, doubled for each more,
+    at most :data:`RESTART_DELAY_MAX_S`."""
+    return 0.0 if short_lives <= 0 else min(RESTART_DELAY_MAX_S, RESTART_DELAY_S * 2.0 ** (short_lives - 1))
 
 
 # ---------------------------------------------------------------- the children
@@ -185,7 +195,7 @@ class Supervisor:
         self._wake_w.setblocking(False)
         self.scheduler: _Child | None = None
         self.workers: list[_Child | None] = [None] * config.gateway.workers
-        self._retiring: list[_Child] = []  # the workers of a dead scheduler, while their successors start
+        self._short_lives: dict[str, int] = {}  # by child label: lives in a row shorter than SHORT_LIFE_S
 
     def run(self) -> int:
         """Start everything, supervise, shut down on a signal; the exit code (0; 128 + the signal's number, 130 for
@@ -234,7 +244,7 @@ class Supervisor:
         return 128 + self._signum
 
     def _children(self) -> list[_Child]:
-        return [c for c in (*self.workers, *self._retiring, self.scheduler) if c is not None]
+        return [c for c in (*self.workers, self.scheduler) if c is not None]
 
     def _start_scheduler(self) -> _Child:
         child = _Child(self._ctx, "scheduler", scheduler_main, self.setup_logging, (self.config, self.channel_path))
@@ -295,47 +305,45 @@ class Supervisor:
         return 0
 
     def _restart(self, index: int, worker: _Child) -> None:
-        lived_s = _bury(worker)
-        log.warning("worker %d (pid %d) exited with code %s after %.1f s; starting it again", index, worker.process.pid,
-                    worker.process.exitcode, lived_s)
-        if lived_s < SHORT_LIFE_S:
-            time.sleep(RESTART_DELAY_S)
-        self.workers[index] = self._start_worker(index)
+        if self._pause_after(worker, "worker %d (pid %d) exited with code %s after %.1f s; starting it again%s",
+                             index, worker.process.pid):
+            self.workers[index] = self._start_worker(index)
 
     def _restart_scheduler(self) -> bool:
-        """Start the dead scheduler again (its engines with it), then replace the workers, whose channel it was, by a
-        fresh set connected to the new one (the old ones answer 503 ``scheduler_unavailable`` until then, and drain);
-        ``False`` when a signal came first.
+        """Start the dead scheduler again (its engines with it); the workers' channels connect to it again
+        themselves (module doc). ``False`` when a signal came first.
 
         Raises:
-            RuntimeError: the scheduler or a worker failed to start.
+            RuntimeError: the scheduler failed to start.
         """
         dead = self.scheduler
-        lived_s = _bury(dead)
-        log.error("the scheduler process (pid %d) exited with code %s after %.1f s, its engines with it; starting it again "
-                  "(until it is ready the workers answer 503 scheduler_unavailable)", dead.process.pid, dead.process.exitcode, lived_s)
-        if lived_s < SHORT_LIFE_S:
-            time.sleep(RESTART_DELAY_S)
+        if not self._pause_after(dead, "the scheduler process (pid %d) exited with code %s after %.1f s, its engines with "
+                                       "it; starting it again%s (until it is ready the workers answer 503 scheduler_unavailable)",
+                                 dead.process.pid, level=logging.ERROR):
+            return False
         self.scheduler = self._start_scheduler()
         if not self._await_ready(self.scheduler):
             return False
-        self._retiring = [w for w in self.workers if w is not None]  # stopped with the rest if a signal comes meanwhile
-        self.workers = [self._start_worker(i) for i in range(len(self.workers))]
-        for worker in self.workers:
-            if not self._await_ready(worker):
-                return False
-        log.info("the scheduler is back (pid %d) with %d fresh workers; the old ones drain and stop", self.scheduler.process.pid,
-                 len(self.workers))
-        _terminate(self._retiring, self.config.gateway.shutdown_grace_s + 10.0)
-        for worker in self._retiring:
-            _bury(worker)
-        self._retiring = []
+        log.info("the scheduler is back (pid %d); the workers reconnect to it", self.scheduler.process.pid)
         return True
+
+    def _pause_after(self, child: _Child, message: str, *args, level: int = logging.WARNING) -> bool:
+        """Reap the exited ``child``, log ``message`` (its ``args``, then the exit code, the life's length and the
+        delay's text), and wait :func:`restart_delay_s` of its short lives in a row; ``False`` when a signal came
+        meanwhile."""
+        lived_s = _bury(child)
+        lives = self._short_lives[child.label] = self._short_lives.get(child.label, 0) + 1 if lived_s < SHORT_LIFE_S else 0
+        delay_s = restart_delay_s(lives)
+        log.log(level, message, *args, child.process.exitcode, lived_s, f" in {delay_s:.0f} s" if delay_s else "")
+        if delay_s and not self._signals:
+            wait([self._wake_r], delay_s)  # a signal's wake-up ends the wait
+            self._drain_wakeups()
+        return not self._signals
 
     def _stop_all(self) -> None:
         """SIGTERM the workers and wait for them to drain, then the scheduler; kill what outlives its time."""
         grace_s = self.config.gateway.shutdown_grace_s + 10.0  # their drain, the end of the requests left, the clean-up
-        workers = [w for w in (*self.workers, *self._retiring) if w is not None]
+        workers = [w for w in self.workers if w is not None]
         if workers:
             log.info("shutting down: %d workers drain (up to %.0f s)", len(workers), self.config.gateway.shutdown_grace_s)
         _terminate(workers, grace_s)

@@ -226,3 +226,38 @@ async def test_a_future_result_is_answered_once_set_and_a_cancelled_one_never(so
     finally:
         await client.close()
         await server.close()
+
+
+async def test_a_reconnecting_channel_comes_back_when_a_new_scheduler_listens(sock_path):
+    """A lost channel (the scheduler died) fails its calls and notes meanwhile, then connects to the scheduler started
+    again on the same path by itself; one closed by its worker stays closed."""
+    events = []
+    server = ChannelServer(sock_path, lambda message, peer: ("first", message))
+    await server.start()
+    client = await ChannelClient.connect(sock_path, reconnect=True)
+    client.on_lost = lambda why: events.append("lost")
+    client.on_restored = lambda: events.append("restored")
+    try:
+        assert await client.call("a") == ["first", "a"]
+        await server.close()
+        while "lost" not in events:
+            await asyncio.sleep(0.01)
+        with pytest.raises(ChannelClosed):
+            await client.call("b")
+        with pytest.raises(ChannelClosed):
+            client.note("c")
+        await asyncio.sleep(0.3)  # several reconnect attempts find nothing listening
+        assert events == ["lost"]
+        second = ChannelServer(sock_path, lambda message, peer: ("second", message))
+        await second.start()
+        while "restored" not in events:
+            await asyncio.sleep(0.01)
+        assert await client.call("d") == ["second", "d"]
+        assert events == ["lost", "restored"]
+    finally:
+        await client.close()
+    await second.close()
+    await asyncio.sleep(0.3)
+    assert events == ["lost", "restored", "lost"]  # closed by its worker: reported, and nothing connects again
+    with pytest.raises(ChannelClosed):
+        await client.call("e")

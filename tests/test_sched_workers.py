@@ -392,3 +392,38 @@ async def test_a_lost_scheduler_marks_the_workers_engines_unhealthy_at_once_not_
     finally:
         await channel.close()
         side.dispatcher.close()
+
+
+async def test_a_worker_serves_again_through_a_scheduler_started_again_with_its_engines_new_urls(tmp_path):
+    """The worker's channel reconnects by itself; its poller asks for the state at once and takes the new scheduler's
+    engine URLs (its engines start on new ports) and health."""
+    path = str(tmp_path / "sched.sock")
+    first = _scheduler_side(_config(), Clock())
+    service = SchedulerService(first, {})
+    await service.start(path)
+    channel = await ChannelClient.connect(path, reconnect=True)
+    second = _scheduler_side(_config(), Clock())
+    for engine in second.registry:
+        engine.url += ":8001"
+    again = SchedulerService(second, {})
+    try:
+        state = await channel.call({"op": "state"})
+        mirror = registry_of(state["engines"])
+        poller = StatePoller(channel, mirror, state)
+        await service.close()
+        while any(e.healthy for e in mirror):
+            await asyncio.sleep(0.005)
+        await again.start(path)
+        loop = asyncio.get_running_loop()
+        back_s = loop.time()
+        while not all(e.healthy for e in mirror):
+            await asyncio.sleep(0.005)
+        assert loop.time() - back_s < STATE_POLL_S  # at once, not at the next poll
+        assert {e.id: e.url for e in mirror} == {e.id: e.url for e in second.registry}
+        assert all(e.url.endswith(":8001") for e in mirror)
+        await poller.close()
+    finally:
+        await channel.close()
+        await again.close()
+        first.dispatcher.close()
+        second.dispatcher.close()

@@ -1,6 +1,6 @@
 """`laps serve --workers 2` on simulated engines: both workers serve chats (streamed and not) and OpenAI 4xx errors,
 the admin API's role switch, one /metrics counts them all, a killed worker is started again while the other's request goes on, Ctrl-C stops all;
-a prefill-decode deployment served by two workers; a killed scheduler is started again with its engines and fresh workers."""
+a prefill-decode deployment served by two workers; a killed scheduler is started again with its engines, and the workers reconnect to it."""
 
 from __future__ import annotations
 
@@ -252,20 +252,20 @@ def test_two_workers_serve_a_prefill_decode_deployment(tmp_path):
         _stop(proc)
 
 
-def test_a_killed_scheduler_is_started_again_with_its_engines_and_fresh_workers(tmp_path):
+def test_a_killed_scheduler_is_started_again_with_its_engines_and_the_workers_reconnect(tmp_path):
     config_path, log_dir = write_config(tmp_path, gateway={"port": 0, "shutdown_grace_s": 2})
     log = log_dir / "gateway.log"
     url, proc = _start(config_path, tmp_path / "stderr")
     try:
         scheduler = int(re.search(r"scheduler process started \(pid (\d+)\)", log.read_text()).group(1))
-        old_workers = set(_worker_pids(log).values())
+        workers = _worker_pids(log)
         os.kill(scheduler, signal.SIGKILL)
         deadline = time.monotonic() + START_TIMEOUT_S
         answers = set()
         while "the scheduler is back" not in log.read_text():  # meanwhile every answer is explicit: a 503 naming why
             assert time.monotonic() < deadline, "the scheduler was not started again"
             with httpx.Client(base_url=url, timeout=30) as client:
-                answer = client.post("/v1/chat/completions", json=_chat())  # the old workers listen until the new ones do
+                answer = client.post("/v1/chat/completions", json=_chat())
                 if answer.status_code != 200:
                     answers.add((answer.status_code, answer.json()["error"]["code"]))
                 health = client.get("/health")
@@ -278,16 +278,28 @@ def test_a_killed_scheduler_is_started_again_with_its_engines_and_fresh_workers(
         text = log.read_text()
         assert f"the scheduler process (pid {scheduler}) exited with code -9" in text
         assert len(re.findall(r"scheduler process started", text)) == 2
-        new_workers = set(_worker_pids(log).values())
-        assert len(new_workers) == 2 and not new_workers & old_workers
-        for _ in range(6):  # fresh connections: the new workers serve, through the new scheduler's engines
+        while True:  # the workers' channels come back by themselves, within moments of the new scheduler listening
+            assert time.monotonic() < deadline, "the workers did not serve again"
+            with httpx.Client(base_url=url, timeout=30) as client:
+                if client.get("/health").status_code == 200:
+                    break
+            time.sleep(0.05)
+        for _ in range(6):  # fresh connections, spread over both workers: they serve through the new scheduler's engines
             with httpx.Client(base_url=url, timeout=30) as client:
                 assert client.post("/v1/chat/completions", json=_chat()).status_code == 200
+        assert _worker_pids(log) == workers  # the same workers: none was started again
+        assert log.read_text().count("the scheduler channel is back") == 2
         os.killpg(proc.pid, signal.SIGINT)
         assert proc.wait(timeout=60) == 0
         assert "Traceback" not in (tmp_path / "stderr").read_text()
     finally:
         _stop(proc)
+
+
+def test_a_child_that_dies_young_again_and_again_is_started_again_ever_later():
+    from gateway.workers import restart_delay_s
+
+    assert [restart_delay_s(n) for n in range(8)] == [0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
 
 
 def test_a_port_held_by_a_multi_worker_gateway_is_refused_to_another():
