@@ -207,6 +207,18 @@ deadline order collapses as FCFS does (measured with a scratch patch of the
 simulator's dispatch, not kept); and a 8,192-token chunk on the long pool's
 prefill engines alone (2,048 on the short pool's) gave 3.54% / 4.87%, with the
 controller moving engines by restarts and the queue model assuming one chunk.
+Nor a gate that lets by the requests Moore and Hodgson's rule gives up (EDF order on
+the prefill engines as one fluid pool; the largest prefill so far dropped whenever
+one would be late, plus those late even alone), holding only the others to 8,192
+long-prefill tokens in progress per engine: ``mixed`` PD 0.33 / 2.99% at 1.0 / 1.2×
+(seeds 1, 2 at 1.0×: 0.16, 0.80%; open gate 1.26, 1.37%; ``cache_aware`` 0.00,
+2.71%), but 6,144 tokens gave 2.13 / 3.19% (seeds 1, 2: 1.44, 2.39%) and 12,288
+1.05 / 3.17%: still a knife edge; its 1.0× gain came from sending long prefills
+away from engines past the gate, their cached context with them, which cost
+``shared-docs`` 7.14% length-aware violations at 0.5× (questions recomputing their
+30k-token document on a clean engine); keeping the engine that caches the most of
+a request open gave back ``shared-docs`` (0.00% to 1.2×) but left ``mixed`` PD at
+1.13% (1.2×: 2.73%) and every other workload within 0.4 points of the open gate.
 
 Temporal mode (one engine serving both classes, the ``mixed`` role) was decided
 in the simulator (one simulated H200, Qwen2.5-7B, the mixed real-chat workload,
