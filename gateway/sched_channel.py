@@ -59,7 +59,6 @@ _HEADER_BYTES = 4
 _LATER = (asyncio.Future, types.CoroutineType)  # a handler's results answered when done (exact types: a cheap test)
 
 
-
 class Peer:
     """One worker's connection as the scheduler's handler sees it: ``id`` (unique within the server's life) and
     ``state``, a dict for the handler's own bookkeeping of that worker (e.g. its requests in flight)."""
@@ -290,13 +289,17 @@ class ChannelServer:
 # ---------------------------------------------------------------- a worker's side
 
 class _ClientConnection(asyncio.Protocol):
+    """One connection of ``client``: it becomes the client's as soon as it is made (:meth:`ChannelClient._use`),
+    before ``create_unix_connection`` returns, so that a loss reported in between (uvloop may) closes the channel."""
+
     def __init__(self, client: ChannelClient) -> None:
         self._client = client
         self._decoder = FrameDecoder()
-        self._transport: asyncio.BaseTransport | None = None
+        self._transport: asyncio.Transport | None = None
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+    def connection_made(self, transport: asyncio.Transport) -> None:
         self._transport = transport
+        self._client._use(transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._client.transport is self._transport:  # not a connection the client has already replaced
@@ -307,7 +310,7 @@ class _ClientConnection(asyncio.Protocol):
             frames = self._decoder.feed(data)
         except ValueError as err:
             self._client._lost(f"the scheduler sent a bad frame: {err}")
-            self._client.transport.close()
+            self._transport.close()
             return
         pending = self._client._pending
         for kind, call_id, payload in frames:
@@ -354,9 +357,17 @@ class ChannelClient:
         return client
 
     async def _open(self) -> None:
-        loop = asyncio.get_running_loop()
-        self.transport, _ = await loop.create_unix_connection(lambda: _ClientConnection(self), self._path)
-        self._writer = _FrameWriter(self.transport)
+        """Make a connection (:meth:`_use` makes it the channel's).
+
+        Raises:
+            OSError: nothing listens at the path.
+        """
+        await asyncio.get_running_loop().create_unix_connection(lambda: _ClientConnection(self), self._path)
+
+    def _use(self, transport: asyncio.Transport) -> None:
+        """The channel's connection is ``transport`` from now (it is open)."""
+        self.transport = transport
+        self._writer = _FrameWriter(transport)
         self._closed = None
 
     async def _connect_again(self) -> None:
@@ -366,10 +377,11 @@ class ChannelClient:
                 await self._open()
             except OSError:
                 continue  # not listening yet
-            log.info("the scheduler channel is back (%s)", self._path)
-            if self.on_restored is not None:
-                self.on_restored()
-            return
+            if self._closed is None:  # not lost again already (then this task goes on: :meth:`_lost` started none)
+                break
+        log.info("the scheduler channel is back (%s)", self._path)
+        if self.on_restored is not None:
+            self.on_restored()
 
     async def call(self, message: Any) -> Any:
         """Send ``message``; the scheduler's result.

@@ -237,6 +237,7 @@ async def test_a_reconnecting_channel_comes_back_when_a_new_scheduler_listens(so
     client = await ChannelClient.connect(sock_path, reconnect=True)
     client.on_lost = lambda why: events.append("lost")
     client.on_restored = lambda: events.append("restored")
+    second = ChannelServer(sock_path, lambda message, peer: ("second", message))
     try:
         assert await client.call("a") == ["first", "a"]
         await server.close()
@@ -248,16 +249,80 @@ async def test_a_reconnecting_channel_comes_back_when_a_new_scheduler_listens(so
             client.note("c")
         await asyncio.sleep(0.3)  # several reconnect attempts find nothing listening
         assert events == ["lost"]
-        second = ChannelServer(sock_path, lambda message, peer: ("second", message))
         await second.start()
         while "restored" not in events:
             await asyncio.sleep(0.01)
         assert await client.call("d") == ["second", "d"]
         assert events == ["lost", "restored"]
+        await client.close()
+        await second.close()
+        await asyncio.sleep(0.3)
+        assert events == ["lost", "restored", "lost"]  # closed by its worker: reported, and nothing connects again
+        with pytest.raises(ChannelClosed):
+            await client.call("e")
     finally:
         await client.close()
-    await second.close()
-    await asyncio.sleep(0.3)
-    assert events == ["lost", "restored", "lost"]  # closed by its worker: reported, and nothing connects again
-    with pytest.raises(ChannelClosed):
-        await client.call("e")
+        await second.close()
+
+
+def _lost_before_returning(loop, attempts: int):
+    """A stand-in for ``loop.create_unix_connection`` whose first ``attempts`` connections are lost before it returns
+    (uvloop may report a connection made and lost before the coroutine that made it resumes); later ones are real."""
+    real = loop.create_unix_connection
+    left = [attempts]
+
+    async def connect(factory, path):
+        if not left[0]:
+            return await real(factory, path)
+        lost = asyncio.Event()
+
+        def protocol():
+            made = factory()
+            connection_lost = made.connection_lost
+            made.connection_lost = lambda exc: (connection_lost(exc), lost.set())
+            return made
+
+        transport, made = await real(protocol, path)
+        left[0] -= 1
+        transport.close()
+        await lost.wait()
+        return transport, made
+
+    return connect
+
+
+async def test_a_connection_lost_before_connect_returns_leaves_the_channel_closed(sock_path, monkeypatch):
+    server = ChannelServer(sock_path, lambda message, peer: message)
+    await server.start()
+    loop = asyncio.get_running_loop()
+    monkeypatch.setattr(loop, "create_unix_connection", _lost_before_returning(loop, 1))
+    client = await ChannelClient.connect(sock_path)
+    try:
+        with pytest.raises(ChannelClosed):
+            client.note("to nobody")
+    finally:
+        await client.close()
+        await server.close()
+
+
+async def test_a_reconnection_lost_at_once_is_tried_again(sock_path, monkeypatch):
+    events = []
+    server = ChannelServer(sock_path, lambda message, peer: ("first", message))
+    await server.start()
+    client = await ChannelClient.connect(sock_path, reconnect=True)
+    client.on_lost = lambda why: events.append("lost")
+    client.on_restored = lambda: events.append("restored")
+    loop = asyncio.get_running_loop()
+    monkeypatch.setattr(loop, "create_unix_connection", _lost_before_returning(loop, 1))
+    second = ChannelServer(sock_path, lambda message, peer: ("second", message))
+    try:
+        assert await client.call("a") == ["first", "a"]  # the scheduler has taken the connection
+        await server.close()
+        await second.start()
+        while "restored" not in events:
+            await asyncio.sleep(0.01)
+        assert await asyncio.wait_for(client.call("b"), 10) == ["second", "b"]  # not a call on a dead connection, unanswered
+        assert events == ["lost", "lost", "restored"]  # the first connection again was lost at once: a second one serves
+    finally:
+        await client.close()
+        await second.close()
