@@ -50,8 +50,8 @@ from gateway.metrics import GatewayMetrics
 from gateway.pd_setup import PDDispatch, bootstrap_addresses
 from gateway.registry import EngineRegistry, EngineState
 from gateway.sched_channel import ChannelClient
-from gateway.sched_worker import (RemoteDecodeSide, RemoteDispatcher, RemotePrefixIndex, StatePoller, admin_caller, registry_of,
-                                  report_out_of_service)
+from gateway.sched_worker import (CONNECT_WITHIN_S, RemoteDecodeSide, RemoteDispatcher, RemotePrefixIndex, StatePoller, admin_caller,
+                                  registry_of, report_out_of_service)
 from gateway.state import GATEWAY, Gateway
 from gateway.supervisor import EngineSupervisor
 from laps.api_keys import load_keys
@@ -210,7 +210,8 @@ def create_worker_app(config: Config, channel_path: str) -> web.Application:
     decisions and prefix index the scheduler process's, over the channel at ``channel_path``
     (:mod:`gateway.sched_worker`). It starts no engine, polls no health, runs no controller: the scheduler does.
 
-    Start-up raises ``OSError`` when the scheduler does not listen at ``channel_path``.
+    Start-up raises ``OSError`` when the scheduler does not listen at ``channel_path`` within
+    :data:`~gateway.sched_worker.CONNECT_WITHIN_S` (one started just before the scheduler died waits for the next).
     """
     app, provider, tracer = _application(config, None)
 
@@ -220,7 +221,7 @@ def create_worker_app(config: Config, channel_path: str) -> web.Application:
         await client.start()
         channel: ChannelClient | None = None
         try:
-            channel = await ChannelClient.connect(channel_path, reconnect=True)
+            channel = await ChannelClient.connect(channel_path, reconnect=True, within_s=CONNECT_WITHIN_S)
             state = await channel.call({"op": "state"})
             registry = registry_of(state["engines"])
             dispatcher = RemoteDispatcher(channel)

@@ -343,18 +343,26 @@ class ChannelClient:
         self.on_restored: Callable[[], None] | None = None  # called each time a reconnecting channel is back
 
     @classmethod
-    async def connect(cls, path: str | os.PathLike, reconnect: bool = False) -> ChannelClient:
-        """Connect to the scheduler listening on ``path``. With ``reconnect``, a channel lost other than by
-        :meth:`close` (the scheduler died) connects again every :data:`RECONNECT_S` until ``path`` listens again (the
-        scheduler started again), then calls :attr:`on_restored`; meanwhile calls and notes raise
-        :class:`ChannelClosed`.
+    async def connect(cls, path: str | os.PathLike, reconnect: bool = False, within_s: float = 0.0) -> ChannelClient:
+        """Connect to the scheduler listening on ``path``; while nothing listens there, try again every
+        :data:`RECONNECT_S` for up to ``within_s`` seconds (a scheduler starting, or starting again). With
+        ``reconnect``, a channel lost other than by :meth:`close` (the scheduler died) connects again every
+        :data:`RECONNECT_S` until ``path`` listens again (the scheduler started again), then calls
+        :attr:`on_restored`; meanwhile calls and notes raise :class:`ChannelClosed`.
 
         Raises:
-            OSError: nothing listens there (``FileNotFoundError``, ``ConnectionRefusedError``).
+            OSError: nothing listened there within ``within_s`` (``FileNotFoundError``, ``ConnectionRefusedError``).
         """
         client = cls(path, reconnect)
-        await client._open()
-        return client
+        deadline = asyncio.get_running_loop().time() + within_s
+        while True:
+            try:
+                await client._open()
+                return client
+            except OSError:
+                if asyncio.get_running_loop().time() + RECONNECT_S > deadline:
+                    raise
+            await asyncio.sleep(RECONNECT_S)
 
     async def _open(self) -> None:
         """Make a connection (:meth:`_use` makes it the channel's).

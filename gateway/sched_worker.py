@@ -37,6 +37,10 @@ from policies.types import RequestView
 log = logging.getLogger("laps.gateway")
 
 STATE_POLL_S = 0.5  # how often a worker refreshes its mirror of the engine registry and the scheduler's stats
+# How long a worker that starts tries the scheduler's socket while nothing listens (seconds): one started just before
+# the scheduler died waits for the next. Longer than gateway.workers.SHORT_LIFE_S, so one that gives up is started
+# again at once when the scheduler is up, not after a delay.
+CONNECT_WITHIN_S = 30.0
 
 
 def _tell(channel: ChannelClient, message: dict) -> None:

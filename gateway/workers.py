@@ -26,7 +26,12 @@ way, with its engines, while the workers answer 503 ``scheduler_unavailable``
 and their ``/health`` 503 ``unavailable``; the workers' channels connect to it
 again as soon as it listens (:meth:`gateway.sched_channel.ChannelClient.connect`'s
 ``reconnect``), and they serve again once it reports its engines ready. A
-scheduler that then fails to start ends the gateway (exit code 1).
+scheduler that then fails to start ends the gateway (exit code 1). The
+supervisor watches every child all the time, so a death during another's
+restart delay is seen at once (the scheduler's too, while its engines still
+stop: :func:`_keep_inherited_fds`), and it starts no worker while the scheduler
+is down; a worker started just before the scheduler died tries its socket
+again for up to :data:`gateway.sched_worker.CONNECT_WITHIN_S`.
 
 Shutdown, on SIGINT or SIGTERM to the supervisor (the children ignore SIGINT, so a
 Ctrl-C to the terminal's process group reaches them only this way): SIGTERM to
@@ -86,10 +91,28 @@ def restart_delay_s(short_lives: int) -> float:
 def _child_start(setup_logging: LogSetup, label: str) -> None:
     """Ignore SIGINT (the supervisor turns a Ctrl-C into an ordered SIGTERM), then unblock it: the child started with
     it blocked (:class:`_Child`), and a Ctrl-C that came meanwhile, pending, is dropped here instead of raising
-    KeyboardInterrupt in the middle of the child's imports; set up logging."""
+    KeyboardInterrupt in the middle of the child's imports; keep what it inherited to itself
+    (:func:`_keep_inherited_fds`); set up logging."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # discards a pending SIGINT
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    _keep_inherited_fds()
     setup_logging(label)
+
+
+def _keep_inherited_fds() -> None:
+    """Make the file descriptors this child inherited (all but stdin, stdout and stderr) non-inheritable.
+
+    multiprocessing passes them inheritable: the write end of the pipe whose closing tells the supervisor that this
+    process ended (its ``sentinel``), the ready pipe, the resource tracker's. uvloop's ``create_subprocess_exec``,
+    unlike :mod:`subprocess`, closes none in the new process, so every engine the scheduler starts held them: the
+    supervisor saw the scheduler's death only once its last engine had exited. (Without ``/dev/fd``, not Linux or
+    macOS: left as they are.)
+    """
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir("/dev/fd"):
+            if int(name) > 2:
+                with contextlib.suppress(OSError):  # the listing's own descriptor, closed by now
+                    os.set_inheritable(int(name), False)
 
 
 def scheduler_main(ready: Connection, setup_logging: LogSetup, config: Config, channel_path: str) -> None:
@@ -267,12 +290,8 @@ class Supervisor:
             if self._signals:
                 return False
             if child.ready in ready:
-                message = child.read_ready()
-                if message is not None and message[0] == READY:
-                    return True
-                child.process.join()
-                why = message[1] if message is not None else f"it exited with code {child.process.exitcode}"
-                raise RuntimeError(f"the gateway's {child.label} did not start: {why}")
+                _ready_pid(child)
+                return True
             self._drain_wakeups()
 
     def _drain_wakeups(self) -> None:
@@ -282,63 +301,87 @@ class Supervisor:
                 continue
 
     def _supervise(self) -> int:
+        """Keep the children running until a signal (then 0). A child that exits is started again when it is due
+        (:meth:`_exited`), a worker only while the scheduler is up (ready; the workers connected reconnect to a new
+        one by themselves). Meanwhile every child's exit and ready message and the signal are watched: a death during
+        another child's restart delay, or while the scheduler starts again, is seen at once.
+
+        Raises:
+            RuntimeError: the scheduler failed to start again.
+        """
+        due: dict[int | None, float] = {}  # the children to start again, by worker index (None: the scheduler): when
         while not self._signals:
-            watched = {self.scheduler.process.sentinel: self.scheduler}
-            watched.update({w.process.sentinel: w for w in self.workers})
-            pipes = {w.ready: w for w in self.workers if w.ready is not None}
-            ready = wait([*watched, *pipes, self._wake_r])
+            up = self._scheduler_up()
+            now = time.monotonic()
+            for index in [i for i, at in due.items() if at <= now and (i is None or up)]:
+                del due[index]
+                if index is None:
+                    self.scheduler = self._start_scheduler()
+                else:
+                    self.workers[index] = self._start_worker(index)
+            waits = [at for i, at in due.items() if i is None or up]
+            exits = {w.process.sentinel: i for i, w in enumerate(self.workers) if w is not None}
+            if self.scheduler is not None:
+                exits[self.scheduler.process.sentinel] = None
+            pipes = {c.ready: c for c in self._children() if c.ready is not None}
+            ready = wait([*pipes, *exits, self._wake_r], max(0.0, min(waits) - time.monotonic()) if waits else None)
             self._drain_wakeups()
             if self._signals:
                 break
-            for pipe in ready:
-                if pipe in pipes and pipes[pipe].process.is_alive():
-                    message = pipes[pipe].read_ready()
-                    if message is not None:
-                        log.info("%s is ready (pid %s)", pipes[pipe].label, message[1])
-            if self.scheduler.process.sentinel in ready:
-                if not self._restart_scheduler():
-                    break  # a signal while it started again
-                continue
-            for i, worker in enumerate(self.workers):
-                if worker.process.sentinel in ready:
-                    self._restart(i, worker)
+            for pipe in ready:  # before the exits: a child that said it is ready and died is one that started
+                if pipe in pipes:
+                    self._took_ready(pipes[pipe])
+            for sentinel in ready:
+                if sentinel in exits:
+                    index = exits[sentinel]
+                    due[index] = self._scheduler_exited() if index is None else self._worker_exited(index)
         return 0
 
-    def _restart(self, index: int, worker: _Child) -> None:
-        if self._pause_after(worker, "worker %d (pid %d) exited with code %s after %.1f s; starting it again%s",
-                             index, worker.process.pid):
-            self.workers[index] = self._start_worker(index)
+    def _scheduler_up(self) -> bool:
+        """Whether the scheduler runs and has said it is ready."""
+        return self.scheduler is not None and self.scheduler.ready is None
 
-    def _restart_scheduler(self) -> bool:
-        """Start the dead scheduler again (its engines with it); the workers' channels connect to it again
-        themselves (module doc). ``False`` when a signal came first.
+    def _took_ready(self, child: _Child) -> None:
+        """Read the ready pipe of a child started again (it is readable) and log what it says.
 
         Raises:
-            RuntimeError: the scheduler failed to start.
+            RuntimeError: the scheduler failed or died before it was ready.
         """
-        dead = self.scheduler
-        if not self._pause_after(dead, "the scheduler process (pid %d) exited with code %s after %.1f s, its engines with "
-                                       "it; starting it again%s (until it is ready the workers answer 503 scheduler_unavailable)",
-                                 dead.process.pid, level=logging.ERROR):
-            return False
-        self.scheduler = self._start_scheduler()
-        if not self._await_ready(self.scheduler):
-            return False
-        log.info("the scheduler is back (pid %d); the workers reconnect to it", self.scheduler.process.pid)
-        return True
+        if child is self.scheduler:
+            log.info("the scheduler is back (pid %d); the workers reconnect to it", _ready_pid(child))
+            return
+        message = child.read_ready()
+        if message is not None:  # else it died: its exit is seen next
+            log.info("%s is ready (pid %s)", child.label, message[1])
 
-    def _pause_after(self, child: _Child, message: str, *args, level: int = logging.WARNING) -> bool:
-        """Reap the exited ``child``, log ``message`` (its ``args``, then the exit code, the life's length and the
-        delay's text), and wait :func:`restart_delay_s` of its short lives in a row; ``False`` when a signal came
-        meanwhile."""
+    def _worker_exited(self, index: int) -> float:
+        """Worker ``index`` exited: reap it, log it; when it is due to start again (:meth:`_exited`)."""
+        worker, self.workers[index] = self.workers[index], None
+        return self._exited(worker, "worker %d (pid %d) exited with code %s after %.1f s; starting it again%s", index, worker.process.pid,
+                            after="" if self._scheduler_up() else " once the scheduler is up")
+
+    def _scheduler_exited(self) -> float:
+        """The scheduler exited (its engines with it): reap it, log it; when it is due to start again (:meth:`_exited`).
+
+        Raises:
+            RuntimeError: it had not started (it failed, or died before it was ready).
+        """
+        dead, self.scheduler = self.scheduler, None
+        if dead.ready is not None:  # its exit came before its ready pipe's end: it raises unless the pipe says ready
+            _ready_pid(dead)
+        return self._exited(dead, "the scheduler process (pid %d) exited with code %s after %.1f s, its engines with it; starting it "
+                                  "again%s (until it is ready the workers answer 503 scheduler_unavailable)", dead.process.pid,
+                            level=logging.ERROR)
+
+    def _exited(self, child: _Child, message: str, *args, level: int = logging.WARNING, after: str = "") -> float:
+        """Reap the exited ``child`` and log ``message`` (its ``args``, then the exit code, the life's length and when it
+        starts again: after :func:`restart_delay_s` of its short lives in a row, then ``after``); when it is due to start
+        again (``time.monotonic()``)."""
         lived_s = _bury(child)
         lives = self._short_lives[child.label] = self._short_lives.get(child.label, 0) + 1 if lived_s < SHORT_LIFE_S else 0
         delay_s = restart_delay_s(lives)
-        log.log(level, message, *args, child.process.exitcode, lived_s, f" in {delay_s:.0f} s" if delay_s else "")
-        if delay_s and not self._signals:
-            wait([self._wake_r], delay_s)  # a signal's wake-up ends the wait
-            self._drain_wakeups()
-        return not self._signals
+        log.log(level, message, *args, child.process.exitcode, lived_s, (f" in {delay_s:.0f} s" if delay_s else "") + after)
+        return time.monotonic() + delay_s
 
     def _stop_all(self) -> None:
         """SIGTERM the workers and wait for them to drain, then the scheduler; kill what outlives its time."""
@@ -352,6 +395,20 @@ class Supervisor:
         signal.set_wakeup_fd(-1)
         self._wake_r.close()
         self._wake_w.close()
+
+
+def _ready_pid(child: _Child) -> object:
+    """Read ``child``'s ready message (its pipe is readable); the pid it sent.
+
+    Raises:
+        RuntimeError: the child failed or died before it was ready.
+    """
+    message = child.read_ready()
+    if message is None or message[0] != READY:
+        child.process.join()
+        why = message[1] if message is not None else f"it exited with code {child.process.exitcode}"
+        raise RuntimeError(f"the gateway's {child.label} did not start: {why}")
+    return message[1]
 
 
 def _bury(child: _Child) -> float:

@@ -220,6 +220,19 @@ away from engines past the gate, their cached context with them, which cost
 a request open gave back ``shared-docs`` (0.00% to 1.2×) but left ``mixed`` PD at
 1.13% (1.2×: 2.73%) and every other workload within 0.4 points of the open gate.
 
+Nor does packing long prefills to keep clean engines for short ones (seed 0, loads as
+multiples of least_load's saturation, 449 conv/s on ``mixed``, 19.4 on ``shared-docs``):
+a long prefill went to the cheapest engine already holding long work whose predicted TTFT
+met its deadline, and to a clean engine only when none did. Short prefills then stay off
+long chunks at moderate load (short-class P90 TTFT on ``mixed`` at 0.8× 11 ms against
+80 ms, on ``shared-docs`` at 0.5× 10 against 69 ms), but the requests packed up to their
+predicted deadline are overtaken there after dispatch by shorter long prefills: ``mixed``
+at 0.5 / 0.8 / 1.0 / 1.2× 2.05 / 2.76 / 3.37 / 4.97% violations against 0.00 / 0.07 / 0.15
+/ 3.42% (asking the prediction to meet the deadline with 0.25 s to spare: 0.21 / 1.45 /
+2.03 / 3.72%, short P90 at 0.8× 16 ms), ``shared-docs`` 29.0 → 34.8% at 0.8×; also sending
+requests predicted late everywhere to busy engines gave ``shared-docs`` 9.2% length-aware
+violations at 0.5× against 0.00%. The clean-engine charge above stays.
+
 Temporal mode (one engine serving both classes, the ``mixed`` role) was decided
 in the simulator (one simulated H200, Qwen2.5-7B, the mixed real-chat workload,
 30 s per point, with the windows on as they were then by default): gating long prefills in the gateway alone halves short P90

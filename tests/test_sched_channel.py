@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from gateway.sched_channel import (CALL, MAX_FRAME_BYTES, NOTE, REPLY, ChannelClient, ChannelClosed, ChannelError,
+from gateway.sched_channel import (CALL, MAX_FRAME_BYTES, NOTE, RECONNECT_S, REPLY, ChannelClient, ChannelClosed, ChannelError,
                                    ChannelServer, FrameDecoder, _FrameWriter, encode_frame)
 
 
@@ -150,6 +150,23 @@ async def test_a_worker_that_sends_garbage_is_dropped_and_others_go_on(sock_path
 async def test_connecting_to_nothing_raises(sock_path):
     with pytest.raises(OSError):
         await ChannelClient.connect(sock_path)
+
+
+async def test_a_first_connect_tries_again_until_the_scheduler_listens_for_a_bounded_time(sock_path):
+    """A worker started just before its scheduler died connects to the one started again, or gives up."""
+    with pytest.raises(FileNotFoundError):
+        await ChannelClient.connect(sock_path, within_s=3 * RECONNECT_S)
+    connecting = asyncio.ensure_future(ChannelClient.connect(sock_path, within_s=60))
+    await asyncio.sleep(3 * RECONNECT_S)  # tries that find nothing listening
+    assert not connecting.done()
+    server = ChannelServer(sock_path, lambda message, peer: message)
+    await server.start()
+    client = await asyncio.wait_for(connecting, 60)
+    try:
+        assert await client.call("here") == "here"
+    finally:
+        await client.close()
+        await server.close()
 
 
 async def test_each_worker_is_its_own_peer_and_its_disconnect_is_reported_once(sock_path):
