@@ -91,7 +91,7 @@ def test_the_sweep_averages_every_point_over_its_seeds(monkeypatch):
             return type("Done", (), {"result": lambda self: result})()
 
     def run_point(workload, policy, load, duration_s, seed, pd):
-        return {**row(policy, load, 100.0, 0.01 * seed), "pd": pd, "short_floor_s": None}
+        return {**row(policy, load, 100.0, 0.01 * seed + (0.1 if load > 150 else 0.0)), "pd": pd, "short_floor_s": None}
 
     monkeypatch.setattr(dominance, "run_point", run_point)
     monkeypatch.setattr(dominance, "saturation_load", lambda *args: 200.0)
@@ -99,7 +99,9 @@ def test_the_sweep_averages_every_point_over_its_seeds(monkeypatch):
     rows, _ = dominance.sweep("mixed", False, (0.5, 1.0), 10.0, 3, Now(), progress, seeds=2)
     assert len(rows) == 2 * len(dominance.POLICIES)
     assert {r["load"] for r in rows} == {100.0, 200.0}
-    assert all(r["seeds"] == 2 and r["slo_violation_rate"] == pytest.approx(0.035) for r in rows)  # seeds 3 and 4
+    # seeds 3 and 4; every policy fails at the top load, so no load is added
+    assert all(r["seeds"] == 2 and r["slo_violation_rate"] == pytest.approx(0.035 + (0.1 if r["load"] > 150 else 0.0))
+               for r in rows)
 
 
 def test_the_control_is_not_a_baseline_of_the_verdict_but_is_set_against_laps_alone():
@@ -128,3 +130,35 @@ def test_the_control_runs_laps_engine_flags_under_least_load():
     assert dominance.point_config("cache_aware", False).scheduling.policy == "cache_aware"
     pd = dominance.point_config(dominance.CONTROL, True)
     assert pd.roles["prefill"].flags == shipped.roles["short-prefill"].flags and pd.scheduling.policy == "least_load"
+
+
+def test_the_sweep_adds_loads_while_laps_or_a_baseline_still_meets_the_objective_at_the_top(monkeypatch):
+    class Now:  # a pool that runs each job at once
+        def submit(self, fn, *args):
+            result = fn(*args)
+            return type("Done", (), {"result": lambda self: result})()
+
+    # least_load+spf passes 5% between 1.5× and 1.88×, laps between 2.34× and 2.93×; the others at 1×.
+    knee = {"laps": 2.5, "least_load+spf": 1.7}
+
+    def run_point(workload, policy, load, duration_s, seed, pd):
+        return {**row(policy, load, load, 0.2 if load / 100.0 > knee.get(policy, 1.0) else 0.0), "pd": pd,
+                "short_floor_s": None}
+
+    monkeypatch.setattr(dominance, "run_point", run_point)
+    monkeypatch.setattr(dominance, "saturation_load", lambda *args: 100.0)
+    rows, v = dominance.sweep("mixed", False, (1.0, 1.5), 10.0, 0, Now(), dominance.Progress(disable=True))
+    # 1.5 -> 1.88 -> 2.35 -> 2.94: laps fails there, so nothing is capped any more.
+    assert sorted({r["load"] for r in rows}) == [100.0, 150.0, 188.0, 235.0, 294.0]
+    assert len(rows) == 5 * len(dominance.POLICIES)
+    assert v["goodput"]["best_policy"] == "least_load+spf"
+    assert v["goodput"]["laps_load"] == pytest.approx(235.0 + 59.0 * 0.05 / 0.2)
+    assert v["knee"]["load"] == 188.0
+
+
+def test_the_added_loads_stop_at_three_times_the_saturation_load():
+    rows = [row("laps", 250.0, 250.0, 0.0), row("least_load", 250.0, 250.0, 0.3)]
+    assert dominance.extra_load(rows, "slo_violation_rate", 2.5) is None  # 3.13× would pass 3×
+    assert dominance.extra_load(rows, "slo_violation_rate", 2.0) == 2.5
+    rows[0]["slo_violation_rate"] = 0.06
+    assert dominance.extra_load(rows, "slo_violation_rate", 2.0) is None  # every side fails at the top
