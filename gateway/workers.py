@@ -225,8 +225,8 @@ class Supervisor:
         SIGINT, when a signal came before the gateway was ready: the engines started are stopped).
 
         Raises:
-            RuntimeError: the scheduler or a worker failed to start, or to start again after the scheduler died (the
-                error is the message).
+            RuntimeError: the scheduler or a worker failed to start, or the scheduler to start again (the error is the
+                message).
         """
         self._catch_signals()
         try:

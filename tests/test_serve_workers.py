@@ -342,3 +342,84 @@ def test_a_ctrl_c_while_a_child_starts_reaches_only_the_supervisor():
     child.process.join(30)
     assert (message, child.process.exitcode) == ((READY, child.process.pid), 0)
     assert not signal.pthread_sigmask(signal.SIG_BLOCK, [])  # the supervisor's mask is as it was
+
+
+def _supervised_stubs(folder: Path) -> subprocess.Popen:
+    """The supervisor over stub children (:mod:`tests.supervised_stubs`) steered by ``folder``, in its own process
+    group, once it is ready."""
+    with (folder / "stderr").open("w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "tests.supervised_stubs", str(folder)], cwd=Path(__file__).parent.parent,
+                                stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True)
+    line = proc.stdout.readline()  # blocks until ready (or exit)
+    if line != "laps: ready on http://127.0.0.1:0\n":
+        os.killpg(proc.pid, signal.SIGKILL)
+    assert line == "laps: ready on http://127.0.0.1:0\n", (folder / "stderr").read_text()
+    return proc
+
+
+def _end_stubs(proc: subprocess.Popen, folder: Path) -> None:
+    """SIGTERM to the supervisor of stubs: it ends at once, with exit code 0, quietly."""
+    proc.terminate()
+    assert proc.wait(timeout=60) == 0
+    assert "Traceback" not in (folder / "stderr").read_text()
+
+
+def _logged(log: Path, pattern: str, count: int = 1) -> list[str]:
+    """The first group of each line of ``log`` that matches ``pattern``, once there are ``count`` such lines."""
+    deadline = time.monotonic() + 30
+    while len(found := re.findall(pattern, log.read_text(), re.MULTILINE)) < count:
+        assert time.monotonic() < deadline, f"{pattern!r} logged {len(found)} times, not {count}:\n{log.read_text()}"
+        time.sleep(0.02)
+    return found
+
+
+def test_the_supervisor_sees_deaths_during_a_restart_delay_and_starts_no_worker_while_the_scheduler_is_down(tmp_path):
+    """Every child's exit is watched all the time: a worker's while the scheduler starts again, the scheduler's during
+    a worker's restart delay (it used to be seen only once that delay was over, and the worker started meanwhile
+    found no scheduler). A worker due while the scheduler is down starts once the scheduler is back."""
+    log = tmp_path / "supervisor.log"
+    proc = _supervised_stubs(tmp_path)
+    try:
+        [first] = _logged(log, r"scheduler process started \(pid (\d+)\)")
+        [worker] = _logged(log, r"worker 0 started \(pid (\d+)\)")
+        (tmp_path / "hold").touch()  # the scheduler started again waits for the hold to go before it is ready
+        os.kill(int(first), signal.SIGKILL)
+        second = _logged(log, r"scheduler process started \(pid (\d+)\)", count=2)[1]
+        os.kill(int(worker), signal.SIGKILL)
+        _logged(log, rf"^worker 0 \(pid {worker}\) exited with code -9 after [\d.]+ s; starting it again once the scheduler is up$")
+        (tmp_path / "hold").unlink()
+        [again] = _logged(log, r"worker-0 is ready \(pid (\d+)\)")
+        text = log.read_text()
+        assert text.index(f"the scheduler is back (pid {second})") < text.index(f"worker 0 started (pid {again})")
+        os.kill(int(again), signal.SIGKILL)  # its second short life in a row: started again in 30 s
+        _logged(log, rf"^worker 0 \(pid {again}\) exited with code -9 after [\d.]+ s; starting it again in 30 s$")
+        os.kill(int(second), signal.SIGKILL)  # meanwhile
+        _logged(log, rf"^the scheduler process \(pid {second}\) exited with code -9 after [\d.]+ s, its engines with it; starting it again in 30 s ")
+        assert _logged(log, r"worker 0 started \(pid (\d+)\)") == [worker, again]
+        _end_stubs(proc, tmp_path)  # a signal ends the delays
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_the_supervisor_sees_the_scheduler_die_while_a_process_it_started_lives_on(tmp_path):
+    """The scheduler's engines inherit nothing that tells the supervisor the scheduler lives (uvloop closes no
+    descriptor in the processes it starts): its death is seen at once, not once its last engine has exited."""
+    from tests.supervised_stubs import LINGER_S
+
+    log = tmp_path / "supervisor.log"
+    (tmp_path / "linger").touch()
+    proc = _supervised_stubs(tmp_path)
+    lingerer = int((tmp_path / "lingerer.pid").read_text())
+    try:
+        (tmp_path / "linger").unlink()  # the scheduler started again leaves none
+        [scheduler] = _logged(log, r"scheduler process started \(pid (\d+)\)")
+        os.kill(int(scheduler), signal.SIGKILL)
+        _logged(log, rf"^the scheduler process \(pid {scheduler}\) exited with code -9 ")
+        assert Path(f"/proc/{lingerer}/stat").read_text().split()[2] == "S"  # still asleep, for LINGER_S
+        assert LINGER_S > 30
+        _end_stubs(proc, tmp_path)
+    finally:
+        os.kill(lingerer, signal.SIGKILL)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
