@@ -12,6 +12,8 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_urldispatcher import _default_expect_handler  # what a route without expect_handler= gets
 
+from gateway.registry import EngineState
+
 log = logging.getLogger("laps.gateway")
 
 MALFORMED_MESSAGE_CHARS = 200  # of aiohttp's reason in the log line of a malformed request
@@ -45,12 +47,16 @@ class APIError(Exception):
 class EngineUnavailable(APIError):
     """An engine could not be reached, dropped the connection or sent a broken answer (HTTP 502).
 
-    The client's message names the engine only (``engine_id``); ``detail`` says what happened, for the gateway log.
+    ``engine``: the state of the engine the request ran on (a gateway worker's registry may hold another under its id
+    since: :meth:`gateway.sched_worker.MirrorRegistry.renew`). The client's message names the engine only
+    (``engine_id``); ``detail`` says what happened, for the gateway log.
     """
 
-    def __init__(self, engine_id: str, detail: str, *, status: int = 502, code: str = "engine_unavailable", message: str | None = None) -> None:
-        super().__init__(status, message or f"engine {engine_id} failed to answer; retry later", type="engine_error", code=code)
-        self.engine_id = engine_id
+    def __init__(self, engine: EngineState, detail: str, *, status: int = 502, code: str = "engine_unavailable",
+                 message: str | None = None) -> None:
+        super().__init__(status, message or f"engine {engine.id} failed to answer; retry later", type="engine_error", code=code)
+        self.engine = engine
+        self.engine_id = engine.id
         self.detail = detail
 
 
@@ -58,8 +64,8 @@ class EngineTimeout(EngineUnavailable):
     """An engine sent nothing for longer than the request's first-byte or stall timeout, or was taken out of
     service before its first byte (HTTP 504); ``detail`` says which limit."""
 
-    def __init__(self, engine_id: str, detail: str) -> None:
-        super().__init__(engine_id, detail, status=504, code="engine_timeout", message=f"engine {engine_id} stopped answering; retry later")
+    def __init__(self, engine: EngineState, detail: str) -> None:
+        super().__init__(engine, detail, status=504, code="engine_timeout", message=f"engine {engine.id} stopped answering; retry later")
 
 
 class BodyTooLarge(APIError):

@@ -99,7 +99,7 @@ class RequestGuard:
     def engine_down(self, engine: EngineState) -> None:
         """``engine`` was taken out of service: end the wait on it if the client has nothing yet (it is retried)."""
         if (self.engine is engine or self.also is engine) and not self.sent:
-            self._fire(EngineTimeout(engine.id, "taken out of service before its first byte"))
+            self._fire(EngineTimeout(engine, "taken out of service before its first byte"))
 
     def shut(self) -> None:
         """The grace period of the shutdown is over: end the request now (or as soon as it waits on an engine)."""
@@ -114,7 +114,7 @@ class RequestGuard:
             return
         self._timer = None
         what = "next chunk" if self.sent else "first byte"
-        self._fire(EngineTimeout((self.also or self.engine).id, f"no {what} within {self._limit_s:g} s"))
+        self._fire(EngineTimeout(self.also or self.engine, f"no {what} within {self._limit_s:g} s"))
 
     def _fire(self, reason: APIError) -> None:
         if self._task is not None and self.reason is None:

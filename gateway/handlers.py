@@ -404,7 +404,7 @@ async def _relay_json(gw: Gateway, engine: EngineState, path: str, body: dict, h
     except orjson.JSONDecodeError:
         obj = None
     if not isinstance(obj, dict):
-        raise EngineUnavailable(engine.id, f"answer is not a JSON object: {payload[:200]!r}")
+        raise EngineUnavailable(engine, f"answer is not a JSON object: {payload[:200]!r}")
     reply.take(obj)
     gw.prefix_index.observe(engine.id, prompt_keys, reply.cached_tokens, view.cached_by_engine.get(engine.id, 0))
     reply.prompt_observed = True

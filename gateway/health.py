@@ -46,9 +46,19 @@ READY_FAILURES_WHEN_BUSY = 3
 SILENCE_SHARE_OF_STALL = 1 / 3
 
 
+def registered(gw: Gateway, engine: EngineState) -> bool:
+    """Whether ``engine`` is the state ``gw``'s registry holds under its id: not in a gateway worker whose request was
+    placed on an engine of a scheduler process that died since (the engines of the one started again are other
+    processes, with states of their own: :meth:`gateway.sched_worker.MirrorRegistry.renew`)."""
+    return gw.registry[engine.id] is engine
+
+
 def take_out_of_service(gw: Gateway, engine: EngineState, why: str, stalled: bool) -> None:
     """Route no new work to ``engine`` (``stalled``: set :attr:`~EngineState.stalled`, else clear ``healthy``) and
-    end the wait of its requests that have sent nothing to their client, so they are retried elsewhere."""
+    end the wait of its requests that have sent nothing to their client, so they are retried elsewhere. An engine no
+    longer :func:`registered` is left as it is (it went with its scheduler; the one under its id now is another)."""
+    if not registered(gw, engine):
+        return
     was_serving = engine.serving
     if stalled:
         engine.stalled = True
@@ -67,7 +77,7 @@ def engine_failed(gw: Gateway, err: EngineUnavailable) -> None:
     """A request saw ``err`` from its engine: take the engine out of service (unhealthy), or after a timeout (stalled)
     unless the engine's streams brought bytes within the silence limit: a busy engine that queues a request is no
     stuck engine (taking it out would send all its queue elsewhere)."""
-    engine = gw.registry[err.engine_id]
+    engine = err.engine  # the one the request ran on (take_out_of_service leaves it if it is no longer registered)
     if not engine.serving:  # out of service already (the error may be the one its leaving caused)
         return
     if not isinstance(err, EngineTimeout):
@@ -101,8 +111,8 @@ def silence_s(gw: Gateway) -> float:
 
 
 def back_in_service(gw: Gateway, engine: EngineState, why: str) -> None:
-    """A stalled ``engine`` works again (``why``): route to it again."""
-    if engine.stalled:
+    """A stalled ``engine`` works again (``why``): route to it again (if it is still :func:`registered`)."""
+    if engine.stalled and registered(gw, engine):
         engine.stalled = False
         log.warning("engine %s is back in service: %s", engine.id, why)
         gw.metrics.engine_healthy.labels(engine.id).set(int(engine.healthy))

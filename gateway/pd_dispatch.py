@@ -138,13 +138,12 @@ async def relay(request: web.Request, gw: Gateway, path: str, body: dict, header
     host, port = pd.bootstrap[prefill_id]
     body.update(bootstrap_host=host, bootstrap_port=port, bootstrap_room=bootstrap_room())
     headers[DECODE_ENGINE_HEADER] = decode_id
-    decode = gw.registry[decode_id]
     gw.metrics.in_flight_of(decode_id).inc()
     pair = _Pair(request, gw, path, body, headers, view, prefill_id, decode_id, guard, reply, stream, prompt_keys)
     try:
         return await pair.run()
     except (ClientGone, asyncio.CancelledError):
-        in_background(gw.client.abort(decode.url, view.rid))
+        in_background(gw.client.abort(pair.decode.url, view.rid))
         raise
     finally:
         gw.metrics.in_flight_of(decode_id).dec()
@@ -152,12 +151,15 @@ async def relay(request: web.Request, gw: Gateway, path: str, body: dict, header
 
 
 class _Pair:
-    """One request in flight on a prefill engine and a decode engine (see :func:`relay`)."""
+    """One request in flight on a prefill engine and a decode engine (see :func:`relay`); ``prefill`` and ``decode``:
+    their states as the request found them (a gateway worker's registry may hold others under their ids later:
+    :meth:`gateway.sched_worker.MirrorRegistry.renew`)."""
 
     def __init__(self, request: web.Request, gw: Gateway, path: str, body: dict, headers: dict, view: RequestView,
                  prefill_id: str, decode_id: str, guard: RequestGuard, reply: Reply, stream: bool, prompt_keys: Sequence[int]) -> None:
         self.request, self.gw, self.path, self.body, self.headers, self.view = request, gw, path, body, headers, view
         self.prefill_id, self.decode_id, self.guard, self.reply, self.stream = prefill_id, decode_id, guard, reply, stream
+        self.prefill, self.decode = gw.registry[prefill_id], gw.registry[decode_id]
         self.prompt_keys = prompt_keys
         self.response: web.StreamResponse | None = None
         self.sse: SSERelay | None = None
@@ -167,15 +169,14 @@ class _Pair:
         self._prefill_task: asyncio.Future | None = None
 
     async def run(self) -> tuple[web.StreamResponse, str]:
-        registry = self.gw.registry
         try:
-            with self.guard.watching(registry[self.decode_id], self.stream, also=registry[self.prefill_id]):
+            with self.guard.watching(self.decode, self.stream, also=self.prefill):
                 return await self._run()
         except (EngineUnavailable, ShuttingDown) as err:  # the guard cut the pair off
             if err is not self.guard.reason:  # a side's own failure: _run has aborted the other side already
                 raise
-            for engine_id in (self.prefill_id, self.decode_id):
-                in_background(self.gw.client.abort(registry[engine_id].url, self.view.rid))
+            for engine in (self.prefill, self.decode):
+                in_background(self.gw.client.abort(engine.url, self.view.rid))
             return await self._fail(err)
 
     async def _run(self) -> tuple[web.StreamResponse, str]:
@@ -188,14 +189,14 @@ class _Pair:
             await asyncio.wait((prefill, decode), return_when=asyncio.FIRST_COMPLETED)
             if prefill.done() and prefill.exception() is not None and not decode.done():
                 await _cancel(decode)
-                in_background(self.gw.client.abort(self.gw.registry[self.decode_id].url, self.view.rid))
+                in_background(self.gw.client.abort(self.decode.url, self.view.rid))
                 return await self._fail(prefill.exception())
             await asyncio.wait((decode,))
             if decode.exception() is not None:
                 if isinstance(decode.exception(), ClientGone):
                     raise decode.exception()  # both sides are aborted on the way out
                 await _cancel(prefill)
-                in_background(self.gw.client.abort(self.gw.registry[self.prefill_id].url, self.view.rid))
+                in_background(self.gw.client.abort(self.prefill.url, self.view.rid))
                 return await self._fail(decode.exception())
             await self._settle_prefill(prefill)
             return self.response, "ok"
@@ -211,7 +212,7 @@ class _Pair:
             log.warning("%s: decode on %s finished but prefill on %s did not answer within %.1f s; aborting it",
                         self.view.rid, self.decode_id, self.prefill_id, PREFILL_GRACE_S)
             await _cancel(prefill)
-            in_background(self.gw.client.abort(self.gw.registry[self.prefill_id].url, self.view.rid))
+            in_background(self.gw.client.abort(self.prefill.url, self.view.rid))
         elif prefill.exception() is not None:
             log.warning("%s: decode on %s finished but prefill on %s failed: %s", self.view.rid, self.decode_id, self.prefill_id, prefill.exception())
 
@@ -240,7 +241,7 @@ class _Pair:
 
     async def _prefill(self) -> None:
         """Send the request to the prefill engine and read its whole answer (it ends when the prefill does)."""
-        engine = self.gw.registry[self.prefill_id]
+        engine = self.prefill
         try:
             async with self.gw.client.post(engine.url, self.path, self.body) as upstream:
                 payload = await upstream.read()
@@ -261,7 +262,7 @@ class _Pair:
         """Send the request to the decode engine and relay its whole answer to the client (its text into
         :attr:`reply`, which is then :attr:`~gateway.relay.Reply.done`; its usage with the prefill engine's
         ``cached_tokens``); the outcome."""
-        engine = self.gw.registry[self.decode_id]
+        engine = self.decode
         try:
             async with self.gw.client.post(engine.url, self.path, self.body, stream=self.stream) as upstream:
                 if upstream.status != 200:
@@ -319,7 +320,7 @@ class _Pair:
         except orjson.JSONDecodeError:
             obj = None
         if not isinstance(obj, dict):
-            raise EngineUnavailable(self.decode_id, f"answer is not a JSON object: {payload[:200]!r}")
+            raise EngineUnavailable(self.decode, f"answer is not a JSON object: {payload[:200]!r}")
         self.reply.take(obj)
         await self._prefill_report()
         if self.prefill_cached_tokens is not None and isinstance(obj.get("usage"), dict):

@@ -72,7 +72,7 @@ class ClientGone(Exception):
 
 def unreachable(engine: EngineState, err: BaseException) -> EngineUnavailable:
     """The client's error for ``engine`` failing with the connection error ``err`` (which, and where, goes to the log)."""
-    return EngineUnavailable(engine.id, f"{engine.url}: {type(err).__name__}: {str(err) or type(err).__name__}")
+    return EngineUnavailable(engine, f"{engine.url}: {type(err).__name__}: {str(err) or type(err).__name__}")
 
 
 @dataclass
@@ -294,7 +294,7 @@ class SSERelay:
             async for chunk in chunks:
                 data = tap.feed(chunk)
                 if tap.malformed is not None:
-                    raise EngineUnavailable(engine.id, f"malformed SSE event {tap.malformed[:200]!r}")
+                    raise EngineUnavailable(engine, f"malformed SSE event {tap.malformed[:200]!r}")
                 guard.paused = True
                 if self.response is None:
                     self.on_first()
@@ -312,7 +312,7 @@ class SSERelay:
             if self.response is not None:
                 engine.open_streams -= 1
         if not tap.reply.done:
-            raise EngineUnavailable(engine.id, f"stream ended without data: [DONE] (last bytes {tap.flush()[-200:]!r})")
+            raise EngineUnavailable(engine, f"stream ended without data: [DONE] (last bytes {tap.flush()[-200:]!r})")
 
     async def finish(self) -> web.StreamResponse:
         """The engine's stream ended with ``[DONE]``: relay what is left and end the client's stream."""

@@ -172,10 +172,10 @@ class RemoteDecodeSide:
 
 
 class MirrorRegistry(EngineRegistry):
-    """A worker's copy of the scheduler's registry (:func:`registry_of`, :func:`apply_state`). The scheduler counts
-    every request's load, this worker's too (its place answers, ``first`` and ``done`` notes), so the copy counts
-    nothing itself: :meth:`acquire` and :meth:`release` do nothing, and the load it shows is the scheduler's as of the
-    last state poll."""
+    """A worker's copy of the scheduler's registry (:func:`registry_of`, :func:`apply_state`, :meth:`renew`). The
+    scheduler counts every request's load, this worker's too (its place answers, ``first`` and ``done`` notes), so the
+    copy counts nothing itself: :meth:`acquire` and :meth:`release` do nothing, and the load it shows is the
+    scheduler's as of the last state poll."""
 
     def acquire(self, engine_id: str, prompt_tokens: int) -> None:
         """Nothing (class doc)."""
@@ -183,11 +183,19 @@ class MirrorRegistry(EngineRegistry):
     def release(self, engine_id: str, prompt_tokens: int) -> None:
         """Nothing (class doc)."""
 
+    def renew(self, engines: list[list]) -> None:
+        """Hold new states of every engine, from a ``state`` call's ``engines`` (a scheduler process's first answer:
+        its engines are other processes than the dead one's, under the same ids). The requests placed on the dead
+        one's engines keep those engines' states, so what they see of them (a failure, silence, bytes) is not taken
+        for news of the new engines (:func:`gateway.health.registered`), which it took out of service everywhere."""
+        self._engines = {row[0]: EngineState(row[0], row[1], row[2]) for row in engines}
+        apply_state(self, engines)
+
 
 def registry_of(engines: list[list]) -> MirrorRegistry:
     """A worker's registry from the ``state`` call's engines (:mod:`gateway.sched_service`)."""
-    registry = MirrorRegistry([EngineState(row[0], row[1], row[2]) for row in engines])
-    apply_state(registry, engines)
+    registry = MirrorRegistry([])
+    registry.renew(engines)
     return registry
 
 
@@ -224,13 +232,14 @@ class StatePoller:
     to ``registry``). Once the channel is lost (the scheduler died, its engines with it), at once, every engine of
     ``registry`` is marked unhealthy: the worker's ``/health`` answers 503 ``unavailable``, as its requests get
     503 ``scheduler_unavailable``. When the channel is back (a scheduler started again), it polls at once, and the
-    engines serve again as the new scheduler reports them."""
+    engines serve again as the new scheduler reports them, in new states (:meth:`MirrorRegistry.renew`)."""
 
-    def __init__(self, channel: ChannelClient, registry: EngineRegistry, state: dict) -> None:
+    def __init__(self, channel: ChannelClient, registry: MirrorRegistry, state: dict) -> None:
         self._channel = channel
         self._registry = registry
         self.roles: dict[str, str] = dict(state["roles"])
         self.stats: dict[str, float] = state["stats"]
+        self._renew = False  # the next answer is a new scheduler's
         self._poll_now = asyncio.Event()
         self._task = asyncio.get_running_loop().create_task(self._run())
         channel.on_lost = self._scheduler_gone
@@ -241,6 +250,7 @@ class StatePoller:
         log.error("worker: %s; requests get 503 scheduler_unavailable until it is back", why)
         for engine in self._registry:
             engine.healthy = False
+        self._renew = True
 
     async def _run(self) -> None:
         while True:
@@ -251,7 +261,11 @@ class StatePoller:
                 state = await self._channel.call({"op": "state"})
             except ChannelClosed:
                 continue  # the scheduler is gone (_scheduler_gone has run); its successor restores the channel
-            apply_state(self._registry, state["engines"])
+            if self._renew:
+                self._registry.renew(state["engines"])
+                self._renew = False
+            else:
+                apply_state(self._registry, state["engines"])
             self.roles.update(state["roles"])
             self.stats = state["stats"]
 

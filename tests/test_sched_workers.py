@@ -12,15 +12,15 @@ import pytest
 import yaml
 
 from gateway.dispatcher import Arrival, Dispatcher, classify
-from gateway.errors import APIError
-from gateway.health import SILENCE_SHARE_OF_STALL, check_silence
+from gateway.errors import APIError, EngineUnavailable
+from gateway.health import SILENCE_SHARE_OF_STALL, back_in_service, check_silence, engine_failed
 from gateway.registry import EngineRegistry, EngineState
 from gateway.sched_channel import ChannelClient, ChannelClosed
 from gateway.sched_service import SchedulerService
 from gateway.priority import engine_role
 from gateway.pd_setup import PDDispatch
 from gateway.sched_worker import (STATE_POLL_S, RemoteDecodeSide, RemoteDispatcher, RemotePrefixIndex, StatePoller, admin_caller,
-                                  registry_of)
+                                  registry_of, report_out_of_service)
 from laps.config import DEFAULT_CONFIG_PATH, parse_config
 from laps.cost import engine_traits
 from policies.exact_prefix import PrefixCaches
@@ -421,6 +421,55 @@ async def test_a_worker_serves_again_through_a_scheduler_started_again_with_its_
         assert loop.time() - back_s < STATE_POLL_S  # at once, not at the next poll
         assert {e.id: e.url for e in mirror} == {e.id: e.url for e in second.registry}
         assert all(e.url.endswith(":8001") for e in mirror)
+        await poller.close()
+    finally:
+        await channel.close()
+        await again.close()
+        first.dispatcher.close()
+        second.dispatcher.close()
+
+
+def _metrics():
+    """What :func:`gateway.health.take_out_of_service` uses of the gateway's metrics."""
+    return SimpleNamespace(engine_healthy=SimpleNamespace(labels=lambda engine_id: SimpleNamespace(set=lambda value: None)))
+
+
+async def test_what_a_request_of_a_dead_scheduler_sees_of_its_engine_is_no_news_of_the_new_one(tmp_path):
+    """A worker's request placed before the scheduler died runs on an engine of that scheduler: its failure, its
+    silence, its bytes concern that engine only, not the new scheduler's under the same id (it took that one out of
+    service, in the worker and in the new scheduler, until the health poll)."""
+    path = str(tmp_path / "sched.sock")
+    config = _config()
+    first, second = _scheduler_side(config, Clock()), _scheduler_side(config, Clock())
+    for side in (first, second):
+        side.metrics, side.guards, side.report_out_of_service = _metrics(), set(), None
+    for engine in second.registry:
+        engine.url += ":8001"
+    service, again = SchedulerService(first, {}), SchedulerService(second, {})
+    await service.start(path)
+    channel = await ChannelClient.connect(path, reconnect=True)
+    try:
+        state = await channel.call({"op": "state"})
+        mirror = registry_of(state["engines"])
+        poller = StatePoller(channel, mirror, state)
+        worker = SimpleNamespace(config=config, registry=mirror, metrics=_metrics(), guards=set(),
+                                 report_out_of_service=partial(report_out_of_service, channel))
+        old = mirror["sp0"]  # as a request placed on sp0 now holds it
+        old.open_streams, old.last_byte_s, old.stalled = 1, 0.0, True  # its stream, silent
+        await service.close()
+        await again.start(path)
+        while not all(e.healthy and e.url.endswith(":8001") for e in mirror):
+            await asyncio.sleep(0.005)
+        new = mirror["sp0"]
+        assert new is not old and old.url == "http://sp0" and (new.open_streams, new.stalled) == (0, False)
+        engine_failed(worker, EngineUnavailable(old, f"{old.url}: ConnectionResetError"))
+        check_silence(worker, 1e9)
+        back_in_service(worker, old, "its stream brought bytes again")
+        await channel.call({"op": "state"})  # the notes sent before it are handled
+        assert new.serving and second.registry["sp0"].serving and old.stalled
+        engine_failed(worker, EngineUnavailable(new, f"{new.url}: ConnectionResetError"))  # a request of the new one's
+        await channel.call({"op": "state"})
+        assert not new.healthy and not second.registry["sp0"].healthy
         await poller.close()
     finally:
         await channel.close()
