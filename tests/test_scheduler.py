@@ -98,7 +98,6 @@ async def test_dispatcher_wakes_at_the_scheduler_time_and_counts_load():
     assert scheduler.calls == [("first_token", "r0", 3), ("complete", "r0"), ("complete", "r1")]
 
 
-
 async def test_a_first_token_that_ends_the_engines_part_releases_its_load_once():
     """PD: the prefill engine's answer ends the request's load there; its completion later releases nothing twice."""
     loop = asyncio.get_running_loop()
@@ -114,6 +113,7 @@ async def test_a_first_token_that_ends_the_engines_part_releases_its_load_once()
     assert (registry["a"].in_flight, registry["a"].in_flight_prompt_tokens) == (1, 5)
     dispatcher.complete(plain, "a")
     assert (registry["a"].in_flight, registry["a"].in_flight_prompt_tokens) == (0, 0)
+
 
 async def test_dispatcher_withdraws_a_cancelled_request_and_fails_rejected_ones():
     loop = asyncio.get_running_loop()
