@@ -187,7 +187,8 @@ class MirrorRegistry(EngineRegistry):
         """Hold new states of every engine, from a ``state`` call's ``engines`` (a scheduler process's first answer:
         its engines are other processes than the dead one's, under the same ids). The requests placed on the dead
         one's engines keep those engines' states, so what they see of them (a failure, silence, bytes) is not taken
-        for news of the new engines (:func:`gateway.health.registered`), which it took out of service everywhere."""
+        for news of the new engines (:func:`gateway.health.registered`; it took a new one out of service, here and in
+        the scheduler)."""
         self._engines = {row[0]: EngineState(row[0], row[1], row[2]) for row in engines}
         apply_state(self, engines)
 
