@@ -50,7 +50,10 @@ meet its deadline (a greedy choice by its own TTFT alone piles shorter requests
 onto the engine where a long one waits, which then starves):
 
 * a short batch goes to the engine of *any* pool where it costs least (ties:
-  the short pool, then fewer requests in flight); an engine busy with a long
+  fewer requests in flight, then the short pool: requests in flight are mostly
+  decoding ones, which a prefill's predicted cost hardly sees, and with the
+  short pool first every tie went there, so on a short-heavy mix the short
+  pool did all the decoding); an engine busy with a long
   prefill's chunks makes it wait for a whole chunk pass, so short prefills
   avoid it while a clean engine exists ("spill-over" into the long pool when
   the long pool is idle);
@@ -485,7 +488,7 @@ class LapsScheduler:
             batch.append(queue.pop(0))
         engines = [e for e in load.values() if e.healthy]
         order = {e.id: i for i, e in enumerate(engines)}
-        best = min(engines, key=lambda e: (self._cost(e, batch, now), e.pool != "short", e.in_flight, order[e.id]))
+        best = min(engines, key=lambda e: (self._cost(e, batch, now), e.in_flight, e.pool != "short", order[e.id]))
         if best.pool == "long":
             self.short_spilled += 1
         waited_s = now - min(r.arrival_s for r in batch)

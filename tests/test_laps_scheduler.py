@@ -156,6 +156,18 @@ def test_an_idle_engine_takes_a_short_request_at_once_and_ties_go_to_the_short_p
     assert (stats["short_batches_by_idle_total"], stats["short_batches_to_long_pool_total"]) == (2, 1)
 
 
+def test_a_tie_in_predicted_cost_goes_to_the_engine_with_fewer_requests_in_flight_then_the_short_pool():
+    # Both engines idle: the same predicted TTFT. s holds 3 requests (decoding, say), l holds 1: l takes it.
+    s = LapsScheduler(config(awd_windows=False), TRAITS)
+    s.submit(short("r0", 10, 0.0), 0.0)
+    loaded = [EngineView("s", "short", in_flight=3), EngineView("l", "long", in_flight=1)]
+    assert s.decide(loaded, 0.0) == Decision((Dispatch("l", ("r0",)),))
+    s = LapsScheduler(config(awd_windows=False), TRAITS)
+    s.submit(short("r0", 10, 0.0), 0.0)
+    even = [EngineView("s", "short", in_flight=2), EngineView("l", "long", in_flight=2)]
+    assert s.decide(even, 0.0) == Decision((Dispatch("s", ("r0",)),))  # as many in flight: the short pool
+
+
 def test_a_short_batch_goes_to_the_engine_whose_backlog_ends_first_even_behind_a_long_prefill():
     s = LapsScheduler(config(), TRAITS)
     s.submit(long("L", 3000, 0.0), 0.0)
