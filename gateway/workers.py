@@ -309,7 +309,7 @@ class Supervisor:
         Raises:
             RuntimeError: the scheduler failed to start again.
         """
-        due: dict[int | None, float] = {}  # the children to start again, by worker index (None: the scheduler): when
+        due: dict[int | None, float] = {}  # when (time.monotonic()) each child to start again is due, by worker index (None: the scheduler)
         while not self._signals:
             up = self._scheduler_up()
             now = time.monotonic()
