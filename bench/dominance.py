@@ -1,6 +1,6 @@
 """Does laps as shipped beat every router baseline on every workload, at every load? One benchmark, one verdict.
 
-    python bench/dominance.py --pd --out runs/dominance/dominance.json       # about an hour on 2 cores
+    python bench/dominance.py --pd --out runs/dominance/dominance.json       # about 75 min on 2 cores
     python bench/dominance.py --quick --out runs/dominance/quick.json        # 3 workloads, 4 loads, shorter points
 
 8 simulated H200s with Qwen2.5-7B (the engine model of ``laps simulate``), TTFT SLO 0.4 s, and
@@ -475,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(width=160)
     if args.verdict_of is not None:
         if not args.verdict_of.is_file():
-            parser.error(f"--verdict-of {args.verdict_of}: no such file")
+            parser.error(f"--verdict-of {args.verdict_of}: {'a directory' if args.verdict_of.is_dir() else 'no such file'}")
         try:
             earlier = json.loads(args.verdict_of.read_text())
             earlier["rows"], earlier["verdict"], earlier["max_duration_s"]  # noqa: B018 (keys checked here)
