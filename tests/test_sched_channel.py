@@ -245,15 +245,21 @@ async def test_a_future_result_is_answered_once_set_and_a_cancelled_one_never(so
         await server.close()
 
 
-async def test_a_reconnecting_channel_comes_back_when_a_new_scheduler_listens(sock_path):
-    """A lost channel (the scheduler died) fails its calls and notes meanwhile, then connects to the scheduler started
-    again on the same path by itself; one closed by its worker stays closed."""
+async def _reconnecting_pair(sock_path):
+    """A server answering ``("first", message)`` and a reconnecting client of it that logs "lost" and "restored"."""
     events = []
     server = ChannelServer(sock_path, lambda message, peer: ("first", message))
     await server.start()
     client = await ChannelClient.connect(sock_path, reconnect=True)
     client.on_lost = lambda why: events.append("lost")
     client.on_restored = lambda: events.append("restored")
+    return server, client, events
+
+
+async def test_a_reconnecting_channel_comes_back_when_a_new_scheduler_listens(sock_path):
+    """A lost channel (the scheduler died) fails its calls and notes meanwhile, then connects to the scheduler started
+    again on the same path by itself; one closed by its worker stays closed."""
+    server, client, events = await _reconnecting_pair(sock_path)
     second = ChannelServer(sock_path, lambda message, peer: ("second", message))
     try:
         assert await client.call("a") == ["first", "a"]
@@ -323,12 +329,7 @@ async def test_a_connection_lost_before_connect_returns_leaves_the_channel_close
 
 
 async def test_a_reconnection_lost_at_once_is_tried_again(sock_path, monkeypatch):
-    events = []
-    server = ChannelServer(sock_path, lambda message, peer: ("first", message))
-    await server.start()
-    client = await ChannelClient.connect(sock_path, reconnect=True)
-    client.on_lost = lambda why: events.append("lost")
-    client.on_restored = lambda: events.append("restored")
+    server, client, events = await _reconnecting_pair(sock_path)
     loop = asyncio.get_running_loop()
     monkeypatch.setattr(loop, "create_unix_connection", _lost_before_returning(loop, 1))
     second = ChannelServer(sock_path, lambda message, peer: ("second", message))
