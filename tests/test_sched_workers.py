@@ -423,10 +423,15 @@ async def test_a_worker_serves_again_through_a_scheduler_started_again_with_its_
         assert all(e.url.endswith(":8001") for e in mirror)
         await poller.close()
     finally:
-        await channel.close()
-        await again.close()
-        first.dispatcher.close()
-        second.dispatcher.close()
+        await _end_restart(channel, again, first, second)
+
+
+async def _end_restart(channel, again, first, second) -> None:
+    """Close a worker's ``channel``, the scheduler service started ``again`` and both schedulers' dispatchers."""
+    await channel.close()
+    await again.close()
+    first.dispatcher.close()
+    second.dispatcher.close()
 
 
 def _metrics():
@@ -472,7 +477,4 @@ async def test_what_a_request_of_a_dead_scheduler_sees_of_its_engine_is_no_news_
         assert not new.healthy and not second.registry["sp0"].healthy
         await poller.close()
     finally:
-        await channel.close()
-        await again.close()
-        first.dispatcher.close()
-        second.dispatcher.close()
+        await _end_restart(channel, again, first, second)
