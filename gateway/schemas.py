@@ -93,9 +93,24 @@ class _SamplingFields(BaseModel):
     n: int = Field(1, ge=1, le=128)  # the engine answers n choices of one prefill
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
+    # SGLang's extensions, with SGLang 0.5.23's ranges (SamplingParams.verify), so the engine never refuses them
+    top_k: int | None = None  # -1 (off) or >= 1: _top_k_off_or_positive
+    min_p: float | None = Field(None, ge=0, le=1)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, le=2)
+    min_tokens: int | None = Field(None, ge=0)
+    seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 63)
     stop: str | list[str] | None = None
     priority: int | None = Field(None, ge=-(1 << 63), lt=1 << 63)  # SGLang's; see gateway/priority.py
     stream_options: dict | None = None  # OpenAI's: only with "stream": true
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_off_or_positive(cls, v):
+        if v is not None and v != -1 and v < 1:
+            raise ValueError("must be -1 (no limit) or at least 1")
+        return v
 
     @field_validator("stream_options")
     @classmethod

@@ -439,17 +439,34 @@ def _terminate(children: list[_Child], within_s: float) -> None:
 @contextlib.contextmanager
 def port_lock(port: int) -> Iterator[None]:
     """Hold an exclusive lock on TCP ``port`` for this process (a file in the temp directory, ``flock``: the lock goes
-    with the process, however it ends).
+    with the process, however it ends); the file is removed when the holder lets go.
+
+    A contender that opened the file just before the holder removed it locks a file no longer on disk; it sees that
+    (the path names another file, or none) and tries again on the path's new file.
 
     Raises:
         OSError: (EADDRINUSE) another multi-worker laps gateway holds it.
     """
-    with open(Path(tempfile.gettempdir(), f"laps-gateway-port-{port}.lock"), "a") as f:
+    path = Path(tempfile.gettempdir(), f"laps-gateway-port-{port}.lock")
+    while True:
+        f = open(path, "a")
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            f.close()
             raise OSError(errno.EADDRINUSE, f"port {port} is already served by another laps gateway with workers") from None
+        try:
+            held_on_disk = os.path.samestat(os.fstat(f.fileno()), os.stat(path))
+        except FileNotFoundError:
+            held_on_disk = False
+        if held_on_disk:
+            break
+        f.close()
+    try:
         yield
+    finally:
+        path.unlink(missing_ok=True)  # before the lock goes, so that no one locks the file being removed
+        f.close()
 
 
 def serve_workers(config: Config, setup_logging: LogSetup) -> int:

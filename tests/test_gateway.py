@@ -108,6 +108,15 @@ async def test_stream_is_relayed_to_done(stack):
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role", "'user'"),
         ("/v1/completions", {"model": MODEL}, 400, "prompt", "Field required"),
         ("/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt", "one prompt per request"),
+        # SGLang's sampling extensions, refused before they reach an engine (SGLang 0.5.23's ranges)
+        ("/v1/chat/completions", chat("x", top_k=-7), 400, "top_k", "must be -1 (no limit) or at least 1"),
+        ("/v1/chat/completions", chat("x", seed="x"), 400, "seed", "valid integer"),
+        ("/v1/chat/completions", chat("x", repetition_penalty=0), 400, "repetition_penalty", "greater than 0"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "min_p": 1.5}, 400, "min_p", "less than or equal to 1"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "frequency_penalty": -3}, 400, "frequency_penalty",
+         "greater than or equal to -2"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "min_tokens": -1}, 400, "min_tokens",
+         "greater than or equal to 0"),
     ],
 )
 async def test_malformed_requests_get_openai_error_bodies(stack, path, payload, status, param, fragment):

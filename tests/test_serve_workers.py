@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -312,8 +313,11 @@ def test_a_port_held_by_a_multi_worker_gateway_is_refused_to_another():
         with pytest.raises(OSError, match=f"port {port} is already served by another laps gateway with workers"):
             with port_lock(port):
                 pass
+    lock_file = Path(tempfile.gettempdir(), f"laps-gateway-port-{port}.lock")
+    assert not lock_file.exists()  # removed by its last holder
     with port_lock(port):  # released with its holder
-        pass
+        assert lock_file.exists()
+    assert not lock_file.exists()
 
 
 def _no_logging(label: str) -> None:

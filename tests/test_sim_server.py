@@ -213,6 +213,19 @@ async def test_client_disconnect_aborts_the_request(client):
          "longer than the model's context length", "BadRequestError"),
         ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens must be positive", "Bad Request"),
         ("/v1/completions", {"prompt": ""}, "Prompt cannot be empty", "BadRequestError"),
+        # sampling values SGLang 0.5.23's SamplingParams.verify refuses, with its messages
+        ("/v1/chat/completions", {"messages": MESSAGES, "top_k": -7}, "top_k must be -1 (disable) or at least 1, got -7.",
+         "BadRequestError"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "top_k": 0}, "top_k must be -1", "BadRequestError"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "seed": "x"}, "seed: Input should be a valid int", "Bad Request"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "temperature": -0.5},
+         "temperature must be a non-negative finite number, got -0.5.", "BadRequestError"),
+        ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty must be in (0, 2]",
+         "BadRequestError"),
+        ("/v1/completions", {"prompt": "x", "min_tokens": -1}, "min_new_tokens must be at least 0, got -1.",
+         "BadRequestError"),
+        ("/v1/completions", {"prompt": "x", "presence_penalty": 2.5}, "presence_penalty must be in [-2, 2], got 2.5.",
+         "BadRequestError"),
     ],
 )
 async def test_openai_errors_are_400_with_sglang_error_bodies(client, path, body, message, err_type):
@@ -228,6 +241,12 @@ async def test_generate_errors(client):
     resp = await client.post("/generate", json={"sampling_params": {}})
     assert resp.status == 400
     assert await resp.json() == {"error": {"message": "Either text, input_ids or input_embeds should be provided."}}
+    resp = await client.post("/generate", json={"text": "hi", "sampling_params": {"min_p": 1.5, "top_k": 5}})
+    assert resp.status == 400
+    assert await resp.json() == {"error": {"message": "min_p must be in [0, 1], got 1.5."}}
+    resp = await client.post("/generate", json={"text": "hi", "sampling_params": {"top_k": -1, "sampling_seed": 7,
+                                                                                   "max_new_tokens": 2}})
+    assert resp.status == 200
 
 
 async def test_info_endpoints(client):

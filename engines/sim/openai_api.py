@@ -19,6 +19,7 @@ from engines.sim.protocol import (
     ApiError,
     ReplyText,
     chat_logprobs,
+    check_sampling,
     completion_logprobs,
     field,
     logprob_request,
@@ -87,7 +88,12 @@ def _max_new_tokens(value: int | None, engine: SimEngine) -> int | None:
 
 def _options(body: dict[str, Any]) -> tuple[list[str], bool, bool, bool, str, str]:
     """The request options both OpenAI routes read: stop strings, ``ignore_eos``, ``stream``, whether the
-    client asked for usage in the stream, the model name and the request id."""
+    client asked for usage in the stream, the model name and the request id.
+
+    Raises:
+        ApiError: a field of the wrong type or a sampling value SGLang refuses (:func:`check_sampling`).
+    """
+    check_sampling(body, openai=True)
     include_usage = bool((field(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
     return (stop_list(body), bool(field(body, "ignore_eos", (bool,), False)), bool(field(body, "stream", (bool,), False)),
             include_usage, field(body, "model", (str,), "default"), request_id(body))

@@ -8,6 +8,7 @@ Shapes were read from SGLang 0.5.23's ``entrypoints/http_server.py``,
 
 from __future__ import annotations
 
+import math
 import uuid
 from typing import Any
 
@@ -218,3 +219,41 @@ def completion_logprobs(tokenizer: ChatTokenizer, token_ids: list[int], top: int
         offsets.append(text_offset)
         text_offset += len(alts[0][0])
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+# (OpenAI field, SGLang sampling parameter, accepted types); SGLang 0.5.23 `openai/protocol.py` maps them in
+# `to_sampling_params` (`min_tokens` -> `min_new_tokens`, `seed` -> `sampling_seed`).
+_SAMPLING_FIELDS = (
+    ("temperature", "temperature", (int, float)), ("top_p", "top_p", (int, float)), ("top_k", "top_k", (int,)),
+    ("min_p", "min_p", (int, float)), ("frequency_penalty", "frequency_penalty", (int, float)),
+    ("presence_penalty", "presence_penalty", (int, float)),
+    ("repetition_penalty", "repetition_penalty", (int, float)), ("min_tokens", "min_new_tokens", (int,)),
+    ("seed", "sampling_seed", (int,)),
+)
+
+
+def check_sampling(body: dict[str, Any], openai: bool) -> None:
+    """Reject sampling values SGLang 0.5.23 rejects (``SamplingParams.verify`` in ``sampling/sampling_params.py``):
+    the simulated engine samples nothing, but a request real SGLang refuses must be refused here too. ``body`` is an
+    OpenAI request (``openai``) or ``/generate``'s ``sampling_params``; null or absent fields take SGLang's defaults.
+
+    Raises:
+        ApiError: a field of the wrong type, or out of SGLang's range (SGLang's message).
+    """
+    values = {}
+    for openai_name, name, kinds in _SAMPLING_FIELDS:
+        values[name] = field(body, openai_name if openai else name, kinds)
+    checks = (
+        ("temperature", lambda v: math.isfinite(v) and v >= 0, "must be a non-negative finite number"),
+        ("top_p", lambda v: 0 < v <= 1, "must be in (0, 1]"),
+        ("min_p", lambda v: 0 <= v <= 1, "must be in [0, 1]"),
+        ("top_k", lambda v: v == -1 or v >= 1, "must be -1 (disable) or at least 1"),
+        ("frequency_penalty", lambda v: -2 <= v <= 2, "must be in [-2, 2]"),
+        ("presence_penalty", lambda v: -2 <= v <= 2, "must be in [-2, 2]"),
+        ("repetition_penalty", lambda v: 0 < v <= 2, "must be in (0, 2] (1.0 = no penalty)"),
+        ("min_new_tokens", lambda v: v >= 0, "must be at least 0"),
+        ("sampling_seed", lambda v: -(2**63) <= v <= 2**63 - 1, "must be in [-2**63, 2**63 - 1]"),
+    )
+    for name, ok, rule in checks:
+        if values[name] is not None and not ok(values[name]):
+            raise ApiError(f"{name} {rule}, got {values[name]}.")

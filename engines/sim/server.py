@@ -43,6 +43,7 @@ from engines.sim.pd_http import PDShell
 from engines.sim.protocol import (
     ApiError,
     ReplyText,
+    check_sampling,
     errors_middleware,
     field,
     finish_reason_dict,
@@ -83,6 +84,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
                                            "(batches are not simulated)"}}, 400)
     params = field(body, "sampling_params", (dict,), {})
     try:
+        check_sampling(params, openai=False)
         max_new = field(params, "max_new_tokens", (int,), GENERATE_DEFAULT_MAX_NEW_TOKENS)
         stop = stop_list(params)
         ignore_eos = bool(field(params, "ignore_eos", (bool,), False))
