@@ -26,7 +26,10 @@ way, with its engines, while the workers answer 503 ``scheduler_unavailable``
 and their ``/health`` 503 ``unavailable``; the workers' channels connect to it
 again as soon as it listens (:meth:`gateway.sched_channel.ChannelClient.connect`'s
 ``reconnect``), and they serve again once it reports its engines ready. A
-scheduler that then fails to start ends the gateway (exit code 1). The
+scheduler that does not start again (killed while its engines start, or an engine
+that does not come up) is started again the same way, as one more short life: the
+gateway stays up, answering 503 meanwhile; only the first start's failure ends it
+(exit code 1: the config or the machine is wrong). The
 supervisor watches every child all the time, so a death during another's
 restart delay is seen at once (the scheduler's too, while its engines still
 stop: :func:`_keep_inherited_fds`), and it starts no worker while the scheduler
@@ -175,7 +178,7 @@ async def _worker(config: Config, channel_path: str, ready: Connection) -> int:
 
 class _Child:
     """One started child process, ``target(ready pipe, setup_logging, *args)``, and the read end of its ready pipe
-    (``ready``, ``None`` once read). The child starts with SIGINT blocked (the mask outlives exec) until its
+    (``ready``, ``None`` once read; ``up`` once it said it is ready). The child starts with SIGINT blocked (the mask outlives exec) until its
     :func:`_child_start` ignores it: a Ctrl-C at the terminal while it starts reaches only the supervisor."""
 
     def __init__(self, ctx, label: str, target: Callable, setup_logging: LogSetup, args: tuple) -> None:
@@ -190,6 +193,7 @@ class _Child:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)  # a Ctrl-C meanwhile reaches the supervisor now
         writer.close()
         self.ready: Connection | None = reader
+        self.up = False
         self.started_s = time.monotonic()
 
     def read_ready(self) -> tuple[str, object] | None:
@@ -200,6 +204,7 @@ class _Child:
             message = None
         self.ready.close()
         self.ready = None
+        self.up = message is not None and message[0] == READY
         return message
 
 
@@ -225,8 +230,7 @@ class Supervisor:
         SIGINT, when a signal came before the gateway was ready: the engines started are stopped).
 
         Raises:
-            RuntimeError: the scheduler or a worker failed to start, or the scheduler to start again (the error is the
-                message).
+            RuntimeError: the scheduler or a worker failed to start (the error is the message).
         """
         self._catch_signals()
         try:
@@ -305,9 +309,6 @@ class Supervisor:
         (:meth:`_exited`), a worker only while the scheduler is up (ready; the workers connected reconnect to a new
         one by themselves). Meanwhile every child's exit and ready message and the signal are watched: a death during
         another child's restart delay, or while the scheduler starts again, is seen at once.
-
-        Raises:
-            RuntimeError: the scheduler failed to start again.
         """
         due: dict[int | None, float] = {}  # when (time.monotonic()) each child to start again is due, by worker index (None: the scheduler)
         while not self._signals:
@@ -339,48 +340,46 @@ class Supervisor:
 
     def _scheduler_up(self) -> bool:
         """Whether the scheduler runs and has said it is ready."""
-        return self.scheduler is not None and self.scheduler.ready is None
+        return self.scheduler is not None and self.scheduler.up
 
     def _took_ready(self, child: _Child) -> None:
-        """Read the ready pipe of a child started again (it is readable) and log what it says.
-
-        Raises:
-            RuntimeError: the scheduler failed or died before it was ready.
-        """
-        if child is self.scheduler:
-            log.info("the scheduler is back (pid %d); the workers reconnect to it", _ready_pid(child))
-            return
+        """Read the ready pipe of a child started again (it is readable) and log what it says (a failure: its exit,
+        seen next, starts it again)."""
         message = child.read_ready()
-        if message is not None:  # else it died: its exit is seen next
-            log.info("%s is ready (pid %s)", child.label, message[1])
+        if child.up:
+            log.info("the scheduler is back (pid %d); the workers reconnect to it" if child is self.scheduler else
+                     f"{child.label} is ready (pid %d)", message[1])
+        elif message is not None:
+            log.error("the %s (pid %d) did not start again: %s", child.label, child.process.pid, message[1])
 
     def _worker_exited(self, index: int) -> float:
         """Worker ``index`` exited: reap it, log it; when it is due to start again (:meth:`_exited`)."""
         worker, self.workers[index] = self.workers[index], None
-        return self._exited(worker, "worker %d (pid %d) exited with code %s after %.1f s; starting it again%s", index, worker.process.pid,
+        return self._exited(worker, "worker %d (pid %d) exited with code %s after %.1f s%s; starting it again%s", index, worker.process.pid,
                             after="" if self._scheduler_up() else " once the scheduler is up")
 
     def _scheduler_exited(self) -> float:
-        """The scheduler exited (its engines with it): reap it, log it; when it is due to start again (:meth:`_exited`).
-
-        Raises:
-            RuntimeError: it had not started (it failed, or died before it was ready).
-        """
-        dead, self.scheduler = self.scheduler, None
-        if dead.ready is not None:  # its exit came before its ready pipe's end: it raises unless the pipe says ready
-            _ready_pid(dead)
-        return self._exited(dead, "the scheduler process (pid %d) exited with code %s after %.1f s, its engines with it; starting it "
-                                  "again%s (until it is ready the workers answer 503 scheduler_unavailable)", dead.process.pid,
+        """The scheduler exited (its engines with it): reap it, log it; when it is due to start again (:meth:`_exited`;
+        one that never said it was ready counts as a short life)."""
+        dead = self.scheduler
+        if dead.ready is not None:  # its exit came before its ready pipe's end: what the pipe says
+            self._took_ready(dead)
+        self.scheduler = None
+        return self._exited(dead, "the scheduler process (pid %d) exited with code %s after %.1f s%s, its engines with it; starting "
+                                  "it again%s (until it is ready the workers answer 503 scheduler_unavailable)", dead.process.pid,
                             level=logging.ERROR)
 
     def _exited(self, child: _Child, message: str, *args, level: int = logging.WARNING, after: str = "") -> float:
-        """Reap the exited ``child`` and log ``message`` (its ``args``, then the exit code, the life's length and when it
-        starts again: after :func:`restart_delay_s` of its short lives in a row, then ``after``); when it is due to start
-        again (``time.monotonic()``)."""
+        """Reap the exited ``child`` and log ``message`` (its ``args``, then the exit code, the life's length, whether it
+        had started and when it starts again: after :func:`restart_delay_s` of its short lives in a row, lives shorter
+        than :data:`SHORT_LIFE_S` or that never started, then ``after``); when it is due to start again
+        (``time.monotonic()``)."""
         lived_s = _bury(child)
-        lives = self._short_lives[child.label] = self._short_lives.get(child.label, 0) + 1 if lived_s < SHORT_LIFE_S else 0
+        short = lived_s < SHORT_LIFE_S or not child.up
+        lives = self._short_lives[child.label] = self._short_lives.get(child.label, 0) + 1 if short else 0
         delay_s = restart_delay_s(lives)
-        log.log(level, message, *args, child.process.exitcode, lived_s, (f" in {delay_s:.0f} s" if delay_s else "") + after)
+        log.log(level, message, *args, child.process.exitcode, lived_s, "" if child.up else " before it was ready",
+                (f" in {delay_s:.0f} s" if delay_s else "") + after)
         return time.monotonic() + delay_s
 
     def _stop_all(self) -> None:

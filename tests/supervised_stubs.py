@@ -7,6 +7,7 @@ life counted short and a child started again at once after its first short life 
 (:func:`_delay_s`). The stubs say they are ready and then sleep until a signal ends them; files in FOLDER steer them:
 
 - ``hold``: while it exists, a stub scheduler that starts does not say it is ready;
+- ``fail``: while it exists, a stub scheduler that starts says it failed (:data:`FAILURE`) and exits with code 1;
 - ``linger``: a stub scheduler that starts, started as the real one (:func:`gateway.workers._child_start`), starts a
   process the way it starts its engines (uvloop, a session of its own, :func:`engines.manager.engine_preexec`) that
   ignores SIGTERM and sleeps :data:`LINGER_S`, and writes its pid to ``lingerer.pid``.
@@ -26,6 +27,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 LINGER_S = 60
+FAILURE = "an engine did not come up (stub)"
 
 
 def _delay_s(short_lives: int) -> float:
@@ -58,6 +60,9 @@ async def _schedule(folder: Path, ready) -> None:
         (folder / "lingerer.pid").write_text(str(lingerer.pid))
     while (folder / "hold").exists():
         await asyncio.sleep(0.02)
+    if (folder / "fail").exists():
+        ready.send(("failed", FAILURE))  # gateway.workers.FAILED
+        sys.exit(1)
     ready.send(("ready", os.getpid()))  # gateway.workers.READY
     await asyncio.Event().wait()
 

@@ -406,6 +406,34 @@ def test_the_supervisor_sees_deaths_during_a_restart_delay_and_starts_no_worker_
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+@pytest.mark.parametrize("how", ["killed while it starts", "failed"])
+def test_a_scheduler_that_does_not_start_again_is_started_again_later_and_the_gateway_stays_up(tmp_path, how):
+    """Only the first start's failure ends the gateway: a scheduler killed again while its engines start (it used to
+    end the gateway with exit code 1), or one whose engines do not come up, counts as one more short life."""
+    from tests.supervised_stubs import FAILURE
+
+    log = tmp_path / "supervisor.log"
+    proc = _supervised_stubs(tmp_path)
+    try:
+        [first] = _logged(log, r"scheduler process started \(pid (\d+)\)")
+        (tmp_path / ("hold" if how == "killed while it starts" else "fail")).touch()
+        os.kill(int(first), signal.SIGKILL)  # its first short life: started again at once
+        second = _logged(log, r"scheduler process started \(pid (\d+)\)", count=2)[1]
+        if how == "killed while it starts":
+            os.kill(int(second), signal.SIGKILL)
+            code = -9
+        else:
+            _logged(log, rf"^the scheduler \(pid {second}\) did not start again: {re.escape(FAILURE)}$")
+            code = 1
+        _logged(log, rf"^the scheduler process \(pid {second}\) exited with code {code} after [\d.]+ s before it was ready, its "
+                     "engines with it; starting it again in 30 s ")
+        assert proc.poll() is None
+        _end_stubs(proc, tmp_path)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
 def test_the_supervisor_sees_the_scheduler_die_while_a_process_it_started_lives_on(tmp_path):
     """The scheduler's engines inherit nothing that tells the supervisor the scheduler lives (uvloop closes no
     descriptor in the processes it starts): its death is seen at once, not once its last engine has exited."""
