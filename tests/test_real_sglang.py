@@ -9,6 +9,12 @@ while ``e0`` restarts in the role-switch test. The short-request threshold is
 raised so that every request is short: ``e0`` serves all of them unless it is
 draining. Clients are the official ``openai`` package (and ``httpx`` where a
 stream must be cut). The role switch runs last: it changes ``e0``.
+
+Every engine runs with a KV pool of :data:`KV_POOL_TOKENS` (so that a few
+conversations fill ``e0``'s radix cache and it evicts) and publishes its KV cache
+events (``--kv-events-config``, the command line laps builds), which the exact
+prefix test follows. One deployment serves every test: real SGLang takes ~2
+minutes to start on a 2-core machine.
 """
 
 from __future__ import annotations
@@ -25,16 +31,19 @@ from typing import TypeVar
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from engines.manager import free_port
 from gateway.engine_load import EngineLoad, fetch_engine_load
 from gateway.role_switch import switch_role
 from laps.config import load_config, parse_config
 from loadgen.workloads import DATA_DIR, load_arena, load_mtbench, load_sharegpt
+from policies.prefix_index import BlockChain
 from tests import sglang_env
 from tests.live_gateway import LiveGateway
 
 MODEL = "tiny-qwen2.5"
+KV_POOL_TOKENS = 3000  # the exact prefix test's four conversations of four turns overflow it: the radix cache evicts
 T = TypeVar("T")
 
 
@@ -55,18 +64,21 @@ class Deployment:
 @pytest.fixture(scope="module", params=[pytest.param("sglang", marks=pytest.mark.sglang), "sim"])
 def deployment(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path):
     kind = request.param
-    shipped = load_config()
+    roles = {name: role.model_dump() for name, role in load_config().roles.items()}
+    for role in roles.values():
+        role["flags"]["max-total-tokens"] = KV_POOL_TOKENS
     data = {
         "model": {"name": MODEL, "path": str(tiny_model_dir)},
         "gateway": {"port": free_port()},
         "scheduling": {"short_threshold_tokens": 1_000_000},
-        "roles": {name: role.model_dump() for name, role in shipped.roles.items()},
+        "roles": roles,
         "engines": [{"name": "e0", "kind": kind, "role": "short-prefill"}, {"name": "standby", "kind": "sim", "role": "long-prefill"}],
         "log_dir": str(tmp_path_factory.mktemp(f"{kind}-logs")),
     }
     if kind == "sglang":
         python = request.getfixturevalue("sglang_python")
-        data["sglang"] = {"python": str(python), "extra_args": sglang_env.CPU_SERVER_ARGS, "env": {"PYTHONPATH": str(sglang_env.CPU_SHIMS_DIR)}}
+        data["sglang"] = {"python": str(python), "extra_args": [*sglang_env.CPU_SERVER_ARGS, "--max-total-tokens", str(KV_POOL_TOKENS)],
+                          "env": {"PYTHONPATH": str(sglang_env.CPU_SHIMS_DIR)}}
     with LiveGateway(parse_config(data)) as live:
         client = openai.OpenAI(base_url=live.url + "/v1", api_key="none", max_retries=0, timeout=120)
         yield Deployment(kind, live, client, live.gateway.registry["e0"].url)
@@ -169,7 +181,9 @@ def test_gateway_prompt_tokens_equal_engine_usage_on_real_chats(deployment: Depl
 
 def test_second_turn_hit_reported_by_engine_matches_gateway_estimate(deployment: Deployment):
     """Turn 1 asks for one token, so the engine then holds exactly turn 1's prompt in its cache,
-    which is all the gateway's prefix index learns (it indexes prompts, not generated tokens)."""
+    which is all the gateway's prefix index learns (it indexes prompts, not generated tokens). Turn 2 waits for
+    that insertion's KV event to reach the gateway (a client's think time; README: exact prefix hits)."""
+    gw = deployment.live.gateway
     block = deployment.live.config.scheduling.prefix_block_tokens
     history = [{"role": "user", "content": "Write a haiku about the sea, then explain each line of it in detail."}]
     turns = []
@@ -178,6 +192,8 @@ def test_second_turn_hit_reported_by_engine_matches_gateway_estimate(deployment:
         done = raw.parse()
         turns.append((done.usage.prompt_tokens, done.usage.prompt_tokens_details.cached_tokens, int(raw.headers["x-laps-cached-tokens-est"])))
         if follow_up:
+            prompt = BlockChain(gw.prefix_index.block_tokens).extend(gw.tokenizer.encode_chat(history))
+            eventually(lambda: gw.prefix_index.cached_tokens(raw.headers["x-laps-engine"], prompt), lambda cached: cached >= prompt.tokens - 1)
             history += [{"role": "assistant", "content": done.choices[0].message.content}, {"role": "user", "content": follow_up}]
     (prompt_1, _, _), (_, reported, estimate) = turns
     assert reported >= prompt_1 - 1, turns  # turn 1's prompt (the engine may recompute its last token)
@@ -229,8 +245,64 @@ def _check_load_tracking(deployment: Deployment) -> None:
     assert again.usage.prompt_tokens_details.cached_tokens > 0
     after = eventually(deployment.load, lambda load: load.requests_total == before.requests_total + 2)
     assert 0 < after.cache_hit_rate <= 1 and after.max_total_tokens > 0
-    if deployment.kind == "sglang":
-        assert after.max_total_tokens == 65536  # --max-total-tokens of the CPU arguments
+    assert after.max_total_tokens == KV_POOL_TOKENS
+
+
+def test_h_equals_the_engines_cached_tokens_on_every_turn_after_a_flush_and_under_eviction(deployment: Deployment):
+    """Multi-turn chats: the H the gateway routed by (``x-laps-cached-tokens-est``, from e0's KV events) is the
+    engine's reported ``cached_tokens`` on every turn: follow-ups, after ``/flush_cache``, and after evictions."""
+    gw = deployment.live.gateway
+    eventually(lambda: gw.prefix_index.is_exact("e0"), bool)  # following e0's KV events
+    eventually(lambda: [gw.registry[e].in_flight for e in ("e0", "standby")], lambda counts: counts == [0, 0])
+    gw.registry["standby"].draining = True  # the test is about e0's events: every turn goes there
+    try:
+        _check_exact_hits(deployment)
+    finally:
+        gw.registry["standby"].draining = False
+
+
+def _chat_turn(client: httpx.Client, history: list[dict]) -> tuple[int, int, int, str]:
+    """(H the gateway routed by, cached tokens the engine reported, prompt tokens, reply) of one turn."""
+    resp = client.post("/v1/chat/completions", json={"model": MODEL, "messages": history, "max_tokens": 16, "ignore_eos": True})
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["x-laps-engine"] == "e0"
+    body = resp.json()
+    usage = body["usage"]
+    return (int(resp.headers["x-laps-cached-tokens-est"]), usage["prompt_tokens_details"]["cached_tokens"], usage["prompt_tokens"],
+            body["choices"][0]["message"]["content"])
+
+
+def _e0_metric(live: LiveGateway, name: str) -> float:
+    text = httpx.get(live.url + "/metrics", timeout=10).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name and s.labels.get("engine") == "e0")
+
+
+def _check_exact_hits(deployment: Deployment) -> None:
+    gw = deployment.live.gateway
+    conversations: list[list[dict]] = [[] for _ in range(4)]
+    seen, last_prompt = [], {}
+    with httpx.Client(base_url=deployment.live.url, timeout=120) as client:
+        for turn in range(4):
+            if turn == 2:  # empty the cache; once its AllBlocksCleared is in, the gateway knows it is empty
+                assert httpx.post(deployment.engine_url + "/flush_cache", timeout=30).status_code == 200
+                probe = BlockChain(gw.prefix_index.block_tokens).extend(gw.tokenizer.encode_chat(conversations[0]))
+                eventually(lambda: gw.prefix_index.cached_tokens("e0", probe), lambda cached: cached == 0)  # the flush reached the gateway
+            for c, history in enumerate(conversations):
+                history.append({"role": "user", "content": f"Conversation {c}, question {turn}: " + f"tell me about the sea, part {c}. " * 25})
+                h, cached, prompt_tokens, reply = _chat_turn(client, history)
+                prompt = BlockChain(gw.prefix_index.block_tokens).extend(gw.tokenizer.encode_chat(history))
+                # the turn's cache insertion reaching the gateway (a client's think time)
+                eventually(lambda: gw.prefix_index.cached_tokens("e0", prompt), lambda cached: cached == prompt.tokens - 1)
+                history.append({"role": "assistant", "content": reply})
+                seen.append((c, turn, h, cached, last_prompt.get(c)))
+                last_prompt[c] = prompt_tokens
+    assert [(c, t, h) for c, t, h, _, _ in seen] == [(c, t, cached) for c, t, _, cached, _ in seen]
+    after_flush = [cached for c, t, _, cached, _ in seen if t == 2]
+    assert after_flush[0] == 0  # the first turn after the flush finds nothing
+    evicted = [(c, t) for c, t, _, cached, before in seen if t in (1, 3) and cached < before - 1]
+    assert evicted, seen  # some follow-ups found part of their own history evicted
+    assert _e0_metric(deployment.live, "laps_kv_event_batches_total") > 0 and _e0_metric(deployment.live, "laps_kv_events_exact") == 1
+    assert _e0_metric(deployment.live, "laps_kv_event_bad_frames_total") == 0
 
 
 def test_role_switch_under_load_loses_no_request(deployment: Deployment):
