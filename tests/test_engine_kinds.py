@@ -313,3 +313,49 @@ def test_an_engine_process_leaves_the_terminal_and_outlives_a_ctrl_c_caught_befo
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=root,
                             env={**os.environ, "PYTHONPATH": str(root)})
     assert (result.returncode, result.stdout, result.stderr) == (0, "True\n", "")
+
+
+def test_a_simulated_engine_drains_its_streams_through_a_second_sigterm():
+    """When the gateway process that started an engine dies, the kernel sends the engine its parent-death SIGTERM once
+    per thread that carries it (two were seen): the first starts the drain, the next must not abort the requests in
+    flight (aiohttp's own handler did, within ~70 ms of a scheduler's SIGKILL)."""
+    import signal
+    import time
+
+    import httpx
+
+    port = free_port()
+    root = Path(__file__).resolve().parent.parent
+    engine = subprocess.Popen([sys.executable, "-m", "engines.sim", "--port", str(port)], cwd=root, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not _ready(f"http://127.0.0.1:{port}/ready"):
+            assert engine.poll() is None and time.monotonic() < deadline, engine.stderr.read()
+            time.sleep(0.05)
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200, "ignore_eos": True, "stream": True}
+        chunks = []
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=60) as resp:
+            for line in resp.iter_lines():
+                if line:
+                    chunks.append(line)
+                if len(chunks) == 3:
+                    engine.send_signal(signal.SIGTERM)
+                    time.sleep(0.05)
+                    engine.send_signal(signal.SIGTERM)
+        assert chunks[-1] == "data: [DONE]"
+        assert '"finish_reason":"length"' in chunks[-2]  # all 200 tokens, not "abort"
+        assert engine.wait(timeout=30) == 0
+        assert "SIGTERM again: still draining the requests in flight" in engine.stderr.read()
+    finally:
+        engine.kill()
+        engine.wait()
+
+
+def _ready(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import signal
 import time
 import uuid
 from datetime import datetime, timezone
@@ -348,8 +349,29 @@ def create_app(args: SimServerArgs, tokenizer: ChatTokenizer | None = None) -> w
     return app
 
 
+async def _drain_on_the_first_sigterm(_: web.Application) -> None:
+    """``on_startup``: a SIGTERM starts the graceful shutdown (aiohttp's: the requests in flight finish, up to
+    ``shutdown_timeout``), and further ones are logged and ignored, as SGLang drains once. aiohttp's own handler
+    (``GracefulExit`` on every signal) would turn a second SIGTERM into the abort of every request in flight; and a
+    second one comes when the gateway process that started the engine dies: the kernel sends the parent-death signal
+    (``PR_SET_PDEATHSIG``, :func:`engines.manager.die_with_parent`) once for each of the engine's threads that
+    carries it. SIGINT keeps aiohttp's handler: a second Ctrl-C stops at once."""
+    loop = asyncio.get_running_loop()
+
+    def draining() -> None:
+        log.info("SIGTERM again: still draining the requests in flight")
+
+    def first() -> None:
+        log.info("SIGTERM: draining the requests in flight, then stopping")
+        loop.add_signal_handler(signal.SIGTERM, draining)
+        raise web.GracefulExit()
+
+    loop.add_signal_handler(signal.SIGTERM, first)
+
+
 def run(args: SimServerArgs) -> None:
-    """Serve until SIGINT/SIGTERM (uvloop when installed); returns normally on shutdown."""
+    """Serve until SIGINT/SIGTERM (uvloop when installed); returns normally on shutdown
+    (:func:`_drain_on_the_first_sigterm`)."""
     try:
         import uvloop
     except ImportError:
@@ -358,6 +380,7 @@ def run(args: SimServerArgs) -> None:
         loop = uvloop.new_event_loop()
     asyncio.set_event_loop(loop)
     app = create_app(args)
+    app.on_startup.append(_drain_on_the_first_sigterm)
     sim = app[ENGINE].sim
     log.info("simulated SGLang engine: %s on %s x%d, max_total_tokens=%d, max_running_requests=%d, "
              "chunked_prefill_size=%s, serving %s at http://%s:%d", sim.sim_model, sim.latency.gpu.name,
