@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,14 @@ from tests import sglang_env
 def sglang_python() -> Path:
     """The interpreter of the cached SGLang 0.5.23 environment (built on first use; see ``tests/sglang_env.py``)."""
     return sglang_env.sglang_python()
+
+
+@pytest.fixture(scope="session")
+def sglang_parser(sglang_python: Path) -> Iterator[sglang_env.SGLangParser]:
+    """SGLang's own command-line parser, in one process for the whole session (importing SGLang takes ~20 s)."""
+    parser = sglang_env.SGLangParser(sglang_python)
+    yield parser
+    parser.close()
 
 
 @pytest.fixture(scope="session")

@@ -90,22 +90,42 @@ def _build(directory: Path) -> None:
     (directory / _COMPLETE_MARKER).write_text(f"sglang=={SGLANG_VERSION}\n")
 
 
-def parse_errors(python: Path, argvs: list[list[str]]) -> list[str | None]:
-    """Parse each argument list with SGLang's own ``prepare_server_args``, run by ``python``.
+class SGLangParser:
+    """One process of ``python`` (the SGLang environment's) running ``tests/sglang_parse_args.py``: it imports SGLang
+    once (~20 s) and parses every list of command lines it is given. Call :meth:`close` when done."""
 
-    Returns, per argument list, ``None`` when SGLang accepts it, else SGLang's
-    error message (an unknown flag or a bad value). All lists are checked in one
-    process (importing SGLang takes seconds).
+    def __init__(self, python: Path) -> None:
+        self._process = subprocess.Popen([str(python), str(_PARSE_SCRIPT)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=subprocess.PIPE, text=True)
 
-    Raises:
-        RuntimeError: the checking process itself failed.
-    """
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "errors.json"
-        done = subprocess.run([str(python), str(_PARSE_SCRIPT), str(out)], input=json.dumps(argvs), capture_output=True, text=True, timeout=300)
-        if done.returncode != 0:
-            raise RuntimeError(f"{_PARSE_SCRIPT.name} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-        return json.loads(out.read_text())
+    def errors(self, argvs: list[list[str]]) -> list[str | None]:
+        """Parse each argument list with SGLang's own ``prepare_server_args``: per list, ``None`` when SGLang accepts it,
+        else SGLang's error message (an unknown flag or a bad value).
+
+        Raises:
+            RuntimeError: the parsing process itself failed.
+        """
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "errors.json"
+            try:
+                self._process.stdin.write(json.dumps({"argvs": argvs, "out": str(out)}) + "\n")
+                self._process.stdin.flush()
+            except BrokenPipeError:
+                pass  # it died: said below
+            for line in self._process.stdout:  # SGLang may print too: up to the script's line
+                if line.rstrip("\n") == "laps-parse-done":  # sglang_parse_args.DONE (that module imports SGLang)
+                    return json.loads(out.read_text())
+            self._process.wait()
+            raise RuntimeError(f"{_PARSE_SCRIPT.name} failed (exit {self._process.returncode}):\n{self._process.stderr.read()[-3000:]}")
+
+    def close(self) -> None:
+        """End the process (the end of its stdin)."""
+        self._process.stdin.close()
+        try:
+            self._process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
 
 
 if __name__ == "__main__":

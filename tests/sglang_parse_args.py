@@ -1,10 +1,12 @@
 """Run by the SGLang environment's interpreter: parse command lines with SGLang's own parser.
 
-Usage: ``python sglang_parse_args.py OUT.json`` with a JSON list of argument
-lists (``launch_server``'s arguments, without the program) on stdin. Writes to
-``OUT.json`` a JSON list with, per argument list, ``null`` when
-``sglang.srt.server_args.prepare_server_args`` accepts it, else its error
-message. Needs no GPU.
+Usage: ``python sglang_parse_args.py``, then one request per stdin line: a JSON object
+``{"argvs": [...], "out": PATH}``, ``argvs`` a list of argument lists (``launch_server``'s
+arguments, without the program). For each request it writes to ``PATH`` a JSON list with,
+per argument list, ``null`` when ``sglang.srt.server_args.prepare_server_args`` accepts
+it, else its error message, then prints :data:`DONE` on a line of its own (SGLang may
+print to stdout too). It ends at the end of stdin. Importing SGLang takes ~20 s; one
+process serves every test that asks (``tests.sglang_env.SGLangParser``). Needs no GPU.
 """
 
 import contextlib
@@ -13,6 +15,8 @@ import json
 import sys
 
 from sglang.srt.server_args import prepare_server_args
+
+DONE = "laps-parse-done"
 
 
 def _error(argv: list[str]) -> str | None:
@@ -29,9 +33,12 @@ def _error(argv: list[str]) -> str | None:
 
 
 def main() -> None:
-    errors = [_error(argv) for argv in json.load(sys.stdin)]
-    with open(sys.argv[1], "w") as out:
-        json.dump(errors, out)
+    for line in sys.stdin:
+        request = json.loads(line)
+        errors = [_error(argv) for argv in request["argvs"]]
+        with open(request["out"], "w") as out:
+            json.dump(errors, out)
+        print(DONE, flush=True)
 
 
 if __name__ == "__main__":

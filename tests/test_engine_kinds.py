@@ -121,7 +121,7 @@ def test_shipped_short_roles_capture_the_awd_token_buckets():
 
 
 @pytest.mark.sglang
-def test_every_shipped_command_line_parses_in_sglang(sglang_python: Path):
+def test_every_shipped_command_line_parses_in_sglang(sglang_parser: sglang_env.SGLangParser):
     """Each role of config.yaml, on each kind laps launches, as SGLang 0.5.23 parses it (the sim: its SGLang part)."""
     config = parse_config(shipped_data())
     cases: dict[str, list[str]] = {}
@@ -137,7 +137,7 @@ def test_every_shipped_command_line_parses_in_sglang(sglang_python: Path):
         if engine.kind == "sglang":
             cases[f"examples/h200x8.yaml/{engine.name}"] = engine_command(example, engine, engine.port)[3:]
     cases["a bad flag is caught"] = ["--model-path", MODEL, "--no-such-flag", "1"]
-    errors = dict(zip(cases, sglang_env.parse_errors(sglang_python, list(cases.values()))))
+    errors = dict(zip(cases, sglang_parser.errors(list(cases.values()))))
     assert "unrecognized arguments: --no-such-flag" in errors.pop("a bad flag is caught")
     assert errors == {name: None for name in errors}
 

@@ -118,7 +118,7 @@ def test_the_sim_pd_example_launches_each_engine_with_its_pd_flags():
 
 
 @pytest.mark.sglang
-def test_every_pd_command_line_parses_in_sglang(sglang_python: Path):
+def test_every_pd_command_line_parses_in_sglang(sglang_parser: sglang_env.SGLangParser):
     """Each PD role on each transfer backend laps offers, and every engine of the PD example, as SGLang 0.5.23 parses them."""
     cases: dict[str, list[str]] = {}
     for backend in ("mooncake", "nixl", "mooncake_tcp"):
@@ -135,7 +135,7 @@ def test_every_pd_command_line_parses_in_sglang(sglang_python: Path):
     for engine in example.engines:
         cases[f"examples/h200x8-pd.yaml/{engine.name}"] = engine_command(example, engine, engine.port)[3:]
     cases["a bad mode is caught"] = ["--model-path", "Qwen2.5-7B-Instruct", "--disaggregation-mode", "both"]
-    errors = dict(zip(cases, sglang_env.parse_errors(sglang_python, list(cases.values()))))
+    errors = dict(zip(cases, sglang_parser.errors(list(cases.values()))))
     assert "invalid choice: 'both'" in errors.pop("a bad mode is caught")
     assert errors == {name: None for name in errors}
 
