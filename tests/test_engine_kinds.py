@@ -19,7 +19,7 @@ from aiohttp.test_utils import TestServer
 from engines.client import EngineClient
 from engines.kv_events import KVEventSource
 from engines.manager import (FREE_PORT_RANGE, EngineManager, EngineProcess, _ephemeral_ports, engine_command, engine_env, free_port,
-                             kv_event_sources, server_args)
+                             flag_args, kv_event_sources, server_args)
 from gateway.app import create_app
 from gateway.state import GATEWAY
 from laps.config import DEFAULT_CONFIG_PATH, Config, EngineConfig, load_config, parse_config
@@ -53,10 +53,15 @@ def test_sglang_command_line_has_gpus_role_flags_and_extra_args():
     assert command[3:] == [
         "--model-path", MODEL, "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", "30001", "--tp-size", "2",
         "--enable-metrics", "--enable-cache-report", "--chunked-prefill-size", "2048", "--max-running-requests", "256",
-        "--cuda-graph-backend-prefill", "breakable", "--cuda-graph-bs-prefill", "64", "128", "256", "512", "1024", "2048",
-        "--log-level", "warning",
+        "--cuda-graph-backend-prefill", "breakable", "--log-level", "warning",
     ]
     assert engine_env(config, engine) == {"SGLANG_X": "1", "CUDA_VISIBLE_DEVICES": "2,3"}  # the engine's GPUs win
+
+
+def test_flags_become_sglang_arguments_a_list_space_separated():
+    flags = {"enable-mixed-chunk": True, "disable-radix-cache": False, "schedule-policy": None,
+             "cuda-graph-bs-prefill": [16, 32], "chunked-prefill-size": 2048}
+    assert flag_args(flags) == ["--enable-mixed-chunk", "--cuda-graph-bs-prefill", "16", "32", "--chunked-prefill-size", "2048"]
 
 
 def test_sim_command_line_shares_the_sglang_arguments():
@@ -113,11 +118,25 @@ async def test_manager_lists_external_engines_and_refuses_to_restart_them():
     await manager.stop()
 
 
-def test_shipped_short_roles_capture_the_awd_token_buckets():
-    config = parse_config(shipped_data())
-    for role in ("short-prefill", "mixed"):
-        assert config.roles[role].flags["cuda-graph-bs-prefill"] == config.scheduling.laps.token_buckets
-    assert config.roles["long-prefill"].flags["cuda-graph-backend-prefill"] == "disabled"
+@pytest.mark.parametrize("path", [DEFAULT_CONFIG_PATH, EXAMPLE_H200X8.parent / "sim-pd.yaml", EXAMPLE_H200X8.parent / "h200x8-pd.yaml"])
+def test_shipped_short_roles_capture_sglangs_own_prefill_buckets_the_awd_depths_among_them(path: Path):
+    """A pass pads to the next captured bucket: SGLang's own buckets (no ``cuda-graph-bs-prefill``) pad little, and
+    hold every AWD depth (``scheduling.laps.token_buckets``), so a window's batch still replays its graph."""
+    from engines.sim.args import parse_server_args, resolve_args
+    from engines.sim.latency import prefill_graph_buckets
+
+    config = load_config(path)
+    short = [name for name, role in config.roles.items() if role.pool == "short"]
+    assert short
+    for name in short:
+        flags = config.roles[name].flags
+        assert "cuda-graph-bs-prefill" not in flags and flags["cuda-graph-backend-prefill"] == "breakable"
+        sim = resolve_args(parse_server_args(flag_args(flags)))
+        chunk = int(flags["chunked-prefill-size"])
+        assert sim.prefill_graph.sizes == prefill_graph_buckets(chunk)
+        assert set(config.scheduling.laps.token_buckets) <= set(sim.prefill_graph.sizes)
+    long = [role for role in config.roles.values() if role.pool == "long"]
+    assert all(role.flags["cuda-graph-backend-prefill"] == "disabled" for role in long)
 
 
 @pytest.mark.sglang
