@@ -178,8 +178,9 @@ async def _worker(config: Config, channel_path: str, ready: Connection) -> int:
 
 class _Child:
     """One started child process, ``target(ready pipe, setup_logging, *args)``, and the read end of its ready pipe
-    (``ready``, ``None`` once read; ``up`` once it said it is ready). The child starts with SIGINT blocked (the mask outlives exec) until its
-    :func:`_child_start` ignores it: a Ctrl-C at the terminal while it starts reaches only the supervisor."""
+    (``ready``, ``None`` once read; ``up`` once it said it is ready). The child starts with SIGINT blocked (the mask
+    outlives exec) until its :func:`_child_start` ignores it: a Ctrl-C at the terminal while it starts reaches only
+    the supervisor."""
 
     def __init__(self, ctx, label: str, target: Callable, setup_logging: LogSetup, args: tuple) -> None:
         reader, writer = ctx.Pipe(duplex=False)
