@@ -91,7 +91,7 @@ class _SamplingFields(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     n: int = Field(1, ge=1, le=128)  # the engine answers n choices of one prefill
-    temperature: float | None = Field(None, ge=0, le=2)
+    temperature: float | None = Field(None, ge=0)  # SGLang's range (OpenAI's stops at 2; SGLang takes any finite value)
     top_p: float | None = Field(None, gt=0, le=1)
     # SGLang's extensions, with SGLang 0.5.23's ranges (SamplingParams.verify), so the engine never refuses them
     top_k: int | None = None  # -1 (off) or >= 1: _top_k_off_or_positive
@@ -110,6 +110,14 @@ class _SamplingFields(BaseModel):
     def _top_k_off_or_positive(cls, v):
         if v is not None and v != -1 and v < 1:
             raise ValueError("must be -1 (no limit) or at least 1")
+        return v
+
+    @field_validator("min_tokens")
+    @classmethod
+    def _min_tokens_within_the_reply(cls, v, info: ValidationInfo):
+        most = info.data.get("max_completion_tokens") or info.data.get("max_tokens")  # SGLang's: the first one set
+        if v is not None and most is not None and v > most:
+            raise ValueError(f"must be at most the reply's limit (max_completion_tokens or max_tokens: {most})")
         return v
 
     @field_validator("stream_options")

@@ -65,6 +65,16 @@ async def test_short_chat_goes_to_short_pool_with_rid_and_class_header(stack):
     assert fakes["lp0"].bodies == []
 
 
+async def test_sglangs_sampling_values_pass_through_as_sent(stack):
+    """SGLang's ranges, not OpenAI's: a temperature of 3 is SGLang's to take."""
+    session, fakes, _ = stack
+    sampling = {"temperature": 3.0, "top_k": -1, "min_p": 0.1, "repetition_penalty": 1.2, "seed": 3, "min_tokens": 5}
+    async with session.post("/v1/chat/completions", json=chat("Hello!", max_tokens=5, **sampling)) as resp:
+        assert resp.status == 200
+    [forwarded] = fakes["sp0"].bodies + fakes["lp0"].bodies
+    assert {k: forwarded[k] for k in sampling} == sampling
+
+
 async def test_long_prompt_goes_to_long_pool(stack):
     session, fakes, _ = stack
     # Each " word" is one Qwen2.5 token; with the template this is well past 256 tokens.
@@ -117,6 +127,8 @@ async def test_stream_is_relayed_to_done(stack):
          "greater than or equal to -2"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "min_tokens": -1}, 400, "min_tokens",
          "greater than or equal to 0"),
+        ("/v1/chat/completions", chat("x", min_tokens=10, max_tokens=5), 400, "min_tokens",
+         "must be at most the reply's limit (max_completion_tokens or max_tokens: 5)"),
     ],
 )
 async def test_malformed_requests_get_openai_error_bodies(stack, path, payload, status, param, fragment):

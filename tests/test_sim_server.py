@@ -226,6 +226,10 @@ async def test_client_disconnect_aborts_the_request(client):
          "BadRequestError"),
         ("/v1/completions", {"prompt": "x", "presence_penalty": 2.5}, "presence_penalty must be in [-2, 2], got 2.5.",
          "BadRequestError"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "min_tokens": 10, "max_tokens": 5},
+         "min_new_tokens must be in [0, max_new_tokens(5)], got 10.", "BadRequestError"),
+        ("/v1/completions", {"prompt": "x", "min_tokens": 20}, "min_new_tokens must be in [0, max_new_tokens(16)], got 20.",
+         "BadRequestError"),
     ],
 )
 async def test_openai_errors_are_400_with_sglang_error_bodies(client, path, body, message, err_type):

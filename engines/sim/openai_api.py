@@ -86,14 +86,14 @@ def _max_new_tokens(value: int | None, engine: SimEngine) -> int | None:
     return value
 
 
-def _options(body: dict[str, Any]) -> tuple[list[str], bool, bool, bool, str, str]:
+def _options(body: dict[str, Any], max_new: int | None) -> tuple[list[str], bool, bool, bool, str, str]:
     """The request options both OpenAI routes read: stop strings, ``ignore_eos``, ``stream``, whether the
-    client asked for usage in the stream, the model name and the request id.
+    client asked for usage in the stream, the model name and the request id (``max_new``: its reply limit).
 
     Raises:
         ApiError: a field of the wrong type or a sampling value SGLang refuses (:func:`check_sampling`).
     """
-    check_sampling(body, openai=True)
+    check_sampling(body, openai=True, max_new_tokens=max_new)
     include_usage = bool((field(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
     return (stop_list(body), bool(field(body, "ignore_eos", (bool,), False)), bool(field(body, "stream", (bool,), False)),
             include_usage, field(body, "model", (str,), "default"), request_id(body))
@@ -116,7 +116,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     # SGLang takes `max_completion_tokens or max_tokens`, so 0 means "no limit" here.
     max_new = _max_new_tokens(field(body, "max_completion_tokens", (int,)) or field(body, "max_tokens", (int,)),
                               engine)
-    stop, ignore_eos, stream, include_usage, model, rid = _options(body)
+    stop, ignore_eos, stream, include_usage, model, rid = _options(body, max_new)
     top = logprob_request(body, chat=True)
     tools = body.get("tools")
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) and isinstance(t.get("function"), dict) for t in tools)):
@@ -201,7 +201,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if max_tokens <= 0:
         raise ApiError("max_tokens: Value error, max_tokens must be positive", "Bad Request")
     max_new = _max_new_tokens(max_tokens, engine)
-    stop, ignore_eos, stream, include_usage, model, rid = _options(body)
+    stop, ignore_eos, stream, include_usage, model, rid = _options(body, max_new)
     top = logprob_request(body, chat=False)
     track = _submit(engine, body, rid, ids, max_new, ignore_eos, stop)
     created = int(time.time())

@@ -232,10 +232,11 @@ _SAMPLING_FIELDS = (
 )
 
 
-def check_sampling(body: dict[str, Any], openai: bool) -> None:
+def check_sampling(body: dict[str, Any], openai: bool, max_new_tokens: int | None) -> None:
     """Reject sampling values SGLang 0.5.23 rejects (``SamplingParams.verify`` in ``sampling/sampling_params.py``):
     the simulated engine samples nothing, but a request real SGLang refuses must be refused here too. ``body`` is an
-    OpenAI request (``openai``) or ``/generate``'s ``sampling_params``; null or absent fields take SGLang's defaults.
+    OpenAI request (``openai``) or ``/generate``'s ``sampling_params``; null or absent fields take SGLang's defaults;
+    ``max_new_tokens`` is the request's reply limit (``None``: none), which ``min_tokens`` may not exceed.
 
     Raises:
         ApiError: a field of the wrong type, or out of SGLang's range (SGLang's message).
@@ -257,3 +258,6 @@ def check_sampling(body: dict[str, Any], openai: bool) -> None:
     for name, ok, rule in checks:
         if values[name] is not None and not ok(values[name]):
             raise ApiError(f"{name} {rule}, got {values[name]}.")
+    least = values["min_new_tokens"]
+    if least is not None and max_new_tokens is not None and least > max_new_tokens:
+        raise ApiError(f"min_new_tokens must be in [0, max_new_tokens({max_new_tokens})], got {least}.")

@@ -85,8 +85,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
                                            "(batches are not simulated)"}}, 400)
     params = field(body, "sampling_params", (dict,), {})
     try:
-        check_sampling(params, openai=False)
         max_new = field(params, "max_new_tokens", (int,), GENERATE_DEFAULT_MAX_NEW_TOKENS)
+        check_sampling(params, openai=False, max_new_tokens=max_new)
         stop = stop_list(params)
         ignore_eos = bool(field(params, "ignore_eos", (bool,), False))
         stream = bool(field(body, "stream", (bool,), False))
