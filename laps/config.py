@@ -400,7 +400,9 @@ class Config(_Strict):
     @classmethod
     def _controller_on_where_it_can(cls, data: Any) -> Any:
         """``controller.enabled`` left unset: on when its two roles exist and serve the short and long pools
-        and the prefill engines laps runs (not ``external``) outnumber ``min_pool_size`` (so a move is possible), else off."""
+        and a pool has more engines that laps runs (not ``external``) than ``min_pool_size``, so that it can give one
+        up (:meth:`policies.controller.PressureController.donor_engine`; the decode pool too with ``pd.role_switch``),
+        else off."""
         if not isinstance(data, dict) or not isinstance(data.get("roles"), dict) or not isinstance(data.get("engines"), list):
             return data
         controller = data.get("controller") or {}
@@ -413,11 +415,13 @@ class Config(_Strict):
 
         short_role = controller.get("short_role", ControllerConfig.model_fields["short_role"].default)
         long_role = controller.get("long_role", ControllerConfig.model_fields["long_role"].default)
-        movable = sum(isinstance(e, dict) and e.get("kind") != "external" and pool_of(e.get("role")) in ("short", "long")
-                      for e in data["engines"])
+        pd = data.get("pd")
+        flips = isinstance(pd, dict) and pd.get("role_switch") is True  # the decode pool is sized too: it can give one up
+        movable = {pool: sum(isinstance(e, dict) and e.get("kind") != "external" and pool_of(e.get("role")) == pool
+                             for e in data["engines"]) for pool in ("short", "long", *(("decode",) if flips else ()))}
         min_pool = controller.get("min_pool_size", ControllerConfig.model_fields["min_pool_size"].default)
         on = (pool_of(short_role) == "short" and pool_of(long_role) == "long"
-              and isinstance(min_pool, (int, float)) and movable > min_pool)
+              and isinstance(min_pool, (int, float)) and max(movable.values()) > min_pool)
         return {**data, "controller": {**controller, "enabled": on}}
 
     @model_validator(mode="after")

@@ -85,8 +85,15 @@ def test_bad_config_names_key_value_and_allowed(edit, expected):
 
 def test_controller_is_on_where_it_can_work_and_its_roles_are_checked_when_on_or_set():
     data = default_data()
-    assert load_config().controller.enabled is True  # short-prefill and long-prefill exist; 2 engines > min_pool_size 1
-    assert parse_config({**data, "controller": {"min_pool_size": 2}}).controller.enabled is False  # no move possible
+    # config.yaml: one short and one long engine, min_pool_size 1: neither pool can give one up
+    assert load_config().controller.enabled is False
+    three = {**data, "engines": [*data["engines"], {"name": "sp1", "kind": "sim", "role": "short-prefill"}]}
+    assert parse_config(three).controller.enabled is True  # the short pool can give one up
+    assert parse_config({**three, "controller": {"min_pool_size": 2}}).controller.enabled is False  # no move possible
+    from tests.pd_stack import pd_data  # one engine per prefill pool, two decode engines
+
+    assert parse_config(pd_data()).controller.enabled is False
+    assert parse_config(pd_data(pd={"role_switch": True})).controller.enabled is True  # the decode pool can give one up
     assert parse_config({**data, "controller": {"enabled": False}}).controller.enabled is False
     external = {**data, "engines": [{"name": n, "kind": "external", "role": r, "url": f"http://10.0.0.{i}:30000"}
                                     for i, (n, r) in enumerate((("a", "short-prefill"), ("b", "long-prefill")))]}
