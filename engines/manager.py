@@ -321,8 +321,13 @@ class EngineProcess:
     async def start(self) -> None:
         """Spawn the process with :attr:`env` added, stdout and stderr appended to :attr:`log_path` after a
         ``=== <date> <time> starting as <role>: <command>`` line (where :attr:`log_offset` points), in a session of
-        its own (:func:`engine_preexec`: a Ctrl-C at the gateway's terminal does not reach it)."""
+        its own (:func:`engine_preexec`: a Ctrl-C at the gateway's terminal does not reach it). A real SGLang engine
+        first waits for a previous run's process on its GPUs (:func:`await_predecessor`) and leaves a pid file while
+        it runs."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        real = self.config.kind == "sglang"
+        if real:
+            await await_predecessor(self.config.name, self.log_path)
         with open(self.log_path, "ab") as logf:
             self.log_offset = logf.tell()
             logf.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} starting as {self.role}: {' '.join(self.command)}\n".encode())
@@ -331,6 +336,8 @@ class EngineProcess:
                 *self.command, stdout=logf, stderr=asyncio.subprocess.STDOUT, env={**os.environ, **self.env},
                 start_new_session=True, preexec_fn=engine_preexec,
             )
+        if real and (started := _start_time(self.process.pid)) is not None:
+            _pid_file(self.log_path).write_text(f"{self.process.pid} {started}\n")
         log.info("engine %s: started pid %d on port %d as %s, log %s", self.config.name, self.process.pid, self.port, self.role, self.log_path)
 
     def alive(self) -> bool:
@@ -385,6 +392,52 @@ class EngineProcess:
                 await process.wait()
             log.info("engine %s: stopped (exit code %s)", self.config.name, process.returncode)
         _signal_group(process.pid, signal.SIGKILL)
+        _pid_file(self.log_path).unlink(missing_ok=True)
+
+
+PREDECESSOR_WAIT_S = 75.0  # a real engine's drain after its gateway died (SGLang's and the sim's: up to ~60 s)
+
+
+def _start_time(pid: int) -> str | None:
+    """The kernel's start time of process ``pid`` (``/proc/PID/stat`` field 22, clock ticks since boot), which tells a
+    process from a later one given the same pid; ``None`` when no such process runs: none by that pid, one that has
+    exited and waits to be reaped (a zombie: its parent may never reap it), or not on Linux."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": field 3 (the state) is index 0
+    return None if fields[0] in ("Z", "X") else fields[19]
+
+
+def _pid_file(log_path: Path) -> Path:
+    """Where an engine's process writes ``PID START_TIME`` while it runs: beside its log."""
+    return log_path.with_suffix(".pid")
+
+
+async def await_predecessor(name: str, log_path: Path, within_s: float = PREDECESSOR_WAIT_S) -> None:
+    """Wait until the engine process of an earlier gateway run with the same log (its pid file, :func:`_pid_file`) has
+    exited, at most ``within_s``, then kill its process group. A gateway (or a scheduler process) that died leaves its
+    engines draining after the parent-death SIGTERM; on real GPUs an engine started on the same GPUs meanwhile finds
+    their memory taken and fails. A pid file whose process is gone (or whose pid now names another process) is
+    ignored."""
+    try:
+        pid_text, started = _pid_file(log_path).read_text().split()
+        pid = int(pid_text)
+    except (OSError, ValueError):
+        return
+    if _start_time(pid) != started:
+        return
+    log.warning("engine %s: its previous process (pid %d) still runs (draining after its gateway ended); waiting up to "
+                "%.0f s for it to leave its GPUs", name, pid, within_s)
+    deadline = time.monotonic() + within_s
+    while _start_time(pid) == started and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    if _start_time(pid) == started:
+        log.warning("engine %s: its previous process (pid %d) still runs after %.0f s; killing it", name, pid, within_s)
+        _signal_group(pid, signal.SIGKILL)
+        while _start_time(pid) == started:  # the kill is immediate; its reaping by init is not
+            await asyncio.sleep(0.05)
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -338,7 +339,6 @@ def test_a_simulated_engine_drains_its_streams_through_a_second_sigterm():
     """When the gateway process that started an engine dies, the kernel sends the engine its parent-death SIGTERM once
     per thread that carries it (two were seen): the first starts the drain, the next must not abort the requests in
     flight (aiohttp's own handler did, within ~70 ms of a scheduler's SIGKILL)."""
-    import signal
     import time
 
     import httpx
@@ -378,3 +378,41 @@ def _ready(url: str) -> bool:
         return httpx.get(url, timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def _sleeper(log_path: Path) -> EngineProcess:
+    """An engine process of kind ``sglang`` that is a sleeping Python (what it runs does not matter here)."""
+    return EngineProcess(EngineConfig(name="e", kind="sglang", role="short-prefill"), "short-prefill",
+                         [sys.executable, "-c", "import time; time.sleep(60)"], {}, 30000, log_path)
+
+
+async def test_a_real_engine_waits_for_its_previous_process_to_leave_its_gpus(tmp_path: Path, caplog):
+    """A gateway (or scheduler process) that died leaves its engines draining; an engine started again on the same
+    GPUs meanwhile would find their memory taken. The new start waits for the old process, named by the pid file."""
+    log_path = tmp_path / "engine-e.log"
+    old = _sleeper(log_path)
+    await old.start()
+    assert (tmp_path / "engine-e.pid").read_text().split()[0] == str(old.process.pid)
+    new = _sleeper(log_path)  # the old one's gateway is gone: nobody stops it
+    starting = asyncio.create_task(new.start())
+    await asyncio.sleep(0.5)
+    assert not starting.done()
+    os.killpg(old.process.pid, signal.SIGTERM)  # its drain ends
+    await asyncio.wait_for(starting, 10)
+    assert f"engine e: its previous process (pid {old.process.pid}) still runs" in caplog.text
+    assert (tmp_path / "engine-e.pid").read_text().split()[0] == str(new.process.pid)
+    await new.stop()
+    assert not (tmp_path / "engine-e.pid").exists()
+    await old.process.wait()
+
+
+async def test_a_previous_engine_process_is_killed_after_the_wait_and_a_stale_pid_file_is_ignored(tmp_path: Path):
+    from engines.manager import await_predecessor
+
+    log_path = tmp_path / "engine-e.log"
+    old = _sleeper(log_path)
+    await old.start()
+    await asyncio.wait_for(await_predecessor("e", log_path, within_s=0.3), 10)
+    assert await asyncio.wait_for(old.process.wait(), 10) == -signal.SIGKILL
+    (tmp_path / "engine-e.pid").write_text(f"{os.getpid()} 0\n")  # this pid runs, but started at another time
+    await asyncio.wait_for(await_predecessor("e", log_path, within_s=60), 1)
