@@ -28,9 +28,10 @@ baseline still has ≤ 5% violations there (up to 3×): otherwise a goodput and 
 1.5× for both sides. The offered load is conversations per second for
 Poisson workloads and the replay speed-up for ``azure-conv``; rows also give the achieved request
 rate. Rows: ``{workload, policy, load, rate_rps, slo_violation_rate, length_slo_violation_rate,
-ttft_p90_s, short_ttft_p90_s, goodput_rps, prefill_busy_fraction}`` (``goodput_rps``: requests per
-second that met the fixed objective; ``prefill_busy_fraction``: the mean share of the run the prefill engines
-spent in prefill passes). One PNG per workload next to the JSON. The verdict (printed, and under ``verdict``):
+ttft_p90_s, short_ttft_p90_s, goodput_rps, prefill_busy_fraction, short_slo_violation_rate,
+long_slo_violation_rate}`` (``goodput_rps``: requests per second that met the fixed objective;
+``prefill_busy_fraction``: the mean share of the run the prefill engines spent in prefill passes; the last two:
+the fixed objective's violation rate within the short and the long class, None for a class with no request). One PNG per workload next to the JSON. The verdict (printed, and under ``verdict``):
 
 * ``never_worse``: at every load laps' violation rate ≤ the best baseline's + 0.5 points (fixed
   and length-aware);
@@ -176,6 +177,10 @@ def run_point(workload: str, policy: str, load: float, max_duration_s: float, se
         "length_slo_violation_rate": report["length_slo"]["violation_rate"],
         "ttft_p90_s": report["ttft_s"]["p90"],
         "short_ttft_p90_s": report["by_class"]["short"]["ttft_s"]["p90"],
+        # which class the violations fall on (the gateway's class at arrival, under every policy): where a target is
+        # missed, this says whether the short requests or the long ones pay
+        "short_slo_violation_rate": report["by_class"]["short"]["slo_violation_rate"],
+        "long_slo_violation_rate": report["by_class"]["long"]["slo_violation_rate"],
         "goodput_rps": met / report["duration_s"] if report["duration_s"] > 0 else 0.0,  # achieved; the verdict's is a load
         "short_floor_s": short_floor_s(records),
         "prefill_busy_fraction": prefill_busy_fraction(run, config, report["duration_s"]),
@@ -370,7 +375,8 @@ def sweep(workload: str, pd: bool, loads: tuple[float, ...], duration_s: float, 
             rows.append(r)
             progress.console.print(f"  {label} {r['policy']:>15} load {r['load']:g}: {r['rate_rps']:.0f} req/s, "
                                    f"{100 * r['slo_violation_rate']:.2f}% ({100 * r['length_slo_violation_rate']:.2f}% "
-                                   f"length-aware), short P90 {1e3 * (r['short_ttft_p90_s'] or math.nan):.1f} ms")
+                                   f"length-aware; short {_percent(r.get('short_slo_violation_rate'))}, long "
+                                   f"{_percent(r.get('long_slo_violation_rate'))}), short P90 {1e3 * (r['short_ttft_p90_s'] or math.nan):.1f} ms")
             progress.advance(task)
         more = extra_load(rows, key, max(multiples))
         multiples = [] if more is None else [more]
@@ -404,6 +410,11 @@ def mean_row(runs: list[dict]) -> dict:
             values = [r[key] for r in runs if r.get(key) is not None]
             row[key] = sum(values) / len(values) if values else None
     return row
+
+
+def _percent(rate: float | None) -> str:
+    """A violation rate as printed; ``None`` (no request of that class): n/a."""
+    return "n/a" if rate is None else f"{100 * rate:.2f}%"
 
 
 def _times(ratio: float | None) -> str:

@@ -162,3 +162,12 @@ def test_the_added_loads_stop_at_three_times_the_saturation_load():
     assert dominance.extra_load(rows, "slo_violation_rate", 2.0) == 2.5
     rows[0]["slo_violation_rate"] = 0.06
     assert dominance.extra_load(rows, "slo_violation_rate", 2.0) is None  # every side fails at the top
+
+
+def test_a_point_says_which_class_its_violations_fall_on():
+    """``docs`` at 500 conv/s for half a simulated second under least_load: both classes miss, and the overall rate
+    lies between the two classes' (it is their mean weighted by the class sizes)."""
+    r = dominance.run_point("docs", "least_load", 500.0, 0.5, 0)
+    short, long = r["short_slo_violation_rate"], r["long_slo_violation_rate"]
+    assert 0 < short < 1 and 0 < long < 1
+    assert min(short, long) <= r["slo_violation_rate"] <= max(short, long)
