@@ -95,8 +95,9 @@ class SGLangParser:
     once (~20 s) and parses every list of command lines it is given. Call :meth:`close` when done."""
 
     def __init__(self, python: Path) -> None:
+        self._stderr = tempfile.TemporaryFile()  # a file, not a pipe: SGLang's warnings must never fill it and block it
         self._process = subprocess.Popen([str(python), str(_PARSE_SCRIPT)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         stderr=subprocess.PIPE, text=True)
+                                         stderr=self._stderr, text=True)
 
     def errors(self, argvs: list[list[str]]) -> list[str | None]:
         """Parse each argument list with SGLang's own ``prepare_server_args``: per list, ``None`` when SGLang accepts it,
@@ -116,7 +117,9 @@ class SGLangParser:
                 if line.rstrip("\n") == "laps-parse-done":  # sglang_parse_args.DONE (that module imports SGLang)
                     return json.loads(out.read_text())
             self._process.wait()
-            raise RuntimeError(f"{_PARSE_SCRIPT.name} failed (exit {self._process.returncode}):\n{self._process.stderr.read()[-3000:]}")
+            self._stderr.seek(0)
+            stderr = self._stderr.read().decode(errors="replace")
+            raise RuntimeError(f"{_PARSE_SCRIPT.name} failed (exit {self._process.returncode}):\n{stderr[-3000:]}")
 
     def close(self) -> None:
         """End the process (the end of its stdin)."""
@@ -126,6 +129,7 @@ class SGLangParser:
         except subprocess.TimeoutExpired:
             self._process.kill()
             self._process.wait()
+        self._stderr.close()
 
 
 if __name__ == "__main__":
