@@ -160,12 +160,14 @@ def test_logprobs_and_tools_pass_through_with_openai_shapes(deployment: Deployme
     assert len(content) == 3 and all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
     chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, logprobs=True, top_logprobs=1,
                                                  stream=True, extra_body={"ignore_eos": True}))
-    # One token's logprobs per content chunk. SGLang 0.5.23 drops a step's logprobs when its text is empty (a token that
-    # ends mid-character, which random weights draw now and then: serving_chat.py, "an empty-delta step has no chunk"),
-    # so up to 3 such chunks, not always 3.
+    # Each content chunk carries the logprobs of the tokens it brings. Real SGLang 0.5.23 sends a step's tokens as one
+    # chunk (two when its output lags the stream) and drops a step's logprobs when its text is empty (a token that ends
+    # mid-character, which random weights draw now and then: serving_chat.py, "an empty-delta step has no chunk"), so
+    # up to 3 entries in all there; the simulated engine sends one per token.
     content_chunks = [c for c in chunks if c.choices and c.choices[0].delta.content]
-    assert 1 <= len(content_chunks) <= 3 and (deployment.kind == "sglang" or len(content_chunks) == 3)
-    assert [len(c.choices[0].logprobs.content) for c in content_chunks] == [1] * len(content_chunks)
+    entries = [len(c.choices[0].logprobs.content) for c in content_chunks]
+    assert all(n >= 1 for n in entries) and 1 <= sum(entries) <= 3
+    assert deployment.kind == "sglang" or entries == [1, 1, 1]
     assert all(c in content_chunks for c in chunks if c.choices and c.choices[0].logprobs)
     text = client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=2, logprobs=2, extra_body={"ignore_eos": True})
     assert len(text.choices[0].logprobs.tokens) == len(text.choices[0].logprobs.token_logprobs) == 2
