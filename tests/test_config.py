@@ -6,6 +6,7 @@ import pytest
 import yaml
 
 from laps.config import DEFAULT_CONFIG_PATH, ConfigError, load_config, parse_config
+from tests.pd_stack import pd_data
 
 
 def default_data() -> dict:
@@ -90,9 +91,7 @@ def test_controller_is_on_where_it_can_work_and_its_roles_are_checked_when_on_or
     three = {**data, "engines": [*data["engines"], {"name": "sp1", "kind": "sim", "role": "short-prefill"}]}
     assert parse_config(three).controller.enabled is True  # the short pool can give one up
     assert parse_config({**three, "controller": {"min_pool_size": 2}}).controller.enabled is False  # no move possible
-    from tests.pd_stack import pd_data  # one engine per prefill pool, two decode engines
-
-    assert parse_config(pd_data()).controller.enabled is False
+    assert parse_config(pd_data()).controller.enabled is False  # one engine per prefill pool, two decode engines
     assert parse_config(pd_data(pd={"role_switch": True})).controller.enabled is True  # the decode pool can give one up
     assert parse_config({**data, "controller": {"enabled": False}}).controller.enabled is False
     external = {**data, "engines": [{"name": n, "kind": "external", "role": r, "url": f"http://10.0.0.{i}:30000"}

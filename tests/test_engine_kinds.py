@@ -10,9 +10,11 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import aiohttp
+import httpx
 import pytest
 import yaml
 from aiohttp.test_utils import TestServer
@@ -339,10 +341,6 @@ def test_a_simulated_engine_drains_its_streams_through_a_second_sigterm():
     """When the gateway process that started an engine dies, the kernel sends the engine its parent-death SIGTERM once
     per thread that carries it (two were seen): the first starts the drain, the next must not abort the requests in
     flight (aiohttp's own handler did, within ~70 ms of a scheduler's SIGKILL)."""
-    import time
-
-    import httpx
-
     port = free_port()
     root = Path(__file__).resolve().parent.parent
     engine = subprocess.Popen([sys.executable, "-m", "engines.sim", "--port", str(port)], cwd=root, stdout=subprocess.DEVNULL,
@@ -372,8 +370,6 @@ def test_a_simulated_engine_drains_its_streams_through_a_second_sigterm():
 
 
 def _ready(url: str) -> bool:
-    import httpx
-
     try:
         return httpx.get(url, timeout=1).status_code == 200
     except httpx.HTTPError:
