@@ -9,7 +9,9 @@ per-token prefill time of a long prompt on this engine, so a 30k-token prefill i
 2.2 s). Workloads (``laps simulate --dataset`` names): ``hh-rlhf`` chats, ``mixed`` (20% long),
 ``docs`` (50% long), ``chat-single`` (single-turn first turns, 90% short, 256-token replies),
 ``shared-docs`` (10k–30k-token documents asked several questions each, interleaved; our own
-prefix-heavy construction) and the ``azure-conv`` replay sped up.
+prefix-heavy construction), the ``azure-conv`` replay sped up, and ``code-burst`` sped up (bursty code
+completion: prompts of ~1,500 tokens, replies of ~13; our own construction in the shape of Splitwise's
+coding trace).
 
 Policies: ``laps`` as shipped (``examples/sim-h200x8.yaml``, unedited: pools as preferences,
 predicted-TTFT routing, the controller on with instant moves) and the baselines over all 8 engines
@@ -26,7 +28,7 @@ reach 5%, geometric steps then bisection), then every policy runs at 0.2, 0.5, 0
 1.5 times it (``--quick``: 0.5, 1.0, 1.2, 1.5), and then at 1.25 times the top load again while laps or any
 baseline still has ≤ 5% violations there (up to 3×): otherwise a goodput and a knee past 1.5× would read as
 1.5× for both sides. The offered load is conversations per second for
-Poisson workloads and the replay speed-up for ``azure-conv``; rows also give the achieved request
+Poisson workloads and the replay speed-up for ``azure-conv`` and ``code-burst``; rows also give the achieved request
 rate. Rows: ``{workload, policy, load, rate_rps, slo_violation_rate, length_slo_violation_rate,
 ttft_p90_s, short_ttft_p90_s, goodput_rps, prefill_busy_fraction, short_slo_violation_rate,
 long_slo_violation_rate}`` (``goodput_rps``: requests per second that met the fixed objective;
@@ -70,7 +72,7 @@ from laps.config import Config, load_config, parse_config  # noqa: E402
 from laps.tokenizer import load_tokenizer  # noqa: E402
 from loadgen.report import build_report  # noqa: E402
 from loadgen.simulate import simulate_run  # noqa: E402
-from loadgen.workloads import build_workload, load_azure_trace  # noqa: E402
+from loadgen.workloads import CODE_BURST_RATE_RPS, build_workload, load_azure_trace  # noqa: E402
 from policy_compare import POLICIES as COMPARED, ROLES  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -79,7 +81,7 @@ SLO_TTFT_S = 0.4
 PER_1K_S = 0.06
 VIOLATION_TARGET = 0.05
 GATEWAY_OVERHEAD_S = 0.56e-3  # README, Gateway overhead: added latency p50 at concurrency 1
-WORKLOADS = ("mixed", "docs", "chat-single", "shared-docs", "azure-conv", "hh-rlhf")
+WORKLOADS = ("mixed", "docs", "chat-single", "shared-docs", "azure-conv", "hh-rlhf", "code-burst")
 QUICK_WORKLOADS = ("mixed", "chat-single", "shared-docs")
 PD_WORKLOADS = ("mixed", "docs")
 # Our policy names -> policy_compare's (scheduling.policy over engines of one SGLang role).
@@ -93,8 +95,10 @@ POLICIES = ("laps", *BASELINES, CONTROL)
 LOADS = (0.2, 0.5, 0.8, 1.0, 1.2, 1.5)
 QUICK_LOADS = (0.5, 1.0, 1.2, 1.5)
 # First guess of least_load's saturation load (conversations/s, or replay speed-up) per workload.
-FIRST_GUESS = {"hh-rlhf": 200.0, "mixed": 200.0, "docs": 60.0, "chat-single": 400.0, "shared-docs": 8.0, "azure-conv": 60.0}
-AZURE_RATE_RPS = len(load_azure_trace()) / load_azure_trace()[-1].arrival_s
+FIRST_GUESS = {"hh-rlhf": 200.0, "mixed": 200.0, "docs": 60.0, "chat-single": 400.0, "shared-docs": 8.0, "azure-conv": 60.0,
+               "code-burst": 15.0}
+# Mean request rate of the replayed workloads at speed-up 1 (their offered load is a speed-up).
+TRACE_RATE_RPS = {"azure-conv": len(load_azure_trace()) / load_azure_trace()[-1].arrival_s, "code-burst": CODE_BURST_RATE_RPS}
 # The objective that saturation and goodput are measured on: the fixed one, except where it is out of every scheduler's
 # reach (shared-docs: a 30k-token prefill alone takes ~0.9 s, so least_load misses 0.4 s for a third of the requests
 # at any load), where it is the length-aware one.
@@ -153,7 +157,7 @@ REQUESTS_PER_POINT = 3000
 def point_duration_s(workload: str, load: float, max_duration_s: float) -> float:
     """Simulated seconds of arrivals for a point: enough for ~3,000 first turns, between 1.5 s and ``max_duration_s``
     (high-rate chat points would otherwise simulate tens of thousands of requests each)."""
-    arrivals_per_s = load * AZURE_RATE_RPS if workload == "azure-conv" else load
+    arrivals_per_s = load * TRACE_RATE_RPS.get(workload, 1.0)
     return min(max_duration_s, max(1.5, REQUESTS_PER_POINT / arrivals_per_s))
 
 

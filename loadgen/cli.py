@@ -26,7 +26,7 @@ from policies.registry import POLICIES
 DESCRIPTION = """\
 Open-loop load of real chats against an OpenAI-compatible server (the laps gateway, SGLang, ...).
 Conversations arrive as a Poisson process at --rate per second (or at the trace's own times for
-azure-conv, replay:PATH, mooncake:PATH and azure:PATH); each turn is streamed, and the next turn follows the received answer
+azure-conv, code-burst, replay:PATH, mooncake:PATH and azure:PATH); each turn is streamed, and the next turn follows the received answer
 after a think time, with the real history. Reports TTFT, TPOT and E2E per class (x-laps-class header)
 as a table, as JSON at --out and as a TTFT CDF plot next to it (.png)."""
 
@@ -41,7 +41,8 @@ datasets: hh-rlhf (multi-turn red-team chats; offensive text), mtbench (2 turns)
 (single turn), azure-conv (Azure 2023 trace replay, exact prompt token counts), mixed (hh-rlhf + mtbench
 chats with --long-share long requests of 1k-14k tokens), docs (mixed with half the requests long;
 --long-share does not apply), chat-single (first turns of hh-rlhf, arena, sharegpt and mtbench, single
-turn), shared-docs (10k-30k-token documents asked 3-8 questions each, interleaved), replay:PATH (a
+turn), shared-docs (10k-30k-token documents asked 3-8 questions each, interleaved), code-burst (bursty
+code completion: 1 h at 5.5 req/s mean, prompts ~1,500 tokens, replies ~13; timed), replay:PATH (a
 --trace-out file); trace files: mooncake:PATH (Mooncake JSONL: times, exact lengths, equal hash ids as
 equal 512-token blocks), azure:PATH (Azure LLM inference CSV, 2023 or 2024), sharegpt:PATH (ShareGPT JSON
 or JSONL conversations, multi-turn, recorded reply lengths; Poisson at --rate).
@@ -203,7 +204,7 @@ async def run(args: argparse.Namespace) -> dict:
         ValueError: inconsistent arguments (e.g. no ``--rate`` for a Poisson dataset).
     """
     context = args.max_context_tokens
-    if context is None and args.dataset.partition(":")[0] in (*TRACE_FORMATS, "azure-conv"):
+    if context is None and args.dataset.partition(":")[0] in (*TRACE_FORMATS, "azure-conv", "code-burst"):
         context = await discover_context_tokens(args.url, args.api_key)
     workload = await asyncio.to_thread(load_workload, args, load_tokenizer(args.tokenizer), context)
     console = Console(stderr=True)

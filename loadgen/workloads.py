@@ -31,6 +31,11 @@ Data sets (``--dataset`` names; files and licences in ``loadgen/data/README.md``
   time and their questions arrive interleaved, so most of a request's tokens
   are a document an earlier request already sent; 10% of arrivals are a
   short chat question alone. Replies ask 128 tokens.
+* ``code-burst`` bursty code completion, our own construction in the shape of
+  Splitwise's coding trace (median prompt 1,500 tokens, median output 13):
+  one hour of single-turn requests at 5.5 per second on average, arriving in
+  bursts (:func:`code_burst_rows`), prompts of exact token counts made from
+  real text as ``azure-conv``'s. Replayed like a trace (``--time-scale``).
 * shifting (:func:`shifting_workload`, not a ``--dataset`` name: it takes
   its own rate and phases) the ``mixed`` stream with a long share that
   changes phase by phase, e.g. chat-heavy, then document-heavy, then back.
@@ -53,6 +58,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 import random
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -68,7 +74,7 @@ from loadgen.trace_files import (
 DATA_DIR = Path(__file__).resolve().parent / "data"
 DEFAULT_MAX_TOKENS = 256
 LONG_MIN_CONTEXT_TOKENS = 1024
-DATASETS = ("hh-rlhf", "mtbench", "arena", "sharegpt", "azure-conv", "mixed", "docs", "chat-single", "shared-docs")
+DATASETS = ("hh-rlhf", "mtbench", "arena", "sharegpt", "azure-conv", "mixed", "docs", "chat-single", "shared-docs", "code-burst")
 REPLAY_PREFIX = "replay:"
 TRACE_FORMATS = ("mooncake", "azure", "sharegpt")  # --dataset FORMAT:PATH
 # Special-token strings: a text holding one would be tokenized as a control token.
@@ -299,6 +305,55 @@ def _length_trace(name: str, stream: Iterator[Conversation], lengths: Sequence[t
     over = len(lengths) - kept
     notes += _over_context_note(name, over, len(lengths), max_context_tokens)
     return Workload(name, stream, timed=True, notes=notes, rows=TraceRowCounts(len(lengths), over, max_context_tokens))
+
+
+# code-burst (code_burst_rows): Splitwise (Patel et al., ISCA 2024) gives its coding trace's median prompt as 1,500
+# tokens and its median output as 13; the spreads, the cut and the bursts below are our choices.
+CODE_PROMPT_MEDIAN_TOKENS = 1500
+CODE_OUTPUT_MEDIAN_TOKENS = 13
+CODE_PROMPT_SIGMA = 0.9  # log-normal spread: P90 about 4,800 tokens
+CODE_OUTPUT_SIGMA = 1.3
+CODE_MAX_PROMPT_TOKENS = 8000
+CODE_MAX_OUTPUT_TOKENS = 1000
+CODE_BURST_RATE_RPS = 5.5  # mean arrivals per second over the trace (the Azure 2023 traces run at ~5.5)
+CODE_BURST_DURATION_S = 3600.0
+CODE_BURST_ON_MEAN_S = 15.0  # bursts last 15 s on average, the quiet spells between them 45 s,
+CODE_BURST_OFF_MEAN_S = 45.0
+CODE_BURST_PEAK_RATIO = 4.0  # and a burst's rate is 4 times a quiet spell's
+
+
+def code_burst_rows(rng: random.Random, duration_s: float = CODE_BURST_DURATION_S,
+                    mean_rate_rps: float = CODE_BURST_RATE_RPS) -> list[TraceRow]:
+    """Rows of the ``code-burst`` workload: ``duration_s`` seconds of requests, sorted by arrival.
+
+    Arrivals: an on/off modulated Poisson process. Bursts and quiet spells
+    alternate with exponential lengths (means :data:`CODE_BURST_ON_MEAN_S`,
+    :data:`CODE_BURST_OFF_MEAN_S`), a burst's rate is :data:`CODE_BURST_PEAK_RATIO`
+    times a quiet spell's, and the two rates are set so the time-average rate
+    is ``mean_rate_rps`` (quiet rate = mean / (on share * ratio + off share)).
+    Lengths: prompt tokens log-normal with median
+    :data:`CODE_PROMPT_MEDIAN_TOKENS` (sigma :data:`CODE_PROMPT_SIGMA`) cut to
+    [1, :data:`CODE_MAX_PROMPT_TOKENS`], output tokens log-normal with median
+    :data:`CODE_OUTPUT_MEDIAN_TOKENS` (sigma :data:`CODE_OUTPUT_SIGMA`) cut to
+    [1, :data:`CODE_MAX_OUTPUT_TOKENS`]. The first row arrives at 0.
+    """
+    on_share = CODE_BURST_ON_MEAN_S / (CODE_BURST_ON_MEAN_S + CODE_BURST_OFF_MEAN_S)
+    quiet_rps = mean_rate_rps / (on_share * CODE_BURST_PEAK_RATIO + 1.0 - on_share)
+    arrivals: list[float] = []
+    t, burst = 0.0, rng.random() < on_share
+    while t < duration_s:
+        end = min(duration_s, t + rng.expovariate(1.0 / (CODE_BURST_ON_MEAN_S if burst else CODE_BURST_OFF_MEAN_S)))
+        rate = quiet_rps * (CODE_BURST_PEAK_RATIO if burst else 1.0)
+        while (t := t + rng.expovariate(rate)) < end:
+            arrivals.append(t)
+        t, burst = end, not burst
+    first = arrivals[0] if arrivals else 0.0
+
+    def lognormal(median: int, sigma: float, top: int) -> int:
+        return min(top, max(1, round(median * math.exp(rng.gauss(0.0, sigma)))))
+
+    return [TraceRow(a - first, lognormal(CODE_PROMPT_MEDIAN_TOKENS, CODE_PROMPT_SIGMA, CODE_MAX_PROMPT_TOKENS),
+                     lognormal(CODE_OUTPUT_MEDIAN_TOKENS, CODE_OUTPUT_SIGMA, CODE_MAX_OUTPUT_TOKENS)) for a in arrivals]
 
 
 def azure_workload(name: str, rows: Sequence[TraceRow], tokenizer: ChatTokenizer, rng: random.Random,
@@ -619,6 +674,8 @@ def build_workload(
         return Workload(name, cycle_shuffled(_TEXT_SETS[name](default_max_tokens), rng), timed=False)
     if name == "azure-conv":
         return azure_workload(name, load_azure_trace(), tok, rng, max_context_tokens, source="azure-conv")
+    if name == "code-burst":
+        return azure_workload(name, code_burst_rows(rng), tok, rng, max_context_tokens, source="code-burst")
     if name == "chat-single":
         return Workload(name, cycle_shuffled(first_turns(tok, default_max_tokens), rng), timed=False)
     if name == "shared-docs":

@@ -1,7 +1,9 @@
 """Workloads: exact counts of the real data sets, exact prompt lengths, seeded determinism."""
 
+import collections
 import itertools
 import random
+import statistics
 
 import pytest
 
@@ -11,6 +13,7 @@ from loadgen.workloads import (
     Phase,
     build_workload,
     chat_docs_chat,
+    code_burst_rows,
     cycle_shuffled,
     load_arena,
     load_azure_trace,
@@ -227,3 +230,23 @@ def test_shared_docs_asks_each_long_document_several_times_interleaved(tok):
 def test_docs_is_the_mixed_stream_with_half_the_requests_long(tok):
     w = build_workload("docs", random.Random(0), tokenizer=tok)
     assert w.notes[0].startswith("docs: ") and "(long_share 0.5 of requests)" in w.notes[0]
+
+
+def test_code_burst_is_bursty_code_completion_of_splitwise_coding_medians(tok):
+    rows = code_burst_rows(random.Random(0))
+    assert rows[0].arrival_s == 0.0 and all(a.arrival_s <= b.arrival_s for a, b in zip(rows, rows[1:]))
+    assert 0.9 * 5.5 * 3600 < len(rows) < 1.1 * 5.5 * 3600
+    assert statistics.median(r.context_tokens for r in rows) == pytest.approx(1500, rel=0.05)
+    assert statistics.median(r.generated_tokens for r in rows) == pytest.approx(13, abs=1)
+    assert max(r.context_tokens for r in rows) == 8000 and min(r.generated_tokens for r in rows) >= 1
+    # Bursts: arrivals per minute vary far more than a Poisson process's (count CV ~0.05 at 330 per minute).
+    counts = collections.Counter(int(r.arrival_s // 60) for r in rows)
+    per_minute = [counts[m] for m in range(60)]
+    assert statistics.pstdev(per_minute) / statistics.mean(per_minute) > 0.3
+    w = build_workload("code-burst", random.Random(0), tokenizer=tok)
+    assert w.timed and w.rows.read == len(rows)
+    convs = list(itertools.islice(w.conversations, 5))
+    assert [c.start_s for c in convs] == [r.arrival_s for r in rows[:5]]
+    assert [c.turns[0].max_tokens for c in convs] == [r.generated_tokens for r in rows[:5]]
+    lengths = [len(tok.encode_chat([{"role": "user", "content": c.turns[0].content}])) for c in convs]
+    assert lengths == [max(r.context_tokens, ExactLengthPrompts(tok, random.Random(0)).min_tokens) for r in rows[:5]]
