@@ -254,7 +254,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
@@ -327,6 +327,15 @@ class _InFlight:
     dispatched_s: float
     new_tokens: int
     prefilling: bool = True
+    predicted_ttft_s: float | None = None  # a long prefill's own predicted TTFT from dispatch, on its engine
+
+
+# How far a long prefill's predicted TTFT is trusted when the clean-engine charge would keep it off a clean engine:
+# the P90 of actual over predicted dispatch-to-first-token time of the last LONG_RATIO_WINDOW long prefills (once
+# LONG_RATIO_MIN_SEEN are in), so the margin follows how much later prefills overtake on these engines.
+LONG_RATIO_QUANTILE = 0.9
+LONG_RATIO_WINDOW = 200
+LONG_RATIO_MIN_SEEN = 20
 
 
 class LapsScheduler:
@@ -349,6 +358,7 @@ class LapsScheduler:
         self._rate = _DecayingRate(self.config.rate_window_s)
         self._short_batches = _DecayingRate(self.config.rate_window_s)  # short batches dispatched per second
         self._in_flight: dict[str, _InFlight] = {}
+        self._long_ratios: deque[float] = deque(maxlen=LONG_RATIO_WINDOW)  # actual / predicted TTFT of long prefills
         self.triggers: dict[Trigger, int] = {"immediate": 0, "idle": 0, "depth": 0, "window": 0, "slack": 0}
         self.requests_batched = 0
         self.short_spilled = 0  # short batches sent to a long-pool engine
@@ -384,6 +394,8 @@ class LapsScheduler:
             self.service_s = (1 - a) * self.service_s + a * (now - flight.dispatched_s)
         else:
             self.long_service_s = (1 - a) * self.long_service_s + a * (now - flight.dispatched_s)
+            if flight.predicted_ttft_s is not None:
+                self._long_ratios.append((now - flight.dispatched_s) / max(flight.predicted_ttft_s, self.model.pass_floor_s))
 
     def on_complete(self, rid: str, engine_id: str, now: float) -> None:
         self._in_flight.pop(rid, None)
@@ -398,6 +410,7 @@ class LapsScheduler:
             "awd_depth_tokens": self.depth_tokens,
             "awd_service_estimate_seconds": self.service_s,
             "long_service_estimate_seconds": self.long_service_s,
+            "long_ttft_margin_ratio": self.long_ttft_margin(),
             "short_batches_total": sum(self.triggers.values()),
             "short_requests_batched_total": self.requests_batched,
             "short_batches_to_long_pool_total": self.short_spilled,
@@ -472,12 +485,16 @@ class LapsScheduler:
         decoding = self.model.decoding(engine.id)
         return engine.in_flight_prompt_tokens * decoding // engine.in_flight if engine.in_flight and decoding else 0
 
+    def _own_ttft_s(self, engine: EngineView, batch: Sequence[RequestView], now: float) -> float:
+        """``batch``'s predicted TTFT on ``engine`` from ``now`` (seconds), in the engine's own queue order."""
+        return self.model.predict_ttft_s(engine.id, self._shapes(batch, engine.id), now, self._decoding_context(engine))
+
     def _cost(self, engine: EngineView, batch: Sequence[RequestView], now: float) -> float:
         """Seconds of first-token time that sending ``batch`` to ``engine`` costs: its own predicted TTFT plus the
         delay it adds to each longer prefill it overtakes there that can still meet its deadline: what its new tokens
         add to a full chunk pass (:attr:`EngineQueueModel.token_in_pass_s`)."""
         shapes = self._shapes(batch, engine.id)
-        own_s = self.model.predict_ttft_s(engine.id, shapes, now, self._decoding_context(engine))
+        own_s = self._own_ttft_s(engine, batch, now)
         n = self.model.displaced(engine.id, shapes, now)
         return own_s + n * self.model.token_in_pass_s * sum(max(1, new) for new, _ in shapes)
 
@@ -557,11 +574,13 @@ class LapsScheduler:
                 return dispatches, slack_due_s if now < slack_due_s else None
             clean = [e.id for e in healthy if prefilling[e.id] == 0]
             chosen = self._cheapest_for_long(open_, request, now, clean)
+            predicted_s = self._own_ttft_s(chosen, [request], now)
             if chosen.pool == "short" and has_long_pool:
                 self.long_borrowed += 1
             self._long.pop(0)
             prefilling[chosen.id] += self._new_on(request, chosen.id)
             self._account(load, chosen.id, [request], short=False, now=now)
+            self._in_flight[request.rid].predicted_ttft_s = predicted_s
             dispatches.append(Dispatch(chosen.id, (request.rid,)))
             healthy = [load[e.id] for e in healthy]
         return dispatches, None
@@ -573,8 +592,14 @@ class LapsScheduler:
 
         The cost is :meth:`_cost`, plus, on an engine of ``clean`` (those with no long prefill in progress), the wait
         its prefill P causes the short batches that would go there meanwhile: P × (short batches per second ÷ clean
-        engines) × the mean wait for the pass in progress, min(P, one chunk pass) / 2.
+        engines) × the mean wait for the pass in progress, min(P, one chunk pass) / 2. That charge is short
+        requests' time, not their deadlines, so it only chooses among the engines where the request itself is in
+        time: those whose predicted TTFT, times :meth:`long_ttft_margin`, is within its deadline (all of them when
+        none is).
         """
+        margin = self.long_ttft_margin()
+        in_time = [e for e in engines if now + margin * self._own_ttft_s(e, [request], now) <= request.deadline_s]
+        engines = in_time or engines
         order = {e.id: i for i, e in enumerate(engines)}
 
         def cost(e: EngineView) -> float:
@@ -588,6 +613,17 @@ class LapsScheduler:
         # The model does not resolve times finer than one forward pass: costs that close count as equal.
         close = min(costs.values()) + self.model.pass_floor_s
         return min((e for e in engines if costs[e.id] <= close), key=lambda e: (e.pool != "long", e.in_flight, order[e.id]))
+
+    def long_ttft_margin(self) -> float:
+        """How much later than predicted a long prefill gets its first token: the :data:`LONG_RATIO_QUANTILE` of
+        actual over predicted TTFT of the last :data:`LONG_RATIO_WINDOW` long prefills, at least 1 (1 until
+        :data:`LONG_RATIO_MIN_SEEN` are in). On ``shortest-prefill-first`` engines the later, shorter prefills that
+        overtake a long one after its dispatch make this well above 1 near saturation; the prediction cannot see them.
+        """
+        if len(self._long_ratios) < LONG_RATIO_MIN_SEEN:
+            return 1.0
+        ranked = sorted(self._long_ratios)
+        return max(1.0, ranked[min(len(ranked) - 1, int(LONG_RATIO_QUANTILE * len(ranked)))])
 
     def _account(self, load: dict[str, EngineView], engine_id: str, batch: list[RequestView], short: bool, now: float) -> None:
         engine = load[engine_id]

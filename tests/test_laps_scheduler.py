@@ -250,6 +250,32 @@ def test_a_long_prefill_takes_a_clean_short_engine_only_when_that_beats_the_shor
     assert busy.stats()["long_prefills_to_short_pool_total"] == 0
 
 
+def test_the_clean_engine_charge_chooses_only_among_engines_where_the_long_prefill_is_in_time_with_the_observed_margin():
+    s = LapsScheduler(config(), TRAITS)
+    # History: 20 long prefills, one at a time on idle engines, each predicted at 35 ms and answered 210 ms after
+    # dispatch (later prefills overtook them, say): 6x the prediction.
+    for i in range(20):
+        t = i * 0.25
+        assert s.long_ttft_margin() == 1.0  # too few seen yet
+        s.submit(long(f"H{i}", 3000, t), t)
+        (d,) = s.decide(ENGINES, t).dispatches
+        s.on_first_token(f"H{i}", d.engine_id, t + 0.21, 0)
+        s.on_complete(f"H{i}", d.engine_id, t + 0.21)
+    assert s.long_ttft_margin() == pytest.approx(6.0)
+    for i in range(100):  # the short traffic of the test above: ~95 batches/s on s
+        t = 5.0 + i / 1000
+        s.submit(short(f"r{i}", 10, t), t)
+        assert s.decide(ENGINES, t).dispatches == (Dispatch("s", (f"r{i}",)),)
+        s.on_first_token(f"r{i}", "s", t, 0)
+        s.on_complete(f"r{i}", "s", t)
+    for rid in ("L0", "L1"):
+        s.submit(long(rid, 3000, 5.1), 5.1)
+    # L0: 35 ms on either engine (x6 = 210 ms, in time on both): the charge keeps it on l, as above. L1: 70 ms on l
+    # behind L0, x6 = 420 ms, past its 400 ms; 35 ms on s (210 ms): only s is in time, so it goes there, though the
+    # charge alone would keep it on l (the test above).
+    assert s.decide(ENGINES, 5.1).dispatches == (Dispatch("l", ("L0",)), Dispatch("s", ("L1",)))
+
+
 def test_a_long_prefill_stays_in_its_pool_when_another_engine_is_cheaper_by_less_than_one_pass():
     s = LapsScheduler(config(), TRAITS)
     # 24 template tokens cached on s save 0.24 ms there: under the 5.01 ms of the shortest pass, so a tie.
