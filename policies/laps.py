@@ -64,7 +64,11 @@ onto the engine where a long one waits, which then starves):
   for the pass in progress (min(P, one chunk pass) / 2). So long prefills
   borrow a short-pool engine when the long pool is backed up by more than that
   wait is worth, and fill the engines that already hold long work before they
-  take the last clean ones ("spill-over" into the short pool);
+  take the last clean ones ("spill-over" into the short pool). That charge is
+  short requests' waiting time, not their deadlines, so it only chooses among
+  the engines where the long prefill itself is in time: its predicted TTFT
+  times the margin (the P90 of actual over predicted TTFT of the last 200 long
+  prefills, at least 1) within its deadline; where no engine is, among all;
 * long prefills are held in the gateway only where they would queue behind
   each other inside an engine: on FCFS engines (and in temporal mode), an
   engine takes one when its long prefills still in progress (dispatched, no
@@ -222,6 +226,29 @@ away from engines past the gate, their cached context with them, which cost
 30k-token document on a clean engine); keeping the engine that caches the most of
 a request open gave back ``shared-docs`` (0.00% to 1.2×) but left ``mixed`` PD at
 1.13% (1.2×: 2.73%) and every other workload within 0.4 points of the open gate.
+
+What moved it was the clean-engine charge. Timing each violation's path (seed 0,
+1.0×): none was held in the gateway, the KV transfer and the decode admission
+took ~4 ms, the rest was the prefill engine's queue: prefills over 3k tokens
+waited there 0.43 s on average against 0.19 s under ``cache_aware``. In PD the
+short requests are most of the arrivals, so the charge of a clean engine for a
+4k-token prefill (~0.1 s of work) came to 0.1–0.3 s and kept long prefills on
+the long pool's queues while short-pool engines were clean. Of 1,126 long
+prefills 68 were late, and all but one had been dispatched with a predicted
+TTFT above 0.3 of the time left to their deadline: their actual TTFT over the
+predicted one had P50 / P90 / P99 1.13 / 2.07 / 5.48 (without PD at 1.0×:
+1.06 / 1.73 / 2.82). So the charge now only chooses among the engines where
+the prefill is in time with that ratio's recent P90 as margin. ``mixed`` PD at
+1.0×, seeds 0 / 1 / 2: 0.82 / 0.51 / 1.19% against 1.37 / 1.15 / 1.53% before
+(``cache_aware`` 0.28 / 0.12 / 1.72%); seed 0 at 1.2× / 1.5× 2.67 / 4.52%
+against 2.69 / 4.86%. A fixed share of the time left instead of the observed
+margin (all of it, half, 0.3: 1.37, 1.00, 0.55% at 1.0×; 2.77, 2.71, 3.01% at
+1.2×) or the P99 (0.59 / 2.79 / 4.84% at 1.0 / 1.2 / 1.5×) were measured too;
+without PD the P90 margin moved nothing beyond the noise (``mixed`` 0.5–1.2×
+0.00 / 0.02 / 0.12 / 2.83% against 0.00 / 0.02 / 0.20 / 3.49%, ``docs`` 0.00 /
+0.00 / 0.00 / 6.25% against 0.00 / 0.00 / 0.00 / 6.58%, ``azure-conv``
+1.0–1.5× 0.04 / 3.91 / 8.25% against 0.04 / 3.76 / 8.52%, ``shared-docs``
+unchanged).
 
 Nor does packing long prefills to keep clean engines for short ones (seed 0, loads as
 multiples of least_load's saturation, 449 conv/s on ``mixed``, 19.4 on ``shared-docs``):
@@ -489,12 +516,12 @@ class LapsScheduler:
         """``batch``'s predicted TTFT on ``engine`` from ``now`` (seconds), in the engine's own queue order."""
         return self.model.predict_ttft_s(engine.id, self._shapes(batch, engine.id), now, self._decoding_context(engine))
 
-    def _cost(self, engine: EngineView, batch: Sequence[RequestView], now: float) -> float:
-        """Seconds of first-token time that sending ``batch`` to ``engine`` costs: its own predicted TTFT plus the
-        delay it adds to each longer prefill it overtakes there that can still meet its deadline: what its new tokens
-        add to a full chunk pass (:attr:`EngineQueueModel.token_in_pass_s`)."""
+    def _cost(self, engine: EngineView, batch: Sequence[RequestView], now: float, own_s: float | None = None) -> float:
+        """Seconds of first-token time that sending ``batch`` to ``engine`` costs: its own predicted TTFT (``own_s``
+        where already known) plus the delay it adds to each longer prefill it overtakes there that can still meet its
+        deadline: what its new tokens add to a full chunk pass (:attr:`EngineQueueModel.token_in_pass_s`)."""
         shapes = self._shapes(batch, engine.id)
-        own_s = self._own_ttft_s(engine, batch, now)
+        own_s = self._own_ttft_s(engine, batch, now) if own_s is None else own_s
         n = self.model.displaced(engine.id, shapes, now)
         return own_s + n * self.model.token_in_pass_s * sum(max(1, new) for new, _ in shapes)
 
@@ -573,8 +600,7 @@ class LapsScheduler:
             if not open_:
                 return dispatches, slack_due_s if now < slack_due_s else None
             clean = [e.id for e in healthy if prefilling[e.id] == 0]
-            chosen = self._cheapest_for_long(open_, request, now, clean)
-            predicted_s = self._own_ttft_s(chosen, [request], now)
+            chosen, predicted_s = self._cheapest_for_long(open_, request, now, clean)
             if chosen.pool == "short" and has_long_pool:
                 self.long_borrowed += 1
             self._long.pop(0)
@@ -586,9 +612,10 @@ class LapsScheduler:
         return dispatches, None
 
     def _cheapest_for_long(self, engines: Sequence[EngineView], request: RequestView, now: float,
-                           clean: Sequence[str]) -> EngineView:
+                           clean: Sequence[str]) -> tuple[EngineView, float]:
         """The engine of ``engines`` (not empty) where long ``request`` costs least (ties, costs within one
-        pass of the cheapest: the long pool, then fewer in flight, then list order).
+        pass of the cheapest: the long pool, then fewer in flight, then list order), and the request's predicted
+        TTFT there (seconds from ``now``).
 
         The cost is :meth:`_cost`, plus, on an engine of ``clean`` (those with no long prefill in progress), the wait
         its prefill P causes the short batches that would go there meanwhile: P × (short batches per second ÷ clean
@@ -597,13 +624,13 @@ class LapsScheduler:
         time: those whose predicted TTFT, times :meth:`long_ttft_margin`, is within its deadline (all of them when
         none is).
         """
+        own = {e.id: self._own_ttft_s(e, [request], now) for e in engines}
         margin = self.long_ttft_margin()
-        in_time = [e for e in engines if now + margin * self._own_ttft_s(e, [request], now) <= request.deadline_s]
-        engines = in_time or engines
+        engines = [e for e in engines if now + margin * own[e.id] <= request.deadline_s] or engines
         order = {e.id: i for i, e in enumerate(engines)}
 
         def cost(e: EngineView) -> float:
-            c = self._cost(e, [request], now)
+            c = self._cost(e, [request], now, own[e.id])
             if e.id in clean:
                 own_s = self._isolated_s(request, e.id)
                 c += own_s * self._short_batches.at(now) / len(clean) * 0.5 * min(own_s, self.model.chunk_pass_s)
@@ -612,7 +639,8 @@ class LapsScheduler:
         costs = {e.id: cost(e) for e in engines}
         # The model does not resolve times finer than one forward pass: costs that close count as equal.
         close = min(costs.values()) + self.model.pass_floor_s
-        return min((e for e in engines if costs[e.id] <= close), key=lambda e: (e.pool != "long", e.in_flight, order[e.id]))
+        chosen = min((e for e in engines if costs[e.id] <= close), key=lambda e: (e.pool != "long", e.in_flight, order[e.id]))
+        return chosen, own[chosen.id]
 
     def long_ttft_margin(self) -> float:
         """How much later than predicted a long prefill gets its first token: the :data:`LONG_RATIO_QUANTILE` of
