@@ -72,7 +72,7 @@ from laps.config import Config, load_config, parse_config  # noqa: E402
 from laps.tokenizer import load_tokenizer  # noqa: E402
 from loadgen.report import build_report  # noqa: E402
 from loadgen.simulate import simulate_run  # noqa: E402
-from loadgen.workloads import CODE_BURST_RATE_RPS, build_workload, load_azure_trace  # noqa: E402
+from loadgen.workloads import CODE_BURST_RATE_RPS, TIMED_DATASETS, build_workload, load_azure_trace  # noqa: E402
 from policy_compare import POLICIES as COMPARED, ROLES  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -99,6 +99,7 @@ FIRST_GUESS = {"hh-rlhf": 200.0, "mixed": 200.0, "docs": 60.0, "chat-single": 40
                "code-burst": 15.0}
 # Mean request rate of the replayed workloads at speed-up 1 (their offered load is a speed-up).
 TRACE_RATE_RPS = {"azure-conv": len(load_azure_trace()) / load_azure_trace()[-1].arrival_s, "code-burst": CODE_BURST_RATE_RPS}
+assert set(TRACE_RATE_RPS) == set(TIMED_DATASETS)
 # The objective that saturation and goodput are measured on: the fixed one, except where it is out of every scheduler's
 # reach (shared-docs: a 30k-token prefill alone takes ~0.9 s, so least_load misses 0.4 s for a third of the requests
 # at any load), where it is the length-aware one.
@@ -156,9 +157,13 @@ REQUESTS_PER_POINT = 3000
 
 def point_duration_s(workload: str, load: float, max_duration_s: float) -> float:
     """Simulated seconds of arrivals for a point: enough for ~3,000 first turns, between 1.5 s and ``max_duration_s``
-    (high-rate chat points would otherwise simulate tens of thousands of requests each)."""
-    arrivals_per_s = load * TRACE_RATE_RPS.get(workload, 1.0)
-    return min(max_duration_s, max(1.5, REQUESTS_PER_POINT / arrivals_per_s))
+    (high-rate chat points would otherwise simulate tens of thousands of requests each). A replayed workload
+    (``load`` its speed-up) replays the same stretch of its trace at every load, its first ~3,000 requests, whatever
+    ``max_duration_s``: a shorter one would hold only the trace's first seconds at low loads and its bursts only at
+    high ones."""
+    if workload in TRACE_RATE_RPS:
+        return REQUESTS_PER_POINT / TRACE_RATE_RPS[workload] / load
+    return min(max_duration_s, max(1.5, REQUESTS_PER_POINT / load))
 
 
 def run_point(workload: str, policy: str, load: float, max_duration_s: float, seed: int, pd: bool = False) -> dict:
@@ -480,7 +485,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, help="default: all (with --quick: %s)" % ", ".join(QUICK_WORKLOADS))
     parser.add_argument("--pd", action="store_true", help="also the PD runs (6 prefill + 2 decode) of mixed and docs")
     parser.add_argument("--duration", type=float, help="most simulated seconds of arrivals per point (default: 10, --quick 6; "
-                                                       "fewer where ~3,000 arrivals come sooner, at least 1.5)")
+                                                       "fewer where ~3,000 arrivals come sooner, at least 1.5; "
+                                                       "a replayed workload replays its first ~3,000 requests at every load)")
     parser.add_argument("--jobs", type=int, default=2, help="simulations in parallel (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="workload and arrival seed (default: %(default)s)")
     parser.add_argument("--seeds", type=int, default=1, help="seeds per point, averaged (seed, seed+1, ...): one run's "

@@ -69,7 +69,7 @@ from laps.demo import serving
 from laps.tokenizer import ChatTokenizer, load_tokenizer
 from loadgen.report import build_report
 from loadgen.runner import RequestRecord, run_loadgen
-from loadgen.workloads import DATASETS, DEFAULT_MAX_TOKENS, build_workload
+from loadgen.workloads import DATASETS, DEFAULT_MAX_TOKENS, TIMED_DATASETS, build_workload
 
 ROUTER_PACKAGE = "sglang-router"
 ROUTER_VERSION = "0.3.2"
@@ -341,8 +341,8 @@ def main() -> int:
     """Check the arguments and sglang-router, run the comparison, print the table, write the JSON."""
     parser = build_parser()
     args = parser.parse_args()
-    if args.dataset == "azure-conv":
-        parser.error("azure-conv replays its own arrival times; pick a Poisson dataset")
+    if args.dataset in TIMED_DATASETS:
+        parser.error(f"{args.dataset} replays its own arrival times; pick a Poisson dataset")
     if args.short_engines is None:
         args.short_engines = max(1, args.engines // 2)
     if not 1 <= args.short_engines <= args.engines:

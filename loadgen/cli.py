@@ -20,7 +20,7 @@ from laps.tokenizer import ChatTokenizer, load_tokenizer
 from loadgen.report import build_report, print_report, write_report, write_trace
 from loadgen.runner import THINK_DISTRIBUTIONS, LoadgenError, RequestRecord, discover_context_tokens, run_loadgen
 from loadgen.simulate import simulate_run
-from loadgen.workloads import DATASETS, DEFAULT_MAX_TOKENS, TRACE_FORMATS, Workload, build_workload
+from loadgen.workloads import DATASETS, DEFAULT_MAX_TOKENS, TIMED_DATASETS, TRACE_FORMATS, Workload, build_workload
 from policies.registry import POLICIES
 
 DESCRIPTION = """\
@@ -42,7 +42,8 @@ datasets: hh-rlhf (multi-turn red-team chats; offensive text), mtbench (2 turns)
 chats with --long-share long requests of 1k-14k tokens), docs (mixed with half the requests long;
 --long-share does not apply), chat-single (first turns of hh-rlhf, arena, sharegpt and mtbench, single
 turn), shared-docs (10k-30k-token documents asked 3-8 questions each, interleaved), code-burst (bursty
-code completion: 1 h at 5.5 req/s mean, prompts ~1,500 tokens, replies ~13; timed), replay:PATH (a
+code completion's lengths on chat text: 1 h at 5.5 req/s mean, prompts ~1,500 tokens, replies ~13;
+timed), replay:PATH (a
 --trace-out file); trace files: mooncake:PATH (Mooncake JSONL: times, exact lengths, equal hash ids as
 equal 512-token blocks), azure:PATH (Azure LLM inference CSV, 2023 or 2024), sharegpt:PATH (ShareGPT JSON
 or JSONL conversations, multi-turn, recorded reply lengths; Poisson at --rate).
@@ -204,7 +205,7 @@ async def run(args: argparse.Namespace) -> dict:
         ValueError: inconsistent arguments (e.g. no ``--rate`` for a Poisson dataset).
     """
     context = args.max_context_tokens
-    if context is None and args.dataset.partition(":")[0] in (*TRACE_FORMATS, "azure-conv", "code-burst"):
+    if context is None and args.dataset.partition(":")[0] in (*TRACE_FORMATS, *TIMED_DATASETS):
         context = await discover_context_tokens(args.url, args.api_key)
     workload = await asyncio.to_thread(load_workload, args, load_tokenizer(args.tokenizer), context)
     console = Console(stderr=True)

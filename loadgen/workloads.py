@@ -35,7 +35,8 @@ Data sets (``--dataset`` names; files and licences in ``loadgen/data/README.md``
   Splitwise's coding trace (median prompt 1,500 tokens, median output 13):
   one hour of single-turn requests at 5.5 per second on average, arriving in
   bursts (:func:`code_burst_rows`), prompts of exact token counts made from
-  real text as ``azure-conv``'s. Replayed like a trace (``--time-scale``).
+  real chat text as ``azure-conv``'s (the lengths are code completion's, the
+  text is not code). Replayed like a trace (``--time-scale``).
 * shifting (:func:`shifting_workload`, not a ``--dataset`` name: it takes
   its own rate and phases) the ``mixed`` stream with a long share that
   changes phase by phase, e.g. chat-heavy, then document-heavy, then back.
@@ -75,6 +76,7 @@ DATA_DIR = Path(__file__).resolve().parent / "data"
 DEFAULT_MAX_TOKENS = 256
 LONG_MIN_CONTEXT_TOKENS = 1024
 DATASETS = ("hh-rlhf", "mtbench", "arena", "sharegpt", "azure-conv", "mixed", "docs", "chat-single", "shared-docs", "code-burst")
+TIMED_DATASETS = ("azure-conv", "code-burst")  # replayed at their own arrival times (a speed-up, not a rate)
 REPLAY_PREFIX = "replay:"
 TRACE_FORMATS = ("mooncake", "azure", "sharegpt")  # --dataset FORMAT:PATH
 # Special-token strings: a text holding one would be tokenized as a control token.

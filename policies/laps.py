@@ -521,7 +521,8 @@ class LapsScheduler:
         where already known) plus the delay it adds to each longer prefill it overtakes there that can still meet its
         deadline: what its new tokens add to a full chunk pass (:attr:`EngineQueueModel.token_in_pass_s`)."""
         shapes = self._shapes(batch, engine.id)
-        own_s = self._own_ttft_s(engine, batch, now) if own_s is None else own_s
+        if own_s is None:
+            own_s = self.model.predict_ttft_s(engine.id, shapes, now, self._decoding_context(engine))
         n = self.model.displaced(engine.id, shapes, now)
         return own_s + n * self.model.token_in_pass_s * sum(max(1, new) for new, _ in shapes)
 
@@ -643,9 +644,9 @@ class LapsScheduler:
         return chosen, own[chosen.id]
 
     def long_ttft_margin(self) -> float:
-        """How much later than predicted a long prefill gets its first token: the :data:`LONG_RATIO_QUANTILE` of
-        actual over predicted TTFT of the last :data:`LONG_RATIO_WINDOW` long prefills, at least 1 (1 until
-        :data:`LONG_RATIO_MIN_SEEN` are in). On ``shortest-prefill-first`` engines the later, shorter prefills that
+        """How much later than predicted a long prefill gets its first token: of actual over predicted TTFT of the
+        last n <= :data:`LONG_RATIO_WINDOW` long prefills, the (floor(:data:`LONG_RATIO_QUANTILE` n) + 1)-th smallest
+        (their P90 at n = 200), at least 1; 1 until :data:`LONG_RATIO_MIN_SEEN` are in. On ``shortest-prefill-first`` engines the later, shorter prefills that
         overtake a long one after its dispatch make this well above 1 near saturation; the prediction cannot see them.
         """
         if len(self._long_ratios) < LONG_RATIO_MIN_SEEN:

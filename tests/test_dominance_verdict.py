@@ -171,3 +171,10 @@ def test_a_point_says_which_class_its_violations_fall_on():
     short, long = r["short_slo_violation_rate"], r["long_slo_violation_rate"]
     assert 0 < short < 1 and 0 < long < 1
     assert min(short, long) <= r["slo_violation_rate"] <= max(short, long)
+
+
+def test_a_replayed_workload_replays_the_same_stretch_of_its_trace_at_every_load_and_a_poisson_one_is_capped():
+    for workload in ("azure-conv", "code-burst"):
+        stretches_s = {round(load * dominance.point_duration_s(workload, load, 10.0), 6) for load in (2.0, 10.0, 40.0)}
+        assert stretches_s == {round(dominance.REQUESTS_PER_POINT / dominance.TRACE_RATE_RPS[workload], 6)}
+    assert [dominance.point_duration_s("mixed", load, 10.0) for load in (100.0, 1000.0, 3000.0)] == [10.0, 3.0, 1.5]
