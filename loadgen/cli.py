@@ -188,12 +188,15 @@ def _progress_bar(args: argparse.Namespace, console: Console, unit: str) -> tupl
 
 
 def write_outputs(args: argparse.Namespace, report: dict, records: list[RequestRecord], console: Console) -> None:
-    """Write the report JSON and PNG (and the trace with ``--trace-out``); print the table unless ``--quiet``."""
+    """Write the report JSON and PNG (and the trace with ``--trace-out``); print the table and the workload's notes
+    (e.g. an argument the dataset ignores) unless ``--quiet``."""
     json_path, png_path = write_report(report, records, args.out)
     if args.trace_out is not None:
         write_trace(records, args.trace_out)
     if not args.quiet:
         print_report(report, Console())
+        for note in report.get("notes", []):
+            console.print(f"note: {note}", markup=False, highlight=False)
         console.print(f"wrote {json_path} and {png_path}" + (f" and {args.trace_out}" if args.trace_out else ""))
 
 

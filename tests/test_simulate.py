@@ -101,6 +101,15 @@ def test_laps_simulate_writes_the_loadgen_report_with_the_policy_override(tmp_pa
     assert laps_main(["simulate", "--dataset", "mtbench", "--duration", "5", "--out", str(out), "--quiet"]) == 2  # no rate
 
 
+def test_laps_simulate_prints_the_arguments_its_dataset_ignores(tmp_path, capsys):
+    out = tmp_path / "sim.json"
+    assert laps_main(["simulate", "--config", str(DEFAULT_CONFIG_PATH), "--dataset", "mtbench", "--rate", "1",
+                      "--time-scale", "2", "--duration", "2", "--out", str(out)]) == 0
+    note = "--time-scale 2 ignored: mtbench arrives as a Poisson process at --rate"
+    assert orjson.loads(out.read_bytes())["notes"] == [note]
+    assert f"note: {note}" in capsys.readouterr().err
+
+
 def test_laps_simulate_reports_controller_moves_and_kv_transfers(tmp_path, capsys):
     data = yaml.safe_load((DEFAULT_CONFIG_PATH.parent / "examples" / "sim-pd.yaml").read_text())
     data["controller"] = {"enabled": True, "interval_s": 0.5, "short_role": "prefill-short", "long_role": "prefill-long"}
