@@ -646,8 +646,9 @@ class LapsScheduler:
     def long_ttft_margin(self) -> float:
         """How much later than predicted a long prefill gets its first token: of actual over predicted TTFT of the
         last n <= :data:`LONG_RATIO_WINDOW` long prefills, the (floor(:data:`LONG_RATIO_QUANTILE` n) + 1)-th smallest
-        (their P90 at n = 200), at least 1; 1 until :data:`LONG_RATIO_MIN_SEEN` are in. On ``shortest-prefill-first`` engines the later, shorter prefills that
-        overtake a long one after its dispatch make this well above 1 near saturation; the prediction cannot see them.
+        (their P90 at n = 200), at least 1; 1 until :data:`LONG_RATIO_MIN_SEEN` are in. On ``shortest-prefill-first``
+        engines the later, shorter prefills that overtake a long one after its dispatch make this well above 1 near
+        saturation; the prediction cannot see them.
         """
         if len(self._long_ratios) < LONG_RATIO_MIN_SEEN:
             return 1.0

@@ -227,6 +227,17 @@ def test_a_long_prefill_borrows_a_short_engine_when_the_long_pool_would_miss_its
     assert s.stats()["long_prefills_to_short_pool_total"] == 2
 
 
+def short_traffic(s: LapsScheduler, start_s: float) -> None:
+    """100 short requests from ``start_s``, one every millisecond, each sent to s alone and answered at once: ~95
+    short batches per second at ``start_s`` + 0.1 s."""
+    for i in range(100):
+        t = start_s + i / 1000
+        s.submit(short(f"r{i}", 10, t), t)
+        assert s.decide(ENGINES, t).dispatches == (Dispatch("s", (f"r{i}",)),)
+        s.on_first_token(f"r{i}", "s", t, 0)
+        s.on_complete(f"r{i}", "s", t)
+
+
 def test_a_long_prefill_takes_a_clean_short_engine_only_when_that_beats_the_short_batches_it_would_hold_up():
     quiet = LapsScheduler(config(), TRAITS)
     for rid in ("L0", "L1"):
@@ -236,12 +247,7 @@ def test_a_long_prefill_takes_a_clean_short_engine_only_when_that_beats_the_shor
     assert quiet.stats()["long_prefills_to_short_pool_total"] == 1
 
     busy = LapsScheduler(config(), TRAITS)
-    for i in range(100):  # a short batch every millisecond, each answered at once: ~95 batches/s at 0.1 s
-        t = i / 1000
-        busy.submit(short(f"r{i}", 10, t), t)
-        assert busy.decide(ENGINES, t).dispatches == (Dispatch("s", (f"r{i}",)),)
-        busy.on_first_token(f"r{i}", "s", t, 0)
-        busy.on_complete(f"r{i}", "s", t)
+    short_traffic(busy, 0.0)
     for rid in ("L0", "L1"):
         busy.submit(long(rid, 3000, 0.1), 0.1)
     # On s, L1 would hold up ~95 batches/s × 35 ms, each for 17.5 ms on average: 58 ms more than its 35 ms there,
@@ -262,12 +268,7 @@ def test_the_clean_engine_charge_chooses_only_among_engines_where_the_long_prefi
         s.on_first_token(f"H{i}", d.engine_id, t + 0.21, 0)
         s.on_complete(f"H{i}", d.engine_id, t + 0.21)
     assert s.long_ttft_margin() == pytest.approx(6.0)
-    for i in range(100):  # the short traffic of the test above: ~95 batches/s on s
-        t = 5.0 + i / 1000
-        s.submit(short(f"r{i}", 10, t), t)
-        assert s.decide(ENGINES, t).dispatches == (Dispatch("s", (f"r{i}",)),)
-        s.on_first_token(f"r{i}", "s", t, 0)
-        s.on_complete(f"r{i}", "s", t)
+    short_traffic(s, 5.0)
     for rid in ("L0", "L1"):
         s.submit(long(rid, 3000, 5.1), 5.1)
     # L0: 35 ms on either engine (x6 = 210 ms, in time on both): the charge keeps it on l, as above. L1: 70 ms on l
