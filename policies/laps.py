@@ -241,14 +241,17 @@ predicted one had P50 / P90 / P99 1.13 / 2.07 / 5.48 (without PD at 1.0×:
 the prefill is in time with that ratio's recent P90 as margin. ``mixed`` PD at
 1.0×, seeds 0 / 1 / 2: 0.82 / 0.51 / 1.19% against 1.37 / 1.15 / 1.53% before
 (``cache_aware`` 0.28 / 0.12 / 1.72%); seed 0 at 1.2× / 1.5× 2.67 / 4.52%
-against 2.69 / 4.86%. A fixed share of the time left instead of the observed
+against 2.69 / 4.86% (in run ``dominance9``, at its saturation load of 337
+conv/s: 0.82 / 2.95 / 4.73% at 1.0 / 1.2 / 1.5× against 1.32 / 2.87 / 4.65%
+with the margin off). A fixed share of the time left instead of the observed
 margin (all of it, half, 0.3: 1.37, 1.00, 0.55% at 1.0×; 2.77, 2.71, 3.01% at
 1.2×) or the P99 (0.59 / 2.79 / 4.84% at 1.0 / 1.2 / 1.5×) were measured too;
-without PD the P90 margin moved nothing beyond the noise (``mixed`` 0.5–1.2×
-0.00 / 0.02 / 0.12 / 2.83% against 0.00 / 0.02 / 0.20 / 3.49%, ``docs`` 0.00 /
-0.00 / 0.00 / 6.25% against 0.00 / 0.00 / 0.00 / 6.58%, ``azure-conv``
-1.0–1.5× 0.04 / 3.91 / 8.25% against 0.04 / 3.76 / 8.52%, ``shared-docs``
-unchanged).
+without PD (``bench/dominance.py`` run ``dominance9`` against the same points with
+the margin off, seed 0) ``mixed`` at 1.0 / 1.2 / 1.5× read 0.35 / 2.96 / 6.26%
+against 0.66 / 2.73 / 5.73% (seed 1 at 1.2 / 1.5×: 2.51 / 5.46% against 3.14 /
+5.73%: noise), ``docs`` 0.04 / 6.34 / 12.15% against 0.04 / 7.34 / 12.12%,
+``azure-conv`` at 1.2× 4.14% against 4.11%, and ``shared-docs`` at 1.5× 1.71%
+length-aware against 6.16%.
 
 Nor does packing long prefills to keep clean engines for short ones (seed 0, loads as
 multiples of least_load's saturation, 449 conv/s on ``mixed``, 19.4 on ``shared-docs``):
