@@ -97,8 +97,15 @@ QUICK_LOADS = (0.5, 1.0, 1.2, 1.5)
 # First guess of least_load's saturation load (conversations/s, or replay speed-up) per workload.
 FIRST_GUESS = {"hh-rlhf": 200.0, "mixed": 200.0, "docs": 60.0, "chat-single": 400.0, "shared-docs": 8.0, "azure-conv": 60.0,
                "code-burst": 15.0}
+
+
+def _trace_rate_rps(trace) -> float:
+    """Requests per second of a replayed ``trace`` at speed-up 1."""
+    return len(trace) / trace[-1].arrival_s
+
+
 # Mean request rate of the replayed workloads at speed-up 1 (their offered load is a speed-up).
-TRACE_RATE_RPS = {"azure-conv": len(load_azure_trace()) / load_azure_trace()[-1].arrival_s, "code-burst": CODE_BURST_RATE_RPS}
+TRACE_RATE_RPS = {"azure-conv": _trace_rate_rps(load_azure_trace()), "code-burst": CODE_BURST_RATE_RPS}
 assert set(TRACE_RATE_RPS) == set(TIMED_DATASETS)
 # The objective that saturation and goodput are measured on: the fixed one, except where it is out of every scheduler's
 # reach (shared-docs: a 30k-token prefill alone takes ~0.9 s, so least_load misses 0.4 s for a third of the requests
@@ -481,7 +488,7 @@ def write(path: Path, duration_s: float, rows: list[dict], verdicts: list[dict],
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, help="JSON output; one PNG per workload goes next to it (required unless --verdict-of)")
-    parser.add_argument("--quick", action="store_true", help="3 workloads, 4 loads, at most 6 simulated s of arrivals per point")
+    parser.add_argument("--quick", action="store_true", help="3 workloads, 4 loads, at most 6 simulated s of arrivals per Poisson point")
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, help="default: all (with --quick: %s)" % ", ".join(QUICK_WORKLOADS))
     parser.add_argument("--pd", action="store_true", help="also the PD runs (6 prefill + 2 decode) of mixed and docs")
     parser.add_argument("--duration", type=float, help="most simulated seconds of arrivals per point (default: 10, --quick 6; "
@@ -503,9 +510,12 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError, KeyError, TypeError) as err:
             parser.error(f"--verdict-of {args.verdict_of}: not a dominance.py JSON ({type(err).__name__}: {err})")
         verdicts = []
-        for v in earlier["verdict"]:
-            rows = [r for r in earlier["rows"] if f"{r['workload']}{' (PD 6+2)' if r['pd'] else ''}" == v["workload"]]
-            verdicts.append(verdict(rows, v["workload"], v["saturation_load"]))
+        try:
+            for v in earlier["verdict"]:
+                rows = [r for r in earlier["rows"] if f"{r['workload']}{' (PD 6+2)' if r['pd'] else ''}" == v["workload"]]
+                verdicts.append(verdict(rows, v["workload"], v["saturation_load"]))
+        except (KeyError, TypeError, ValueError) as err:
+            parser.error(f"--verdict-of {args.verdict_of}: a row or verdict lacks a field ({type(err).__name__}: {err})")
         ok = print_verdicts(verdicts, console)
         if args.out is not None:
             write(args.out, earlier["max_duration_s"], earlier["rows"], verdicts, ok)
@@ -519,6 +529,10 @@ def main(argv: list[str] | None = None) -> int:
     loads = QUICK_LOADS if args.quick else LOADS
     duration = args.duration or (6.0 if args.quick else 10.0)
     runs = [(w, False) for w in workloads] + ([(w, True) for w in PD_WORKLOADS] if args.pd else [])
+    replayed = [w for w in workloads if w in TRACE_RATE_RPS]
+    if args.duration is not None and replayed:
+        console.print(f"note: --duration does not bound {', '.join(replayed)}: a replayed workload replays its first "
+                      f"~{REQUESTS_PER_POINT:,} requests at every load")
     all_rows, verdicts = [], []
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with ProcessPoolExecutor(args.jobs) as pool, Progress(console=console, transient=True) as progress:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import random
 import sys
@@ -52,9 +53,12 @@ exit status: 0 when every request succeeded, 1 when any failed or the run could 
 
 def _number(text: str, kind: type) -> float:
     try:
-        return kind(text)
+        value = kind(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not {'an integer' if kind is int else 'a number'}: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"not a finite number: {text!r}")
+    return value
 
 
 def positive_float(text: str) -> float:
@@ -91,7 +95,7 @@ def add_workload_arguments(parser: argparse.ArgumentParser, default_out: Path, c
         "--dataset", default="mixed", metavar="NAME",
         help=f"one of {', '.join(DATASETS)}, replay:PATH or a trace file {traces} (default: %(default)s)"
     )
-    parser.add_argument("--rate", type=float, help="conversation arrivals per second (Poisson); required except for trace replay")
+    parser.add_argument("--rate", type=positive_float, help="conversation arrivals per second (Poisson); required except for trace replay")
     parser.add_argument("--duration", type=positive_float, default=60.0, help="seconds during which conversations and turns may start (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the workload and of the arrival process (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=default_out, help="report JSON; the PNG goes next to it (default: %(default)s)")
@@ -145,8 +149,8 @@ def workload_meta(args: argparse.Namespace, workload: Workload) -> dict:
     """The report's description of the load (``dataset``, ``rate``, ``seed``, durations, think times, notes,
     ``max_requests``, and ``trace_rows`` {read, over_context, context_tokens} for trace files)."""
     ignored = []
-    if workload.timed and args.rate:
-        ignored.append(f"--rate {args.rate} ignored: {args.dataset} replays its own arrival times")
+    if workload.timed and args.rate is not None:
+        ignored.append(f"--rate {args.rate:g} ignored: {args.dataset} replays its own arrival times")
     if not workload.timed and args.time_scale != 1.0:
         ignored.append(f"--time-scale {args.time_scale:g} ignored: {args.dataset} arrives as a Poisson process at --rate")
     return {

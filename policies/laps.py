@@ -241,7 +241,8 @@ predicted one had P50 / P90 / P99 1.13 / 2.07 / 5.48 (without PD at 1.0×:
 the prefill is in time with that ratio's recent P90 as margin. ``mixed`` PD at
 1.0×, seeds 0 / 1 / 2: 0.82 / 0.51 / 1.19% against 1.37 / 1.15 / 1.53% before
 (``cache_aware`` 0.28 / 0.12 / 1.72%); seed 0 at 1.2× / 1.5× 2.67 / 4.52%
-against 2.69 / 4.86% (in run ``dominance9``, at its saturation load of 337
+against 2.69 / 4.86% (these from scratch runs at loads of an earlier
+saturation search; in run ``dominance9``, at its saturation load of 337
 conv/s: 0.82 / 2.95 / 4.73% at 1.0 / 1.2 / 1.5× against 1.32 / 2.87 / 4.65%
 with the margin off). A fixed share of the time left instead of the observed
 margin (all of it, half, 0.3: 1.37, 1.00, 0.55% at 1.0×; 2.77, 2.71, 3.01% at
@@ -624,9 +625,9 @@ class LapsScheduler:
         The cost is :meth:`_cost`, plus, on an engine of ``clean`` (those with no long prefill in progress), the wait
         its prefill P causes the short batches that would go there meanwhile: P × (short batches per second ÷ clean
         engines) × the mean wait for the pass in progress, min(P, one chunk pass) / 2. That charge is short
-        requests' time, not their deadlines, so it only chooses among the engines where the request itself is in
-        time: those whose predicted TTFT, times :meth:`long_ttft_margin`, is within its deadline (all of them when
-        none is).
+        requests' time, not their deadlines, so the choice (cost and ties alike) is made only among the engines where
+        the request itself is in time: those whose predicted TTFT, times :meth:`long_ttft_margin`, is within its
+        deadline (all of them when none is).
         """
         own = {e.id: self._own_ttft_s(e, [request], now) for e in engines}
         margin = self.long_ttft_margin()

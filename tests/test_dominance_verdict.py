@@ -178,3 +178,17 @@ def test_a_replayed_workload_replays_the_same_stretch_of_its_trace_at_every_load
         stretches_s = {round(load * dominance.point_duration_s(workload, load, 10.0), 6) for load in (2.0, 10.0, 40.0)}
         assert stretches_s == {round(dominance.REQUESTS_PER_POINT / dominance.TRACE_RATE_RPS[workload], 6)}
     assert [dominance.point_duration_s("mixed", load, 10.0) for load in (100.0, 1000.0, 3000.0)] == [10.0, 3.0, 1.5]
+
+
+@pytest.mark.parametrize("text, says", [
+    ("not json", "not a dominance.py JSON"),
+    ('{"rows": []}', "not a dominance.py JSON"),
+    ('{"rows": [{}], "verdict": [{"workload": "x"}], "max_duration_s": 1}', "a row or verdict lacks a field"),
+])
+def test_verdict_of_a_file_that_is_not_a_whole_dominance_json_is_a_usage_error(tmp_path, capsys, text, says):
+    path = tmp_path / "earlier.json"
+    path.write_text(text)
+    with pytest.raises(SystemExit) as exit_:
+        dominance.main(["--verdict-of", str(path)])
+    assert exit_.value.code == 2
+    assert says in capsys.readouterr().err

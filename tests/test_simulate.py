@@ -108,6 +108,18 @@ def test_laps_simulate_prints_the_arguments_its_dataset_ignores(tmp_path, capsys
     note = "--time-scale 2 ignored: mtbench arrives as a Poisson process at --rate"
     assert orjson.loads(out.read_bytes())["notes"] == [note]
     assert f"note: {note}" in capsys.readouterr().err
+    assert laps_main(["simulate", "--config", str(DEFAULT_CONFIG_PATH), "--dataset", "code-burst", "--rate", "7",
+                      "--time-scale", "0.05", "--duration", "1", "--out", str(out), "--quiet"]) == 0
+    assert orjson.loads(out.read_bytes())["notes"] == ["--rate 7 ignored: code-burst replays its own arrival times"]
+
+
+@pytest.mark.parametrize("argument", [("--rate", "0"), ("--rate", "-1"), ("--rate", "inf"), ("--rate", "nan"),
+                                      ("--time-scale", "inf"), ("--duration", "nan")])
+def test_laps_simulate_refuses_a_rate_time_scale_or_duration_that_is_not_a_finite_positive_number(argument, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        laps_main(["simulate", "--dataset", "mtbench", "--duration", "1", "--rate", "1", *argument])
+    assert exit_.value.code == 2
+    assert f"argument {argument[0]}: " in capsys.readouterr().err
 
 
 def test_laps_simulate_reports_controller_moves_and_kv_transfers(tmp_path, capsys):
