@@ -70,6 +70,7 @@ from rich.table import Table  # noqa: E402
 from engines.sim.latency import make_latency_model  # noqa: E402
 from laps.config import Config, load_config, parse_config  # noqa: E402
 from laps.tokenizer import load_tokenizer  # noqa: E402
+from loadgen.cli import positive_float  # noqa: E402
 from loadgen.report import build_report  # noqa: E402
 from loadgen.simulate import simulate_run  # noqa: E402
 from loadgen.workloads import CODE_BURST_RATE_RPS, TIMED_DATASETS, build_workload, load_azure_trace  # noqa: E402
@@ -491,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="3 workloads, 4 loads, at most 6 simulated s of arrivals per Poisson point")
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, help="default: all (with --quick: %s)" % ", ".join(QUICK_WORKLOADS))
     parser.add_argument("--pd", action="store_true", help="also the PD runs (6 prefill + 2 decode) of mixed and docs")
-    parser.add_argument("--duration", type=float, help="most simulated seconds of arrivals per point (default: 10, --quick 6; "
+    parser.add_argument("--duration", type=positive_float, help="most simulated seconds of arrivals per point (default: 10, --quick 6; "
                                                        "fewer where ~3,000 arrivals come sooner, at least 1.5; "
                                                        "a replayed workload replays its first ~3,000 requests at every load)")
     parser.add_argument("--jobs", type=int, default=2, help="simulations in parallel (default: %(default)s)")
@@ -523,8 +524,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.out is None:
         parser.error("--out is required (unless --verdict-of)")
-    if args.jobs < 1 or args.seeds < 1 or (args.duration is not None and args.duration <= 0):
-        parser.error("--jobs and --seeds must be >= 1 and --duration > 0")
+    if args.jobs < 1 or args.seeds < 1:
+        parser.error("--jobs and --seeds must be >= 1")
     workloads = args.workloads or (QUICK_WORKLOADS if args.quick else WORKLOADS)
     loads = QUICK_LOADS if args.quick else LOADS
     duration = args.duration or (6.0 if args.quick else 10.0)
