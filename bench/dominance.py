@@ -70,7 +70,7 @@ from rich.table import Table  # noqa: E402
 from engines.sim.latency import make_latency_model  # noqa: E402
 from laps.config import Config, load_config, parse_config  # noqa: E402
 from laps.tokenizer import load_tokenizer  # noqa: E402
-from loadgen.cli import positive_float  # noqa: E402
+from loadgen.cli import positive_float, positive_int  # noqa: E402
 from loadgen.report import build_report  # noqa: E402
 from loadgen.simulate import simulate_run  # noqa: E402
 from loadgen.workloads import CODE_BURST_RATE_RPS, TIMED_DATASETS, build_workload, load_azure_trace  # noqa: E402
@@ -495,9 +495,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=positive_float, help="most simulated seconds of arrivals per point (default: 10, --quick 6; "
                                                        "fewer where ~3,000 arrivals come sooner, at least 1.5; "
                                                        "a replayed workload replays its first ~3,000 requests at every load)")
-    parser.add_argument("--jobs", type=int, default=2, help="simulations in parallel (default: %(default)s)")
+    parser.add_argument("--jobs", type=positive_int, default=2, help="simulations in parallel (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="workload and arrival seed (default: %(default)s)")
-    parser.add_argument("--seeds", type=int, default=1, help="seeds per point, averaged (seed, seed+1, ...): one run's "
+    parser.add_argument("--seeds", type=positive_int, default=1, help="seeds per point, averaged (seed, seed+1, ...): one run's "
                                                              "noise in overload is ~1 point (default: %(default)s)")
     parser.add_argument("--verdict-of", type=Path, metavar="JSON", help="simulate nothing: the verdict of an earlier run's JSON")
     args = parser.parse_args(argv)
@@ -524,8 +524,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.out is None:
         parser.error("--out is required (unless --verdict-of)")
-    if args.jobs < 1 or args.seeds < 1:
-        parser.error("--jobs and --seeds must be >= 1")
     workloads = args.workloads or (QUICK_WORKLOADS if args.quick else WORKLOADS)
     loads = QUICK_LOADS if args.quick else LOADS
     duration = args.duration or (6.0 if args.quick else 10.0)
