@@ -127,7 +127,8 @@ def create_app(config: Config, engine_urls: dict[str, str] | None = None, span_e
             classifier = make_classifier(config.scheduling)
             dispatcher = Dispatcher(make_scheduler(config.scheduling, engine_traits(config)), registry, first_tokens=first_tokens,
                                     classify=partial(classify, config=config, registry=registry, prefix_index=prefix_index,
-                                                     classifier=classifier))
+                                                     classifier=classifier),
+                                    prefills=prefix_index.in_flight)
             await _mirror_kv_capacity(client, registry, prefix_index)
             context_tokens = await _context_tokens(client, registry)
             gw = Gateway(config, tokenizer, registry, client, dispatcher, prefix_index, GatewayMetrics(), manager,

@@ -17,7 +17,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 from gateway.errors import APIError
 from gateway.registry import EngineRegistry
@@ -25,6 +25,7 @@ from laps.config import Config
 from policies.admission import classified_view_of_chain
 from policies.classifier import Classifier
 from policies.exact_prefix import PrefixCaches
+from policies.in_flight_prefix import InFlightPrefills
 from policies.pool_signals import FirstTokenWindow
 from policies.prefix_index import BlockChain
 from policies.scheduler import Scheduler
@@ -81,17 +82,21 @@ class Dispatcher:
     With ``first_tokens`` (the pressure controller is on) every first token is
     recorded there with its engine and whether it missed the request's deadline.
     ``classify(arrival)``: the view :meth:`place` admits (:func:`classify` over the gateway's prefix index).
+    ``prefills``: the prefix index's prefills in flight (``PrefixCaches.in_flight``), which this dispatcher starts when
+    it dispatches a request entered with its prompt's block keys and ends at its first token or completion.
     """
 
     def __init__(self, scheduler: Scheduler, registry: EngineRegistry, clock=time.monotonic,
-                 first_tokens: FirstTokenWindow | None = None, classify: Callable[[Arrival], RequestView] | None = None) -> None:
+                 first_tokens: FirstTokenWindow | None = None, classify: Callable[[Arrival], RequestView] | None = None,
+                 prefills: InFlightPrefills | None = None) -> None:
         self.scheduler = scheduler
         self.classify = classify
+        self.prefills = prefills
         self.clock = clock
         self.first_tokens = first_tokens
         self._registry = registry
         self._flights: dict[str, _Flight] = {}  # dispatched requests not complete yet
-        self._waiting: dict[str, tuple[RequestView, asyncio.Future[str]]] = {}
+        self._waiting: dict[str, tuple[RequestView, asyncio.Future[str], Sequence[int]]] = {}  # view, future, block keys
         self._timer: asyncio.TimerHandle | None = None
 
     @property
@@ -101,7 +106,7 @@ class Dispatcher:
 
     def queued_requests(self) -> list[RequestView]:
         """The requests submitted and not yet dispatched."""
-        return [request for request, _ in self._waiting.values()]
+        return [request for request, _, _ in self._waiting.values()]
 
     async def place(self, arrival: Arrival) -> tuple[RequestView, str]:
         """Classify ``arrival`` and :meth:`admit` it; its view and the id of the engine it is dispatched to.
@@ -110,10 +115,11 @@ class Dispatcher:
             APIError, asyncio.CancelledError: as :meth:`admit`.
         """
         view = self.classify(arrival)
-        return view, await self.admit(view)
+        return view, await self.admit(view, arrival.chain.keys)
 
-    async def admit(self, request: RequestView) -> str:
-        """Submit ``request``; return the id of the engine it is dispatched to.
+    async def admit(self, request: RequestView, keys: Sequence[int] = ()) -> str:
+        """Submit ``request`` (its prompt's block ``keys``: see :meth:`enter`); return the id of the engine it is
+        dispatched to.
 
         The request counts as in flight on that engine from this moment; the
         caller must call :meth:`complete` when it ends.
@@ -122,21 +128,23 @@ class Dispatcher:
             APIError: 503 when the scheduler rejects it (no healthy engine).
             asyncio.CancelledError: the caller went away; the request is withdrawn.
         """
-        future = self.enter(request)
+        future = self.enter(request, keys)
         try:
             return await future
         except asyncio.CancelledError:
             self.withdraw(request, future)
             raise
 
-    def enter(self, request: RequestView) -> asyncio.Future[str]:
+    def enter(self, request: RequestView, keys: Sequence[int] = ()) -> asyncio.Future[str]:
         """:meth:`admit` without a coroutine: submit ``request`` and decide at once; the future of the id of the engine
         it is dispatched to (already done when dispatched or rejected at once). Its exception: an
         :class:`~gateway.errors.APIError` (503 no engine, 500 the policy failed, or :meth:`fail_waiting`'s). Whoever
         stops waiting for it calls :meth:`withdraw`; a dispatched request counts as in flight until :meth:`complete`.
+        ``keys``: the prompt's block keys, its prefill in flight in ``prefills`` from dispatch to first token (none: not
+        recorded).
         """
         future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        self._waiting[request.rid] = (request, future)
+        self._waiting[request.rid] = (request, future, keys)
         self.scheduler.submit(request, self.clock())
         self._decide()
         return future
@@ -158,6 +166,8 @@ class Dispatcher:
         carries on), so the request stops counting on ``engine_id``'s load now, and :meth:`complete` does not release
         it again.
         """
+        if self.prefills is not None:
+            self.prefills.end(rid)
         flight = self._flights.get(rid)
         if flight is not None:
             if self.first_tokens is not None and flight.deadline_s is not None:
@@ -171,6 +181,8 @@ class Dispatcher:
 
     def complete(self, request: RequestView, engine_id: str) -> None:
         """The request ended on ``engine_id`` (answered, failed or aborted)."""
+        if self.prefills is not None:
+            self.prefills.end(request.rid)
         flight = self._flights.pop(request.rid, None)
         if flight is None or flight.counted:
             self._registry.release(engine_id, request.prompt_tokens)
@@ -179,7 +191,7 @@ class Dispatcher:
 
     def fail_waiting(self, error: Callable[[], APIError]) -> None:
         """End every request still waiting to be dispatched with an ``error()`` (the gateway is shutting down)."""
-        for rid, (_, future) in list(self._waiting.items()):
+        for rid, (_, future, _) in list(self._waiting.items()):
             self.scheduler.cancel(rid, self.clock())
             if not future.done():
                 future.set_exception(error())
@@ -196,22 +208,24 @@ class Dispatcher:
         except Exception:
             # A policy bug must not strand anyone: every waiting request fails explicitly.
             log.exception("scheduler %s failed; failing %d waiting requests", type(self.scheduler).__name__, len(self._waiting))
-            for _, future in self._waiting.values():
+            for _, future, _ in self._waiting.values():
                 if not future.cancelled():
                     future.set_exception(APIError(500, "the gateway's scheduler failed; see the gateway log", type="internal_error"))
             self._waiting.clear()
             return
         for group in decision.dispatches:
             for rid in group.rids:
-                request, future = self._waiting.pop(rid)
+                request, future, keys = self._waiting.pop(rid)
                 if future.cancelled():  # its caller went away earlier in this loop turn, before :meth:`admit` withdrew it
                     self.scheduler.on_complete(rid, group.engine_id, now)
                     continue
                 self._registry.acquire(group.engine_id, request.prompt_tokens)
+                if self.prefills is not None and keys:
+                    self.prefills.start(rid, group.engine_id, keys)
                 self._flights[rid] = _Flight(request.prompt_tokens, request.deadline_s if self.first_tokens is not None else None)
                 future.set_result(group.engine_id)
         for rid in decision.rejected:
-            _, future = self._waiting.pop(rid)
+            _, future, _ = self._waiting.pop(rid)
             if not future.cancelled():
                 future.set_exception(APIError(503, "no healthy engine is available; retry later", type="service_unavailable", code="no_engine"))
         if self._timer is not None:

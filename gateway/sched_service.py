@@ -158,7 +158,7 @@ class SchedulerService:
         arrival = Arrival(rid, chain, message["arrival_s"], message["deadline_s"], message["max_tokens"], tuple(message["reply_tokens"]),
                           message["stream"], message["priority"])
         view = self.gw.dispatcher.classify(arrival)
-        decided = self.gw.dispatcher.enter(view)
+        decided = self.gw.dispatcher.enter(view, chain.keys)
         if decided.done():
             return self._answer(view, decided, peer)
         answer = asyncio.get_running_loop().create_future()

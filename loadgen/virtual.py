@@ -302,6 +302,7 @@ class VirtualRun:
         """The request is over for its client: record it; on success the conversation goes on."""
         req.done = True
         self._requests.pop(req.view.rid, None)
+        self.prefix_index.in_flight.end(req.view.rid)
         rec = req.record
         self.records.append(rec)
         if self._on_record is not None:
@@ -349,6 +350,7 @@ class VirtualRun:
 
     def _dispatch(self, req: SimRequest, engine_id: str) -> None:
         self.registry.acquire(engine_id, req.view.prompt_tokens)
+        self.prefix_index.in_flight.start(req.view.rid, engine_id, req.keys)
         req.engine_id = engine_id
         req.record.cached_tokens_est = req.view.cached_by_engine.get(engine_id, 0)  # as the gateway's headers
         req.record.new_tokens_est = req.view.new_tokens
@@ -454,6 +456,7 @@ class VirtualRun:
             self._record_tokens(req, ev)
             if ev.first_token:
                 # Prefilled: cached there from now on (as the live relay).
+                self.prefix_index.in_flight.end(ev.rid)
                 self.prefix_index.insert_prefilled(engine_id, req.keys, req.view.cached_by_engine.get(engine_id, 0))
                 if self.controller is not None:
                     self.first_tokens.record(engine_id, now, req.view.deadline_s)

@@ -150,6 +150,7 @@ class VirtualPDRun(VirtualRun):
                 continue  # withdrawn, or the end of a transfer we already handled
             state.prefill_cached = ev.cached_tokens
             state.prefill_done_s = self.now
+            self.prefix_index.in_flight.end(ev.rid)
             if self.controller is not None:
                 self.first_tokens.record(engine_id, self.now, req.view.deadline_s)
             self.scheduler.on_first_token(ev.rid, engine_id, self.now, ev.cached_tokens)

@@ -27,7 +27,9 @@ computed for the logits), rounded down to its page size.
 :class:`PrefixCaches` is what the gateway and the virtual-time simulator
 ask for H: exact for an engine whose events it follows, else the estimate of
 :class:`policies.prefix_index.PrefixIndex`, which keeps learning from every
-answer meanwhile so that a stream that stops falls back onto a warm estimate.
+answer meanwhile so that a stream that stops falls back onto a warm estimate. Its
+``in_flight`` (:class:`policies.in_flight_prefix.InFlightPrefills`) holds the
+prompts being prefilled, which no cache shows whole yet.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
+from policies.in_flight_prefix import InFlightPrefills
 from policies.prefix_index import BlockChain, PrefixIndex
 
 
@@ -177,11 +180,13 @@ class EngineBlocks:
 class PrefixCaches:
     """H per engine: exact where the engine's events are followed (:meth:`follow`), else ``estimate``'s.
 
-    The estimate learns from every answer (:meth:`insert`, :meth:`observe`) either way.
+    The estimate learns from every answer (:meth:`insert`, :meth:`observe`) either way. ``in_flight``: the prefills
+    in flight, which the runner starts at dispatch and ends at the first token or the end.
     """
 
     def __init__(self, estimate: PrefixIndex) -> None:
         self.estimate = estimate
+        self.in_flight = InFlightPrefills(estimate.block_tokens)
         self._exact: dict[str, EngineBlocks] = {}
 
     @property
@@ -242,6 +247,7 @@ class PrefixCaches:
 
     def forget_engine(self, engine_id: str) -> None:
         """``engine_id`` restarted or changed role: forget its cache, estimated and exact (following resumes with its
-        new events)."""
+        new events), and its prefills in flight."""
         self.estimate.forget_engine(engine_id)
         self.unfollow(engine_id)
+        self.in_flight.forget_engine(engine_id)

@@ -501,15 +501,23 @@ class LapsScheduler:
         buckets = self.config.length_buckets
         return min(bisect.bisect_left(buckets, request.new_tokens), len(buckets) - 1)
 
-    @staticmethod
-    def _new_on(request: RequestView, engine_id: str) -> int:
-        """L of ``request`` on ``engine_id``: its prompt minus what that engine caches of it."""
-        return request.prompt_tokens - min(request.cached_by_engine.get(engine_id, 0), request.prompt_tokens)
+    def _held_on(self, request: RequestView, engine_id: str) -> int:
+        """H of ``request`` on ``engine_id`` by the time it runs there, at most its prompt: what that engine caches of
+        it, or of what a prefill in flight there shares with it (``in_flight_by_engine``) the chunks before that
+        prefill's last, whichever is more. The engine admits a request at the earliest into the pass of an unfinished
+        prefill's last chunk (its earlier chunks fill their passes), matching its prefix then: the chunks done so far
+        (a lower bound: all of it when the request runs later)."""
+        shared = request.in_flight_by_engine.get(engine_id, 0)
+        settled = (shared - 1) // self.model.chunk_tokens * self.model.chunk_tokens if shared > 0 else 0
+        return min(max(request.cached_by_engine.get(engine_id, 0), settled), request.prompt_tokens)
 
-    @staticmethod
-    def _shapes(batch: Sequence[RequestView], engine_id: str) -> list[SeqShape]:
-        """(L, H) of each request of ``batch`` on ``engine_id``: its own cached prefix there."""
-        return [(LapsScheduler._new_on(r, engine_id), r.prompt_tokens - LapsScheduler._new_on(r, engine_id)) for r in batch]
+    def _new_on(self, request: RequestView, engine_id: str) -> int:
+        """L of ``request`` on ``engine_id``: its prompt minus what that engine will hold of it (:meth:`_held_on`)."""
+        return request.prompt_tokens - self._held_on(request, engine_id)
+
+    def _shapes(self, batch: Sequence[RequestView], engine_id: str) -> list[SeqShape]:
+        """(L, H) of each request of ``batch`` on ``engine_id``: H what that engine will hold of it (:meth:`_held_on`)."""
+        return [(self._new_on(r, engine_id), self._held_on(r, engine_id)) for r in batch]
 
     def _decoding_context(self, engine: EngineView) -> int:
         """KV tokens of the engine's decoding requests: their share of its in-flight prompt tokens."""
@@ -560,9 +568,9 @@ class LapsScheduler:
         self.depth_tokens = buckets[i]
 
     def _isolated_s(self, request: RequestView, engine_id: str | None = None) -> float:
-        """``request``'s prefill alone, on ``engine_id``'s cached prefix (None: the best H of any engine)."""
-        cached = request.cached_tokens if engine_id is None else request.cached_by_engine.get(engine_id, 0)
-        cached = min(cached, request.prompt_tokens)
+        """``request``'s prefill alone, on what ``engine_id`` will hold of it (:meth:`_held_on`; None: the best H cached
+        on any engine)."""
+        cached = min(request.cached_tokens, request.prompt_tokens) if engine_id is None else self._held_on(request, engine_id)
         return isolated_prefill_s(self.model.cost, request.prompt_tokens - cached, cached, self.model.chunk_tokens)
 
     def _long_key(self, request: RequestView, now: float) -> tuple:

@@ -18,8 +18,11 @@ class RequestView:
     ``prompt_tokens``: templated prompt length; ``cached_tokens``: H, the most
     leading tokens any engine probably holds in its prefix cache (per engine in
     ``cached_by_engine``); the new tokens to prefill are ``L = prompt_tokens -
-    cached_tokens``. ``request_class`` is set by the classifier before the
-    request reaches a scheduler. Times are seconds on the caller's clock.
+    cached_tokens``. ``in_flight_by_engine``: per engine (absent: 0), the
+    leading tokens of the prompt that a prefill in flight there is computing
+    now, so that engine will hold them once that prefill is done (not counted
+    in ``cached_tokens``: :mod:`policies.in_flight_prefix`). ``request_class`` is
+    set by the classifier before the request reaches a scheduler. Times are seconds on the caller's clock.
     ``max_tokens``: the client's output cap (``None``: none sent); ``reply_tokens``:
     token counts of the conversation's earlier assistant replies, oldest first
     (filled only for policies that predict output lengths, else empty).
@@ -39,6 +42,7 @@ class RequestView:
     deadline_s: float = math.inf
     request_class: RequestClass = "short"
     cached_by_engine: Mapping[str, int] = field(default_factory=dict)
+    in_flight_by_engine: Mapping[str, int] = field(default_factory=dict)
     max_tokens: int | None = None
     reply_tokens: tuple[int, ...] = ()
     stream: bool = True

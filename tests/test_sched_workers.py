@@ -57,7 +57,8 @@ def _scheduler_side(config, clock):
     prefix_index = PrefixCaches(PrefixIndex(config.scheduling.prefix_block_tokens, 4096))
     dispatcher = Dispatcher(make_scheduler(config.scheduling, engine_traits(config)), registry, clock=clock,
                             classify=partial(classify, config=config, registry=registry, prefix_index=prefix_index,
-                                             classifier=make_classifier(config.scheduling)))
+                                             classifier=make_classifier(config.scheduling)),
+                            prefills=prefix_index.in_flight)
     return SimpleNamespace(config=config, dispatcher=dispatcher, prefix_index=prefix_index, registry=registry, context_tokens=None,
                            client=None, manager=None, engine_roles=None, pd=None)
 
@@ -316,7 +317,8 @@ async def test_in_pd_the_scheduler_picks_the_decode_engine_and_keeps_both_sides_
     first_tokens = FirstTokenWindow(60.0)
     dispatcher = Dispatcher(make_scheduler(config.scheduling, engine_traits(config)), registry, clock=clock, first_tokens=first_tokens,
                             classify=partial(classify, config=config, registry=registry, prefix_index=prefix_index,
-                                             classifier=make_classifier(config.scheduling)))
+                                             classifier=make_classifier(config.scheduling)),
+                            prefills=prefix_index.in_flight)
     aborted = []
 
     async def abort(url, rid):

@@ -7,7 +7,9 @@ import pytest
 from gateway.dispatcher import Dispatcher
 from gateway.errors import APIError
 from gateway.registry import EngineRegistry, EngineState
+from policies.in_flight_prefix import InFlightPrefills
 from policies.pool_router import PoolRouter
+from policies.prefix_index import BlockChain
 from policies.scheduler import ImmediateScheduler
 from policies.types import Decision, Dispatch, EngineView, RequestView
 
@@ -143,3 +145,23 @@ async def test_a_failing_scheduler_fails_waiting_requests_explicitly():
     with pytest.raises(APIError) as info:
         await dispatcher.admit(RequestView("r", 5))
     assert info.value.status == 500 and dispatcher.queued == 0
+
+
+async def test_the_dispatcher_keeps_a_prefill_in_flight_from_dispatch_to_its_first_token_or_its_end():
+    loop = asyncio.get_running_loop()
+    registry = EngineRegistry([EngineState("a", "http://a", "short")])
+    prefills = InFlightPrefills(block_tokens=2)
+    scheduler = ScriptedScheduler(release_at=loop.time() + 0.05)
+    dispatcher = Dispatcher(scheduler, registry, clock=loop.time, prefills=prefills)
+    doc = BlockChain(2).extend([1, 2, 3, 4, 5])
+    first, second, withdrawn = RequestView("r0", 5), RequestView("r1", 5), RequestView("gone", 5)
+    waiting = asyncio.ensure_future(dispatcher.admit(withdrawn, doc.keys))
+    tasks = [asyncio.ensure_future(dispatcher.admit(r, doc.keys)) for r in (first, second)]
+    await asyncio.sleep(0)
+    assert len(prefills) == 0  # held by the scheduler: nothing prefills yet
+    waiting.cancel()
+    assert await asyncio.gather(*tasks) == ["a", "a"]
+    assert len(prefills) == 2 and prefills.shared_tokens("a", doc) == 4
+    dispatcher.first_token("r0", "a", 0)
+    dispatcher.complete(second, "a")  # failed before its first token
+    assert len(prefills) == 0 and prefills.shared_tokens("a", doc) == 0

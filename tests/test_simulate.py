@@ -173,3 +173,22 @@ def test_laps_simulate_reports_a_bad_replay_file_and_refuses_bad_numbers(tmp_pat
         with pytest.raises(SystemExit) as info:
             laps_main(["simulate", "--dataset", "mtbench", "--rate", "1", flag, value, "--out", out, "--quiet"])
         assert info.value.code == 2 and f"argument {flag}: must be" in capsys.readouterr().err
+
+
+def test_a_question_about_a_document_being_prefilled_goes_where_it_is_prefilled_and_finds_all_but_its_last_chunk():
+    roles = {name: {"pool": pool, "flags": {"chunked-prefill-size": 2048, "schedule-policy": "shortest-prefill-first"}}
+             for name, pool in (("chat", "short"), ("docs", "long"))}
+    config = parse_config({"roles": roles, "engines": [{"name": "e0", "role": "chat", "gpus": [0]}, {"name": "e1", "role": "docs", "gpus": [1]}],
+                           "scheduling": {"policy": "laps"}})
+    doc = " ".join(f"line {i} of the shared report." for i in range(1500))
+    first = Conversation("a", "test", (Turn(doc + "\nSummarise it.", 8),), start_s=0.0)
+    second = Conversation("b", "test", (Turn(doc + "\nWho wrote it?", 8),), start_s=0.01)
+    by_id = {r.conversation_id: r for r in simulate(config, scripted(first, second), duration_s=10, seed=0, tokenizer=TOK)}
+    a, b = by_id["a"], by_id["b"]
+    assert (a.prompt_tokens, a.cached_tokens, b.prompt_tokens) == (15424, 0, 15423)
+    # At 0.01 s nothing of the document is cached anywhere (its first chunk is still running on e1), but its prefill
+    # is in flight there: the question goes there, waits, and is admitted with the document's last chunk, finding
+    # its 7 earlier chunks cached (14,336 tokens not computed twice). On the idle e0 it would have prefilled all
+    # 15,423 tokens in about the same time (0.42 s against 0.435 s: costs within one pass, a tie the long pool wins).
+    assert (b.laps_class, b.cached_tokens_est, b.cached_tokens) == ("long", 0, 7 * 2048)
+    assert b.ttft_s == pytest.approx(0.435, abs=0.005)
