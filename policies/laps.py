@@ -40,7 +40,11 @@ picks the engine where the request costs least in first-token time
 the engine's own order, a decode pass in progress, and the request's own
 prefill with that engine's cached prefix H_e, priced by the engine's latency
 function), so a re-prefill goes where its context is cached unless recomputing
-it elsewhere gives an earlier first token. On ``shortest-prefill-first``
+it elsewhere gives an earlier first token. H_e also counts what a prefill in
+flight on that engine shares with the request (``RequestView.in_flight_by_engine``),
+its chunks before its last one: the engine admits the request at the earliest
+into that last chunk's pass, and matches its prefix then. Only the engine choice
+counts it; the class and the deadline stay on what is cached (measured below). On ``shortest-prefill-first``
 engines a request also delays every longer prefill it overtakes there by its
 new tokens' share of a full chunk pass (the overtaken prefill shares its
 passes, or the tokens push the overtaken prefill's into a later one: it pays
@@ -394,6 +398,7 @@ class LapsScheduler:
         self.requests_batched = 0
         self.short_spilled = 0  # short batches sent to a long-pool engine
         self.long_borrowed = 0  # long prefills sent to a short-pool engine
+        self.joined_in_flight = 0  # requests sent where a prefill in flight shares more of their prompt than is cached
 
     # -- events -------------------------------------------------------------------------------
 
@@ -446,6 +451,7 @@ class LapsScheduler:
             "short_requests_batched_total": self.requests_batched,
             "short_batches_to_long_pool_total": self.short_spilled,
             "long_prefills_to_short_pool_total": self.long_borrowed,
+            "requests_to_in_flight_prefix_total": self.joined_in_flight,
             **{f"short_batches_by_{trigger}_total": n for trigger, n in self.triggers.items()},
         }
 
@@ -675,3 +681,4 @@ class LapsScheduler:
         load[engine_id] = engine.with_dispatched(len(batch), sum(r.prompt_tokens for r in batch))
         for r in batch:
             self._in_flight[r.rid] = _InFlight(engine_id, short, now, self._new_on(r, engine_id))
+            self.joined_in_flight += self._held_on(r, engine_id) > r.cached_by_engine.get(engine_id, 0)

@@ -398,3 +398,4 @@ def test_a_question_goes_to_the_engine_prefilling_its_document_when_waiting_ther
     s.submit(question, asked_s)
     assert s.decide(engines, asked_s).dispatches == (Dispatch(expected, ("q",)),)
     assert s.stats()["long_prefills_to_short_pool_total"] == (expected == "s")
+    assert s.stats()["requests_to_in_flight_prefix_total"] == (expected == "l")
