@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from policies.in_flight_prefix import InFlightPrefills
-from policies.prefix_index import BlockChain, PrefixIndex
+from policies.prefix_index import BlockChain, PrefixIndex, leading_keys_in
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,13 +156,7 @@ class EngineBlocks:
     def cached_tokens(self, chain: BlockChain) -> int:
         """H of the prompt ``chain``: its leading tokens cached here, as the engine will count them (module doc)."""
         present, keys, b, p = self._present, chain.keys, self.block_tokens, self.page_tokens
-        n, hi = 0, len(keys)  # whole blocks: n known cached, hi + 1 known not (the set is prefix-closed)
-        while n < hi:
-            mid = (n + hi + 1) // 2
-            if keys[mid - 1] in present:
-                n = mid
-            else:
-                hi = mid - 1
+        n = leading_keys_in(keys, present)  # whole blocks cached (the set is prefix-closed)
         base = keys[n - 1] if n else 0
         start = n * b
         rest = chain.ids[start : start + b - 1]

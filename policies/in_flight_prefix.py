@@ -6,21 +6,21 @@ whose first request is being prefilled) would find that prefix cached on that en
 nowhere else. :class:`InFlightPrefills` keeps the prompt block keys of every dispatched request from its dispatch to
 its first token (its prefill is done: from then on its engine's cache, or the estimate, has it) or its end, per
 engine, so a view can say, per engine, how many leading tokens of a new prompt a prefill in flight there shares:
-``RequestView.in_flight_by_engine``. Only the engine choice uses it (:mod:`policies.laps`); the class and the deadline
-stay on what is cached now (crediting in-flight prefixes there as well made the prefix-heavy workload worse; the
-measurements are in :mod:`policies.laps`' docstring). :class:`policies.exact_prefix.PrefixCaches` holds one, which the
+``RequestView.in_flight_by_engine``. :mod:`policies.laps` counts it where the request goes and for what it is
+predicted to cost there; the class and the deadline stay on what is cached now (crediting in-flight prefixes there
+as well made the prefix-heavy workload worse; the measurements are in :mod:`policies.laps`' docstring). :class:`policies.exact_prefix.PrefixCaches` holds one, which the
 runner (the gateway's dispatcher, the simulator) keeps up to date.
 
 Block keys are chained (:func:`policies.prefix_index.block_keys`), so a key present for an engine means the whole
 prefix up to it is: the shared prefix is found by binary search over the new prompt's keys, O(log blocks) dict
-look-ups; starting and ending a prefill is O(its blocks).
+look-ups (:func:`~policies.prefix_index.leading_keys_in`); starting and ending a prefill is O(its blocks).
 """
 
 from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-from policies.prefix_index import BlockChain
+from policies.prefix_index import BlockChain, leading_keys_in
 
 
 class InFlightPrefills:
@@ -73,15 +73,7 @@ class InFlightPrefills:
         counts = self._keys.get(engine_id)
         if not counts:
             return 0
-        keys = chain.keys
-        n, hi = 0, len(keys)  # blocks: n known shared, hi + 1 known not (the key set is prefix-closed)
-        while n < hi:
-            mid = (n + hi + 1) // 2
-            if keys[mid - 1] in counts:
-                n = mid
-            else:
-                hi = mid - 1
-        return min(n * self.block_tokens, max(chain.tokens - 1, 0))
+        return min(leading_keys_in(chain.keys, counts) * self.block_tokens, max(chain.tokens - 1, 0))
 
     def by_engine(self, chain: BlockChain, engine_ids: Iterable[str]) -> dict[str, int]:
         """:meth:`shared_tokens` of ``chain`` on each of ``engine_ids`` where it is not 0."""

@@ -42,9 +42,11 @@ prefill with that engine's cached prefix H_e, priced by the engine's latency
 function), so a re-prefill goes where its context is cached unless recomputing
 it elsewhere gives an earlier first token. H_e also counts what a prefill in
 flight on that engine shares with the request (``RequestView.in_flight_by_engine``),
-its chunks before its last one: the engine admits the request at the earliest
-into that last chunk's pass, and matches its prefix then. Only the engine choice
-counts it; the class and the deadline stay on what is cached (measured below). On ``shortest-prefill-first``
+its whole chunks up to the one where the shared part ends (the engine admits the
+request at the earliest into the pass of that prefill's last chunk, and matches its
+prefix then), and the request is then predicted behind all prefill work there; it
+counts where the request goes and what it costs there, while the class and the
+deadline stay on what is cached (measured below). On ``shortest-prefill-first``
 engines a request also delays every longer prefill it overtakes there by its
 new tokens' share of a full chunk pass (the overtaken prefill shares its
 passes, or the tokens push the overtaken prefill's into a later one: it pays
@@ -509,13 +511,23 @@ class LapsScheduler:
 
     def _held_on(self, request: RequestView, engine_id: str) -> int:
         """H of ``request`` on ``engine_id`` by the time it runs there, at most its prompt: what that engine caches of
-        it, or of what a prefill in flight there shares with it (``in_flight_by_engine``) the chunks before that
-        prefill's last, whichever is more. The engine admits a request at the earliest into the pass of an unfinished
-        prefill's last chunk (its earlier chunks fill their passes), matching its prefix then: the chunks done so far
-        (a lower bound: all of it when the request runs later)."""
+        it, and more where a prefill in flight there shares more of it (``in_flight_by_engine``): the whole chunks of
+        that prefill from what is cached up to, not including, the chunk where the shared part ends. The engine admits
+        the request at the earliest into the pass of the prefill's last chunk (its earlier chunks fill their passes)
+        and matches its prefix then. An estimate: the engine's chunks start after what was cached when the prefill
+        began, which what is cached now (a chunk boundary since) stands for, and are of ``chunk_tokens`` (the
+        largest of the roles'); all of it is held when the request runs after that prefill has ended."""
+        cached = request.cached_by_engine.get(engine_id, 0)
         shared = request.in_flight_by_engine.get(engine_id, 0)
-        settled = (shared - 1) // self.model.chunk_tokens * self.model.chunk_tokens if shared > 0 else 0
-        return min(max(request.cached_by_engine.get(engine_id, 0), settled), request.prompt_tokens)
+        if shared > cached:
+            chunk = self.model.chunk_tokens
+            cached += (shared - cached - 1) // chunk * chunk
+        return min(cached, request.prompt_tokens)
+
+    def _joins_in_flight(self, batch: Sequence[RequestView], engine_id: str) -> bool:
+        """Whether some request of ``batch`` counts on a prefill in flight on ``engine_id`` (:meth:`_held_on`): it then
+        runs behind the prefill work there (:meth:`EngineQueueModel.predict_ttft_s`'s ``behind_all``)."""
+        return any(self._held_on(r, engine_id) > r.cached_by_engine.get(engine_id, 0) for r in batch)
 
     def _new_on(self, request: RequestView, engine_id: str) -> int:
         """L of ``request`` on ``engine_id``: its prompt minus what that engine will hold of it (:meth:`_held_on`)."""
@@ -532,7 +544,8 @@ class LapsScheduler:
 
     def _own_ttft_s(self, engine: EngineView, batch: Sequence[RequestView], now: float) -> float:
         """``batch``'s predicted TTFT on ``engine`` from ``now`` (seconds), in the engine's own queue order."""
-        return self.model.predict_ttft_s(engine.id, self._shapes(batch, engine.id), now, self._decoding_context(engine))
+        return self.model.predict_ttft_s(engine.id, self._shapes(batch, engine.id), now, self._decoding_context(engine),
+                                         self._joins_in_flight(batch, engine.id))
 
     def _cost(self, engine: EngineView, batch: Sequence[RequestView], now: float, own_s: float | None = None) -> float:
         """Seconds of first-token time that sending ``batch`` to ``engine`` costs: its own predicted TTFT (``own_s``
@@ -540,8 +553,8 @@ class LapsScheduler:
         deadline: what its new tokens add to a full chunk pass (:attr:`EngineQueueModel.token_in_pass_s`)."""
         shapes = self._shapes(batch, engine.id)
         if own_s is None:
-            own_s = self.model.predict_ttft_s(engine.id, shapes, now, self._decoding_context(engine))
-        n = self.model.displaced(engine.id, shapes, now)
+            own_s = self._own_ttft_s(engine, batch, now)
+        n = self.model.displaced(engine.id, shapes, now, self._joins_in_flight(batch, engine.id))
         return own_s + n * self.model.token_in_pass_s * sum(max(1, new) for new, _ in shapes)
 
     def _dispatch_short(self, queue: list[RequestView], trigger: Trigger, load: dict[str, EngineView], now: float) -> Dispatch:
@@ -677,8 +690,8 @@ class LapsScheduler:
         engine = load[engine_id]
         self.model.dispatched(engine_id, [r.rid for r in batch], self._shapes(batch, engine_id), now,
                               self._decoding_context(engine), stream=all(r.stream for r in batch),
-                              deadlines_s=[r.deadline_s for r in batch])
+                              deadlines_s=[r.deadline_s for r in batch], behind_all=self._joins_in_flight(batch, engine_id))
         load[engine_id] = engine.with_dispatched(len(batch), sum(r.prompt_tokens for r in batch))
         for r in batch:
             self._in_flight[r.rid] = _InFlight(engine_id, short, now, self._new_on(r, engine_id))
-            self.joined_in_flight += self._held_on(r, engine_id) > r.cached_by_engine.get(engine_id, 0)
+            self.joined_in_flight += self._joins_in_flight([r], engine_id)

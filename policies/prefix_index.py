@@ -30,10 +30,23 @@ from __future__ import annotations
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Container, Sequence
 
 BYTES_PER_BLOCK_ENTRY = 250  # measured 244 under churn (module doc), so a byte budget holds in RSS
 CHAIN_OVERHEAD_BYTES = 250  # a BlockChain and its two arrays' headers and over-allocation
+
+
+def leading_keys_in(keys: Sequence[int], present: Container[int]) -> int:
+    """How many of ``keys`` lead, all in ``present``, for a ``present`` that is prefix-closed over chains (a chained key
+    in it means every key before it on its chain is too): a binary search, O(log len(keys)) look-ups."""
+    n, hi = 0, len(keys)  # n known present, hi + 1 known not
+    while n < hi:
+        mid = (n + hi + 1) // 2
+        if keys[mid - 1] in present:
+            n = mid
+        else:
+            hi = mid - 1
+    return n
 
 
 def block_keys(token_ids: Sequence[int], block_tokens: int) -> list[int]:

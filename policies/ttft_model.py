@@ -163,18 +163,20 @@ class EngineQueueModel:
             return now
         return now + 0.5 * self.cost.decode_s(decoding, decoding_context_tokens)
 
-    def predict_ttft_s(self, engine_id: str, batch: Sequence[SeqShape], now: float, decoding_context_tokens: int = 0) -> float:
+    def predict_ttft_s(self, engine_id: str, batch: Sequence[SeqShape], now: float, decoding_context_tokens: int = 0,
+                       behind_all: bool = False) -> float:
         """TTFT of ``batch`` (its (L, H) on this engine) dispatched to ``engine_id`` at ``now`` (one group: on
-        ``short_first`` engines it is ordered by its longest sequence's new tokens)."""
-        longest = max((new for new, _ in batch), default=1)
+        ``short_first`` engines it is ordered by its longest sequence's new tokens, or behind every prefill there
+        with ``behind_all``: its H counts on one of them being done first)."""
+        longest = None if behind_all else max((new for new, _ in batch), default=1)
         start = self.start_s(engine_id, now, decoding_context_tokens, longest)
         return start - now + batch_prefill_s(self.cost, batch, self.chunk_tokens)
 
-    def displaced(self, engine_id: str, batch: Sequence[SeqShape], now: float) -> int:
+    def displaced(self, engine_id: str, batch: Sequence[SeqShape], now: float, behind_all: bool = False) -> int:
         """Prefills on ``engine_id`` that ``batch`` sent now would go ahead of (so delay by its tokens) and that can
         still meet their deadline (it is after ``now`` plus their own work left): those with more new tokens, on
-        ``short_first`` engines; none on FCFS ones."""
-        if not self.short_first:
+        ``short_first`` engines; none on FCFS ones, nor ``behind_all`` (:meth:`predict_ttft_s`)."""
+        if not self.short_first or behind_all:
             return 0
         longest = max((new for new, _ in batch), default=1)
         return sum(1 for p in self._advance(engine_id, now).values()
@@ -183,18 +185,19 @@ class EngineQueueModel:
     # -- what the scheduler tells ---------------------------------------------------------------
 
     def dispatched(self, engine_id: str, rids: Iterable[str], batch: Sequence[SeqShape], now: float,
-                   decoding_context_tokens: int = 0, stream: bool = True, deadlines_s: Sequence[float] = ()) -> float:
+                   decoding_context_tokens: int = 0, stream: bool = True, deadlines_s: Sequence[float] = (),
+                   behind_all: bool = False) -> float:
         """``rids`` (shapes ``batch``) went to ``engine_id`` at ``now`` as one group; their predicted first-token time.
 
         ``deadlines_s``: the first-token deadlines of ``rids`` (clock seconds; none given: no deadline); the group
         counts by the earliest.
 
         On ``short_first`` engines the group goes ahead of the longer prefills waiting there, which
-        its tokens push back (:meth:`displaced`).
+        its tokens push back (:meth:`displaced`); with ``behind_all`` behind all of them (:meth:`predict_ttft_s`).
         """
-        finish = now + self.predict_ttft_s(engine_id, batch, now, decoding_context_tokens)
+        finish = now + self.predict_ttft_s(engine_id, batch, now, decoding_context_tokens, behind_all)
         work_s = batch_prefill_s(self.cost, batch, self.chunk_tokens)
-        key = self._key(max((new for new, _ in batch), default=1))
+        key = self._key(None if behind_all else max((new for new, _ in batch), default=1))
         chunk_s = work_s if sum(max(1, new) for new, _ in batch) <= self.chunk_tokens else self.chunk_pass_s
         entries = self._by_engine.setdefault(engine_id, {})
         deadline_s = min(deadlines_s, default=math.inf)

@@ -33,7 +33,7 @@ def test_two_prefills_of_one_prefix_count_until_both_end_and_a_second_start_move
     flights.start("d2", "a", chain(DOC[:8]).keys)
     flights.end("d1")
     assert flights.shared_tokens("a", chain(DOC)) == 8  # d2's two blocks are still in flight
-    flights.start("d2", "b", chain(DOC[:8]).keys)  # dispatched again (a retry on another engine)
+    flights.start("d2", "b", chain(DOC[:8]).keys)  # started again: its earlier start ends
     assert (flights.shared_tokens("a", chain(DOC)), flights.shared_tokens("b", chain(DOC))) == (0, 8)
     flights.start("d3", "b", chain(DOC).keys)
     flights.forget_engine("b")

@@ -56,6 +56,20 @@ def test_on_shortest_prefill_first_engines_a_prefill_waits_for_shorter_work_and_
     assert fcfs.displaced("e", [(50, 0)], 0.0) == 0
 
 
+def test_a_prefill_that_counts_on_one_in_flight_runs_behind_all_prefill_work_even_when_shorter():
+    m = EngineQueueModel(SPF)
+    long_s = isolated_prefill_s(LinearCost(), 20000, 0, 4096)
+    m.dispatched("e", ["doc"], [(20000, 0)], 0.0)
+    # A question of 50 new tokens on the document's 19,968 (held only once the document's prefill has run): behind it,
+    # so its 5 ms + 0.5 ms + 19.968 ms come after all of the document's work, and it overtakes nothing.
+    own_s = 0.005 + 0.0005 + 0.019968
+    assert m.predict_ttft_s("e", [(50, 19968)], 0.0, behind_all=True) == pytest.approx(long_s + own_s)
+    assert m.displaced("e", [(50, 19968)], 0.0, behind_all=True) == 0
+    assert m.dispatched("e", ["q"], [(50, 19968)], 0.0, behind_all=True) == pytest.approx(long_s + own_s)
+    # A short request sent later still goes ahead of both (as the engine takes it shortest first).
+    assert m.predict_ttft_s("e", [(10, 0)], 0.0) == pytest.approx(CHUNK_S + 0.0051)
+
+
 def test_only_overtaken_prefills_that_can_still_meet_their_deadline_count_as_displaced():
     m = EngineQueueModel(SPF)
     long_s = isolated_prefill_s(LinearCost(), 20000, 0, 4096)  # 0.2448 s
