@@ -112,7 +112,7 @@ def add_workload_arguments(parser: argparse.ArgumentParser, default_out: Path, c
         "--max-tokens", type=positive_int, default=DEFAULT_MAX_TOKENS, help="output tokens to request where the data has no length (default: %(default)s)"
     )
     parser.add_argument("--ignore-eos", action="store_true", help="send ignore_eos=true so outputs run to max_tokens (SGLang extension)")
-    parser.add_argument("--request-timeout-s", type=float, default=300.0, help="give up on one request after this long (default: %(default)s)")
+    parser.add_argument("--request-timeout-s", type=positive_float, default=300.0, help="give up on one request after this long (default: %(default)s)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar and no table (the JSON is still written)")
 
 
@@ -291,7 +291,7 @@ def configure_simulate_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG_PATH, help="deployment YAML (default: %(default)s)")
     parser.add_argument("--policy", choices=sorted(POLICIES), help="scheduling policy (default: the config's scheduling.policy)")
     parser.add_argument("--slo-ttft-s", type=positive_float, help="TTFT objective of the report (default: the config's slo.ttft_s)")
-    parser.add_argument("--serving-latency-ms", type=float, default=0.0,
+    parser.add_argument("--serving-latency-ms", type=non_negative_float, default=0.0,
                         help="HTTP and tokenization latency per request, half on the way in, half on the way back "
                              "(default: %(default)s)")
     add_workload_arguments(parser, Path("runs/simulate.json"), "the smallest context length of the simulated engines")

@@ -114,8 +114,10 @@ def test_laps_simulate_prints_the_arguments_its_dataset_ignores(tmp_path, capsys
 
 
 @pytest.mark.parametrize("argument", [("--rate", "0"), ("--rate", "-1"), ("--rate", "inf"), ("--rate", "nan"),
-                                      ("--time-scale", "inf"), ("--duration", "nan")])
-def test_laps_simulate_refuses_a_rate_time_scale_or_duration_that_is_not_a_finite_positive_number(argument, capsys):
+                                      ("--time-scale", "inf"), ("--duration", "nan"), ("--request-timeout-s", "0"),
+                                      ("--serving-latency-ms", "-5")])
+def test_laps_simulate_refuses_numbers_out_of_range(argument, capsys):
+    """Rates, time scales, durations and timeouts must be finite and positive; the serving latency finite and >= 0."""
     with pytest.raises(SystemExit) as exit_:
         laps_main(["simulate", "--dataset", "mtbench", "--duration", "1", "--rate", "1", *argument])
     assert exit_.value.code == 2
