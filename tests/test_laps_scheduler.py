@@ -376,26 +376,27 @@ def test_an_engine_that_only_decodes_unstreamed_requests_is_idle_for_short_ones(
     assert s.decide(only, 0.5) == Decision((Dispatch("only", ("r1",)),)) and s.triggers["idle"] == 2
 
 
-@pytest.mark.parametrize("doc_tokens, asked_s, shared, expected", [
+@pytest.mark.parametrize("doc_tokens, asked_s, shared, slo_s, expected", [
     # The document's prefill on l: 3 chunks, 15 ms + 0.12 s, 35 ms still to go at 0.1 s. The question (50 tokens
     # more) shares 11,968 tokens with it, of which the two chunks before its last (8,192) count: on l it waits
     # 35 ms, then 5 ms + 38.6 ms + 8.2 ms for its 3,858 other tokens (86.8 ms); on the idle s it recomputes all
     # 12,050: 15 ms + 120.5 ms.
-    (12_000, 0.1, 11_968, "l"),
-    (12_000, 0.1, 0, "s"),  # without the credit l would take 35 ms + 135.5 ms
+    (12_000, 0.1, 11_968, SLO_S, "l"),
+    (12_000, 0.1, 0, SLO_S, "s"),  # without the credit l would take 35 ms + 135.5 ms
     # A document of 8,000 tokens (2 chunks, 90 ms), asked about at 30 ms: only its first chunk (4,096) counts, so
-    # on l the question waits 60 ms, then takes 48.6 ms: later than the 90.5 ms of recomputing on s (crediting all
-    # 7,968 would have made it 60 + 13.8 ms, and sent it to l).
-    (8_000, 0.03, 7_968, "s"),
+    # on l the question waits 60 ms, then takes 48.6 ms (108.6 ms), later than the 90.5 ms of recomputing all on s;
+    # but it is in time on l, where the 4,096 tokens are not computed twice: l.
+    (8_000, 0.03, 7_968, SLO_S, "l"),
+    (8_000, 0.03, 7_968, 0.1, "s"),  # due in 100 ms: in time on s alone
 ])
-def test_a_question_goes_to_the_engine_prefilling_its_document_when_waiting_there_is_sooner_than_recomputing(
-        doc_tokens, asked_s, shared, expected):
+def test_a_question_joins_the_engine_prefilling_its_document_where_it_is_in_time_else_the_soonest(
+        doc_tokens, asked_s, shared, slo_s, expected):
     engines = [EngineView("s", "short"), EngineView("l", "long")]
     s = LapsScheduler(config(), TRAITS)
     s.submit(long("doc", doc_tokens, 0.0), 0.0)
     assert s.decide(engines, 0.0).dispatches == (Dispatch("l", ("doc",)),)
-    question = RequestView("q", doc_tokens + 50, 0, asked_s, asked_s + SLO_S, "long", in_flight_by_engine={"l": shared} if shared else {})
+    question = RequestView("q", doc_tokens + 50, 0, asked_s, asked_s + slo_s, "long", in_flight_by_engine={"l": shared} if shared else {})
     s.submit(question, asked_s)
     assert s.decide(engines, asked_s).dispatches == (Dispatch(expected, ("q",)),)
     assert s.stats()["long_prefills_to_short_pool_total"] == (expected == "s")
-    assert s.stats()["requests_to_in_flight_prefix_total"] == (expected == "l")
+    assert s.stats()["requests_to_in_flight_prefix_total"] == (expected == "l" and shared > 0)
