@@ -8,8 +8,9 @@ its first token (its prefill is done: from then on its engine's cache, or the es
 engine, so a view can say, per engine, how many leading tokens of a new prompt a prefill in flight there shares:
 ``RequestView.in_flight_by_engine``. :mod:`policies.laps` counts it where the request goes and for what it is
 predicted to cost there; the class and the deadline stay on what is cached now (crediting in-flight prefixes there
-as well made the prefix-heavy workload worse; the measurements are in :mod:`policies.laps`' docstring). :class:`policies.exact_prefix.PrefixCaches` holds one, which the
-runner (the gateway's dispatcher, the simulator) keeps up to date.
+as well made the prefix-heavy workload worse; the measurements are in :mod:`policies.laps`' docstring).
+:class:`policies.exact_prefix.PrefixCaches` holds one, which the runner (the gateway's dispatcher, the simulator)
+keeps up to date.
 
 Block keys are chained (:func:`policies.prefix_index.block_keys`), so a key present for an engine means the whole
 prefix up to it is: the shared prefix is found by binary search over the new prompt's keys, O(log blocks) dict

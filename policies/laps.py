@@ -656,12 +656,13 @@ class LapsScheduler:
         the request itself is in time: those whose predicted TTFT, times :meth:`long_ttft_margin`, is within its
         deadline (all of them when none is). Among those, the engines where it joins a prefill in flight
         (:meth:`_joins_in_flight`) come first: there the shared prefix is computed once; elsewhere it would be
-        computed again, sooner for this request but taking that work from every other one.
+        computed again, sooner for this request but taking that work from every other one (and where it is late
+        everywhere, the least work is what it can still save for the others).
         """
         own = {e.id: self._own_ttft_s(e, [request], now) for e in engines}
         margin = self.long_ttft_margin()
-        in_time = [e for e in engines if now + margin * own[e.id] <= request.deadline_s]
-        engines = [e for e in in_time if self._joins_in_flight([request], e.id)] or in_time or engines
+        in_time = [e for e in engines if now + margin * own[e.id] <= request.deadline_s] or engines
+        engines = [e for e in in_time if self._joins_in_flight([request], e.id)] or in_time
         order = {e.id: i for i, e in enumerate(engines)}
 
         def cost(e: EngineView) -> float:
