@@ -388,8 +388,9 @@ def test_an_engine_that_only_decodes_unstreamed_requests_is_idle_for_short_ones(
     # but it is in time on l, where the 4,096 tokens are not computed twice: l.
     (8_000, 0.03, 7_968, SLO_S, "l"),
     (8_000, 0.03, 7_968, 0.1, "s"),  # due in 100 ms: in time on s alone
+    (8_000, 0.03, 7_968, 0.05, "l"),  # due in 50 ms: late on both, so where it costs the others least
 ])
-def test_a_question_joins_the_engine_prefilling_its_document_where_it_is_in_time_else_the_soonest(
+def test_a_question_joins_the_engine_prefilling_its_document_unless_only_another_has_it_in_time(
         doc_tokens, asked_s, shared, slo_s, expected):
     engines = [EngineView("s", "short"), EngineView("l", "long")]
     s = LapsScheduler(config(), TRAITS)
