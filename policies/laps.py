@@ -260,6 +260,31 @@ against 0.66 / 2.73 / 5.73% (seed 1 at 1.2 / 1.5×: 2.51 / 5.46% against 3.14 /
 ``azure-conv`` at 1.2× 4.14% against 4.11%, and ``shared-docs`` at 1.5× 1.71%
 length-aware against 6.16%.
 
+Prefixes in flight. In ``shared-docs`` overload (run ``dominance9``, seed 0, 1.88×
+least_load's saturation load) laps had 20.87% length-aware violations against 0.27% for
+least_load to engines with laps' flags: it prefilled 3.54M new tokens of 6.70M prompt
+tokens (hit rate 0.47; the control 0.69). A document's questions arrive while its first
+request is still being prefilled, the KV events show only the chunks done, and the
+cheapest engine for a question alone was often another one, which prefilled the document
+again. Variants measured (seed 0; length-aware violations at 1.5 / 1.88 / 2.35× on
+``shared-docs``, the control 0.00 / 0.27 / 33.11%):
+
+* the in-flight prefix counted as cached for the class and the deadline too: 42.5 / 53.7%
+  at 1.5 / 1.88× (the questions turn short, their deadline shrinks to a 50-token extend's,
+  and they wait for the document);
+* counted for the engine choice only, in whole chunks from the prompt's start, the question
+  ordered in the queue model by its credited new tokens (run ``dominance10``): 0.00 / 0.00 /
+  1.10%; but on ``shortest-prefill-first`` engines that put the question ahead of the
+  document it waits for: its predicted TTFT was 4–8× too short, and the long-prefill margin
+  grew to 7.2 (1.1 without the credit);
+* the question predicted behind that engine's prefill work, the credit from what is cached
+  (run ``dominance11``): 0.00 / 0.54 / 33.99%: an honest prediction sends a question that is
+  late everywhere to recompute the document where it is least late, more work for all;
+* and among the engines where it is in time, those where it joins first (``dominance12``):
+  0.00 / 3.52 / 33.11%;
+* and where it is late everywhere, those where it joins first too (as shipped,
+  ``dominance13``): 0.00 / 0.00 / 0.00% (2.65% at 2.94×, the control 39.75%).
+
 Nor does packing long prefills to keep clean engines for short ones (seed 0, loads as
 multiples of least_load's saturation, 449 conv/s on ``mixed``, 19.4 on ``shared-docs``):
 a long prefill went to the cheapest engine already holding long work whose predicted TTFT
