@@ -425,7 +425,7 @@ class LapsScheduler:
         self.requests_batched = 0
         self.short_spilled = 0  # short batches sent to a long-pool engine
         self.long_borrowed = 0  # long prefills sent to a short-pool engine
-        self.joined_in_flight = 0  # requests sent where a prefill in flight shares more of their prompt than is cached
+        self.joined_in_flight = 0  # requests sent where a prefill in flight counted (_held_on)
 
     # -- events -------------------------------------------------------------------------------
 
@@ -679,8 +679,8 @@ class LapsScheduler:
         engines) × the mean wait for the pass in progress, min(P, one chunk pass) / 2. That charge is short
         requests' time, not their deadlines, so the choice (cost and ties alike) is made only among the engines where
         the request itself is in time: those whose predicted TTFT, times :meth:`long_ttft_margin`, is within its
-        deadline (all of them when none is). Among those, the engines where it joins a prefill in flight
-        (:meth:`_joins_in_flight`) come first: there the shared prefix is computed once; elsewhere it would be
+        deadline (all of them when none is). Of those, only the engines where it joins a prefill in flight
+        (:meth:`_joins_in_flight`) are considered when there are any: there the shared prefix is computed once; elsewhere it would be
         computed again, sooner for this request but taking that work from every other one (and where it is late
         everywhere, the least work is what it can still save for the others).
         """

@@ -99,6 +99,7 @@ class _Prefill:
     chunk_left_s: float = 0.0  # of the chunk in progress, when it is its engine's current entry
     deadline_s: float = math.inf  # its first-token deadline
     done_s: float | None = None  # when the model saw it done (it has no first token yet)
+    behind_all: bool = False  # keyed behind everything (``dispatched``'s ``behind_all``), not where the engine runs it
 
 
 @dataclass(frozen=True)
@@ -202,7 +203,8 @@ class EngineQueueModel:
         entries = self._by_engine.setdefault(engine_id, {})
         deadline_s = min(deadlines_s, default=math.inf)
         for i, rid in enumerate(rids):  # the group's work is carried by its first request
-            p = _Prefill(engine_id, key, work_s if i == 0 else 0.0, work_s if i == 0 else 0.0, stream, chunk_s, deadline_s=deadline_s)
+            p = _Prefill(engine_id, key, work_s if i == 0 else 0.0, work_s if i == 0 else 0.0, stream, chunk_s, deadline_s=deadline_s,
+                         behind_all=behind_all)
             self._pending[rid] = p
             entries[rid] = p
         return finish
@@ -210,7 +212,8 @@ class EngineQueueModel:
     def first_token(self, rid: str, now: float) -> None:
         """``rid``'s first token came at ``now``: it decodes from now on; correct the engine's backlog.
 
-        Early (the model still had work of it left): what the engine orders before it is done too.
+        Early (the model still had work of it left): what the engine orders before it is done too (not for an entry
+        keyed ``behind_all``: its key says nothing of what ran before it).
         Late (the model had it done at ``done_s``): the engine is ``now − done_s`` behind the model,
         which gives that much work back to the prefills ordered after it.
         """
@@ -228,7 +231,7 @@ class EngineQueueModel:
         self._decoding_rids[rid] = p.engine_id
         if not p.stream:
             return
-        if p.remaining_s > 0:
+        if p.remaining_s > 0 and not p.behind_all:
             for q in entries.values():
                 if q.key < p.key and q.remaining_s > 0:
                     q.remaining_s, q.done_s = 0.0, now

@@ -68,6 +68,13 @@ def test_a_prefill_that_counts_on_one_in_flight_runs_behind_all_prefill_work_eve
     assert m.dispatched("e", ["q"], [(50, 19968)], 0.0, behind_all=True) == pytest.approx(long_s + own_s)
     # A short request sent later still goes ahead of both (as the engine takes it shortest first).
     assert m.predict_ttft_s("e", [(10, 0)], 0.0) == pytest.approx(CHUNK_S + 0.0051)
+    # A 30,000-token prefill sent next is ordered before the question; the document's and then the question's first
+    # tokens come early, but the question's key says nothing of what ran before it: the 30,000 tokens are still ahead
+    # (less the 1 ms they have run since the document's).
+    m.dispatched("e", ["big"], [(30000, 0)], 0.0)
+    m.first_token("doc", 0.01)
+    m.first_token("q", 0.011)
+    assert m.backlog_end_s("e", 0.011) == pytest.approx(0.01 + isolated_prefill_s(LinearCost(), 30000, 0, 4096))
 
 
 def test_only_overtaken_prefills_that_can_still_meet_their_deadline_count_as_displaced():
