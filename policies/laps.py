@@ -536,12 +536,13 @@ class LapsScheduler:
 
     def _held_on(self, request: RequestView, engine_id: str) -> int:
         """H of ``request`` on ``engine_id`` by the time it runs there, at most its prompt: what that engine caches of
-        it, and more where a prefill in flight there shares more of it (``in_flight_by_engine``): the whole chunks of
-        that prefill from what is cached up to, not including, the chunk where the shared part ends. The engine admits
-        the request at the earliest into the pass of the prefill's last chunk (its earlier chunks fill their passes)
-        and matches its prefix then. An estimate: the engine's chunks start after what was cached when the prefill
-        began, which what is cached now (a chunk boundary since) stands for, and are of ``chunk_tokens`` (the
-        largest of the roles'); all of it is held when the request runs after that prefill has ended."""
+        it, and more where a prefill in flight there shares more of it (``in_flight_by_engine``, as of the view's
+        classification): that prefill's whole chunks from what is cached up to, not including, the chunk where the
+        shared part ends. The engine admits the request at the earliest into the pass of the prefill's last chunk
+        (its earlier chunks fill their passes) and matches its prefix then; when the prefill's prompt runs on past
+        that chunk, or the request runs after it has ended, more is held: an underestimate. Also an estimate in that
+        the engine's chunks start after what was cached when the prefill began, which what is cached now (a chunk
+        boundary since) stands for, and are of ``chunk_tokens`` (the largest of the roles')."""
         cached = request.cached_by_engine.get(engine_id, 0)
         shared = request.in_flight_by_engine.get(engine_id, 0)
         if shared > cached:

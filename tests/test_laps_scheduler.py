@@ -401,3 +401,17 @@ def test_a_question_joins_the_engine_prefilling_its_document_unless_only_another
     assert s.decide(engines, asked_s).dispatches == (Dispatch(expected, ("q",)),)
     assert s.stats()["long_prefills_to_short_pool_total"] == (expected == "s")
     assert s.stats()["requests_to_in_flight_prefix_total"] == (expected == "l" and shared > 0)
+
+
+@pytest.mark.parametrize("cached, shared, held", [
+    (0, 8192, 4096),  # two chunks of 4,096 shared: the first is held when the request can run, the second ends with it
+    (0, 8193, 8192),
+    (0, 4096, 0),  # all in the prefill's last chunk: nothing more than is cached
+    (1000, 9192, 5096),  # the prefill's chunks start at what is cached
+    (5000, 3000, 5000),  # sharing less than is cached: what is cached
+])
+def test_a_prefill_in_flight_counts_its_whole_chunks_before_the_one_where_the_shared_part_ends(cached, shared, held):
+    s = LapsScheduler(config(), TRAITS)  # 4,096-token chunks
+    request = RequestView("q", 20_000, cached, 0.0, SLO_S, "long", cached_by_engine={"l": cached}, in_flight_by_engine={"l": shared})
+    assert s._held_on(request, "l") == held
+    assert s._joins_in_flight([request], "l") == (held > cached)

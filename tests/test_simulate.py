@@ -16,7 +16,7 @@ from laps.cli import main as laps_main
 from laps.config import DEFAULT_CONFIG_PATH, load_config, parse_config
 from laps.tokenizer import load_tokenizer
 from loadgen.report import build_report, print_run_summary
-from loadgen.simulate import simulate
+from loadgen.simulate import simulate, simulate_run
 from loadgen.workloads import Conversation, Turn, Workload, build_workload
 
 TOK = load_tokenizer()
@@ -187,8 +187,10 @@ def test_a_question_about_a_document_being_prefilled_goes_where_it_is_prefilled_
     conversations = (Conversation("a", "test", (Turn(doc + "\nSummarise it.", 8),), start_s=0.0),
                      Conversation("c", "test", (Turn(other + "\nSummarise it.", 8),), start_s=0.005),
                      Conversation("b", "test", (Turn(doc + "\nWho wrote it, when, and for which of its readers?", 8),), start_s=0.01))
-    by_id = {r.conversation_id: r for r in simulate(config, scripted(*conversations), duration_s=10, seed=0, tokenizer=TOK)}
+    run = simulate_run(config, scripted(*conversations), duration_s=10, seed=0, tokenizer=TOK)
+    by_id = {r.conversation_id: r for r in run.records}
     a, b, c = by_id["a"], by_id["b"], by_id["c"]
+    assert len(run.prefix_index.in_flight) == 0  # every prefill in flight ended
     assert (a.prompt_tokens, a.cached_tokens, b.prompt_tokens, c.prompt_tokens) == (15424, 0, 15432, 4424)
     # The document goes to e1, the other long prompt to the idle e0. At 0.01 s nothing of the document is cached
     # anywhere (its first chunk is still running), but its prefill is in flight on e1: the question goes there,
