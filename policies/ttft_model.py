@@ -194,7 +194,9 @@ class EngineQueueModel:
         counts by the earliest.
 
         On ``short_first`` engines the group goes ahead of the longer prefills waiting there, which
-        its tokens push back (:meth:`displaced`); with ``behind_all`` behind all of them (:meth:`predict_ttft_s`).
+        its tokens push back (:meth:`displaced`); with ``behind_all`` behind all of them (:meth:`predict_ttft_s`), where
+        the requests sent after it see it as longer work they overtake (a chunk pass more in :meth:`_ahead_s`, and a
+        prefill they displace), as they would the prefill it waits for.
         """
         finish = now + self.predict_ttft_s(engine_id, batch, now, decoding_context_tokens, behind_all)
         work_s = batch_prefill_s(self.cost, batch, self.chunk_tokens)
