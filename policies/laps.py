@@ -282,8 +282,10 @@ again. Variants measured (seed 0; length-aware violations at 1.5 / 1.88 / 2.35×
   late everywhere to recompute the document where it is least late, more work for all;
 * and among the engines where it is in time, those where it joins first (``dominance12``):
   0.00 / 3.52 / 33.11%;
-* and where it is late everywhere, those where it joins first too (as shipped,
-  ``dominance13``): 0.00 / 0.00 / 0.00% (2.65% at 2.94×, the control 39.75%).
+* and where it is late everywhere, those where it joins first too (``dominance13``): 0.00 /
+  0.00 / 0.00% (2.65% at 2.94×, the control 39.75%); with the queue model no longer taking
+  a joined request's early first token as news of the prefills keyed before it (as shipped,
+  ``dominance14``): 0.00 / 0.00 / 0.00% (0.53% at 2.94×).
 
 Nor does packing long prefills to keep clean engines for short ones (seed 0, loads as
 multiples of least_load's saturation, 449 conv/s on ``mixed``, 19.4 on ``shared-docs``):
