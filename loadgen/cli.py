@@ -269,8 +269,9 @@ SIMULATE_DESCRIPTION = """\
 The whole deployment of --config in virtual time: the gateway's policies (classifier, prefix index,
 scheduler) in front of its engines, each an SGLang 0.5.23 engine model (its role's flags, the config's
 simulated model and GPU); no sockets, no processes. Same workloads, flags and report JSON as laps
-loadgen, plus the controller's moves (key "controller", with controller.enabled) and the KV
-transfers (key "kv_transfer", with pd:), also printed; a progress bar in simulated seconds; the
+loadgen, plus the scheduler's counters (key "scheduler": for laps its short batches by trigger,
+spill-overs between pools, requests sent to a prefill in flight), the controller's moves (key
+"controller", with controller.enabled) and the KV transfers (key "kv_transfer", with pd:), also printed; a progress bar in simulated seconds; the
 same seed gives the same report. --policy overrides scheduling.policy (checked like the file)."""
 
 SIMULATE_EPILOG = """\

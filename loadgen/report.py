@@ -177,8 +177,13 @@ def print_report(report: dict, console: Console | None = None) -> None:
 
 
 def print_run_summary(report: dict, console: Console) -> None:
-    """Print what ``laps simulate`` adds to a report (:meth:`loadgen.virtual.VirtualRun.summary`): the controller's
-    moves and the PD KV transfers; nothing for a report without them."""
+    """Print what ``laps simulate`` adds to a report (:meth:`loadgen.virtual.VirtualRun.summary`): the scheduler's
+    counters that are not 0, the controller's moves and the PD KV transfers; nothing for a report without them."""
+    scheduler = report.get("scheduler")
+    counted = {k: v for k, v in (scheduler or {}).items() if k != "name" and v}
+    if counted:
+        console.print(f"scheduler {scheduler['name']}: " + ", ".join(
+            f"{k.removesuffix('_total').replace('_', ' ')} {v:,.0f}" for k, v in counted.items()), markup=False, highlight=False)
     control = report.get("controller")
     if control is not None:
         console.print(f"controller: {len(control['moves'])} moves in {control['decisions']} decisions; "

@@ -613,12 +613,17 @@ class VirtualRun:
         self.controller.on_move_done(move.engine_id, self.now)
 
     def summary(self) -> dict[str, Any]:
-        """What the run did besides serving requests, JSON-ready; ``{}`` when there is nothing to add.
+        """What the run did besides serving requests, JSON-ready.
 
-        With the controller: ``controller`` {``decisions`` (count), ``moves`` (the
-        :attr:`moves` dicts), ``restart_engine_s``, ``drain_engine_s``}.
+        ``scheduler``: the scheduling policy's ``name`` and its counters at the end of the run (the ``_total``
+        entries of its ``stats()``, which the live gateway exports as ``laps_scheduler_<name>``: for laps its short
+        batches by trigger, the spill-overs between pools, the requests sent to a prefill in flight). With the
+        controller also ``controller`` {``decisions`` (count), ``moves`` (the :attr:`moves` dicts),
+        ``restart_engine_s``, ``drain_engine_s``}.
         """
-        if self.controller is None:
-            return {}
-        return {"controller": {"decisions": len(self.control_log), "moves": list(self.moves),
-                               "restart_engine_s": self.restart_engine_s, "drain_engine_s": self.drain_engine_s}}
+        counters = {name: value for name, value in self.scheduler.stats().items() if name.endswith("_total")}
+        out: dict[str, Any] = {"scheduler": {"name": self.config.scheduling.policy, **counters}}
+        if self.controller is not None:
+            out["controller"] = {"decisions": len(self.control_log), "moves": list(self.moves),
+                                 "restart_engine_s": self.restart_engine_s, "drain_engine_s": self.drain_engine_s}
+        return out

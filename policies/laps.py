@@ -563,7 +563,8 @@ class LapsScheduler:
 
     def _shapes(self, batch: Sequence[RequestView], engine_id: str) -> list[SeqShape]:
         """(L, H) of each request of ``batch`` on ``engine_id``: H what that engine will hold of it (:meth:`_held_on`)."""
-        return [(self._new_on(r, engine_id), self._held_on(r, engine_id)) for r in batch]
+        held = [self._held_on(r, engine_id) for r in batch]
+        return [(r.prompt_tokens - h, h) for r, h in zip(batch, held)]
 
     def _decoding_context(self, engine: EngineView) -> int:
         """KV tokens of the engine's decoding requests: their share of its in-flight prompt tokens."""

@@ -177,7 +177,7 @@ def test_a_tensor_parallel_prefill_engine_sends_each_ranks_share_over_its_own_li
     (t,) = run.transfers
     assert t.nbytes == n * 57_344 / 2 and t.end_s - t.start_s == pytest.approx(n * 57_344 / 2 / 12.5e9, abs=1e-12)
     summary = run.summary()["kv_transfer"]
-    assert (set(run.summary()), summary["count"], summary["bytes"]) == ({"kv_transfer"}, 1, t.nbytes)
+    assert (set(run.summary()), summary["count"], summary["bytes"]) == ({"scheduler", "kv_transfer"}, 1, t.nbytes)
     assert summary["time_s"] == pytest.approx({q: t.end_s - t.start_s for q in ("mean", "p50", "p90", "p99")}, abs=1e-15)
     assert summary["inflation"] == pytest.approx({q: 1.0 for q in ("mean", "p50", "p90", "p99")}, abs=1e-9)
     assert rec.ok

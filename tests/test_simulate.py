@@ -145,16 +145,19 @@ def test_laps_simulate_reports_controller_moves_and_kv_transfers(tmp_path, capsy
     assert "scheduling.policy: 'aligned' places requests by decode context-length band" in capsys.readouterr().err
 
 
-def test_the_run_summary_prints_each_move():
+def test_the_run_summary_prints_the_scheduler_counters_and_each_move():
     move = {"engine": "sp1", "from_pool": "short", "to_pool": "long", "role": "long-prefill", "kind": "restart", "ok": True,
             "start_s": 12.0, "drain_s": 1.25, "restart_s": 40.0, "end_s": 53.25, "drain_failed": 2}
     flip = {**move, "engine": "sp0", "to_pool": "decode", "role": "decode", "kind": "flip", "start_s": 60.0, "drain_s": 0.5,
             "restart_s": 0.0, "end_s": 60.5, "drain_failed": 0}
     moves = [move, flip, {**flip, "start_s": 70.0, "ok": False, "drain_s": 60.0}, {**move, "kind": "instant", "start_s": 80.0}]
     console = Console(record=True, width=200)
-    print_run_summary({"controller": {"decisions": 30, "moves": moves, "drain_engine_s": 61.75, "restart_engine_s": 40.0},
+    print_run_summary({"scheduler": {"name": "laps", "short_batches_total": 1234, "short_batches_by_idle_total": 0,
+                                     "long_prefills_to_short_pool_total": 5},
+                       "controller": {"decisions": 30, "moves": moves, "drain_engine_s": 61.75, "restart_engine_s": 40.0},
                        "kv_transfer": {"count": 0, "bytes": 0, "time_s": {}, "inflation": {}}}, console)
     assert console.export_text().splitlines() == [
+        "scheduler laps: short batches 1,234, long prefills to short pool 5",
         "controller: 4 moves in 30 decisions; 61.8 engine-s draining, 40.0 engine-s restarting",
         "  12.0 s: sp1 short -> long as long-prefill (drain 1.2 s, restart 40.0 s, back at 53.2 s, 2 requests failed by the drain timeout)",
         "  60.0 s: sp0 short -> decode as decode (drain 0.5 s, flipped in place, back at 60.5 s)",
@@ -199,3 +202,8 @@ def test_a_question_about_a_document_being_prefilled_goes_where_it_is_prefilled_
     # other prompt, and prefilled all 15,432 tokens there (TTFT 0.52 s against 0.44 s).
     assert (b.laps_class, b.cached_tokens_est, b.cached_tokens) == ("long", 0, 7 * 2048)
     assert b.start_s + b.ttft_s == pytest.approx(a.ttft_s, abs=0.01)
+    # The run's summary counts it (laps_scheduler_requests_to_in_flight_prefix_total on a live gateway): one request
+    # sent where a prefill in flight counted, no short batch, the other long prompt borrowing the short pool's e0.
+    scheduler = run.summary()["scheduler"]
+    assert (scheduler["name"], scheduler["requests_to_in_flight_prefix_total"], scheduler["short_batches_total"],
+            scheduler["long_prefills_to_short_pool_total"]) == ("laps", 1, 0, 1)
