@@ -15,9 +15,10 @@ its first token after
   them: first come first served, or, on ``shortest-prefill-first`` engines, the
   fewest new tokens first, chunk by chunk (a chunk in progress is never cut
   short). ``A_e`` is the work left of the prefills ordered before the request,
-  plus, when it overtakes longer work there, one whole chunk pass (where the
-  engine is in its chunk is not known here; the worst case, as short requests
-  are judged on their tail TTFT);
+  plus, when it overtakes longer work there, the longest pass that work can
+  have in progress: one chunk pass of a prefill longer than a chunk, the whole
+  prefill of one that fits a pass (where the engine is in that pass is not
+  known here; the worst case, as short requests are judged on their tail TTFT);
 * with no prefill backlog, ``A_e`` is the rest of a decode pass in progress:
   half a decode pass over e's decoding requests (those the scheduler sent there
   that have had their first token).
@@ -195,7 +196,7 @@ class EngineQueueModel:
 
         On ``short_first`` engines the group goes ahead of the longer prefills waiting there, which
         its tokens push back (:meth:`displaced`); with ``behind_all`` behind all of them (:meth:`predict_ttft_s`), where
-        the requests sent after it see it as longer work they overtake (a chunk pass more in :meth:`_ahead_s`, and a
+        the requests sent after it see it as longer work they overtake (its pass more in :meth:`_ahead_s`, and a
         prefill they displace), as they would the prefill it waits for.
         """
         finish = now + self.predict_ttft_s(engine_id, batch, now, decoding_context_tokens, behind_all)
@@ -272,11 +273,13 @@ class EngineQueueModel:
 
     def _ahead_s(self, entries: dict[str, _Prefill], key: tuple[int, int]) -> float:
         """Prefill seconds ahead of a prefill of order ``key``: the work ordered before it, and when it
-        overtakes longer work in progress, a whole chunk pass (where the engine is in its chunk is not
-        known here: the worst case, as a short request's tail TTFT is what it is judged on)."""
+        overtakes longer work, the longest pass that work can have in progress: one chunk pass of a
+        prefill longer than a chunk, the whole prefill of one that fits a pass (where the engine is in
+        that pass is not known here: the worst case, as a short request's tail TTFT is what it is
+        judged on)."""
         ahead = sum(p.remaining_s for p in entries.values() if p.key < key)
-        if any(p.key > key for p in entries.values()):  # one past its predicted end is still running
-            ahead += self.chunk_pass_s
+        # one past its predicted end may still be running: every longer entry counts, whatever its remaining_s
+        ahead += max((p.chunk_s for p in entries.values() if p.key > key), default=0.0)
         return ahead
 
     def _advance(self, engine_id: str, now: float) -> dict[str, _Prefill]:

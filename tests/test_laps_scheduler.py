@@ -145,6 +145,17 @@ def test_a_re_prefill_goes_where_its_context_is_cached_unless_recomputing_elsewh
     assert s2.decide(engines, 0.0).dispatches == (Dispatch("s0", ("r0",)),)
 
 
+def test_a_re_prefill_with_its_context_cached_stays_there_when_a_prompt_waits_there():
+    engines = [EngineView("s0", "short"), EngineView("s1", "short")]
+    s = LapsScheduler(config(awd_windows=False), SPF)
+    s.model.dispatched("s1", ["p"], [(500, 0)], 0.0)  # a 500-token prompt waits on s1 (one 10 ms pass)
+    # 3,001-token prompt, 3,000 cached on s1: at most that 10 ms pass ahead of it there, then 5 + 0.01 + 3 ms of its
+    # own; on the idle s0 it prefills all of it, 35.01 ms. Priced as if a 4,096-token chunk (45.96 ms) could be in
+    # progress on s1, it went to s0.
+    s.submit(short("r0", 3001, 0.0, cached_by_engine={"s1": 3000}), 0.0)
+    assert s.decide(engines, 0.0).dispatches == (Dispatch("s1", ("r0",)),)
+
+
 def test_an_idle_engine_takes_a_short_request_at_once_and_ties_go_to_the_short_pool():
     s = LapsScheduler(config(), TRAITS)
     s.submit(short("r0", 10, 0.0), 0.0)

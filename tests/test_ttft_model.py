@@ -56,6 +56,18 @@ def test_on_shortest_prefill_first_engines_a_prefill_waits_for_shorter_work_and_
     assert fcfs.displaced("e", [(50, 0)], 0.0) == 0
 
 
+def test_overtaking_a_prefill_that_fits_one_pass_waits_at_most_for_that_pass_not_for_a_chunk():
+    # A re-prefill with its whole context cached (1 new token on 3,000) overtakes any other prefill on its engine.
+    # The longest there is a 500-token prompt, which runs in one pass (10 ms): that pass is the most it can find in
+    # progress, not a 4,096-token chunk pass (46 ms). Priced at a chunk, a cache hit looked 36 ms dearer on every
+    # engine with a prompt waiting, and laps sent it to prefill its 3,000 tokens again on another engine.
+    m = EngineQueueModel(SPF)
+    m.dispatched("e", ["a"], [(500, 0)], 0.0)
+    assert m.predict_ttft_s("e", [(1, 3000)], 0.0) == pytest.approx(0.010 + 0.00801)
+    m.dispatched("e", ["long"], [(20000, 0)], 0.0)  # with a prefill longer than a chunk there, a chunk pass again
+    assert m.predict_ttft_s("e", [(1, 3000)], 0.0) == pytest.approx(CHUNK_S + 0.00801)
+
+
 def test_a_prefill_that_counts_on_one_in_flight_runs_behind_all_prefill_work_even_when_shorter():
     m = EngineQueueModel(SPF)
     long_s = isolated_prefill_s(LinearCost(), 20000, 0, 4096)
