@@ -1,0 +1,112 @@
+"""laps and the router baselines at steady state: fixed rates, seconds of arrivals rather than a burst.
+
+    python bench/steady_state.py --out runs/steady_state/steady.json                 # ~20 min on 2 cores
+    python bench/steady_state.py --points chat-single:2000 mixed:300 --duration 15 --out runs/steady_state/s.json
+
+``bench/dominance.py`` sizes each point to ~3,000 requests, so at the rates where short-prompt chat
+saturates 8 H200s (thousands of requests per second) a point is 1.5 s of arrivals: a burst into idle
+engines, before the decode batches that every request's reply builds up are there. This bench runs
+the same deployments (laps as ``examples/sim-h200x8.yaml`` ships it, the baselines and the control
+of ``bench/dominance.py``) for ``--duration`` seconds of arrivals at each ``WORKLOAD:RATE`` point
+(conversations per second), so the engines are decoding as much as they will at that rate. Per point
+and policy: violations of the 0.4 s TTFT objective and of the length-aware one, short-class P90 TTFT,
+TTFT and TPOT P50, and the share of prompt tokens the engines found cached. It prints a table and
+writes the rows as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from dominance import BASELINES, CONTROL, PER_1K_S, SLO_TTFT_S, WORKLOADS, point_config  # noqa: E402
+from laps.tokenizer import load_tokenizer  # noqa: E402
+from loadgen.cli import positive_float, positive_int  # noqa: E402
+from loadgen.report import build_report  # noqa: E402
+from loadgen.simulate import simulate_run  # noqa: E402
+from loadgen.workloads import TIMED_DATASETS, build_workload  # noqa: E402
+
+POLICIES = ("laps", *BASELINES, CONTROL)
+DEFAULT_POINTS = ("chat-single:2000", "chat-single:4000", "mixed:300")
+
+
+def point(text: str) -> tuple[str, float]:
+    """``WORKLOAD:RATE`` (a Poisson workload of ``bench/dominance.py``, conversations per second) for argparse."""
+    workload, colon, rate = text.partition(":")
+    if not colon:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected WORKLOAD:RATE")
+    if workload not in WORKLOADS or workload in TIMED_DATASETS:
+        raise argparse.ArgumentTypeError(f"{text!r}: the workload must be one of "
+                                         f"{', '.join(w for w in WORKLOADS if w not in TIMED_DATASETS)}")
+    try:
+        return workload, positive_float(rate)
+    except argparse.ArgumentTypeError as err:
+        raise argparse.ArgumentTypeError(f"{text!r}: RATE: {err}") from None
+
+
+def run(workload: str, rate: float, policy: str, duration_s: float, seed: int) -> dict:
+    """One (point, policy) run; its row."""
+    tokenizer = load_tokenizer()
+    wl = build_workload(workload, random.Random(f"workload/{seed}"), tokenizer=tokenizer)
+    records = simulate_run(point_config(policy, pd=False), wl, duration_s=duration_s, seed=seed, rate=rate,
+                           tokenizer=tokenizer).records
+    report = build_report(records, slo_ttft_s=SLO_TTFT_S, slo_ttft_per_1k_s=PER_1K_S)
+    prompt = sum(r.prompt_tokens or 0 for r in records if r.ok)
+    return {
+        "workload": workload, "rate": rate, "policy": policy, "duration_s": duration_s, "requests": report["requests"]["sent"],
+        "slo_violation_rate": report["slo"]["violation_rate"],
+        "length_slo_violation_rate": report["length_slo"]["violation_rate"],
+        "short_ttft_p90_s": report["by_class"]["short"]["ttft_s"]["p90"],
+        "ttft_p50_s": report["ttft_s"]["p50"], "tpot_p50_s": report["tpot_s"]["p50"],
+        "cached_share": sum(r.cached_tokens or 0 for r in records if r.ok) / prompt if prompt else None,
+    }
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{1e3 * seconds:.1f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True, help="JSON output")
+    parser.add_argument("--points", nargs="+", type=point, default=[point(p) for p in DEFAULT_POINTS], metavar="WORKLOAD:RATE",
+                        help="workload and conversation rate of each point (default: %s)" % " ".join(DEFAULT_POINTS))
+    parser.add_argument("--duration", type=positive_float, default=15.0, help="seconds of arrivals per run (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="workload and arrival seed (default: %(default)s)")
+    parser.add_argument("--jobs", type=positive_int, default=2, help="simulations in parallel (default: %(default)s)")
+    args = parser.parse_args(argv)
+    console = Console(width=160)
+    with ProcessPoolExecutor(args.jobs) as pool, console.status("simulating") as status:
+        futures = [pool.submit(run, w, r, p, args.duration, args.seed) for w, r in args.points for p in POLICIES]
+        rows = []
+        for future in futures:
+            rows.append(future.result())
+            status.update(f"simulating: {len(rows)} of {len(futures)} runs done")
+    table = Table(title=f"steady state: {args.duration:g} s of arrivals per run, seed {args.seed}; TTFT objective {SLO_TTFT_S} s")
+    for column in ("workload", "conv/s", "policy", "requests", "violations %", "length-aware %", "short P90 ms",
+                   "TTFT P50 ms", "TPOT P50 ms", "cached %"):
+        table.add_column(column, justify="left" if column in ("workload", "policy") else "right")
+    for r in rows:
+        table.add_row(r["workload"], f"{r['rate']:g}", r["policy"], f"{r['requests']:,}", f"{100 * r['slo_violation_rate']:.2f}",
+                      f"{100 * r['length_slo_violation_rate']:.2f}", _ms(r["short_ttft_p90_s"]), _ms(r["ttft_p50_s"]),
+                      _ms(r["tpot_p50_s"]), "-" if r["cached_share"] is None else f"{100 * r['cached_share']:.1f}")
+    console.print(table)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"duration_s": args.duration, "seed": args.seed, "rows": rows}, indent=1))
+    console.print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
