@@ -191,6 +191,24 @@ def _progress_bar(args: argparse.Namespace, console: Console, unit: str) -> tupl
     return progress, task, on_record
 
 
+def check_output_paths(args: argparse.Namespace) -> None:
+    """Refuse ``--out`` and ``--trace-out`` before the run, not after it: each must name a file whose folder exists or
+    can be made (it is made here).
+
+    Raises:
+        ValueError: a path is a directory, or its folder cannot be made.
+    """
+    for flag, path in (("--out", args.out), ("--trace-out", args.trace_out)):
+        if path is None:
+            continue
+        if path.is_dir():
+            raise ValueError(f"{flag} {path}: a directory, not a file name")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ValueError(f"{flag} {path}: cannot make its folder ({err.strerror or err})") from None
+
+
 def write_outputs(args: argparse.Namespace, report: dict, records: list[RequestRecord], console: Console) -> None:
     """Write the report JSON and PNG (and the trace with ``--trace-out``); print the table and the workload's notes
     (e.g. an argument the dataset ignores) unless ``--quiet``."""
@@ -209,8 +227,10 @@ async def run(args: argparse.Namespace) -> dict:
 
     Raises:
         LoadgenError: the server could not be reached or lists no model.
-        ValueError: inconsistent arguments (e.g. no ``--rate`` for a Poisson dataset).
+        ValueError: inconsistent arguments (e.g. no ``--rate`` for a Poisson dataset), or an output path that cannot
+            be written (:func:`check_output_paths`).
     """
+    check_output_paths(args)
     context = args.max_context_tokens
     if context is None and args.dataset.partition(":")[0] in (*TRACE_FORMATS, *TIMED_DATASETS):
         context = await discover_context_tokens(args.url, args.api_key)
@@ -271,8 +291,9 @@ scheduler) in front of its engines, each an SGLang 0.5.23 engine model (its role
 simulated model and GPU); no sockets, no processes. Same workloads, flags and report JSON as laps
 loadgen, plus the scheduler's counters (key "scheduler": for laps its short batches by trigger,
 spill-overs between pools, requests sent to a prefill in flight), the controller's moves (key
-"controller", with controller.enabled) and the KV transfers (key "kv_transfer", with pd:), also printed; a progress bar in simulated seconds; the
-same seed gives the same report. --policy overrides scheduling.policy (checked like the file)."""
+"controller", with controller.enabled) and the KV transfers (key "kv_transfer", with pd:), all also
+printed; a progress bar in simulated seconds; the same seed gives the same report. --policy
+overrides scheduling.policy (checked like the file)."""
 
 SIMULATE_EPILOG = """\
 examples:
@@ -303,8 +324,10 @@ def run_simulation(args: argparse.Namespace) -> dict:
 
     Raises:
         ConfigError: the configuration cannot be used.
-        ValueError: inconsistent arguments, or a role the engine model cannot run.
+        ValueError: inconsistent arguments, an output path that cannot be written (:func:`check_output_paths`), or a
+            role the engine model cannot run.
     """
+    check_output_paths(args)
     config = load_config(args.config)
     if args.policy is not None:
         data = config.model_dump(exclude_unset=True)  # validated again: a policy may not fit the deployment

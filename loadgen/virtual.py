@@ -621,7 +621,8 @@ class VirtualRun:
         controller also ``controller`` {``decisions`` (count), ``moves`` (the :attr:`moves` dicts),
         ``restart_engine_s``, ``drain_engine_s``}.
         """
-        counters = {name: value for name, value in self.scheduler.stats().items() if name.endswith("_total")}
+        counters = {name: int(value) if value == int(value) else value  # counts as integers, whatever the policy's type
+                    for name, value in self.scheduler.stats().items() if name.endswith("_total")}
         out: dict[str, Any] = {"scheduler": {"name": self.config.scheduling.policy, **counters}}
         if self.controller is not None:
             out["controller"] = {"decisions": len(self.control_log), "moves": list(self.moves),

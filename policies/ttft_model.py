@@ -16,9 +16,10 @@ its first token after
   fewest new tokens first, chunk by chunk (a chunk in progress is never cut
   short). ``A_e`` is the work left of the prefills ordered before the request,
   plus, when it overtakes longer work there, the longest pass that work can
-  have in progress: one chunk pass of a prefill longer than a chunk, the whole
-  prefill of one that fits a pass (where the engine is in that pass is not
-  known here; the worst case, as short requests are judged on their tail TTFT);
+  have in progress: all of it in one pass, up to one chunk pass (the engine
+  fills a pass with waiting prefills up to a chunk; where it is in that pass
+  is not known here; the worst case, as short requests are judged on their
+  tail TTFT);
 * with no prefill backlog, ``A_e`` is the rest of a decode pass in progress:
   half a decode pass over e's decoding requests (those the scheduler sent there
   that have had their first token).
@@ -273,13 +274,18 @@ class EngineQueueModel:
 
     def _ahead_s(self, entries: dict[str, _Prefill], key: tuple[int, int]) -> float:
         """Prefill seconds ahead of a prefill of order ``key``: the work ordered before it, and when it
-        overtakes longer work, the longest pass that work can have in progress: one chunk pass of a
-        prefill longer than a chunk, the whole prefill of one that fits a pass (where the engine is in
-        that pass is not known here: the worst case, as a short request's tail TTFT is what it is
-        judged on)."""
+        overtakes longer work, the longest pass that work can have in progress. The engine fills a pass
+        with waiting prefills up to a chunk, so that is all of the longer work in one pass (each group's
+        pass, less the fixed cost of a pass for every group but one), at most one chunk pass, and at least
+        the longest group's pass (where the engine is in that pass is not known here: the worst case,
+        as a short request's tail TTFT is what it is judged on)."""
         ahead = sum(p.remaining_s for p in entries.values() if p.key < key)
         # one past its predicted end may still be running: every longer entry counts, whatever its remaining_s
-        ahead += max((p.chunk_s for p in entries.values() if p.key > key), default=0.0)
+        longer = [p for p in entries.values() if p.key > key]
+        if longer:
+            groups = [p for p in longer if p.work_s > 0]  # a group's work is carried by its first request
+            together = sum(p.chunk_s for p in groups) - max(0, len(groups) - 1) * self.pass_floor_s
+            ahead += max(max(p.chunk_s for p in longer), min(self.chunk_pass_s, together))
         return ahead
 
     def _advance(self, engine_id: str, now: float) -> dict[str, _Prefill]:

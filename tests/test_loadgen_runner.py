@@ -332,3 +332,9 @@ def test_cli_sends_the_api_key_given_or_from_openai_api_key(tmp_path, monkeypatc
         assert sent > 0 and orjson.loads(out.read_bytes())["requests"]["errors"] == 0
         monkeypatch.setenv("OPENAI_API_KEY", "sk-loadgen-test-key")
         assert cli.main(parse(*flags)) == 0 and len(server.bodies) > sent
+
+
+def test_cli_refuses_a_directory_as_out_before_it_sends_anything(tmp_path, capsys):
+    args = parse("--url", "http://127.0.0.1:9", "--dataset", "mtbench", "--rate", "1", "--out", str(tmp_path), "--quiet")
+    assert cli.main(args) == 2  # port 9 would have failed the run (exit 1): the path is checked first
+    assert capsys.readouterr().err == f"laps loadgen: --out {tmp_path}: a directory, not a file name\n"

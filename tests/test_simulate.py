@@ -137,6 +137,8 @@ def test_laps_simulate_reports_controller_moves_and_kv_transfers(tmp_path, capsy
     assert kv["count"] == report["requests"]["ok"] > 0 and kv["bytes"] > 0 and kv["inflation"]["mean"] >= 1.0
     assert control["moves"] == [] and control["decisions"] >= 6  # one every 0.5 s over the run
     printed = capsys.readouterr().out
+    assert report["scheduler"]["name"] == "laps" and report["scheduler"]["short_batches_total"] > 0
+    assert f"scheduler laps: short batches {report['scheduler']['short_batches_total']:,}, " in printed
     assert f"controller: 0 moves in {control['decisions']} decisions" in printed
     assert f"KV transfers: {kv['count']}, {kv['bytes'] / 1e9:.3f} GB" in printed
     # --policy is validated against the deployment: aligned places prefill engines by decode band, refused with pd:.
@@ -165,6 +167,18 @@ def test_the_run_summary_prints_the_scheduler_counters_and_each_move():
         "  80.0 s: sp1 short -> long as long-prefill (instant)",
         "KV transfers: 0, 0.000 GB",
     ]
+
+
+def test_laps_simulate_refuses_an_output_path_it_cannot_write_before_the_run(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for flag, path, says in (("--out", tmp_path, "a directory, not a file name"),
+                             ("--trace-out", tmp_path, "a directory, not a file name"),
+                             ("--out", blocker / "r.json", "cannot make its folder")):
+        argv = ["simulate", "--dataset", "mtbench", "--rate", "1", "--duration", "1", "--quiet", "--out", str(tmp_path / "r.json"), flag, str(path)]
+        assert laps_main(argv) == 2
+        assert capsys.readouterr().err.startswith(f"laps simulate: {flag} {path}: {says}")
+    assert not (tmp_path / "r.json").exists()  # refused before anything ran or was written
 
 
 def test_laps_simulate_reports_a_bad_replay_file_and_refuses_bad_numbers(tmp_path, capsys):

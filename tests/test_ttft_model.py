@@ -68,6 +68,22 @@ def test_overtaking_a_prefill_that_fits_one_pass_waits_at_most_for_that_pass_not
     assert m.predict_ttft_s("e", [(1, 3000)], 0.0) == pytest.approx(CHUNK_S + 0.00801)
 
 
+def test_prefills_that_fit_one_pass_together_count_as_the_one_pass_they_can_be_in():
+    # Eight 500-token prompts sent one by one: the engine runs all of them in one pass (4,000 tokens: 5 + 40 ms),
+    # as it would had they come as one group; a request overtaking them waits for that pass at most, priced as
+    # their eight 10 ms passes less seven shortest passes (5.01 ms each). Ten of them fill a chunk pass at most.
+    m = EngineQueueModel(SPF)
+    for i in range(8):
+        m.dispatched("e", [f"p{i}"], [(500, 0)], 0.0)
+    assert m.predict_ttft_s("e", [(1, 3000)], 0.0) == pytest.approx(8 * 0.010 - 7 * 0.00501 + 0.00801)
+    grouped = EngineQueueModel(SPF)
+    grouped.dispatched("e", [f"p{i}" for i in range(8)], [(500, 0)] * 8, 0.0)
+    assert grouped.predict_ttft_s("e", [(1, 3000)], 0.0) == pytest.approx(0.045 + 0.00801)
+    for i in range(8, 10):
+        m.dispatched("e", [f"p{i}"], [(500, 0)], 0.0)
+    assert m.predict_ttft_s("e", [(1, 3000)], 0.0) == pytest.approx(CHUNK_S + 0.00801)
+
+
 def test_a_prefill_that_counts_on_one_in_flight_runs_behind_all_prefill_work_even_when_shorter():
     m = EngineQueueModel(SPF)
     long_s = isolated_prefill_s(LinearCost(), 20000, 0, 4096)
