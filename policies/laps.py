@@ -300,6 +300,27 @@ at 0.5 / 0.8 / 1.0 / 1.2× 2.05 / 2.76 / 3.37 / 4.97% violations against 0.00 / 
 requests predicted late everywhere to busy engines gave ``shared-docs`` 9.2% length-aware
 violations at 0.5× against 0.00%. The clean-engine charge above stays.
 
+Cache hits at steady state. ``bench/dominance.py``'s points at short-chat saturation are 1.5 s bursts
+into idle engines; for 15 s of arrivals (``bench/steady_state.py``, seed 0) laps found cached only
+41.9% of ``chat-single``'s prompt tokens at 2,000 conv/s (least_load 67.8%) and had short-class P90
+TTFT 18.1 / 95.4 ms at 2,000 / 4,000 conv/s (``cache_aware`` 11.9 / 53.5 ms). The queue model made a
+request that overtakes longer work wait a whole chunk pass (46 ms) even where that work fit a ~5 ms
+pass, so a re-prefill with its context cached (1 new token: it overtakes everything) looked ~40 ms
+dearer on its own engine whenever a prompt waited there, and was prefilled again elsewhere. Priced as
+the pass the longer work can have in progress (``EngineQueueModel._ahead_s``): 68.2% cached, 13.6 /
+32.3 ms; in ``bench/dominance.py`` (run ``dominance15``) short P90 at 0.8× on ``mixed`` 65 → 11 ms and
+never worse everywhere. Tried with it and not kept (seed 0; ``dominance14``'s points): among the
+engines within one pass of the cheapest, a short batch to the one where a prefill already waits (it
+joins that pass; TPOT P50 at 2,000 conv/s 30 → 20 ms, but ``hh-rlhf`` at 1.0× 2.14% against 0.25%
+and ``mixed`` PD at 1.0× 0.92% against 0.55%) or to the fewest in flight (TPOT 27 ms; ``hh-rlhf``
+0.53%, ``mixed`` PD 0.96%). Tried before it and not kept: the same tie to the fewest new tokens
+(cached share 31.6 → 35.4% over 6 s at 2,000 conv/s: the chunk-pass price was the cause); the model's
+own phase of a chunk in progress instead of the worst case (short P90 5–15 ms lower at 0.8–1.2×, but
+``code-burst`` 1.2× 4.30% against 3.70%, ``docs`` 6.97% against 6.34%); holding long requests late on
+every engine in the gateway while no engine is clean (within ±0.3 points everywhere); and
+``--enable-mixed-chunk`` on laps' engines (decodes ride in every prefill pass, which then takes the
+decode batch's time too: ``chat-single`` at 1.0× 0.61 → 2.19%, ``hh-rlhf`` 0.25 → 29.3%).
+
 Temporal mode (one engine serving both classes, the ``mixed`` role) was decided
 in the simulator (one simulated H200, Qwen2.5-7B, the mixed real-chat workload,
 30 s per point, with the windows on as they were then by default): gating long prefills in the gateway alone halves short P90
