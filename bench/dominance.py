@@ -14,14 +14,14 @@ completion: prompts of ~1,500 tokens, replies of ~13; our own construction in th
 coding trace).
 
 Policies: ``laps`` as shipped (``examples/sim-h200x8.yaml``, unedited: pools as preferences,
-predicted-TTFT routing, the controller on with instant moves) and the baselines over all 8 engines
-with SGLang's default flags: ``least_load`` (unified FCFS), ``least_load+spf`` (least load to
+predicted-TTFT routing, the controller on with instant moves, late requests last in the engines) and
+the baselines over all 8 engines with SGLang's default flags and order: ``least_load`` (unified FCFS), ``least_load+spf`` (least load to
 engines running ``--schedule-policy shortest-prefill-first``), ``cache_aware``, ``bucket``,
 ``round_robin`` (the rules of SGLang's router). ``--pd`` adds the PD runs (6 prefill + 2 decode)
 of ``mixed`` and ``docs``. Every sweep also runs a control, ``least_load+spf/laps-flags``: least load to
 engines with laps' own flags (a 2,048-token chunk instead of SGLang's 8,192, prefill CUDA graphs,
-``shortest-prefill-first``); it is not in the verdict, but a second table sets laps against it alone,
-which separates what laps' scheduling buys from what its engine flags buy.
+``shortest-prefill-first``) and plugin (``late_requests_last``); it is not in the verdict, but a second
+table sets laps against it alone, which separates what laps' scheduling buys from what its engines buy.
 
 Loads: least_load's saturation load is searched first (the offered load at which its violations
 reach 5%, geometric steps then bisection), then every policy runs at 0.2, 0.5, 0.8, 1.0, 1.2 and
@@ -114,15 +114,16 @@ assert set(TRACE_RATE_RPS) == set(TIMED_DATASETS)
 OBJECTIVE = {"shared-docs": "length_slo_violation_rate"}
 
 
-def shipped_flags() -> dict:
-    """The engine flags of ``examples/sim-h200x8.yaml`` (both of its roles run the same ones)."""
-    return dict(load_config(SHIPPED).roles["short-prefill"].flags)
+def shipped_engine_role() -> dict:
+    """The engine setup of ``examples/sim-h200x8.yaml``'s roles (both run the same flags and plugin), as a short-pool
+    role's body."""
+    return load_config(SHIPPED).roles["short-prefill"].model_dump()
 
 
 def baseline_setup(policy: str) -> tuple[str, str, dict]:
     """A baseline's (or the control's) ``scheduling.policy``, and the name and body of the role every engine runs."""
     if policy == CONTROL:
-        return "least_load", "laps-flags", {"pool": "short", "flags": shipped_flags()}
+        return "least_load", "laps-flags", shipped_engine_role()
     scheduling, role = COMPARED[BASELINES[policy]]
     return scheduling, role, ROLES[role]
 

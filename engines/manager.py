@@ -213,16 +213,36 @@ def engine_command(config: Config, engine: EngineConfig, port: int, role: str | 
         return [str(config.sglang.python or sys.executable), "-m", "sglang.launch_server", *args, *config.sglang.extra_args]
     if engine.kind == "sim":
         link = ["--sim-kv-link-gb-s", f"{config.pd.link_bytes_per_s / 1e9:g}"] if config.pd is not None else []
-        return [sys.executable, "-m", "engines.sim", *args, *sim_flags(config), *link]
+        return [sys.executable, "-m", "engines.sim", *args, *sim_flags(config, role or engine.role), *link]
     raise ValueError(f"engine {engine.name} is external (at {engine.url}): laps starts no process for it")
 
 
-def sim_flags(config: Config) -> list[str]:
-    """The simulated engine's flags from ``config.sim``: model, GPU and, when set, the calibration file."""
+def sim_flags(config: Config, role: str) -> list[str]:
+    """The simulated engine's flags from ``config.sim`` (model, GPU and, when set, the calibration file) and, where
+    ``role`` has ``late_requests_last``, the objective the simulated plugin uses (:func:`late_last_objective`)."""
     flags = ["--sim-model", config.sim.model, "--sim-gpu", config.sim.gpu]
     if config.sim.calibration is not None:
         flags += ["--sim-calibration", str(config.sim.calibration)]
+    objective = late_last_objective(config, role)
+    if objective is not None:
+        flags += ["--sim-late-last-ttft-s", f"{objective[0]:g}", "--sim-late-last-per-1k-s", f"{objective[1]:g}"]
     return flags
+
+
+# laps' SGLang plugin (engines/sglang_plugin/laps_sglang_plugin.py): SGLang finds it through the dist-info next to it
+# on PYTHONPATH and reads its TTFT objective from these variables.
+SGLANG_PLUGIN_DIR = Path(__file__).resolve().parent / "sglang_plugin"
+PLUGIN_TTFT_ENV = "LAPS_TTFT_S"
+PLUGIN_PER_1K_ENV = "LAPS_TTFT_PER_1K_NEW_TOKENS_S"
+
+
+def late_last_objective(config: Config, role: str) -> tuple[float, float] | None:
+    """(TTFT objective in seconds, seconds more per 1,000 uncached prompt tokens) after which ``role``'s engines put a
+    waiting request behind the others: ``slo.ttft_s`` and ``slo.ttft_per_1k_new_tokens_s`` (0 when unset), the
+    gateway's own deadlines; None where the role does not set ``late_requests_last``."""
+    if not config.roles[role].late_requests_last:
+        return None
+    return config.slo.ttft_s, config.slo.ttft_per_1k_new_tokens_s or 0.0
 
 
 def sim_model(config: Config, engine: EngineConfig, role: str | None = None) -> ResolvedSim:
@@ -243,7 +263,7 @@ def sim_model(config: Config, engine: EngineConfig, role: str | None = None) -> 
     role = role or engine.role
     flags = config.roles[role].flags
     args = server_args(config, engine, 0, role)
-    base, sim = args[:len(args) - len(flag_args(flags))], sim_flags(config)
+    base, sim = args[:len(args) - len(flag_args(flags))], sim_flags(config, role)
     try:
         return resolve_args(parse_server_args([*base, *flag_args(flags), *sim]))
     except CalibrationError as err:
@@ -283,13 +303,21 @@ def check_sim_flags(config: Config, engine: EngineConfig) -> None:
             raise RuntimeError(str(err)) from None
 
 
-def engine_env(config: Config, engine: EngineConfig) -> dict[str, str]:
-    """Variables added to the gateway's environment for ``engine``'s process.
+def engine_env(config: Config, engine: EngineConfig, role: str | None = None) -> dict[str, str]:
+    """Variables added to the gateway's environment for ``engine``'s process with ``role`` (default: its configured
+    role).
 
-    ``sglang.env`` for SGLang engines, then ``CUDA_VISIBLE_DEVICES`` from the
-    engine's GPUs when it has any (it wins over ``sglang.env``).
+    ``sglang.env`` for SGLang engines; where the role sets ``late_requests_last``, laps' SGLang plugin: its
+    directory ahead of ``PYTHONPATH`` (``sglang.env``'s, else the gateway's) and its objective
+    (:func:`late_last_objective`); then ``CUDA_VISIBLE_DEVICES`` from the engine's GPUs when it has any (it wins
+    over ``sglang.env``).
     """
     env = dict(config.sglang.env) if engine.kind == "sglang" else {}
+    objective = late_last_objective(config, role or engine.role) if engine.kind == "sglang" else None
+    if objective is not None:
+        path = env.get("PYTHONPATH", os.environ.get("PYTHONPATH"))
+        env["PYTHONPATH"] = os.pathsep.join([str(SGLANG_PLUGIN_DIR), *([path] if path else [])])
+        env[PLUGIN_TTFT_ENV], env[PLUGIN_PER_1K_ENV] = f"{objective[0]:g}", f"{objective[1]:g}"
     if engine.gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in engine.gpus)
     return env
@@ -503,6 +531,7 @@ class EngineManager:
             await e.stop()
             e.role = role
             e.command = engine_command(self.config, e.config, e.port, role, e.kv_events)
+            e.env = engine_env(self.config, e.config, role)
             await e.start()
             await e.wait_ready(client, self.ready_timeout_s)
         finally:

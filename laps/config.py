@@ -212,10 +212,30 @@ class RoleConfig(_Strict):
     ``pool`` says which request class the role serves: ``short`` or ``long``
     prefills, or ``decode`` (a decode-only engine of a prefill–decode
     disaggregated deployment; needs the ``pd:`` section).
+
+    ``late_requests_last``: start the role's engines with laps' SGLang plugin
+    (``engines/sglang_plugin``), which makes ``shortest-prefill-first`` put a
+    request that has waited longer than its TTFT objective (``slo``) behind those
+    still within theirs, so that in overload the engine spends its passes on
+    requests that can still be in time (needs ``schedule-policy:
+    shortest-prefill-first``; simulated engines model it).
     """
 
     pool: Literal["short", "long", "decode"]
     flags: dict[str, FlagValue] = Field(default_factory=dict)
+    late_requests_last: bool = False
+
+    @model_validator(mode="after")
+    def _check_late_requests_last(self) -> "RoleConfig":
+        policy = self.flags.get("schedule-policy", "fcfs")
+        if self.late_requests_last and policy != "shortest-prefill-first":
+            raise ValueError(f"late_requests_last reorders the queue of schedule-policy: shortest-prefill-first, "
+                             f"but this role's flags give {policy}")
+        return self
+
+    def same_engine(self, other: "RoleConfig") -> bool:
+        """Whether an engine runs the same with ``other``: the same flags and the same plugin."""
+        return self.flags == other.flags and self.late_requests_last == other.late_requests_last
 
 
 class SimConfig(_Strict):
@@ -454,17 +474,17 @@ class Config(_Strict):
 
     def instant_move(self, current_role: str, new_role: str) -> bool:
         """Whether an engine running ``current_role`` takes ``new_role`` without a restart or a drain: the two
-        roles give the engine the same flags and the same side of a PD deployment (prefill or decode), so only
+        roles give the engine the same flags (and plugin) and the same side of a PD deployment (prefill or decode), so only
         what the gateway sends it changes (its pool)."""
         current, new = self.roles[current_role], self.roles[new_role]
-        return current.flags == new.flags and (current.pool == "decode") == (new.pool == "decode")
+        return current.same_engine(new) and (current.pool == "decode") == (new.pool == "decode")
 
     def pd_flip(self, current_role: str, new_role: str) -> bool:
         """Whether an engine running ``current_role`` takes ``new_role`` by SGLang's runtime role switch (drained,
         then ``POST /pd_role_switch``, no restart): ``pd.role_switch`` is on, one role is a prefill role and the
-        other the decode role, and the two give the engine the same flags."""
+        other the decode role, and the two give the engine the same flags (and plugin)."""
         current, new = self.roles[current_role], self.roles[new_role]
-        return (self.pd is not None and self.pd.role_switch and current.flags == new.flags
+        return (self.pd is not None and self.pd.role_switch and current.same_engine(new)
                 and (current.pool == "decode") != (new.pool == "decode"))
 
     def controller_sizes_decode(self) -> bool:

@@ -21,8 +21,8 @@ from aiohttp.test_utils import TestServer
 
 from engines.client import EngineClient
 from engines.kv_events import KVEventSource
-from engines.manager import (FREE_PORT_RANGE, EngineManager, EngineProcess, _ephemeral_ports, engine_command, engine_env, free_port,
-                             flag_args, kv_event_sources, server_args)
+from engines.manager import (FREE_PORT_RANGE, SGLANG_PLUGIN_DIR, EngineManager, EngineProcess, _ephemeral_ports, engine_command,
+                             engine_env, flag_args, free_port, kv_event_sources, server_args, sim_model)
 from gateway.app import create_app
 from gateway.state import GATEWAY
 from laps.config import DEFAULT_CONFIG_PATH, Config, EngineConfig, load_config, parse_config
@@ -76,6 +76,46 @@ def test_sim_command_line_shares_the_sglang_arguments():
     assert command[-4:] == ["--sim-model", "qwen2.5-7b", "--sim-gpu", "h200"]
     assert "16384" in command and "--device" not in command and "--tp-size" in command
     assert engine_env(config, engine) == {}
+
+
+def late_last_config(**sglang) -> Config:
+    data = shipped_data()
+    data["roles"]["mixed"]["late_requests_last"] = True
+    data.update(slo={"ttft_s": 0.5, "ttft_per_1k_new_tokens_s": 0.06}, sglang=sglang, engines=[
+        {"name": "real", "kind": "sglang", "role": "mixed", "gpus": [3]}, {"name": "simulated", "kind": "sim", "role": "mixed"}])
+    return parse_config(data)
+
+
+def test_late_requests_last_starts_sglang_with_laps_plugin_and_the_sim_with_its_model(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "/site/extra")
+    config = late_last_config()
+    real, simulated = config.engines
+    plugin = {"LAPS_TTFT_S": "0.5", "LAPS_TTFT_PER_1K_NEW_TOKENS_S": "0.06"}
+    # SGLang finds the plugin through the dist-info in its directory, put ahead of the gateway's PYTHONPATH.
+    assert engine_env(config, real) == {"PYTHONPATH": f"{SGLANG_PLUGIN_DIR}{os.pathsep}/site/extra", **plugin,
+                                        "CUDA_VISIBLE_DEVICES": "3"}
+    assert list(SGLANG_PLUGIN_DIR.glob("*.dist-info/entry_points.txt")) and (SGLANG_PLUGIN_DIR / "laps_sglang_plugin.py").is_file()
+    assert engine_env(late_last_config(env={"PYTHONPATH": "/opt/sgl"}), real)["PYTHONPATH"] == f"{SGLANG_PLUGIN_DIR}{os.pathsep}/opt/sgl"
+    assert engine_env(config, real, role="short-prefill") == {"CUDA_VISIBLE_DEVICES": "3"}  # a role without it
+    assert "--sim-late-last-ttft-s" not in engine_command(config, real, 30000)
+    # The simulated engine models the plugin from its command line, in real time and in virtual time alike.
+    assert engine_command(config, simulated, 30001)[-4:] == ["--sim-late-last-ttft-s", "0.5", "--sim-late-last-per-1k-s", "0.06"]
+    assert engine_env(config, simulated) == {}
+    assert (sim_model(config, simulated).config.late_last_ttft_s, sim_model(config, simulated).config.late_last_per_1k_s) == (0.5, 0.06)
+    assert sim_model(config, simulated, role="short-prefill").config.late_last_ttft_s is None
+    # The plugin changes the engine, so a move between roles that differ in it restarts the engine.
+    data = shipped_data()
+    data["roles"]["other"] = {**data["roles"]["mixed"], "late_requests_last": True}
+    assert not parse_config(data).instant_move("mixed", "other")
+
+
+def test_late_requests_last_needs_shortest_prefill_first_and_names_the_role():
+    data = shipped_data()
+    data["roles"]["short-prefill"]["late_requests_last"] = True
+    with pytest.raises(ValueError) as info:
+        parse_config(data)
+    assert str(info.value) == ("<config>: invalid configuration\n  roles.short-prefill: late_requests_last reorders the queue "
+                               "of schedule-policy: shortest-prefill-first, but this role's flags give fcfs")
 
 
 def test_external_engine_has_no_command():
@@ -174,6 +214,7 @@ def test_the_8xh200_example_uses_each_gpu_once_with_real_sglang_engines():
     assert config.instant_move("short-prefill", "long-prefill") and config.controller.enabled
     flags = {k: v for k, v in config.roles["short-prefill"].flags.items() if k != "mem-fraction-static"}
     assert flags == sim.roles["short-prefill"].flags == sim.roles["long-prefill"].flags
+    assert all(role.late_requests_last for c in (config, sim) for role in (c.roles["short-prefill"], c.roles["long-prefill"]))
 
 
 def test_the_8xh200_examples_capture_sglangs_own_prefill_buckets_so_a_pass_pads_little():

@@ -67,6 +67,8 @@ def deployment(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     roles = {name: role.model_dump() for name, role in load_config().roles.items()}
     for role in roles.values():
         role["flags"]["max-total-tokens"] = KV_POOL_TOKENS
+    # e0 runs laps' SGLang plugin (test_laps_plugin_runs_in_the_engine)
+    roles["short-prefill"].update(late_requests_last=True, flags={**roles["short-prefill"]["flags"], "schedule-policy": "shortest-prefill-first"})
     data = {
         "model": {"name": MODEL, "path": str(tiny_model_dir)},
         "gateway": {"port": free_port()},
@@ -120,6 +122,21 @@ def real_chats() -> list[tuple[str, list[dict]]]:
         longest = sorted(prompts, key=lambda c: len(c.turns[0].content))[-2:]
         chats += [(c.id, [{"role": "user", "content": c.turns[0].content}]) for c in prompts[:2] + longest]
     return chats
+
+
+def test_laps_plugin_runs_in_the_engine(deployment: Deployment):
+    """e0's role sets ``late_requests_last``: real SGLang loads laps' plugin in its scheduler process (its log says
+    so, with the objective from ``slo``), and the simulated engine models it from its command line."""
+    engine = deployment.live.gateway.manager.engines["e0"]
+    if deployment.kind == "sglang":
+        lines = [line for line in engine.log_path.read_text().splitlines() if "INFO laps plugin (pid " in line]
+        # once in each process that loads plugins: the server's, its scheduler's (where the queue is ordered) and its
+        # detokenizer's
+        assert len(lines) == 3 and len({line.split("(pid ")[1].split(")")[0] for line in lines}) == 3
+        assert all(line.endswith("shortest-prefill-first now puts requests that have waited longer than 0.4 s + 0 s "
+                                 "per 1,000 new tokens behind all others") for line in lines)
+    else:
+        assert engine.command[-4:] == ["--sim-late-last-ttft-s", "0.4", "--sim-late-last-per-1k-s", "0"]
 
 
 def test_chat_streaming_and_not(deployment: Deployment):

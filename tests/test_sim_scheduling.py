@@ -136,6 +136,30 @@ def test_hrrn_favours_the_request_that_waited_longest_per_uncached_token():
     assert first_admitted("shortest-prefill-first") == "y"
 
 
+def test_late_requests_last_puts_requests_past_their_objective_behind_those_in_time():
+    def admitted(**late_last) -> list[tuple[int, int]]:
+        core = make_core(schedule_policy="shortest-prefill-first", max_prefill_tokens=1000, chunked_prefill_size=None,
+                         **late_last)
+        core.add_request("old-short", prompt(100), 1, ignore_eos=True, now=0.0)
+        core.add_request("old-long", prompt(2000, 5000), 1, ignore_eos=True, now=0.0)
+        core.add_request("new-mid", prompt(600, 9000), 1, ignore_eos=True, now=0.5)
+        core.add_request("new-long", prompt(900, 12000), 1, ignore_eos=True, now=0.5)
+        return [core.step(t).prefill for t in (0.6, 0.7, 0.8)]
+
+    # SGLang's order: fewest uncached tokens first, whatever the wait; at most 1,000 new tokens per batch (without
+    # chunking the first request of a batch goes in whole), and a batch stops at the first request that does not fit.
+    assert admitted() == [((100, 0), (600, 0)), ((900, 0),), ((2000, 0),)]
+    # From 0.6 s both old requests have waited past a 0.4 s objective: the new ones (0.1 s) go first, then the late
+    # ones shortest first.
+    assert admitted(late_last_ttft_s=0.4) == [((600, 0),), ((900, 0),), ((100, 0),)]
+    # 1 s more per 1,000 new tokens: old-short (0.4 + 0.1 s) is late, old-long (0.4 + 2.0 s) is not, so old-long
+    # sorts with the in-time requests by its 2,000 tokens and goes before old-short.
+    assert admitted(late_last_ttft_s=0.4, late_last_per_1k_s=1.0) == [((600, 0),), ((900, 0),), ((2000, 0),)]
+    assert admitted(late_last_ttft_s=0.9) == admitted()  # nobody late: the oldest has waited 0.8 s at the last pass
+    with pytest.raises(ValueError, match="late_last_ttft_s must be > 0"):
+        EngineConfig(100, 8, late_last_ttft_s=0.0)
+
+
 def test_priority_scheduling_sorts_by_priority_and_preempts_the_lowest_running_one():
     core = make_core(enable_priority_scheduling=True, max_running_requests=2)
     clock = Clock(core)

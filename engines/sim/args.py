@@ -100,6 +100,8 @@ class SimServerArgs:
     sim_calibration: str | None = None
     sim_zero_time: bool = False
     sim_fault: str | None = None
+    sim_late_last_ttft_s: float | None = None
+    sim_late_last_per_1k_s: float = 0.0
     disaggregation_mode: str = "null"
     disaggregation_transfer_backend: str = "mooncake"
     disaggregation_bootstrap_port: int = 8998
@@ -241,6 +243,8 @@ def resolve_args(args: SimServerArgs) -> ResolvedSim:
         schedule_conservativeness=args.schedule_conservativeness,
         random_seed=args.random_seed or 0,
         disaggregation_mode=args.disaggregation_mode,
+        late_last_ttft_s=args.sim_late_last_ttft_s,
+        late_last_per_1k_s=args.sim_late_last_per_1k_s,
     )
     tokenizer_path = args.tokenizer_path or (args.model_path if Path(args.model_path).is_dir() else None)
     kv_events = None
@@ -329,6 +333,12 @@ def build_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
                    help="inject a fault for tests of the gateway: error-mid-stream, malformed, truncated or hang after N "
                         "stream events (default 2; non-streamed answers fail at once), or slow:N (every pass N times as "
                         "long, default 10); see engines.sim.faults")
+    p.add_argument("--sim-late-last-ttft-s", type=float, metavar="SECONDS",
+                   help="model laps' SGLang plugin (engines/sglang_plugin): under shortest-prefill-first, requests "
+                        "waiting longer than this TTFT objective sort behind the others (default: off)")
+    p.add_argument("--sim-late-last-per-1k-s", type=float, metavar="SECONDS",
+                   help="with --sim-late-last-ttft-s: seconds added to the objective per 1,000 uncached prompt "
+                        f"tokens (default {d.sim_late_last_per_1k_s:g})")
     p.add_argument("--disaggregation-mode", choices=("null", "prefill", "decode"),
                    help="PD disaggregation: prefill-only or decode-only engine (default null; see engines.sim.pd_http)")
     p.add_argument("--disaggregation-transfer-backend", choices=PD_TRANSFER_BACKENDS,

@@ -48,7 +48,10 @@ models, read from SGLang 0.5.23 (``managers/scheduler.py``
   chunk or input budget is spent.
 * **shortest-prefill-first** also caps the continuing chunk so the shortest
   waiting requests (each shorter than what the long one has left) fit in the
-  same pass.
+  same pass. With laps' SGLang plugin (``engines/sglang_plugin``; here
+  ``late_last_ttft_s``) a request that has waited in the queue longer than its
+  TTFT objective, ``late_last_ttft_s + late_last_per_1k_s`` per 1,000 uncached
+  tokens, sorts behind every request still within it (pushed-back ones stay last).
 * **Priority preemption** (``--enable-priority-scheduling`` without
   ``--disable-priority-preemption``): when the request slots are full, running
   requests whose priority is worse by more than
@@ -92,7 +95,7 @@ from __future__ import annotations
 import random
 import sys
 from dataclasses import dataclass, replace
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 from engines.sim.latency import LatencyModel, SeqShape
 from engines.sim.radix import RadixCache, RadixNode
@@ -151,6 +154,8 @@ class EngineConfig:
     schedule_conservativeness: float = 1.0
     random_seed: int = 0
     disaggregation_mode: str = "null"
+    late_last_ttft_s: float | None = None
+    late_last_per_1k_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.disaggregation_mode not in DISAGGREGATION_MODES:
@@ -158,6 +163,10 @@ class EngineConfig:
         for name in ("max_total_tokens", "max_running_requests", "max_prefill_tokens", "context_length"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.late_last_ttft_s is not None and not self.late_last_ttft_s > 0:
+            raise ValueError(f"late_last_ttft_s must be > 0 or None, got {self.late_last_ttft_s}")
+        if not self.late_last_per_1k_s >= 0:
+            raise ValueError(f"late_last_per_1k_s must be >= 0, got {self.late_last_per_1k_s}")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size < 1:
             raise ValueError(f"chunked_prefill_size must be >= 1 or None, got {self.chunked_prefill_size}")
         policy = self.schedule_policy
@@ -625,7 +634,7 @@ class EngineCore:
             if policy == "lpm":
                 waiting.sort(key=lambda r: float("inf") if r.rid in pushed_back else -r.matched)
             elif policy == "shortest-prefill-first":
-                waiting.sort(key=lambda r: (r.rid in pushed_back, max(1, r.fill_len - r.matched), r.entry_time))
+                waiting.sort(key=self._spf_key(pushed_back))
             else:
                 clock = self._processed_tokens
 
@@ -729,6 +738,24 @@ class EngineCore:
             self._last_hit_rate = hit / (hit + new)
         self._total_prefill_uncached += new
         return adder.batch
+
+    def _spf_key(self, pushed_back: set[str]) -> Callable[[_Req], tuple]:
+        """shortest-prefill-first's sort key: pushed back last, then (with ``late_last_ttft_s``) those waiting past
+        their TTFT objective, then the fewest uncached tokens, then queue-entry time (module doc)."""
+        cfg, now = self.config, self._now
+
+        def work(r: _Req) -> int:
+            return max(1, r.fill_len - r.matched)
+
+        if cfg.late_last_ttft_s is None:
+            return lambda r: (r.rid in pushed_back, work(r), r.entry_time)
+
+        def key(r: _Req) -> tuple:
+            w = work(r)
+            late = now - r.entry_time > cfg.late_last_ttft_s + cfg.late_last_per_1k_s * w / 1000
+            return r.rid in pushed_back, late, w, r.entry_time
+
+        return key
 
     def _spf_chunk_limit(self, chunked: _Req, budget: int) -> int | None:
         """shortest-prefill-first: cap the continuing chunk so shorter waiting prefills fit (None: no cap)."""

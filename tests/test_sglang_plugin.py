@@ -1,0 +1,92 @@
+"""laps' SGLang plugin (``engines/sglang_plugin``): SGLang 0.5.23 loads it from PYTHONPATH and its
+shortest-prefill-first order then puts requests that have missed their TTFT objective last."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from engines.manager import PLUGIN_PER_1K_ENV, PLUGIN_TTFT_ENV, SGLANG_PLUGIN_DIR
+
+# Run by SGLang's interpreter (importing SGLang takes ~25 s, so every case runs in this one process): load the
+# plugins as SGLang's scheduler does, with LAPS_TTFT_S=0.4, and sort two queues of fake requests with SGLang's own
+# static method (on the class and through an instance, as calc_priority calls it); sort them again with SGLang's
+# original function, and with the plugin's order under a 1 s per-1k allowance; then call register() again without
+# LAPS_TTFT_S and with a malformed one, which must register nothing. Prints the results as JSON on stdout's last line.
+# Queue "a": in-time and late requests and one SGLang has pushed back for a duplicate prefix ("pushed");
+# queue "b": 1 s waits, "cached" has 2,990 of its 3,000 prompt tokens cached.
+_SCRIPT = """
+import json, logging, os, time
+from types import SimpleNamespace
+logging.basicConfig(level=logging.INFO)
+from sglang.srt.plugins import load_plugins
+load_plugins()
+import laps_sglang_plugin
+from sglang.srt.managers import schedule_policy
+from sglang.srt.managers.schedule_policy import SchedulePolicy
+from sglang.srt.plugins.hook_registry import HookRegistry
+
+def req(rid, prompt, waited_s, cached=0):
+    return SimpleNamespace(rid=rid, origin_input_ids=[7] * prompt, output_ids=[], num_matched_prefix_tokens=cached,
+                           time_stats=SimpleNamespace(wait_queue_entry_time=now - waited_s))
+
+def rids(sort, queue, pushed=()):
+    queue = list(queue)
+    sort(queue, set(pushed))
+    return [r.rid for r in queue]
+
+now = time.perf_counter()
+a = [req("late_short", 10, 1.0), req("late_mid", 50, 2.0), req("long", 1000, 0.0), req("mid", 100, 0.0),
+     req("pushed", 5, 0.0)]
+b = [req("small", 10, 1.0), req("big", 2000, 1.0), req("cached", 3000, 1.2, cached=2990)]
+out = {"a": rids(SchedulePolicy._sort_by_shortest_prefill, a, ["pushed"]),
+       "via_instance": rids(object.__new__(SchedulePolicy)._sort_by_shortest_prefill, a, ["pushed"]),
+       "b": rids(SchedulePolicy._sort_by_shortest_prefill, b),
+       "sglang_a": rids(SchedulePolicy._sort_by_shortest_prefill.__wrapped__, a, ["pushed"]),
+       "sglang_b": rids(SchedulePolicy._sort_by_shortest_prefill.__wrapped__, b),
+       "per_1k_b": rids(laps_sglang_plugin.make_late_last_sort(0.4, 1.0, schedule_policy), b)}
+target = "sglang.srt.managers.schedule_policy.SchedulePolicy._sort_by_shortest_prefill"
+hooks = len(HookRegistry._hooks[target])
+for value in (None, "abc"):
+    os.environ.pop("LAPS_TTFT_S") if value is None else os.environ.__setitem__("LAPS_TTFT_S", value)
+    laps_sglang_plugin.register()
+out["hooks_added_by_bad_settings"] = len(HookRegistry._hooks[target]) - hooks
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.sglang
+def test_sglang_loads_the_plugin_and_late_requests_go_behind_those_in_time(sglang_python: Path):
+    env = {**os.environ, "PYTHONPATH": str(SGLANG_PLUGIN_DIR), "LAPS_TTFT_S": "0.4"}
+    env.pop("LAPS_TTFT_PER_1K_NEW_TOKENS_S", None)
+    done = subprocess.run([str(sglang_python), "-c", _SCRIPT], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "Executed general plugin: laps_late_last" in done.stderr
+    assert "waited longer than 0.4 s + 0 s per 1,000 new tokens" in done.stderr
+    # In time shortest first, then the late ones shortest first, the pushed-back one last; in "b" all are late.
+    assert out["a"] == out["via_instance"] == ["mid", "long", "late_short", "late_mid", "pushed"]
+    assert out["b"] == ["cached", "small", "big"]
+    # SGLang's own order: the pushed-back request last, the rest by new tokens, whatever the wait.
+    assert out["sglang_a"] == ["late_short", "late_mid", "mid", "long", "pushed"]
+    assert out["sglang_b"] == ["cached", "small", "big"]
+    # 1 s per 1,000 new tokens: "big" (2,000 new: 0.4 + 2.0 s) is in time after 1 s; "small" and "cached" (10 new
+    # each: 0.41 s) are late, so the allowance counts only uncached tokens.
+    assert out["per_1k_b"] == ["big", "cached", "small"]
+    # Without LAPS_TTFT_S, or with a malformed one, the plugin leaves SGLang's order and says why.
+    assert out["hooks_added_by_bad_settings"] == 0
+    assert "LAPS_TTFT_S is not set" in done.stderr
+    assert "ERROR laps plugin (pid " in done.stderr and "): LAPS_TTFT_S='abc' is not a number" in done.stderr
+
+
+def test_the_plugin_imports_without_sglang_and_reads_the_variables_the_manager_sets():
+    spec = importlib.util.spec_from_file_location("laps_sglang_plugin", SGLANG_PLUGIN_DIR / "laps_sglang_plugin.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert (module.TTFT_ENV, module.PER_1K_ENV) == (PLUGIN_TTFT_ENV, PLUGIN_PER_1K_ENV) == (
+        "LAPS_TTFT_S", "LAPS_TTFT_PER_1K_NEW_TOKENS_S")
