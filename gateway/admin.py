@@ -3,7 +3,7 @@
 ``GET /admin/engines`` and ``POST /admin/engines/{id}/role`` (body
 ``{"role": NAME, "drain_timeout_s": S}``) need ``Authorization: Bearer
 <gateway.admin_key>``; without a configured key the admin API is off (403).
-A move to a role with the same flags is instant (``"status": "moving"``);
+A move to a role with the same flags (and plugin) is instant (``"status": "moving"``);
 any other drains the engine, then flips it between prefill and decode in place
 (``pd.role_switch``: SGLang's ``POST /pd_role_switch``) or restarts it (minutes
 for real SGLang), so the POST answers 202 at once (``"status": "switching"``)
@@ -94,7 +94,7 @@ async def set_role(request: web.Request) -> web.Response:
 
 def begin_switch(gw: Gateway, switches: dict[str, asyncio.Task], engine_id: str, role: str, drain_timeout_s: float) -> tuple[int, dict]:
     """Start moving ``engine_id`` (an engine of ``gw``'s registry) to ``role`` (one of the config's), in the process
-    that runs the engines; the HTTP status and body of the answer: 202 ``moving`` (same flags) or ``switching``, 200
+    that runs the engines; the HTTP status and body of the answer: 202 ``moving`` (same flags and plugin) or ``switching``, 200
     ``unchanged`` (its role already).
 
     Raises:
@@ -111,7 +111,7 @@ def begin_switch(gw: Gateway, switches: dict[str, asyncio.Task], engine_id: str,
         raise APIError(409, f"engine {engine_id!r} is already switching role", type="conflict_error")
     if gw.manager.engines[engine_id].role == role:
         return 200, {"engine": engine_id, "role": role, "status": "unchanged"}
-    instant = gw.config.instant_move(gw.manager.engines[engine_id].role, role)  # same flags: no drain, no restart
+    instant = gw.config.instant_move(gw.manager.engines[engine_id].role, role)  # same flags and plugin: no drain, no restart
     start_switch(switches, gw, engine_id, role, drain_timeout_s)
     log.info("admin: engine %s %s role %s", engine_id, "moving at once to" if instant else "switching to", role)
     return 202, {"engine": engine_id, "role": role, "status": "moving" if instant else "switching"}

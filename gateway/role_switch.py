@@ -41,7 +41,7 @@ async def switch_role(gw: Gateway, engine_id: str, role: str, drain_timeout_s: f
     1. No new work goes to the engine (it is marked draining; the scheduler
        sends everything to the other engines meanwhile).
     2. Its in-flight requests finish, for at most ``drain_timeout_s`` seconds.
-    3. A move between a prefill role and the decode role with the same flags
+    3. A move between a prefill role and the decode role with the same flags (and plugin)
        under ``pd.role_switch`` (:meth:`laps.config.Config.pd_flip`) flips the
        engine in place (:func:`flip`); any other move has the manager restart it
        on the same port with the new flags (requests still running then end
@@ -67,9 +67,9 @@ async def switch_role(gw: Gateway, engine_id: str, role: str, drain_timeout_s: f
     state = gw.registry[engine_id]
     process = manager.engines[engine_id]
     if gw.config.instant_move(process.role, role):
-        process.role = role  # same flags: the engine runs on as it is; it only serves another pool
+        process.role = role  # same flags and plugin: the engine runs on as it is; it only serves another pool
         state.pool = gw.config.roles[role].pool
-        log.info("engine %s: serving as %s in the %s pool (same engine flags: no drain, no restart)", engine_id, role, state.pool)
+        log.info("engine %s: serving as %s in the %s pool (same engine flags and plugin: no drain, no restart)", engine_id, role, state.pool)
         return
     state.draining = True
     started = time.monotonic()

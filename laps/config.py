@@ -227,10 +227,11 @@ class RoleConfig(_Strict):
 
     @model_validator(mode="after")
     def _check_late_requests_last(self) -> "RoleConfig":
-        policy = self.flags.get("schedule-policy", "fcfs")
+        policy = self.flags.get("schedule-policy")
         if self.late_requests_last and policy != "shortest-prefill-first":
-            raise ValueError(f"late_requests_last reorders the queue of schedule-policy: shortest-prefill-first, "
-                             f"but this role's flags give {policy}")
+            here = "unset here: SGLang's default fcfs" if policy is None else f"here: {policy}"
+            raise ValueError(f"late_requests_last reorders the queue of shortest-prefill-first: it needs "
+                             f"flags.schedule-policy: shortest-prefill-first ({here})")
         return self
 
     def same_engine(self, other: "RoleConfig") -> bool:
@@ -286,7 +287,7 @@ class PDConfig(_Strict):
     ``role_switch``: every engine laps runs gets ``--enable-pd-role-switch``
     and a bootstrap port of its own (decode engines too: SGLang 0.5.23 then runs
     the bootstrap server on every PD instance), so a move between a prefill role
-    and a decode role with the same flags flips the idle engine with ``POST
+    and a decode role with the same flags (and plugin) flips the idle engine with ``POST
     /pd_role_switch`` instead of restarting it (:mod:`gateway.role_switch`);
     SGLang refuses it on the ``nixl`` backend. ``decode_cuda_graph_memory_gb``:
     what such a flip to decode says the decode CUDA graphs will take (SGLang
@@ -369,7 +370,7 @@ class ControllerConfig(PressureControllerConfig):
     decode pool (:mod:`policies.pd_controller`, the ``decode_*`` parameters):
     an engine moving into it takes ``decode_role`` (a role of the ``decode``
     pool; checked then), one leaving it the role of the prefill pool it joins.
-    A move between sides whose roles have the same flags is a flip (no
+    A move between sides whose roles have the same flags (and plugin) is a flip (no
     restart, :meth:`Config.pd_flip`); otherwise a restart.
 
     ``sim_restart_s`` is what the virtual-time simulator charges for the

@@ -127,9 +127,13 @@ def test_the_control_runs_laps_engine_flags_under_least_load():
     assert config.scheduling.policy == "least_load" and len(config.engines) == 8
     assert {e.role for e in config.engines} == {"laps-flags"}
     assert config.roles["laps-flags"].flags == shipped.roles["long-prefill"].flags
+    # laps' engines and the control's run laps' SGLang plugin; the baselines run SGLang's own order
+    assert config.roles["laps-flags"].late_requests_last and shipped.roles["short-prefill"].late_requests_last
+    assert not any(r.late_requests_last for r in dominance.point_config("least_load+spf", False).roles.values())
     assert dominance.point_config("cache_aware", False).scheduling.policy == "cache_aware"
     pd = dominance.point_config(dominance.CONTROL, True)
     assert pd.roles["prefill"].flags == shipped.roles["short-prefill"].flags and pd.scheduling.policy == "least_load"
+    assert pd.roles["prefill"].late_requests_last and not pd.roles["decode"].late_requests_last
 
 
 def test_the_sweep_adds_loads_while_laps_or_a_baseline_still_meets_the_objective_at_the_top(monkeypatch):

@@ -109,13 +109,39 @@ def test_late_requests_last_starts_sglang_with_laps_plugin_and_the_sim_with_its_
     assert not parse_config(data).instant_move("mixed", "other")
 
 
+async def test_a_restart_into_a_role_without_the_plugin_starts_the_engine_without_it(monkeypatch):
+    config = late_last_config()
+    real = config.engines[0]
+    started: list[tuple[str, dict]] = []
+
+    async def start(self):
+        started.append((self.role, dict(self.env)))
+
+    async def nothing(self, *args, **kwargs):
+        return None
+
+    for name, fake in (("start", start), ("stop", nothing), ("wait_ready", nothing)):
+        monkeypatch.setattr(EngineProcess, name, fake)
+    manager = EngineManager(config)
+    manager.engines["real"] = EngineProcess(real, "mixed", engine_command(config, real, 30000), engine_env(config, real), 30000,
+                                            Path("unused.log"))
+    await manager.restart("real", "short-prefill", EngineClient())
+    await manager.restart("real", "mixed", EngineClient())
+    assert [(role, "LAPS_TTFT_S" in env, "PYTHONPATH" in env) for role, env in started] == [
+        ("short-prefill", False, False), ("mixed", True, True)]
+
+
 def test_late_requests_last_needs_shortest_prefill_first_and_names_the_role():
     data = shipped_data()
     data["roles"]["short-prefill"]["late_requests_last"] = True
     with pytest.raises(ValueError) as info:
         parse_config(data)
     assert str(info.value) == ("<config>: invalid configuration\n  roles.short-prefill: late_requests_last reorders the queue "
-                               "of schedule-policy: shortest-prefill-first, but this role's flags give fcfs")
+                               "of shortest-prefill-first: it needs flags.schedule-policy: shortest-prefill-first "
+                               "(unset here: SGLang's default fcfs)")
+    data["roles"]["short-prefill"]["flags"]["schedule-policy"] = "lpm"
+    with pytest.raises(ValueError, match=r"\(here: lpm\)$"):
+        parse_config(data)
 
 
 def test_external_engine_has_no_command():

@@ -67,7 +67,8 @@ def deployment(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     roles = {name: role.model_dump() for name, role in load_config().roles.items()}
     for role in roles.values():
         role["flags"]["max-total-tokens"] = KV_POOL_TOKENS
-    # e0 runs laps' SGLang plugin (test_laps_plugin_runs_in_the_engine)
+    # e0 runs shortest-prefill-first with laps' SGLang plugin, as the engines of laps' 8xH200 examples do (checked by
+    # test_laps_plugin_runs_in_the_engine; the other tests run on it too)
     roles["short-prefill"].update(late_requests_last=True, flags={**roles["short-prefill"]["flags"], "schedule-policy": "shortest-prefill-first"})
     data = {
         "model": {"name": MODEL, "path": str(tiny_model_dir)},
@@ -126,7 +127,8 @@ def real_chats() -> list[tuple[str, list[dict]]]:
 
 def test_laps_plugin_runs_in_the_engine(deployment: Deployment):
     """e0's role sets ``late_requests_last``: real SGLang loads laps' plugin in its scheduler process (its log says
-    so, with the objective from ``slo``), and the simulated engine models it from its command line."""
+    so, with the objective from ``slo``), and the simulated engine models it from its command line. Before the role
+    switch test, which restarts e0 with another role."""
     engine = deployment.live.gateway.manager.engines["e0"]
     if deployment.kind == "sglang":
         lines = [line for line in engine.log_path.read_text().splitlines() if "INFO laps plugin (pid " in line]

@@ -59,4 +59,4 @@ def test_a_switch_to_a_role_with_the_same_flags_is_instant_and_keeps_the_cache(c
     state = gw.registry["e0"]
     assert (state.pool, state.draining, state.in_flight) == ("long", False, 3)
     assert gw.manager.restarts == [] and gw.prefix_index.forgotten == [] and gw.manager.engines["e0"].role == "long-prefill"
-    assert "engine e0: serving as long-prefill in the long pool (same engine flags: no drain, no restart)" in caplog.messages
+    assert "engine e0: serving as long-prefill in the long pool (same engine flags and plugin: no drain, no restart)" in caplog.messages

@@ -15,7 +15,7 @@ from engines.manager import PLUGIN_PER_1K_ENV, PLUGIN_TTFT_ENV, SGLANG_PLUGIN_DI
 
 # Run by SGLang's interpreter (importing SGLang takes ~25 s, so every case runs in this one process): load the
 # plugins as SGLang's scheduler does, with LAPS_TTFT_S=0.4, and sort two queues of fake requests with SGLang's own
-# static method (on the class and through an instance, as calc_priority calls it); sort them again with SGLang's
+# static method (on the class, as calc_priority calls it, and through an instance); sort them again with SGLang's
 # original function, and with the plugin's order under a 1 s per-1k allowance; then call register() again without
 # LAPS_TTFT_S and with a malformed one, which must register nothing. Prints the results as JSON on stdout's last line.
 # Queue "a": in-time and late requests and one SGLang has pushed back for a duplicate prefix ("pushed");
@@ -84,9 +84,36 @@ def test_sglang_loads_the_plugin_and_late_requests_go_behind_those_in_time(sglan
     assert "ERROR laps plugin (pid " in done.stderr and "): LAPS_TTFT_S='abc' is not a number" in done.stderr
 
 
-def test_the_plugin_imports_without_sglang_and_reads_the_variables_the_manager_sets():
+def load_plugin_module():
     spec = importlib.util.spec_from_file_location("laps_sglang_plugin", SGLANG_PLUGIN_DIR / "laps_sglang_plugin.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    assert (module.TTFT_ENV, module.PER_1K_ENV) == (PLUGIN_TTFT_ENV, PLUGIN_PER_1K_ENV) == (
+    return module
+
+
+def test_the_plugin_imports_without_sglang_and_names_the_variables_the_manager_sets():
+    plugin = load_plugin_module()
+    assert (plugin.TTFT_ENV, plugin.PER_1K_ENV) == (PLUGIN_TTFT_ENV, PLUGIN_PER_1K_ENV) == (
         "LAPS_TTFT_S", "LAPS_TTFT_PER_1K_NEW_TOKENS_S")
+
+
+@pytest.mark.parametrize(("ttft", "per_1k", "says"), [
+    (None, None, "INFO LAPS_TTFT_S is not set"), ("  ", None, "INFO LAPS_TTFT_S is not set"),
+    ("0", None, "ERROR LAPS_TTFT_S='0' is not a number of seconds > 0"),
+    ("-1", None, "ERROR LAPS_TTFT_S='-1' is not a number of seconds > 0"),
+    ("nan", None, "ERROR LAPS_TTFT_S='nan' is not a number of seconds > 0"),
+    ("inf", None, "ERROR LAPS_TTFT_S='inf' is not a number of seconds > 0"),
+    ("0.4", "-1", "ERROR LAPS_TTFT_PER_1K_NEW_TOKENS_S='-1' is not a number of seconds >= 0"),
+    ("0.4", "abc", "ERROR LAPS_TTFT_PER_1K_NEW_TOKENS_S='abc' is not a number of seconds >= 0"),
+])
+def test_a_missing_or_bad_setting_registers_nothing_and_says_why(monkeypatch, caplog, ttft, per_1k, says):
+    plugin = load_plugin_module()
+    for name, value in ((PLUGIN_TTFT_ENV, ttft), (PLUGIN_PER_1K_ENV, per_1k)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    monkeypatch.setattr(plugin.logger, "propagate", True)  # to caplog; the plugin writes to stderr itself in SGLang
+    with caplog.at_level("INFO", logger=plugin.logger.name):
+        plugin.register()  # returns before importing SGLang, which laps' own environment does not have
+    assert [f"{r.levelname} {r.getMessage()}" for r in caplog.records][0].startswith(says)

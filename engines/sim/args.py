@@ -23,6 +23,7 @@ the latency model's two fitted efficiencies with a calibration file's
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -194,6 +195,24 @@ def _graphs(args: SimServerArgs, chunk: int, max_running: int | None, gpu_mib: f
     return GraphSpec(decode_backend, decode_sizes), GraphSpec(prefill_backend, prefill_sizes, full_slots)  # type: ignore[arg-type]
 
 
+def _check_late_last(args: SimServerArgs) -> None:
+    """The simulated plugin's flags as laps' plugin takes its variables: a finite objective > 0, an allowance >= 0.
+
+    Raises:
+        ValueError: naming the flag.
+    """
+    ttft_s, per_1k_s = args.sim_late_last_ttft_s, args.sim_late_last_per_1k_s
+    if ttft_s is not None and not (math.isfinite(ttft_s) and ttft_s > 0):
+        raise ValueError(f"--sim-late-last-ttft-s must be a number of seconds > 0, got {ttft_s}")
+    if not (math.isfinite(per_1k_s) and per_1k_s >= 0):
+        raise ValueError(f"--sim-late-last-per-1k-s must be a number of seconds >= 0, got {per_1k_s}")
+    if per_1k_s and ttft_s is None:
+        raise ValueError("--sim-late-last-per-1k-s needs --sim-late-last-ttft-s")
+    if ttft_s is not None and args.schedule_policy != "shortest-prefill-first":
+        raise ValueError(f"--sim-late-last-ttft-s reorders the queue of --schedule-policy shortest-prefill-first, "
+                         f"not {args.schedule_policy}")
+
+
 def resolve_args(args: SimServerArgs) -> ResolvedSim:
     """Fill in derived defaults (see the module doc) and build the latency model and engine config.
 
@@ -204,6 +223,7 @@ def resolve_args(args: SimServerArgs) -> ResolvedSim:
             cannot be used, or was fitted against another GPU.
     """
     parse_fault(args.sim_fault)  # a bad --sim-fault fails with the other flags
+    _check_late_last(args)
     sim_model = args.sim_model or next(
         (name for name in MODELS if name.split("-")[-1] in args.model_path.lower()), "qwen2.5-7b")
     if args.sim_gpu not in GPUS:
@@ -337,8 +357,8 @@ def build_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
                    help="model laps' SGLang plugin (engines/sglang_plugin): under shortest-prefill-first, requests "
                         "waiting longer than this TTFT objective sort behind the others (default: off)")
     p.add_argument("--sim-late-last-per-1k-s", type=float, metavar="SECONDS",
-                   help="with --sim-late-last-ttft-s: seconds added to the objective per 1,000 uncached prompt "
-                        f"tokens (default {d.sim_late_last_per_1k_s:g})")
+                   help="with --sim-late-last-ttft-s: seconds added to the objective per 1,000 tokens the request "
+                        f"must prefill (prompt and reply so far, less its cached prefix; default {d.sim_late_last_per_1k_s:g})")
     p.add_argument("--disaggregation-mode", choices=("null", "prefill", "decode"),
                    help="PD disaggregation: prefill-only or decode-only engine (default null; see engines.sim.pd_http)")
     p.add_argument("--disaggregation-transfer-backend", choices=PD_TRANSFER_BACKENDS,
