@@ -1,7 +1,9 @@
-"""Fixtures for the tests that run real SGLang: its cached environment and a tiny model for it."""
+"""Fixtures for the tests that run real SGLang (its cached environment and a tiny model for it), and one that puts
+the root logger back after every test."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,3 +31,18 @@ def sglang_parser(sglang_python: Path) -> Iterator[sglang_env.SGLangParser]:
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Qwen2 model directory with the Qwen2.5 vocabulary and ChatML template (no weights)."""
     return write_tiny_qwen2_model(tmp_path_factory.mktemp("tiny-qwen2"))
+
+
+@pytest.fixture(autouse=True)
+def _root_logging_put_back() -> Iterator[None]:
+    """A command run in-process (``laps simulate``, ``laps loadgen``: ``laps.cli._setup_logging``) logs to the stderr
+    that pytest captures for that one test, and to a file; later tests' log lines would go to that closed stream
+    ("--- Logging error ---", "ValueError: I/O operation on closed file"). Remove those handlers (plain stream and
+    file handlers: pytest's own are subclasses) and restore the root level."""
+    root = logging.getLogger()
+    level = root.level
+    yield
+    for handler in [h for h in root.handlers if type(h) in (logging.StreamHandler, logging.FileHandler)]:
+        root.removeHandler(handler)
+        handler.close()
+    root.setLevel(level)
