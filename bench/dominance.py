@@ -15,9 +15,10 @@ coding trace).
 
 Policies: ``laps`` as shipped (``examples/sim-h200x8.yaml``, unedited: pools as preferences,
 predicted-TTFT routing, the controller on with instant moves, late requests last in the engines) and
-the baselines over all 8 engines with SGLang's default flags and order: ``least_load`` (unified FCFS), ``least_load+spf`` (least load to
-engines running ``--schedule-policy shortest-prefill-first``), ``cache_aware``, ``bucket``,
-``round_robin`` (the rules of SGLang's router). ``--pd`` adds the PD runs (6 prefill + 2 decode)
+the baselines over all 8 engines with SGLang's default flags and order: ``least_load`` (unified
+FCFS), ``least_load+spf`` (least load to engines running ``--schedule-policy
+shortest-prefill-first``), ``cache_aware``, ``bucket``, ``round_robin`` (the rules of SGLang's
+router). ``--pd`` adds the PD runs (6 prefill + 2 decode)
 of ``mixed`` and ``docs``. Every sweep also runs a control, ``least_load+spf/laps-flags``: least load to
 engines with laps' own flags (a 2,048-token chunk instead of SGLang's 8,192, prefill CUDA graphs,
 ``shortest-prefill-first``) and plugin (``late_requests_last``); it is not in the verdict, but a second

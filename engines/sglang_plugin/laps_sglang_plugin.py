@@ -7,8 +7,8 @@ of longer requests that could still meet theirs, so capacity is spent on a
 request that counts as a violation either way. This plugin keeps SGLang's
 order but first splits the queue in two: requests still within their TTFT
 objective come first, late ones after them (each group shortest first, ties
-by entry into the queue; requests SGLang pushes back for a duplicate prefix stay last). A
-request's objective is ``LAPS_TTFT_S`` seconds plus
+by entry into the queue; requests SGLang pushes back for a duplicate prefix
+stay last). A request's objective is ``LAPS_TTFT_S`` seconds plus
 ``LAPS_TTFT_PER_1K_NEW_TOKENS_S`` seconds per 1,000 tokens it must prefill
 (prompt and reply so far, less its cached prefix), measured from its entry
 into the waiting queue. The simulated engine models the same order
@@ -21,9 +21,9 @@ and sets the two variables. SGLang then finds the entry point in
 ``laps_sglang_plugin-0.1.dist-info/entry_points.txt`` (group
 ``sglang.srt.plugins``, name ``laps_late_last``) and calls :func:`register`
 in every process that loads plugins: the server's, its scheduler's (where the
-queue is ordered) and its detokenizer's. Without ``LAPS_TTFT_S`` the plugin does nothing;
-``SGLANG_PLUGINS`` (a comma-separated whitelist of plugin names) can also
-leave it out.
+queue is ordered) and its detokenizer's. Without ``LAPS_TTFT_S`` the plugin
+does nothing; ``SGLANG_PLUGINS`` (a comma-separated whitelist of plugin
+names) can also leave it out.
 
 SGLang source it hooks (SGLang 0.5.23):
 
