@@ -633,8 +633,10 @@ class EngineCore:
             pushed_back = self._match_waiting()
             if policy == "lpm":
                 waiting.sort(key=lambda r: float("inf") if r.rid in pushed_back else -r.matched)
+            elif policy == "shortest-prefill-first" and cfg.late_last_ttft_s is not None:
+                waiting.sort(key=self._late_last_key(pushed_back))
             elif policy == "shortest-prefill-first":
-                waiting.sort(key=self._spf_key(pushed_back))
+                waiting.sort(key=lambda r: (r.rid in pushed_back, max(1, r.fill_len - r.matched), r.entry_time))
             else:
                 clock = self._processed_tokens
 
@@ -739,21 +741,15 @@ class EngineCore:
         self._total_prefill_uncached += new
         return adder.batch
 
-    def _spf_key(self, pushed_back: set[str]) -> Callable[[_Req], tuple]:
-        """shortest-prefill-first's sort key: pushed back last, then (with ``late_last_ttft_s``) those waiting past
-        their TTFT objective, then the fewest uncached tokens, then queue-entry time (module doc)."""
+    def _late_last_key(self, pushed_back: set[str]) -> Callable[[_Req], tuple]:
+        """shortest-prefill-first's sort key with laps' plugin (``late_last_ttft_s``): pushed back last, then those
+        waiting past their TTFT objective, then the fewest uncached tokens, then queue-entry time (module doc)."""
         cfg, now = self.config, self._now
 
-        def work(r: _Req) -> int:
-            return max(1, r.fill_len - r.matched)
-
-        if cfg.late_last_ttft_s is None:
-            return lambda r: (r.rid in pushed_back, work(r), r.entry_time)
-
         def key(r: _Req) -> tuple:
-            w = work(r)
-            late = now - r.entry_time > cfg.late_last_ttft_s + cfg.late_last_per_1k_s * w / 1000
-            return r.rid in pushed_back, late, w, r.entry_time
+            work = max(1, r.fill_len - r.matched)
+            late = now - r.entry_time > cfg.late_last_ttft_s + cfg.late_last_per_1k_s * work / 1000
+            return r.rid in pushed_back, late, work, r.entry_time
 
         return key
 
