@@ -57,6 +57,7 @@ from gateway.supervisor import EngineSupervisor
 from laps.api_keys import load_keys
 from laps.config import Config, GatewayConfig
 from laps.cost import engine_traits
+from laps.heap import freeze_heap
 from laps.tokenizer import load_tokenizer
 from policies.pool_signals import FirstTokenWindow
 from policies.registry import make_classifier, make_scheduler
@@ -390,6 +391,7 @@ async def start_or_interrupt(runner: web.AppRunner, stop: asyncio.Event) -> None
         stopped.cancel()
     if not stop.is_set():
         setup.result()  # the start-up's error, if any
+        freeze_heap()  # what the start-up built lives as long as the process: out of the collector's full passes
         return
     signum = getattr(stop, "signum", None)
     log.info("interrupted during start-up (%s): stopping the engines started so far", signal.Signals(signum).name if signum else "stop")

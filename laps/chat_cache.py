@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
+from laps.heap import freeze_heap
 from laps.tokenizer import CHATML_GENERATION_PROMPT, CHATML_ROLES, ChatTokenizer, Message, load_tokenizer, render_chatml_turn
 from policies.prefix_index import BlockChain
 
@@ -197,10 +198,11 @@ _worker_cache: ChatPrefixCache | None = None  # in an EncodePool worker process:
 def _start_worker(model_path: Path | None, block_tokens: int) -> None:
     """An :class:`EncodePool` worker's initializer: ignore SIGINT (a Ctrl-C reaches the terminal's whole process
     group; the gateway shuts down and then stops its workers, :meth:`EncodePool.close`), and load the tokenizer once
-    for the process's life."""
+    for the process's life, out of the garbage collector's full passes (:mod:`laps.heap`)."""
     global _worker_cache
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _worker_cache = ChatPrefixCache(load_tokenizer(model_path), block_tokens, max_bytes=0)
+    freeze_heap()
 
 
 def _in_worker(method: EncodeMethod, *args: Any) -> Any:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import shutil
 import subprocess
@@ -240,8 +241,9 @@ def listen_backlogs(port: int) -> list[int]:
     return [int(line.split()[2]) for line in lines]
 
 
-async def test_serve_until_listens_with_gateway_listen_backlog():
-    """aiohttp's site calls listen() again (its own default backlog is 128): what the kernel keeps is the config's."""
+async def test_serve_until_listens_with_gateway_listen_backlog_and_a_frozen_heap():
+    """aiohttp's site calls listen() again (its own default backlog is 128): what the kernel keeps is the config's.
+    By then the start-up heap is out of the garbage collector's passes (laps.heap)."""
     fakes = {"sp0": FakeEngine("sp0"), "lp0": FakeEngine("lp0")}
     servers = {name: TestServer(f.app) for name, f in fakes.items()}
     for s in servers.values():
@@ -249,18 +251,22 @@ async def test_serve_until_listens_with_gateway_listen_backlog():
     config = with_gateway(load_config(), port=0, listen_backlog=777)  # under Linux's default somaxconn, 4096
     runner = app_runner(config, create_app(config, engine_urls={name: str(s.make_url("")).rstrip("/") for name, s in servers.items()}))
     stop = asyncio.Event()
-    backlogs = []
+    backlogs, frozen = [], []
 
     def ready(url: str) -> None:
         backlogs.append(listen_backlogs(int(url.rsplit(":", 1)[1])))
+        frozen.append(gc.get_freeze_count())
         stop.set()
 
+    gc.unfreeze()
     try:
         await serve_until(config, runner, listen_socket("127.0.0.1", 0, backlog=config.gateway.listen_backlog), stop, ready)
     finally:
+        gc.unfreeze()  # pytest's heap goes back to the collector
         for s in servers.values():
             await s.close()
     assert backlogs == [[777]]
+    assert frozen[0] > 10_000  # the modules, config and tokenizer at least
 
 
 def test_listen_socket_listens_with_the_backlog_given():

@@ -57,6 +57,7 @@ from engines.sim.protocol import (
 )
 from engines.sim.realtime import ENGINE, HEALTH_CHECK_RID_PREFIX, SimEngine
 from engines.sim.role_switch import add_role_switch_route
+from laps.heap import freeze_heap
 from laps.tokenizer import ChatTokenizer, load_tokenizer
 
 log = logging.getLogger("engines.sim")
@@ -369,6 +370,12 @@ async def _drain_on_the_first_sigterm(_: web.Application) -> None:
     loop.add_signal_handler(signal.SIGTERM, first)
 
 
+async def _freeze_heap(_: web.Application) -> None:
+    """``on_startup``, once the engine is built: its start-up heap (tokenizer, latency model) out of the garbage
+    collector's full passes, which would stall the serving loop (:mod:`laps.heap`)."""
+    freeze_heap()
+
+
 def run(args: SimServerArgs) -> None:
     """Serve until SIGINT/SIGTERM (uvloop when installed); returns normally on shutdown
     (:func:`_drain_on_the_first_sigterm`)."""
@@ -381,6 +388,7 @@ def run(args: SimServerArgs) -> None:
     asyncio.set_event_loop(loop)
     app = create_app(args)
     app.on_startup.append(_drain_on_the_first_sigterm)
+    app.on_startup.append(_freeze_heap)
     sim = app[ENGINE].sim
     log.info("simulated SGLang engine: %s on %s x%d, max_total_tokens=%d, max_running_requests=%d, "
              "chunked_prefill_size=%s, serving %s at http://%s:%d", sim.sim_model, sim.latency.gpu.name,
