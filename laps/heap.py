@@ -34,8 +34,9 @@ def freeze_heap() -> int:
 
 @contextlib.contextmanager
 def frozen_heap() -> Iterator[int]:
-    """:func:`freeze_heap` for the ``with`` block only (a measurement inside a longer-lived process, such as a test);
-    yields the count frozen, and thaws them at exit."""
+    """:func:`freeze_heap` for the ``with`` block only: a run that measures, in a process that goes on after it (``laps
+    loadgen``'s run, called in-process by tests too; a test's own live run); yields the count frozen, and thaws them
+    at exit."""
     try:
         yield freeze_heap()
     finally:

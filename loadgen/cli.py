@@ -17,7 +17,7 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedCo
 
 from engines.manager import sim_model
 from laps.config import DEFAULT_CONFIG_PATH, load_config, parse_config
-from laps.heap import freeze_heap
+from laps.heap import frozen_heap
 from laps.tokenizer import ChatTokenizer, load_tokenizer
 from loadgen.report import build_report, print_report, write_report, write_trace
 from loadgen.runner import THINK_DISTRIBUTIONS, LoadgenError, RequestRecord, discover_context_tokens, run_loadgen
@@ -246,8 +246,7 @@ async def run(args: argparse.Namespace) -> dict:
             progress.update(task, completed=min(args.duration, loop.time() - t0))
             await asyncio.sleep(0.25)
 
-    freeze_heap()  # the workload and tokenizer: no full collection pauses the client mid-run, skewing what it times
-    with progress:
+    with frozen_heap(), progress:  # the workload and tokenizer out of the collector's full passes while it times
         ticker = asyncio.create_task(tick())
         try:
             records = await run_loadgen(
