@@ -2,8 +2,8 @@
 
 Starts ``laps serve --config`` (the gateway and its simulated SGLang engine
 processes), measures the serving path's latency at idle
-(loadgen.agreement.serving_latency: isolated requests, live TTFT minus
-virtual TTFT), runs ``laps loadgen`` against it, then ``laps simulate`` with
+(loadgen.agreement.serving_latency: isolated short and long requests, live
+TTFT minus virtual TTFT: a fixed part and a part per 1,000 prompt tokens), runs ``laps loadgen`` against it, then ``laps simulate`` with
 the same config, workload, rate, duration and seed, once without and once
 with that latency, and prints TTFT, TPOT and E2E p50/p90 of each, overall and
 per class, with the difference to live. The reports and the comparison go to
@@ -43,15 +43,16 @@ def run(config_path: Path, dataset: str, rate: float, duration: float, seed: int
         common.append("--ignore-eos")
     parser = build_parser()
     with serving(config_path) as url:
-        latency_s = asyncio.run(serving_latency(url, config, load_tokenizer(config.model.path)))
+        latency = asyncio.run(serving_latency(url, config, load_tokenizer(config.model.path)))
         args = parser.parse_args(["--log-level", "warning", "loadgen", "--url", url, *common, "--out", str(work / "live.json")])
         args.func(args)
-    for name, ms in (("virtual", 0.0), ("virtual_latency", latency_s * 1e3)):
+    for name, fixed_s, per_1k_s in (("virtual", 0.0, 0.0), ("virtual_latency", latency.fixed_s, latency.per_1k_s)):
         args = parser.parse_args(["--log-level", "warning", "simulate", "--config", str(config_path), *common,
-                                  "--serving-latency-ms", f"{ms:.3f}", "--out", str(work / f"{name}.json")])
+                                  "--serving-latency-ms", f"{fixed_s * 1e3:.3f}", "--serving-latency-per-1k-ms",
+                                  f"{per_1k_s * 1e3:.3f}", "--out", str(work / f"{name}.json")])
         args.func(args)
     reports = {name: orjson.loads((work / f"{name}.json").read_bytes()) for name in ("live", "virtual", "virtual_latency")}
-    return {"serving_latency_ms": latency_s * 1e3, "reports": reports,
+    return {"serving_latency_ms": latency.fixed_s * 1e3, "serving_latency_per_1k_ms": latency.per_1k_s * 1e3, "reports": reports,
             "comparison": compare(reports["live"], reports["virtual"]),
             "comparison_with_latency": compare(reports["live"], reports["virtual_latency"])}
 
@@ -80,8 +81,8 @@ def main() -> int:
     sent = {k: r["requests"]["sent"] for k, r in result["reports"].items()}
     table = Table(title=f"live vs virtual — {args.dataset}, {args.rate} conv/s, {args.duration:.0f} s, seed {args.seed}; "
                         f"requests {sent['live']} live, {sent['virtual']} virtual; serving latency measured at idle "
-                        f"{result['serving_latency_ms']:.1f} ms")
-    for col in ("group", "metric", "live ms", "virtual ms", "diff", f"+{result['serving_latency_ms']:.1f} ms", "diff"):
+                        f"{result['serving_latency_ms']:.1f} ms + {result['serving_latency_per_1k_ms']:.1f} ms per 1k prompt tokens")
+    for col in ("group", "metric", "live ms", "virtual ms", "diff", "+ serving latency", "diff"):
         table.add_column(col, justify="left" if col in ("group", "metric") else "right")
     for plain, lat in zip(result["comparison"], result["comparison_with_latency"]):
         table.add_row(plain["group"], f"{plain['metric'][:-2].upper()} {plain['stat']}", ms(plain["live_s"]),

@@ -2,61 +2,99 @@
 
 The virtual run models no HTTP hop or tokenization. To compare like with like,
 :func:`serving_latency` measures that path on the live stack first: isolated
-requests (one at a time, the engines idle) are sent live and simulated, and
-the median difference of their TTFTs is the serving latency the virtual run
-then adds (half on the way in, half on the way out). Everything under load —
-queueing, batching, chunking, the scheduler's windows, decode interference —
-is left to the model.
+requests (one at a time, the engines idle), short and long, are sent live and
+simulated, and the differences of their TTFTs give the serving latency the
+virtual run then adds: a fixed part (half on the way in, half on the way out)
+and a part per 1,000 prompt tokens on the way in (the prompt is tokenized by
+the gateway and again by the engine, and travels as JSON: on this project's
+2-core machine 1.7–2.6 ms per 1,000 tokens, which put the live TTFTs of
+``config.yaml``'s 1k–4k-token prompts 2–14 ms over the virtual ones).
+Everything under load — queueing, batching, chunking, the scheduler's
+windows, decode interference — is left to the model.
 """
 
 from __future__ import annotations
 
+import random
 import statistics
+from dataclasses import dataclass
 
 from laps.config import Config
 from laps.tokenizer import ChatTokenizer
 from loadgen.runner import RequestRecord, run_loadgen
 from loadgen.simulate import simulate
-from loadgen.workloads import Conversation, Turn, Workload, load_mtbench
+from loadgen.workloads import Conversation, ExactLengthPrompts, Turn, Workload, load_mtbench
 
 METRICS = ("ttft_s", "tpot_s", "e2e_s")
+LONG_PROBE_TOKENS = 3000  # the long probes' templated prompt length; the short ones are MT-Bench questions (~20-200)
 
 
-def probe_workload(count: int, spacing_s: float, max_tokens: int = 4) -> Workload:
-    """``count`` single-turn MT-Bench questions, one every ``spacing_s`` seconds (a timed workload)."""
+@dataclass(frozen=True)
+class ServingLatency:
+    """The live stack's extra TTFT over the virtual run at idle: ``fixed_s`` per request and ``per_1k_s`` more per
+    1,000 prompt tokens (seconds)."""
+
+    fixed_s: float
+    per_1k_s: float
+
+
+def probe_workload(count: int, spacing_s: float, tokenizer: ChatTokenizer, max_tokens: int = 4) -> Workload:
+    """``count`` single-turn probes, one every ``spacing_s`` seconds (a timed workload): MT-Bench questions and,
+    every other one, a distinct prompt of :data:`LONG_PROBE_TOKENS` tokens of real text (none cached by another)."""
     questions = load_mtbench(max_tokens)
-    conversations = [Conversation(f"probe-{i}", "probe", (Turn(questions[i % len(questions)].turns[0].content, max_tokens),),
+    long_prompts = ExactLengthPrompts(tokenizer, random.Random("probes"))
+    conversations = [Conversation(f"probe-{i}", "probe",
+                                  (Turn(long_prompts.make(LONG_PROBE_TOKENS) if i % 2 else questions[i % len(questions)].turns[0].content,
+                                        max_tokens),),
                                   start_s=i * spacing_s) for i in range(count)]
     return Workload("probe", iter(conversations), timed=True)
 
 
-def ttft_offsets(live: list[RequestRecord], virtual: list[RequestRecord]) -> list[float]:
-    """Live TTFT − virtual TTFT (seconds) of the requests both runs answered, matched by conversation and turn."""
+def ttft_offsets(live: list[RequestRecord], virtual: list[RequestRecord]) -> list[tuple[int, float]]:
+    """(prompt tokens, live TTFT − virtual TTFT in seconds) of the requests both runs answered, matched by
+    conversation and turn."""
     sim = {(r.conversation_id, r.turn): r.ttft_s for r in virtual if r.ok and r.ttft_s is not None}
-    return [r.ttft_s - sim[(r.conversation_id, r.turn)] for r in live
+    return [(r.prompt_tokens or 0, r.ttft_s - sim[(r.conversation_id, r.turn)]) for r in live
             if r.ok and r.ttft_s is not None and (r.conversation_id, r.turn) in sim]
 
 
-async def serving_latency(url: str, config: Config, tokenizer: ChatTokenizer, count: int = 30,
-                          spacing_s: float = 0.25) -> float:
-    """The median extra TTFT (seconds) of the live stack at ``url`` over the virtual run of ``config``, at idle.
+def fit_serving_latency(offsets: list[tuple[int, float]]) -> ServingLatency:
+    """The line through the medians of the short and the long probes' offsets ((prompt tokens, seconds); the long
+    ones have at least half of :data:`LONG_PROBE_TOKENS`), neither part below 0; with no long probe, the median
+    offset and no part per token.
 
-    ``count`` isolated requests (``spacing_s`` apart, long enough for each to
-    finish alone) are sent live and simulated without serving latency.
+    Raises:
+        ValueError: no offset.
+    """
+    if not offsets:
+        raise ValueError("no probe request succeeded both live and in the virtual run")
+    long = [(n, d) for n, d in offsets if n >= LONG_PROBE_TOKENS // 2]
+    short = [(n, d) for n, d in offsets if n < LONG_PROBE_TOKENS // 2]
+    if not long or not short:
+        return ServingLatency(max(0.0, statistics.median(d for _, d in offsets)), 0.0)
+    (n_short, d_short), (n_long, d_long) = ((statistics.median(n for n, _ in g), statistics.median(d for _, d in g))
+                                            for g in (short, long))
+    per_token_s = max(0.0, (d_long - d_short) / (n_long - n_short))
+    return ServingLatency(max(0.0, d_short - per_token_s * n_short), 1000 * per_token_s)
+
+
+async def serving_latency(url: str, config: Config, tokenizer: ChatTokenizer, count: int = 30,
+                          spacing_s: float = 0.25) -> ServingLatency:
+    """The live stack's extra TTFT at ``url`` over the virtual run of ``config``, at idle (:func:`fit_serving_latency`).
+
+    ``count`` isolated requests (:func:`probe_workload`, ``spacing_s`` apart, long enough for each to finish alone)
+    are sent live and simulated without serving latency.
 
     Raises:
         ValueError: no probe succeeded in both runs.
         LoadgenError: the live stack cannot be reached.
     """
     duration = count * spacing_s
-    live = await run_loadgen(url, probe_workload(count, spacing_s), duration_s=duration, seed=0,
+    live = await run_loadgen(url, probe_workload(count, spacing_s, tokenizer), duration_s=duration, seed=0,
                              extra_body={"ignore_eos": True})
-    virtual = simulate(config, probe_workload(count, spacing_s), duration_s=duration, seed=0, ignore_eos=True,
+    virtual = simulate(config, probe_workload(count, spacing_s, tokenizer), duration_s=duration, seed=0, ignore_eos=True,
                        tokenizer=tokenizer)
-    offsets = ttft_offsets(live, virtual)
-    if not offsets:
-        raise ValueError("no probe request succeeded both live and in the virtual run")
-    return max(0.0, statistics.median(offsets))
+    return fit_serving_latency(ttft_offsets(live, virtual))
 
 
 def compare(live: dict, virtual: dict) -> list[dict]:

@@ -317,6 +317,9 @@ def configure_simulate_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--serving-latency-ms", type=non_negative_float, default=0.0,
                         help="HTTP and tokenization latency per request, half on the way in, half on the way back "
                              "(default: %(default)s)")
+    parser.add_argument("--serving-latency-per-1k-ms", type=non_negative_float, default=0.0,
+                        help="more serving latency on the way in per 1,000 prompt tokens: tokenizing and moving the "
+                             "prompt (default: %(default)s; bench/live_vs_virtual.py measures both)")
     add_workload_arguments(parser, Path("runs/simulate.json"), "the smallest context length of the simulated engines")
 
 
@@ -359,6 +362,7 @@ def run_simulation(args: argparse.Namespace) -> dict:
             request_timeout_s=args.request_timeout_s,
             ignore_eos=args.ignore_eos,
             serving_latency_s=args.serving_latency_ms / 1e3,
+            serving_latency_per_1k_s=args.serving_latency_per_1k_ms / 1e3,
             tokenizer=tokenizer,
             on_record=on_record,
             on_progress=on_progress,
@@ -373,6 +377,7 @@ def run_simulation(args: argparse.Namespace) -> dict:
         "engines": [{"name": e.name, "kind": e.kind, "role": e.role, "gpus": len(e.gpus) or 1} for e in config.engines],
         "sim": {"model": config.sim.model, "gpu": config.sim.gpu},
         "serving_latency_ms": args.serving_latency_ms,
+        "serving_latency_per_1k_ms": args.serving_latency_per_1k_ms,
         **workload_meta(args, workload),
     }
     report = {**build_report(records, slo_ttft_s=config.slo.ttft_s if args.slo_ttft_s is None else args.slo_ttft_s,

@@ -20,7 +20,7 @@ from loadgen.workloads import Workload
 def simulate(config: Config, workload: Workload, *, duration_s: float, seed: int, rate: float | None = None,
              time_scale: float = 1.0, think_time_s: float = 1.0, think_dist: str = "exp",
              request_timeout_s: float = 300.0, ignore_eos: bool = False, serving_latency_s: float = 0.0,
-             tokenizer: ChatTokenizer | None = None, on_record: Callable[[RequestRecord], None] | None = None,
+             serving_latency_per_1k_s: float = 0.0, tokenizer: ChatTokenizer | None = None, on_record: Callable[[RequestRecord], None] | None = None,
              on_progress: Callable[[float], None] | None = None, max_requests: int | None = None) -> list[RequestRecord]:
     """Run ``workload`` against ``config``'s deployment in virtual time; one record per request sent.
 
@@ -28,20 +28,21 @@ def simulate(config: Config, workload: Workload, *, duration_s: float, seed: int
     """
     return simulate_run(config, workload, duration_s=duration_s, seed=seed, rate=rate, time_scale=time_scale,
                         think_time_s=think_time_s, think_dist=think_dist, request_timeout_s=request_timeout_s,
-                        ignore_eos=ignore_eos, serving_latency_s=serving_latency_s, tokenizer=tokenizer,
+                        ignore_eos=ignore_eos, serving_latency_s=serving_latency_s,
+                        serving_latency_per_1k_s=serving_latency_per_1k_s, tokenizer=tokenizer,
                         on_record=on_record, on_progress=on_progress, max_requests=max_requests).records
 
 
 def simulate_run(config: Config, workload: Workload, *, duration_s: float, seed: int, rate: float | None = None,
                  time_scale: float = 1.0, think_time_s: float = 1.0, think_dist: str = "exp",
                  request_timeout_s: float = 300.0, ignore_eos: bool = False, serving_latency_s: float = 0.0,
-                 tokenizer: ChatTokenizer | None = None, on_record: Callable[[RequestRecord], None] | None = None,
+                 serving_latency_per_1k_s: float = 0.0, tokenizer: ChatTokenizer | None = None, on_record: Callable[[RequestRecord], None] | None = None,
                  on_progress: Callable[[float], None] | None = None, max_requests: int | None = None) -> VirtualRun:
     """Run ``workload`` against ``config``'s deployment in virtual time; the finished run (``records``: one per request sent).
 
     Arguments mean what they mean for :func:`loadgen.runner.run_loadgen`;
     arrivals come from ``random.Random(f"arrivals/{seed}")`` as there;
-    ``serving_latency_s`` as for :class:`~loadgen.virtual.VirtualRun`.
+    ``serving_latency_s`` and ``serving_latency_per_1k_s`` as for :class:`~loadgen.virtual.VirtualRun`.
     ``tokenizer`` defaults to the gateway's (``config.model.path``).
     A prefill–decode deployment (``pd:``) runs as a :class:`~loadgen.virtual_pd.VirtualPDRun`.
 
@@ -53,6 +54,6 @@ def simulate_run(config: Config, workload: Workload, *, duration_s: float, seed:
                          max_requests=max_requests)
     run_class = VirtualPDRun if config.pd is not None else VirtualRun
     run = run_class(config, tokenizer or load_tokenizer(config.model.path), request_timeout_s=request_timeout_s,
-                    ignore_eos=ignore_eos, serving_latency_s=serving_latency_s)
+                    ignore_eos=ignore_eos, serving_latency_s=serving_latency_s, serving_latency_per_1k_s=serving_latency_per_1k_s)
     run.run(plan, duration_s, on_record=on_record, on_progress=on_progress)
     return run

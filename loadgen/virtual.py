@@ -59,11 +59,13 @@ the live runner fills them (TTFT at the first text token, ITL between text
 tokens, usage counts, class, errors as ``HTTP <status>: <message>``), so
 :func:`loadgen.report.build_report` gives the same JSON.
 
-HTTP hops, tokenization and gateway CPU time are not modelled, except as one
-optional constant, ``serving_latency_s``: half of it between the gateway's
-dispatch and the engine queueing the request, half between an engine event and
-the gateway and client seeing it (0 by default; ``bench/live_vs_virtual.py``
-measures it on the live stack at idle).
+HTTP hops, tokenization and gateway CPU time are not modelled, except as an
+optional serving latency: ``serving_latency_s``, half of it between the
+gateway's dispatch and the engine queueing the request, half between an engine
+event and the gateway and client seeing it, and ``serving_latency_per_1k_s``
+per 1,000 prompt tokens on the way in (tokenizing and moving the prompt); both
+0 by default (:func:`loadgen.agreement.serving_latency` measures them on the
+live stack at idle).
 """
 
 from __future__ import annotations
@@ -169,7 +171,7 @@ class VirtualRun:
     --ignore-eos``); a request unanswered after ``request_timeout_s`` is
     recorded as timed out and withdrawn (cancelled if queued at the gateway,
     aborted on its engine), as the live client's timeout does;
-    ``serving_latency_s`` is the serving path's latency (module doc).
+    ``serving_latency_s`` and ``serving_latency_per_1k_s`` are the serving path's latency (module doc).
 
     With ``config.controller.enabled``: ``controller`` is the pressure
     controller; ``moves`` one dict per finished move (engine, pools, role,
@@ -180,11 +182,11 @@ class VirtualRun:
     restarting / draining for moves.
 
     Raises:
-        ValueError: as :func:`engine_cores`; a negative ``serving_latency_s``.
+        ValueError: as :func:`engine_cores`; a negative serving latency.
     """
 
     def __init__(self, config: Config, tokenizer: ChatTokenizer, *, request_timeout_s: float = 300.0,
-                 ignore_eos: bool = False, serving_latency_s: float = 0.0) -> None:
+                 ignore_eos: bool = False, serving_latency_s: float = 0.0, serving_latency_per_1k_s: float = 0.0) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.registry = EngineRegistry([EngineState(e.name, f"virtual://{e.name}", config.pool(e)) for e in config.engines])
@@ -200,9 +202,11 @@ class VirtualRun:
             self.registry[name].kv_capacity_tokens = engine.core.config.max_total_tokens
         self.request_timeout_s = request_timeout_s
         self.ignore_eos = ignore_eos
-        if serving_latency_s < 0:
-            raise ValueError(f"serving latency must be >= 0, got {serving_latency_s}")
+        if serving_latency_s < 0 or serving_latency_per_1k_s < 0:
+            raise ValueError(f"serving latency must be >= 0, got {serving_latency_s} s and {serving_latency_per_1k_s} s per 1k tokens")
         self._hop_s = serving_latency_s / 2
+        self._hop_per_token_s = serving_latency_per_1k_s / 1000
+        self._delayed_in = bool(self._hop_s or self._hop_per_token_s)  # a request reaches its engine after its decision
         self.records: list[RequestRecord] = []
         self.now = 0.0
         self._special = tokenizer.eos_token_ids
@@ -354,8 +358,8 @@ class VirtualRun:
         req.engine_id = engine_id
         req.record.cached_tokens_est = req.view.cached_by_engine.get(engine_id, 0)  # as the gateway's headers
         req.record.new_tokens_est = req.view.new_tokens
-        if self._hop_s:
-            self._push(self.now + self._hop_s, _ENGINE_IN, (req, self.engines[engine_id]))
+        if self._delayed_in:
+            self._push(self.now + self._hop_s + self._hop_per_token_s * req.view.prompt_tokens, _ENGINE_IN, (req, self.engines[engine_id]))
         else:
             self._engine_in(req, self.engines[engine_id])
 
@@ -367,7 +371,7 @@ class VirtualRun:
         try:
             engine.core.add_request(view.rid, req.prompt_ids, req.record.max_tokens, self.ignore_eos, (), self.now)
         except ValueError as err:  # the engine answers 400; the gateway relays it
-            if self._hop_s:
+            if self._delayed_in:
                 self._fail(req, 400, str(err))
                 self._release(req)
             else:

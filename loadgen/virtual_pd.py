@@ -126,7 +126,7 @@ class VirtualPDRun(VirtualRun):
 
     def _fail_now(self, req: SimRequest, status: int, message: str) -> None:
         """Fail a request on its way in (inside a decision: after it, as :class:`VirtualRun` does)."""
-        if self._hop_s:
+        if self._delayed_in:
             self._fail(req, status, message)
             self._release(req)
         else:

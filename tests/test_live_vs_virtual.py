@@ -57,22 +57,23 @@ def test_live_and_virtual_ttft_agree_at_moderate_load():
 
     for attempt in range(1, ATTEMPTS + 1):
         with serving(DEFAULT_CONFIG_PATH) as url:
-            before_s = asyncio.run(serving_latency(url, config, tok, count=12))
+            before = asyncio.run(serving_latency(url, config, tok, count=12))
             with frozen_heap():  # pytest's heap too: no full collection mid-run
                 live = asyncio.run(run_loadgen(url, workload(), duration_s=DURATION_S, seed=0, rate=RATE,
                                                extra_body={"ignore_eos": True}))
-            after_s = asyncio.run(serving_latency(url, config, tok, count=12))
-        if _steady(before_s, after_s) or attempt == ATTEMPTS:
+            after = asyncio.run(serving_latency(url, config, tok, count=12))
+        if _steady(before.fixed_s, after.fixed_s) or attempt == ATTEMPTS:
             break
-    latency_s = (before_s + after_s) / 2
+    fixed_s, per_1k_s = (before.fixed_s + after.fixed_s) / 2, (before.per_1k_s + after.per_1k_s) / 2
     virtual = simulate(config, workload(), duration_s=DURATION_S, seed=0, rate=RATE, ignore_eos=True,
-                       serving_latency_s=latency_s, tokenizer=tok)
-    assert 0 < latency_s < 0.05
+                       serving_latency_s=fixed_s, serving_latency_per_1k_s=per_1k_s, tokenizer=tok)
+    assert 0 < fixed_s < 0.05 and 0 <= per_1k_s < 0.02
     assert abs(len(live) - len(virtual)) <= 3  # turns starting near the end may fall either side of it
     assert all(r.ok for r in live + virtual)
     rows = {(r["group"], r["metric"], r["stat"]): r for r in compare(build_report(live, slo_ttft_s=0.4),
                                                                       build_report(virtual, slo_ttft_s=0.4))}
-    drift = f"idle overhead {1e3 * before_s:.2f} ms before the live run, {1e3 * after_s:.2f} ms after (attempt {attempt})"
+    drift = (f"idle overhead {1e3 * before.fixed_s:.2f} ms + {1e3 * before.per_1k_s:.2f} ms per 1k prompt tokens before the "
+             f"live run, {1e3 * after.fixed_s:.2f} + {1e3 * after.per_1k_s:.2f} ms after (attempt {attempt})")
     p50, p90 = rows[("all", "ttft_s", "p50")], rows[("all", "ttft_s", "p90")]
     assert p50["diff_pct"] == pytest.approx(0, abs=TOLERANCE_PCT), (p50, drift)
     assert p90["diff_pct"] == pytest.approx(0, abs=TOLERANCE_PCT), (p90, drift)
