@@ -17,7 +17,6 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedCo
 
 from engines.manager import sim_model
 from laps.config import DEFAULT_CONFIG_PATH, load_config, parse_config
-from laps.heap import frozen_heap
 from laps.tokenizer import ChatTokenizer, load_tokenizer
 from loadgen.report import build_report, print_report, write_report, write_trace
 from loadgen.runner import THINK_DISTRIBUTIONS, LoadgenError, RequestRecord, discover_context_tokens, run_loadgen
@@ -246,7 +245,7 @@ async def run(args: argparse.Namespace) -> dict:
             progress.update(task, completed=min(args.duration, loop.time() - t0))
             await asyncio.sleep(0.25)
 
-    with frozen_heap(), progress:  # the workload and tokenizer out of the collector's full passes while it times
+    with progress:
         ticker = asyncio.create_task(tick())
         try:
             records = await run_loadgen(

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field, replace
 import aiohttp
 import orjson
 
+from laps.heap import frozen_heap
 from loadgen.workloads import Conversation, Workload, poisson_times
 
 THINK_DISTRIBUTIONS = ("exp", "fixed")
@@ -359,7 +360,9 @@ async def run_loadgen(
     True}``). ``on_record`` is called as each request finishes. ``session`` is
     used as given (left open); otherwise one is created and closed. ``api_key`` goes with every request as
     ``Authorization: Bearer`` (a gateway with ``gateway.api_keys``).
-    Records come back in completion order.
+    Records come back in completion order. While requests go out the process's heap is frozen out of the garbage
+    collector's full passes (:func:`laps.heap.frozen_heap`), which would otherwise pause the client and skew what it
+    times.
 
     Raises:
         LoadgenError: no model could be discovered.
@@ -383,19 +386,20 @@ async def run_loadgen(
     try:
         if model is None:
             model = await discover_model(session, url, api_key)
-        run = _Run(session, url, model, duration_s, request_timeout_s, extra_body or {}, on_record, api_key)
         tasks: list[asyncio.Task] = []
-        try:
-            for arrival in plan:
-                delay = arrival.start_s - run.now()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                tasks.append(asyncio.create_task(run.conversation(arrival)))
-            await asyncio.gather(*tasks)
-        finally:  # cancelled (Ctrl-C): no conversation outlives the run or its session
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        with frozen_heap():  # the workload and the modules out of the collector's full passes while it times
+            run = _Run(session, url, model, duration_s, request_timeout_s, extra_body or {}, on_record, api_key)  # t0: now
+            try:
+                for arrival in plan:
+                    delay = arrival.start_s - run.now()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    tasks.append(asyncio.create_task(run.conversation(arrival)))
+                await asyncio.gather(*tasks)
+            finally:  # cancelled (Ctrl-C): no conversation outlives the run or its session
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
         return run.records
     finally:
         if own_session:
