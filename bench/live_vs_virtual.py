@@ -3,7 +3,7 @@
 Starts ``laps serve --config`` (the gateway and its simulated SGLang engine
 processes), measures the serving path's latency at idle
 (loadgen.agreement.serving_latency: isolated short and long requests, live
-TTFT minus virtual TTFT: a fixed part and a part per 1,000 prompt tokens), runs ``laps loadgen`` against it, then ``laps simulate`` with
+TTFT minus virtual TTFT: a fixed part and a part per 1,000 new prompt tokens), runs ``laps loadgen`` against it, then ``laps simulate`` with
 the same config, workload, rate, duration and seed, once without and once
 with that latency, and prints TTFT, TPOT and E2E p50/p90 of each, overall and
 per class, with the difference to live. The reports and the comparison go to
@@ -81,7 +81,7 @@ def main() -> int:
     sent = {k: r["requests"]["sent"] for k, r in result["reports"].items()}
     table = Table(title=f"live vs virtual — {args.dataset}, {args.rate} conv/s, {args.duration:.0f} s, seed {args.seed}; "
                         f"requests {sent['live']} live, {sent['virtual']} virtual; serving latency measured at idle "
-                        f"{result['serving_latency_ms']:.1f} ms + {result['serving_latency_per_1k_ms']:.1f} ms per 1k prompt tokens")
+                        f"{result['serving_latency_ms']:.1f} ms + {result['serving_latency_per_1k_ms']:.1f} ms per 1k new prompt tokens")
     for col in ("group", "metric", "live ms", "virtual ms", "diff", "+ serving latency", "diff"):
         table.add_column(col, justify="left" if col in ("group", "metric") else "right")
     for plain, lat in zip(result["comparison"], result["comparison_with_latency"]):

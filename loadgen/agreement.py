@@ -5,10 +5,11 @@ The virtual run models no HTTP hop or tokenization. To compare like with like,
 requests (one at a time, the engines idle), short and long, are sent live and
 simulated, and the differences of their TTFTs give the serving latency the
 virtual run then adds: a fixed part (half on the way in, half on the way out)
-and a part per 1,000 prompt tokens on the way in (the prompt is tokenized by
-the gateway and again by the engine, and travels as JSON: on this project's
-2-core machine 1.7–2.6 ms per 1,000 tokens, which put the live TTFTs of
-``config.yaml``'s 1k–4k-token prompts 2–14 ms over the virtual ones).
+and a part per 1,000 new prompt tokens on the way in (new: not in the prefix
+cache; the new text is tokenized and travels as JSON: on this project's 2-core
+machine 1.6–2.6 ms per 1,000 tokens, which put the live TTFTs of
+``config.yaml``'s 1k–4k-token first turns 2–14 ms over the virtual ones, while a
+follow-up turn of 676 tokens, 42 of them new, showed none of it).
 Everything under load — queueing, batching, chunking, the scheduler's
 windows, decode interference — is left to the model.
 """
@@ -16,6 +17,7 @@ windows, decode interference — is left to the model.
 from __future__ import annotations
 
 import random
+import secrets
 import statistics
 from dataclasses import dataclass
 
@@ -32,35 +34,37 @@ LONG_PROBE_TOKENS = 3000  # the long probes' templated prompt length; the short 
 @dataclass(frozen=True)
 class ServingLatency:
     """The live stack's extra TTFT over the virtual run at idle: ``fixed_s`` per request and ``per_1k_s`` more per
-    1,000 prompt tokens (seconds)."""
+    1,000 new prompt tokens (seconds)."""
 
     fixed_s: float
     per_1k_s: float
 
 
-def probe_workload(count: int, spacing_s: float, tokenizer: ChatTokenizer, max_tokens: int = 4) -> Workload:
+def probe_workload(count: int, spacing_s: float, tokenizer: ChatTokenizer, seed: str, max_tokens: int = 4) -> Workload:
     """``count`` single-turn probes, one every ``spacing_s`` seconds (a timed workload): MT-Bench questions and,
-    every other one, a distinct prompt of :data:`LONG_PROBE_TOKENS` tokens of real text (none cached by another)."""
-    questions = load_mtbench(max_tokens)
-    long_prompts = ExactLengthPrompts(tokenizer, random.Random("probes"))
+    every other one, a prompt of :data:`LONG_PROBE_TOKENS` tokens of real text, both drawn with ``seed`` (the same
+    seed, the same probes)."""
+    rng = random.Random(f"probes/{seed}")
+    questions = rng.sample(load_mtbench(max_tokens), k=count)
+    long_prompts = ExactLengthPrompts(tokenizer, rng)
     conversations = [Conversation(f"probe-{i}", "probe",
-                                  (Turn(long_prompts.make(LONG_PROBE_TOKENS) if i % 2 else questions[i % len(questions)].turns[0].content,
+                                  (Turn(long_prompts.make(LONG_PROBE_TOKENS) if i % 2 else questions[i].turns[0].content,
                                         max_tokens),),
                                   start_s=i * spacing_s) for i in range(count)]
     return Workload("probe", iter(conversations), timed=True)
 
 
 def ttft_offsets(live: list[RequestRecord], virtual: list[RequestRecord]) -> list[tuple[int, float]]:
-    """(prompt tokens, live TTFT − virtual TTFT in seconds) of the requests both runs answered, matched by
-    conversation and turn."""
-    sim = {(r.conversation_id, r.turn): r.ttft_s for r in virtual if r.ok and r.ttft_s is not None}
-    return [(r.prompt_tokens or 0, r.ttft_s - sim[(r.conversation_id, r.turn)]) for r in live
-            if r.ok and r.ttft_s is not None and (r.conversation_id, r.turn) in sim]
+    """(new prompt tokens, as the virtual run counted them; live TTFT − virtual TTFT in seconds) of the requests both
+    runs answered, matched by conversation and turn."""
+    sim = {(r.conversation_id, r.turn): r for r in virtual if r.ok and r.ttft_s is not None}
+    return [(sim[key].new_tokens_est or 0, r.ttft_s - sim[key].ttft_s) for r in live
+            if r.ok and r.ttft_s is not None and (key := (r.conversation_id, r.turn)) in sim]
 
 
 def fit_serving_latency(offsets: list[tuple[int, float]]) -> ServingLatency:
-    """The line through the medians of the short and the long probes' offsets ((prompt tokens, seconds); the long
-    ones have at least half of :data:`LONG_PROBE_TOKENS`), neither part below 0; with no long probe, the median
+    """The line through the medians of the short and the long probes' offsets ((new prompt tokens, seconds); the
+    long ones have at least half of :data:`LONG_PROBE_TOKENS`), neither part below 0; with no long probe, the median
     offset and no part per token.
 
     Raises:
@@ -82,18 +86,19 @@ async def serving_latency(url: str, config: Config, tokenizer: ChatTokenizer, co
                           spacing_s: float = 0.25) -> ServingLatency:
     """The live stack's extra TTFT at ``url`` over the virtual run of ``config``, at idle (:func:`fit_serving_latency`).
 
-    ``count`` isolated requests (:func:`probe_workload`, ``spacing_s`` apart, long enough for each to finish alone)
-    are sent live and simulated without serving latency.
+    ``count`` (at most 80) isolated requests (:func:`probe_workload`, ``spacing_s`` apart, long enough for each to
+    finish alone) are sent live and simulated without serving latency; each call draws other probes, so none is in
+    the live engines' prefix caches from an earlier call (the virtual engines start empty).
 
     Raises:
         ValueError: no probe succeeded in both runs.
         LoadgenError: the live stack cannot be reached.
     """
-    duration = count * spacing_s
-    live = await run_loadgen(url, probe_workload(count, spacing_s, tokenizer), duration_s=duration, seed=0,
+    duration, seed = count * spacing_s, secrets.token_hex(8)
+    live = await run_loadgen(url, probe_workload(count, spacing_s, tokenizer, seed), duration_s=duration, seed=0,
                              extra_body={"ignore_eos": True})
-    virtual = simulate(config, probe_workload(count, spacing_s, tokenizer), duration_s=duration, seed=0, ignore_eos=True,
-                       tokenizer=tokenizer)
+    virtual = simulate(config, probe_workload(count, spacing_s, tokenizer, seed), duration_s=duration, seed=0,
+                       ignore_eos=True, tokenizer=tokenizer)
     return fit_serving_latency(ttft_offsets(live, virtual))
 
 

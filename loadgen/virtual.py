@@ -63,7 +63,8 @@ HTTP hops, tokenization and gateway CPU time are not modelled, except as an
 optional serving latency: ``serving_latency_s``, half of it between the
 gateway's dispatch and the engine queueing the request, half between an engine
 event and the gateway and client seeing it, and ``serving_latency_per_1k_s``
-per 1,000 prompt tokens on the way in (tokenizing and moving the prompt); both
+per 1,000 new prompt tokens (the prompt less its longest prefix cached on an
+engine, as the gateway counts them) on the way in (tokenizing and moving them); both
 0 by default (:func:`loadgen.agreement.serving_latency` measures them on the
 live stack at idle).
 """
@@ -359,7 +360,7 @@ class VirtualRun:
         req.record.cached_tokens_est = req.view.cached_by_engine.get(engine_id, 0)  # as the gateway's headers
         req.record.new_tokens_est = req.view.new_tokens
         if self._delayed_in:
-            self._push(self.now + self._hop_s + self._hop_per_token_s * req.view.prompt_tokens, _ENGINE_IN, (req, self.engines[engine_id]))
+            self._push(self.now + self._hop_s + self._hop_per_token_s * req.view.new_tokens, _ENGINE_IN, (req, self.engines[engine_id]))
         else:
             self._engine_in(req, self.engines[engine_id])
 
