@@ -45,10 +45,11 @@ def probe_workload(count: int, spacing_s: float, tokenizer: ChatTokenizer, seed:
     every other one, a prompt of :data:`LONG_PROBE_TOKENS` tokens of real text, both drawn with ``seed`` (the same
     seed, the same probes)."""
     rng = random.Random(f"probes/{seed}")
-    questions = rng.sample(load_mtbench(max_tokens), k=count)
+    questions = load_mtbench(max_tokens)
+    rng.shuffle(questions)
     long_prompts = ExactLengthPrompts(tokenizer, rng)
     conversations = [Conversation(f"probe-{i}", "probe",
-                                  (Turn(long_prompts.make(LONG_PROBE_TOKENS) if i % 2 else questions[i].turns[0].content,
+                                  (Turn(long_prompts.make(LONG_PROBE_TOKENS) if i % 2 else questions[i % len(questions)].turns[0].content,
                                         max_tokens),),
                                   start_s=i * spacing_s) for i in range(count)]
     return Workload("probe", iter(conversations), timed=True)
@@ -86,7 +87,7 @@ async def serving_latency(url: str, config: Config, tokenizer: ChatTokenizer, co
                           spacing_s: float = 0.25) -> ServingLatency:
     """The live stack's extra TTFT at ``url`` over the virtual run of ``config``, at idle (:func:`fit_serving_latency`).
 
-    ``count`` (at most 80) isolated requests (:func:`probe_workload`, ``spacing_s`` apart, long enough for each to
+    ``count`` isolated requests (:func:`probe_workload`, ``spacing_s`` apart, long enough for each to
     finish alone) are sent live and simulated without serving latency; each call draws other probes, so none is in
     the live engines' prefix caches from an earlier call (the virtual engines start empty).
 
