@@ -52,7 +52,7 @@ def run(config_path: Path, dataset: str, rate: float, duration: float, seed: int
                                   f"{per_1k_s * 1e3:.3f}", "--out", str(work / f"{name}.json")])
         args.func(args)
     reports = {name: orjson.loads((work / f"{name}.json").read_bytes()) for name in ("live", "virtual", "virtual_latency")}
-    return {"serving_latency_ms": latency.fixed_s * 1e3, "serving_latency_per_1k_ms": latency.per_1k_s * 1e3, "reports": reports,
+    return {"serving_latency_fixed_ms": latency.fixed_s * 1e3, "serving_latency_per_1k_ms": latency.per_1k_s * 1e3, "reports": reports,
             "comparison": compare(reports["live"], reports["virtual"]),
             "comparison_with_latency": compare(reports["live"], reports["virtual_latency"])}
 
@@ -81,7 +81,7 @@ def main() -> int:
     sent = {k: r["requests"]["sent"] for k, r in result["reports"].items()}
     table = Table(title=f"live vs virtual — {args.dataset}, {args.rate} conv/s, {args.duration:.0f} s, seed {args.seed}; "
                         f"requests {sent['live']} live, {sent['virtual']} virtual; serving latency measured at idle "
-                        f"{result['serving_latency_ms']:.1f} ms + {result['serving_latency_per_1k_ms']:.1f} ms per 1k new prompt tokens")
+                        f"{result['serving_latency_fixed_ms']:.1f} ms + {result['serving_latency_per_1k_ms']:.1f} ms per 1k new prompt tokens")
     for col in ("group", "metric", "live ms", "virtual ms", "diff", "+ serving latency", "diff"):
         table.add_column(col, justify="left" if col in ("group", "metric") else "right")
     for plain, lat in zip(result["comparison"], result["comparison_with_latency"]):

@@ -35,13 +35,14 @@ _thaw_at_exit = False  # whether the outermost one froze a heap that was not fro
 
 
 def freeze_heap() -> int:
-    """Collect what start-up left behind, then freeze every object still tracked out of later collections, and log
-    full collections of :data:`LOGGED_PASS_S` or more from then on (once per process); returns how many objects are
+    """Collect what start-up left behind, then freeze every object still tracked out of later collections, and, when
+    this module logs at debug level, log full collections of :data:`LOGGED_PASS_S` or more from then on (the hook
+    is installed once per process, and stays; so a test's thawed heap is logged too); returns how many objects are
     frozen. Call it once a process is ready to serve; objects frozen and later dropped are freed by reference
     counting, but never by the collector (a reference cycle among them stays)."""
     gc.collect()
     gc.freeze()
-    if _log_long_passes not in gc.callbacks:
+    if log.isEnabledFor(logging.DEBUG) and _log_long_passes not in gc.callbacks:
         gc.callbacks.append(_log_long_passes)
     frozen = gc.get_freeze_count()
     log.debug("start-up heap frozen: %d objects out of the garbage collector's passes", frozen)
@@ -53,7 +54,7 @@ def frozen_heap() -> Iterator[int]:
     """:func:`freeze_heap` for the ``with`` block only: a run that measures, in a process that goes on after it
     (:func:`loadgen.runner.run_loadgen`, which tests call in-process); yields the count frozen. The outermost block
     thaws everything at exit unless the heap was frozen before it (a server's :func:`freeze_heap`), so blocks nest and
-    overlap (concurrent runs) safely."""
+    overlap (concurrent runs) safely; a server frozen in the same process while a block is open is thawed with it."""
     global _frozen_depth, _thaw_at_exit
     if _frozen_depth == 0:
         _thaw_at_exit = gc.get_freeze_count() == 0

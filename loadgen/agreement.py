@@ -5,17 +5,20 @@ The virtual run models no HTTP hop or tokenization. To compare like with like,
 requests (one at a time, the engines idle), short and long, are sent live and
 simulated, and the differences of their TTFTs give the serving latency the
 virtual run then adds: a fixed part (half on the way in, half on the way out)
-and a part per 1,000 new prompt tokens on the way in (new: not in the prefix
-cache; the new text is tokenized and travels as JSON: on this project's 2-core
-machine 1.6–2.6 ms per 1,000 tokens, which put the live TTFTs of
-``config.yaml``'s 1k–4k-token first turns 2–14 ms over the virtual ones, while a
-follow-up turn of 676 tokens, 42 of them new, showed none of it).
+and a part per 1,000 new prompt tokens on the way in (new: not cached on any
+engine). Tokenizing and moving a prompt costs more the longer it is; new tokens
+are a proxy fitted to the data, not the mechanism: over the ~120 matched
+requests of three runs of ``config.yaml`` at 3 conversations/s on this
+project's 2-core machine, live minus virtual TTFT grew by 1.7–2.6 ms per 1,000
+tokens, a little better explained by new tokens than by prompt tokens, and
+:func:`serving_latency`'s fits gave 1.5–2.0 ms (nine, 2026-12-04).
 Everything under load — queueing, batching, chunking, the scheduler's
 windows, decode interference — is left to the model.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 import secrets
 import statistics
@@ -27,6 +30,7 @@ from loadgen.runner import RequestRecord, run_loadgen
 from loadgen.simulate import simulate
 from loadgen.workloads import Conversation, ExactLengthPrompts, Turn, Workload, load_mtbench
 
+log = logging.getLogger(__name__)
 METRICS = ("ttft_s", "tpot_s", "e2e_s")
 LONG_PROBE_TOKENS = 3000  # the long probes' templated prompt length; the short ones are MT-Bench questions (~20-200)
 
@@ -43,15 +47,19 @@ class ServingLatency:
 def probe_workload(count: int, spacing_s: float, tokenizer: ChatTokenizer, seed: str, max_tokens: int = 4) -> Workload:
     """``count`` single-turn probes, one every ``spacing_s`` seconds (a timed workload): MT-Bench questions and,
     every other one, a prompt of :data:`LONG_PROBE_TOKENS` tokens of real text, both drawn with ``seed`` (the same
-    seed, the same probes)."""
+    seed, the same probes); each short one starts with ``seed`` and its number, so no two seeds share a prompt."""
     rng = random.Random(f"probes/{seed}")
     questions = load_mtbench(max_tokens)
     rng.shuffle(questions)
     long_prompts = ExactLengthPrompts(tokenizer, rng)
-    conversations = [Conversation(f"probe-{i}", "probe",
-                                  (Turn(long_prompts.make(LONG_PROBE_TOKENS) if i % 2 else questions[i % len(questions)].turns[0].content,
-                                        max_tokens),),
-                                  start_s=i * spacing_s) for i in range(count)]
+
+    def prompt(i: int) -> str:
+        if i % 2:
+            return long_prompts.make(LONG_PROBE_TOKENS)
+        return f"[{seed} {i}] {questions[i % len(questions)].turns[0].content}"
+
+    conversations = [Conversation(f"probe-{i}", "probe", (Turn(prompt(i), max_tokens),), start_s=i * spacing_s)
+                     for i in range(count)]
     return Workload("probe", iter(conversations), timed=True)
 
 
@@ -66,7 +74,8 @@ def ttft_offsets(live: list[RequestRecord], virtual: list[RequestRecord]) -> lis
 def fit_serving_latency(offsets: list[tuple[int, float]]) -> ServingLatency:
     """The line through the medians of the short and the long probes' offsets ((new prompt tokens, seconds); the
     long ones have at least half of :data:`LONG_PROBE_TOKENS`), neither part below 0; with no long probe, the median
-    offset and no part per token.
+    offset and no part per token (logged as a warning: with only long probes, say where the engines' context is
+    shorter than :data:`LONG_PROBE_TOKENS`, the fixed part then holds their tokens' part too).
 
     Raises:
         ValueError: no offset.
@@ -76,6 +85,8 @@ def fit_serving_latency(offsets: list[tuple[int, float]]) -> ServingLatency:
     long = [(n, d) for n, d in offsets if n >= LONG_PROBE_TOKENS // 2]
     short = [(n, d) for n, d in offsets if n < LONG_PROBE_TOKENS // 2]
     if not long or not short:
+        log.warning("serving latency: no %s probe answered in both runs; the median offset of the others is taken as "
+                    "the fixed part, and nothing per token", "long" if not long else "short")
         return ServingLatency(max(0.0, statistics.median(d for _, d in offsets)), 0.0)
     (n_short, d_short), (n_long, d_long) = ((statistics.median(n for n, _ in g), statistics.median(d for _, d in g))
                                             for g in (short, long))

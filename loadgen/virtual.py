@@ -64,7 +64,8 @@ optional serving latency: ``serving_latency_s``, half of it between the
 gateway's dispatch and the engine queueing the request, half between an engine
 event and the gateway and client seeing it, and ``serving_latency_per_1k_s``
 per 1,000 new prompt tokens (the prompt less its longest prefix cached on an
-engine, as the gateway counts them) on the way in (tokenizing and moving them); both
+engine, as the gateway counts them) on the way in (tokenizing and moving the
+prompt; new tokens are the proxy :mod:`loadgen.agreement` fits); both
 0 by default (:func:`loadgen.agreement.serving_latency` measures them on the
 live stack at idle).
 """

@@ -39,6 +39,7 @@ def test_every_other_probe_is_a_distinct_long_prompt_of_exactly_long_probe_token
     lengths = [len(tok.encode_chat([{"role": "user", "content": text}])) for text in a]
     assert lengths[1] == lengths[3] == LONG_PROBE_TOKENS
     assert max(lengths[0], lengths[2]) < 300
+    assert a[0].startswith("[a 0] ") and a[2].startswith("[a 2] ")
     assert len(set(a)) == 4
     assert prompts("a") == a  # live and virtual runs of one measurement send the same probes
     assert not set(prompts("b")) & set(a)  # the next measurement's are new to the live engines' caches
@@ -56,6 +57,7 @@ def test_the_virtual_run_adds_the_fixed_part_and_the_part_per_new_prompt_token_t
     for probe, (_, new_tokens, ttft_s) in with_latency.items():
         assert ttft_s - plain[probe][2] == pytest.approx(0.004 + 0.002 * new_tokens / 1000, abs=1e-9)
     prompt_tokens, new_tokens, _ = with_latency["probe-1"]
-    assert prompt_tokens == LONG_PROBE_TOKENS and 0.95 * LONG_PROBE_TOKENS < new_tokens < prompt_tokens  # the template's system turn is cached
+    # the template's system turn is cached from the probe before
+    assert prompt_tokens == LONG_PROBE_TOKENS and 0.95 * LONG_PROBE_TOKENS < new_tokens < prompt_tokens
     with pytest.raises(ValueError, match="serving latency must be >= 0"):
         ttfts(0.0, -0.001)

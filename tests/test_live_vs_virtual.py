@@ -20,7 +20,7 @@ DURATION_S = 24.0
 RATE = 3.0
 # The live P90 over the ~120 requests of this test is about their 12th-longest TTFT, on a step between ~40 and ~52 ms
 # long prefills, so a few ms move it. On a quiet 2-core machine (2026-12-04, two runs) the virtual run with both parts
-# of the measured serving latency (a fixed ~4 ms and ~1.8 ms per 1,000 new prompt tokens) put P50 7-8% and P90 -5% and
+# of the measured serving latency (a fixed ~4 ms and 1.6-2.0 ms per 1,000 new prompt tokens) put P50 7-8% and P90 -5% and
 # +1% off the live one; with the fixed part alone P90 was 14-18% under it (long first turns' tokenizing uncharged).
 TOLERANCE_PCT = 20
 # The live stack's idle overhead, measured before and after the live run, may move by this much (seconds) or this
