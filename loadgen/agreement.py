@@ -73,9 +73,9 @@ def ttft_offsets(live: list[RequestRecord], virtual: list[RequestRecord]) -> lis
 
 def fit_serving_latency(offsets: list[tuple[int, float]]) -> ServingLatency:
     """The line through the medians of the short and the long probes' offsets ((new prompt tokens, seconds); the
-    long ones have at least half of :data:`LONG_PROBE_TOKENS`), neither part below 0; with no long probe, the median
-    offset and no part per token (logged as a warning: with only long probes, say where the engines' context is
-    shorter than :data:`LONG_PROBE_TOKENS`, the fixed part then holds their tokens' part too).
+    long ones have at least half of :data:`LONG_PROBE_TOKENS`), neither part below 0. With one group only (no long
+    probe answered, or no short one), the median of all offsets and nothing per token, with a warning: with only
+    long probes the fixed part then holds their tokens' part too.
 
     Raises:
         ValueError: no offset.
