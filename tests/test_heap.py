@@ -37,14 +37,14 @@ def test_frozen_heap_freezes_live_objects_collects_garbage_first_and_thaws():
 
 
 def test_frozen_heap_blocks_nest_and_leave_a_heap_frozen_before_them_frozen():
-    with frozen_heap():
-        with frozen_heap():
-            pass
+    with frozen_heap() as outer:
+        with frozen_heap() as inner:
+            assert inner >= outer > 0  # the inner block freezes what came since, on top
         assert gc.get_freeze_count() > 0  # the inner block's end thaws nothing: the outer one still runs
     assert gc.get_freeze_count() == 0
-    freeze_heap()  # a server's, for its life
-    with frozen_heap():
-        pass
+    server = freeze_heap()  # a server's, for its life
+    with frozen_heap() as count:
+        assert count >= server > 0
     assert gc.get_freeze_count() > 0
 
 
