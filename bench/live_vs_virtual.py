@@ -3,8 +3,8 @@
 Starts ``laps serve --config`` (the gateway and its simulated SGLang engine
 processes), measures the serving path's latency at idle
 (loadgen.agreement.serving_latency: isolated short and long requests, live
-TTFT minus virtual TTFT: a fixed part and a part per 1,000 new prompt tokens), runs ``laps loadgen`` against it, then ``laps simulate`` with
-the same config, workload, rate, duration and seed, once without and once
+TTFT minus virtual TTFT: a fixed part and a part per 1,000 new prompt tokens),
+runs ``laps loadgen`` against it, then ``laps simulate`` with the same config, workload, rate, duration and seed, once without and once
 with that latency, and prints TTFT, TPOT and E2E p50/p90 of each, overall and
 per class, with the difference to live. The reports and the comparison go to
 --out.
@@ -52,7 +52,8 @@ def run(config_path: Path, dataset: str, rate: float, duration: float, seed: int
                                   f"{per_1k_s * 1e3:.3f}", "--out", str(work / f"{name}.json")])
         args.func(args)
     reports = {name: orjson.loads((work / f"{name}.json").read_bytes()) for name in ("live", "virtual", "virtual_latency")}
-    return {"serving_latency_fixed_ms": latency.fixed_s * 1e3, "serving_latency_per_1k_ms": latency.per_1k_s * 1e3, "reports": reports,
+    return {"serving_latency_fixed_ms": latency.fixed_s * 1e3, "serving_latency_per_1k_ms": latency.per_1k_s * 1e3,
+            "reports": reports,
             "comparison": compare(reports["live"], reports["virtual"]),
             "comparison_with_latency": compare(reports["live"], reports["virtual_latency"])}
 

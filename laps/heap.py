@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 LOGGED_PASS_S = 0.005  # a full collection at least this long after the freeze is logged (debug)
 _frozen_depth = 0  # frozen_heap blocks open
 _thaw_at_exit = False  # whether the outermost one froze a heap that was not frozen before
+_pass_started_s = 0.0  # perf_counter at the start of the full collection in progress
 
 
 def freeze_heap() -> int:
@@ -65,9 +66,6 @@ def frozen_heap() -> Iterator[int]:
         _frozen_depth -= 1
         if _frozen_depth == 0 and _thaw_at_exit:
             gc.unfreeze()
-
-
-_pass_started_s = 0.0
 
 
 def _log_long_passes(phase: str, info: dict) -> None:

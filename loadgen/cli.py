@@ -317,8 +317,8 @@ def configure_simulate_parser(parser: argparse.ArgumentParser) -> None:
                         help="HTTP and tokenization latency per request, half on the way in, half on the way back "
                              "(default: %(default)s)")
     parser.add_argument("--serving-latency-per-1k-ms", type=non_negative_float, default=0.0,
-                        help="more serving latency on the way in per 1,000 new (uncached) prompt tokens: tokenizing and moving the "
-                             "prompt (default: %(default)s; bench/live_vs_virtual.py measures both)")
+                        help="more serving latency on the way in per 1,000 new (uncached) prompt tokens: tokenizing "
+                             "and moving the prompt (default: %(default)s; bench/live_vs_virtual.py measures both)")
     add_workload_arguments(parser, Path("runs/simulate.json"), "the smallest context length of the simulated engines")
 
 
