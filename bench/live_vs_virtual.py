@@ -4,8 +4,9 @@ Starts ``laps serve --config`` (the gateway and its simulated SGLang engine
 processes), measures the serving path's latency at idle
 (loadgen.agreement.serving_latency: isolated short and long requests, live
 TTFT minus virtual TTFT: a fixed part and a part per 1,000 new prompt tokens),
-runs ``laps loadgen`` against it, then ``laps simulate`` with the same config, workload, rate, duration and seed, once without and once
-with that latency, and prints TTFT, TPOT and E2E p50/p90 of each, overall and
+runs ``laps loadgen`` against it, then ``laps simulate`` with the same
+config, workload, rate, duration and seed, once without and once with that
+latency, and prints TTFT, TPOT and E2E p50/p90 of each, overall and
 per class, with the difference to live. The reports and the comparison go to
 --out.
 
