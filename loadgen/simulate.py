@@ -20,7 +20,8 @@ from loadgen.workloads import Workload
 def simulate(config: Config, workload: Workload, *, duration_s: float, seed: int, rate: float | None = None,
              time_scale: float = 1.0, think_time_s: float = 1.0, think_dist: str = "exp",
              request_timeout_s: float = 300.0, ignore_eos: bool = False, serving_latency_s: float = 0.0,
-             serving_latency_per_1k_s: float = 0.0, tokenizer: ChatTokenizer | None = None, on_record: Callable[[RequestRecord], None] | None = None,
+             serving_latency_per_1k_s: float = 0.0, tokenizer: ChatTokenizer | None = None,
+             on_record: Callable[[RequestRecord], None] | None = None,
              on_progress: Callable[[float], None] | None = None, max_requests: int | None = None) -> list[RequestRecord]:
     """Run ``workload`` against ``config``'s deployment in virtual time; one record per request sent.
 
@@ -36,7 +37,8 @@ def simulate(config: Config, workload: Workload, *, duration_s: float, seed: int
 def simulate_run(config: Config, workload: Workload, *, duration_s: float, seed: int, rate: float | None = None,
                  time_scale: float = 1.0, think_time_s: float = 1.0, think_dist: str = "exp",
                  request_timeout_s: float = 300.0, ignore_eos: bool = False, serving_latency_s: float = 0.0,
-                 serving_latency_per_1k_s: float = 0.0, tokenizer: ChatTokenizer | None = None, on_record: Callable[[RequestRecord], None] | None = None,
+                 serving_latency_per_1k_s: float = 0.0, tokenizer: ChatTokenizer | None = None,
+                 on_record: Callable[[RequestRecord], None] | None = None,
                  on_progress: Callable[[float], None] | None = None, max_requests: int | None = None) -> VirtualRun:
     """Run ``workload`` against ``config``'s deployment in virtual time; the finished run (``records``: one per request sent).
 
@@ -54,6 +56,7 @@ def simulate_run(config: Config, workload: Workload, *, duration_s: float, seed:
                          max_requests=max_requests)
     run_class = VirtualPDRun if config.pd is not None else VirtualRun
     run = run_class(config, tokenizer or load_tokenizer(config.model.path), request_timeout_s=request_timeout_s,
-                    ignore_eos=ignore_eos, serving_latency_s=serving_latency_s, serving_latency_per_1k_s=serving_latency_per_1k_s)
+                    ignore_eos=ignore_eos, serving_latency_s=serving_latency_s,
+                    serving_latency_per_1k_s=serving_latency_per_1k_s)
     run.run(plan, duration_s, on_record=on_record, on_progress=on_progress)
     return run
