@@ -76,17 +76,19 @@ MAX_BODY_BYTES = 64 * 1024 * 1024
 END_REQUESTS_S = 2.0
 
 
-async def _mirror_kv_capacity(client: EngineClient, registry: EngineRegistry, prefix_index: PrefixCaches) -> None:
-    """Cap each engine's prefix estimate at its KV pool (``/v1/loads``) and record the pool on the engine's state (for
-    ``policy: backlog``); an engine that does not say keeps the byte budget and no capacity."""
+async def _mirror_capacity(client: EngineClient, registry: EngineRegistry, prefix_index: PrefixCaches) -> None:
+    """Cap each engine's prefix estimate at its KV pool (``/v1/loads``) and record the pool (for ``policy: backlog``) and
+    its request slots (for ``policy: laps``) on the engine's state; an engine that does not say keeps the byte budget
+    and no capacity."""
     for engine in registry:
         try:
-            load = await fetch_engine_load(client, engine.url)
+            load = await fetch_engine_load(client, engine.url, metrics=False)
         except (EngineHTTPError, ValueError, KeyError) as err:
             log.warning("engine %s: no KV capacity from /v1/loads (%r); its prefix estimate uses the byte budget only", engine.id, err)
             continue
         prefix_index.set_capacity(engine.id, load.max_total_tokens)
         engine.kv_capacity_tokens = load.max_total_tokens
+        engine.max_running_requests = load.max_running_requests
 
 
 async def _context_tokens(client: EngineClient, registry: EngineRegistry) -> int | None:
@@ -130,7 +132,7 @@ def create_app(config: Config, engine_urls: dict[str, str] | None = None, span_e
                                     classify=partial(classify, config=config, registry=registry, prefix_index=prefix_index,
                                                      classifier=classifier),
                                     prefills=prefix_index.in_flight)
-            await _mirror_kv_capacity(client, registry, prefix_index)
+            await _mirror_capacity(client, registry, prefix_index)
             context_tokens = await _context_tokens(client, registry)
             gw = Gateway(config, tokenizer, registry, client, dispatcher, prefix_index, GatewayMetrics(), manager,
                          tracer=tracer,

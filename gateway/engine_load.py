@@ -102,15 +102,19 @@ def engine_load(loads: Mapping[str, Any], metrics: Mapping[str, float]) -> Engin
     )
 
 
-async def fetch_engine_load(client: EngineClient, base_url: str) -> EngineLoad:
-    """Read ``/v1/loads`` and ``/metrics`` of the engine at ``base_url`` (concurrently) into one snapshot.
+async def fetch_engine_load(client: EngineClient, base_url: str, metrics: bool = True) -> EngineLoad:
+    """Read ``/v1/loads`` and ``/metrics`` of the engine at ``base_url`` (concurrently) into one snapshot;
+    ``metrics=False``: ``/v1/loads`` alone, every counter 0 (for the capacities, which every engine serves).
 
     Raises:
         EngineHTTPError: the engine cannot be reached, answered other than 200 (``/metrics`` is 404 unless the
             engine runs with ``--enable-metrics``) or not within the client's probe timeout.
         ValueError: a body is not what SGLang serves.
     """
-    loads_body, metrics_body = await asyncio.gather(client.get(base_url, "/v1/loads"), client.get(base_url, "/metrics"))
+    if metrics:
+        loads_body, metrics_body = await asyncio.gather(client.get(base_url, "/v1/loads"), client.get(base_url, "/metrics"))
+    else:
+        loads_body, metrics_body = await client.get(base_url, "/v1/loads"), b""
     try:
         loads = orjson.loads(loads_body)
     except orjson.JSONDecodeError as err:

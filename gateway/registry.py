@@ -20,7 +20,7 @@ class EngineState:
     ``/ready`` but its streams have stopped (see :mod:`gateway.health`).
     Policies see an engine as healthy only when it is :attr:`serving`, so no new
     work goes to it otherwise. ``kv_capacity_tokens`` is the engine's KV pool
-    once it has reported it. ``open_streams``: streams relayed from it that have
+    and ``max_running_requests`` its request slots, once it has reported them. ``open_streams``: streams relayed from it that have
     had their first byte and not ended; ``last_byte_s``: when one of them last
     brought bytes (the event loop's ``loop.time()``, seconds).
     """
@@ -33,6 +33,7 @@ class EngineState:
     in_flight: int = 0
     in_flight_prompt_tokens: int = 0
     kv_capacity_tokens: int | None = None
+    max_running_requests: int | None = None
     stalled: bool = False
     open_streams: int = 0
     last_byte_s: float = 0.0
@@ -43,7 +44,8 @@ class EngineState:
         return self.healthy and not self.draining and not self.stalled
 
     def view(self) -> EngineView:
-        return EngineView(self.id, self.pool, self.serving, self.in_flight, self.in_flight_prompt_tokens, self.kv_capacity_tokens)
+        return EngineView(self.id, self.pool, self.serving, self.in_flight, self.in_flight_prompt_tokens, self.kv_capacity_tokens,
+                          self.max_running_requests)
 
 
 class EngineRegistry:

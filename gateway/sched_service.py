@@ -10,7 +10,8 @@ and ask it through :class:`SchedulerService`. The worker's side is
 Messages (msgpack maps; ``op`` says which). Calls, answered:
 
 - ``{"op": "state"}`` -> ``{"engines": [[id, url, pool, healthy, draining,
-  stalled, in_flight, in_flight_prompt_tokens, kv_capacity_tokens], ...],
+  stalled, in_flight, in_flight_prompt_tokens, kv_capacity_tokens,
+  max_running_requests], ...],
   "roles": {id: role}, "context_tokens": int | None, "stats": {name: value}}``:
   the registry in configuration order, the role each engine runs now (the
   controller or the admin API may have moved it), the model's context length, the scheduler's
@@ -83,8 +84,8 @@ log = logging.getLogger("laps.gateway")
 
 def engines_of(gw: Gateway) -> list[list]:
     """The registry as the ``state`` call sends it (module doc)."""
-    return [[e.id, e.url, e.pool, e.healthy, e.draining, e.stalled, e.in_flight, e.in_flight_prompt_tokens, e.kv_capacity_tokens]
-            for e in gw.registry]
+    return [[e.id, e.url, e.pool, e.healthy, e.draining, e.stalled, e.in_flight, e.in_flight_prompt_tokens, e.kv_capacity_tokens,
+             e.max_running_requests] for e in gw.registry]
 
 
 @dataclass

@@ -202,6 +202,7 @@ class VirtualRun:
             self.prefix_index.set_capacity(name, engine.core.config.max_total_tokens)
             self._follow_kv_events(engine)
             self.registry[name].kv_capacity_tokens = engine.core.config.max_total_tokens
+            self.registry[name].max_running_requests = engine.core.config.max_running_requests
         self.request_timeout_s = request_timeout_s
         self.ignore_eos = ignore_eos
         if serving_latency_s < 0 or serving_latency_per_1k_s < 0:
@@ -595,6 +596,7 @@ class VirtualRun:
         self.prefix_index.set_capacity(engine_id, core.config.max_total_tokens)
         self._follow_kv_events(self.engines[engine_id])
         self.registry[engine_id].kv_capacity_tokens = core.config.max_total_tokens
+        self.registry[engine_id].max_running_requests = core.config.max_running_requests
         self.restart_engine_s += self.now - self._drained_s
         self._joined(move, role, "restart")
 

@@ -345,6 +345,7 @@ from typing import Literal, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from policies.rates import DecayingRate
 from policies.ttft_model import EngineQueueModel, EngineTraits, SeqShape, isolated_prefill_s
 from policies.types import Decision, Dispatch, EngineView, RequestView
 
@@ -390,22 +391,6 @@ class LapsConfig(BaseModel):
 
 
 @dataclass
-class _DecayingRate:
-    """Events per second, exponentially decayed with time constant ``tau_s`` (weights are event sizes)."""
-
-    tau_s: float
-    value: float = 0.0
-    last_s: float = 0.0
-
-    def at(self, now: float) -> float:
-        return self.value * math.exp(-(now - self.last_s) / self.tau_s)
-
-    def add(self, now: float, weight: float) -> None:
-        self.value = self.at(now) + weight / self.tau_s
-        self.last_s = now
-
-
-@dataclass
 class _InFlight:
     engine_id: str
     short: bool
@@ -440,8 +425,8 @@ class LapsScheduler:
         self.depth_tokens = self.config.initial_depth_tokens
         self.service_s = self.config.initial_service_ms / 1e3
         self.long_service_s = self.config.initial_long_service_ms / 1e3
-        self._rate = _DecayingRate(self.config.rate_window_s)
-        self._short_batches = _DecayingRate(self.config.rate_window_s)  # short batches dispatched per second
+        self._rate = DecayingRate(self.config.rate_window_s)
+        self._short_batches = DecayingRate(self.config.rate_window_s)  # short batches dispatched per second
         self._in_flight: dict[str, _InFlight] = {}
         self._long_ratios: deque[float] = deque(maxlen=LONG_RATIO_WINDOW)  # actual / predicted TTFT of long prefills
         self.triggers: dict[Trigger, int] = {"immediate": 0, "idle": 0, "depth": 0, "window": 0, "slack": 0}
@@ -485,7 +470,7 @@ class LapsScheduler:
 
     def on_complete(self, rid: str, engine_id: str, now: float) -> None:
         self._in_flight.pop(rid, None)
-        self.model.finished(rid)
+        self.model.finished(rid, now)
 
     def stats(self) -> dict[str, float]:
         """Queue depths, the adaptive depth D and service estimates (gauges); batch counts by trigger and
@@ -592,10 +577,19 @@ class LapsScheduler:
         decoding = self.model.decoding(engine.id)
         return engine.in_flight_prompt_tokens * decoding // engine.in_flight if engine.in_flight and decoding else 0
 
+    @staticmethod
+    def _waiting_for_slot(engine: EngineView, batch: Sequence[RequestView]) -> int:
+        """Requests that would wait for a request slot on ``engine`` up to ``batch``'s last: those in flight there plus
+        ``batch``, less its ``max_running_requests`` (0 with a slot free for each, or slots unknown)."""
+        if engine.max_running_requests is None:
+            return 0
+        return max(0, engine.in_flight + len(batch) - engine.max_running_requests)
+
     def _own_ttft_s(self, engine: EngineView, batch: Sequence[RequestView], now: float) -> float:
-        """``batch``'s predicted TTFT on ``engine`` from ``now`` (seconds), in the engine's own queue order."""
+        """``batch``'s predicted TTFT on ``engine`` from ``now`` (seconds), in the engine's own queue order, once it
+        has request slots there."""
         return self.model.predict_ttft_s(engine.id, self._shapes(batch, engine.id), now, self._decoding_context(engine),
-                                         self._joins_in_flight(batch, engine.id))
+                                         self._joins_in_flight(batch, engine.id), self._waiting_for_slot(engine, batch))
 
     def _cost(self, engine: EngineView, batch: Sequence[RequestView], now: float, own_s: float | None = None) -> float:
         """Seconds of first-token time that sending ``batch`` to ``engine`` costs: its own predicted TTFT (``own_s``
@@ -744,7 +738,8 @@ class LapsScheduler:
         engine = load[engine_id]
         self.model.dispatched(engine_id, [r.rid for r in batch], self._shapes(batch, engine_id), now,
                               self._decoding_context(engine), stream=all(r.stream for r in batch),
-                              deadlines_s=[r.deadline_s for r in batch], behind_all=self._joins_in_flight(batch, engine_id))
+                              deadlines_s=[r.deadline_s for r in batch], behind_all=self._joins_in_flight(batch, engine_id),
+                              waiting_for_slot=self._waiting_for_slot(engine, batch))
         load[engine_id] = engine.with_dispatched(len(batch), sum(r.prompt_tokens for r in batch))
         for r in batch:
             self._in_flight[r.rid] = _InFlight(engine_id, short, now, self._new_on(r, engine_id))

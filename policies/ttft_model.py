@@ -22,7 +22,17 @@ its first token after
   tail TTFT);
 * with no prefill backlog, ``A_e`` is the rest of a decode pass in progress:
   half a decode pass over e's decoding requests (those the scheduler sent there
-  that have had their first token).
+  that have had their first token);
+* admission: an engine runs at most ``max_running_requests`` requests (its
+  request slots) and admits a waiting prefill only into a free one (SGLang's
+  ``PrefillAdder``; ``engines/sim/core.py`` does the same). A request that finds
+  its engine's slots taken, k requests ahead of it waiting for one (counting
+  itself), starts no earlier than after k finishes there, at the rate requests
+  have been finishing on that engine (:meth:`EngineQueueModel.slot_wait_s`; an
+  exponentially decaying rate with time constant ``FINISH_RATE_WINDOW_S``, at least
+  one per that time): ``A_e`` is the later of the prefill work ahead and that
+  wait. Near saturation on decode-heavy traffic every engine's slots fill, and
+  a prefill backlog alone sends a request to an engine where it waits for a slot.
 
 On ``shortest-prefill-first`` engines a request delays the longer prefills it
 overtakes by what its new tokens add to their passes (``token_in_pass_s`` each, the
@@ -51,6 +61,11 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
+
+from policies.rates import DecayingRate
+
+FINISH_RATE_WINDOW_S = 1.0
+"""Time constant (seconds) of each engine's finishing rate, and one finish per this time its floor (slot_wait_s)."""
 
 SeqShape = tuple[int, int]
 """(L new tokens, H cached tokens) of one sequence in a pass."""
@@ -143,6 +158,7 @@ class EngineQueueModel:
         self._seq = itertools.count()
         self._decoding: dict[str, int] = {}  # engine -> requests past their first token, still running
         self._decoding_rids: dict[str, str] = {}
+        self._finishing: dict[str, DecayingRate] = {}  # engine -> requests finished per second there
 
     # -- what the scheduler asks ----------------------------------------------------------------
 
@@ -166,13 +182,26 @@ class EngineQueueModel:
             return now
         return now + 0.5 * self.cost.decode_s(decoding, decoding_context_tokens)
 
+    def slot_wait_s(self, engine_id: str, waiting_for_slot: int, now: float) -> float:
+        """Seconds from ``now`` until ``waiting_for_slot`` requests have finished on ``engine_id``, so that the last of
+        that many waiting for a request slot there gets one (0 for none): at the rate requests have been finishing
+        there, at least one per ``FINISH_RATE_WINDOW_S`` (module doc, admission)."""
+        if waiting_for_slot <= 0:
+            return 0.0
+        rate = self._finishing.get(engine_id)
+        return waiting_for_slot / max(rate.at(now) if rate is not None else 0.0, 1.0 / FINISH_RATE_WINDOW_S)
+
     def predict_ttft_s(self, engine_id: str, batch: Sequence[SeqShape], now: float, decoding_context_tokens: int = 0,
-                       behind_all: bool = False) -> float:
+                       behind_all: bool = False, waiting_for_slot: int = 0) -> float:
         """TTFT of ``batch`` (its (L, H) on this engine) dispatched to ``engine_id`` at ``now`` (one group: on
         ``short_first`` engines it is ordered by its longest sequence's new tokens, or behind every prefill there
-        with ``behind_all``: its H counts on one of them being done first)."""
+        with ``behind_all``: its H counts on one of them being done first). ``waiting_for_slot``: requests that would
+        wait for a request slot there up to the batch's last, itself included (in flight plus the batch, less the
+        engine's ``max_running_requests``; 0: a slot is free for each): it starts no earlier than
+        :meth:`slot_wait_s`."""
         longest = None if behind_all else max((new for new, _ in batch), default=1)
-        start = self.start_s(engine_id, now, decoding_context_tokens, longest)
+        start = max(self.start_s(engine_id, now, decoding_context_tokens, longest),
+                    now + self.slot_wait_s(engine_id, waiting_for_slot, now))
         return start - now + batch_prefill_s(self.cost, batch, self.chunk_tokens)
 
     def displaced(self, engine_id: str, batch: Sequence[SeqShape], now: float, behind_all: bool = False) -> int:
@@ -189,18 +218,18 @@ class EngineQueueModel:
 
     def dispatched(self, engine_id: str, rids: Iterable[str], batch: Sequence[SeqShape], now: float,
                    decoding_context_tokens: int = 0, stream: bool = True, deadlines_s: Sequence[float] = (),
-                   behind_all: bool = False) -> float:
+                   behind_all: bool = False, waiting_for_slot: int = 0) -> float:
         """``rids`` (shapes ``batch``) went to ``engine_id`` at ``now`` as one group; their predicted first-token time.
 
         ``deadlines_s``: the first-token deadlines of ``rids`` (clock seconds; none given: no deadline); the group
-        counts by the earliest.
+        counts by the earliest. ``waiting_for_slot``: as for :meth:`predict_ttft_s` (it moves only the time returned).
 
         On ``short_first`` engines the group goes ahead of the longer prefills waiting there, which
         its tokens push back (:meth:`displaced`); with ``behind_all`` behind all of them (:meth:`predict_ttft_s`), where
         the requests sent after it see it as longer work they overtake (its pass more in :meth:`_ahead_s`, and a
         prefill they displace), as they would the prefill it waits for.
         """
-        finish = now + self.predict_ttft_s(engine_id, batch, now, decoding_context_tokens, behind_all)
+        finish = now + self.predict_ttft_s(engine_id, batch, now, decoding_context_tokens, behind_all, waiting_for_slot)
         work_s = batch_prefill_s(self.cost, batch, self.chunk_tokens)
         key = self._key(None if behind_all else max((new for new, _ in batch), default=1))
         chunk_s = work_s if sum(max(1, new) for new, _ in batch) <= self.chunk_tokens else self.chunk_pass_s
@@ -248,16 +277,20 @@ class EngineQueueModel:
                     q.done_s = None
                     late_s -= back
 
-    def finished(self, rid: str) -> None:
-        """``rid`` ended (answered, failed, withdrawn): it no longer counts on its engine."""
+    def finished(self, rid: str, now: float) -> None:
+        """``rid`` ended at ``now`` (answered, failed, withdrawn): it no longer counts on its engine, and its request
+        slot there is free (the engine's finishing rate, :meth:`slot_wait_s`)."""
         p = self._pending.pop(rid, None)
+        engine_id = self._decoding_rids.pop(rid, None)
         if p is not None:
             del self._by_engine[p.engine_id][rid]
             if self._current.get(p.engine_id) is p:
                 del self._current[p.engine_id]
-        engine_id = self._decoding_rids.pop(rid, None)
-        if engine_id is not None:
+            engine_id = p.engine_id
+        elif engine_id is not None:
             self._decoding[engine_id] -= 1
+        if engine_id is not None:
+            self._finishing.setdefault(engine_id, DecayingRate(FINISH_RATE_WINDOW_S)).add(now, 1.0)
 
     def decoding(self, engine_id: str) -> int:
         """Requests on ``engine_id`` past their first token and not yet finished."""

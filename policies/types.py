@@ -66,7 +66,9 @@ class EngineView:
     Schedulers and the pool controller see only prefill engines (pool ``short``
     or ``long``); decode engines (pool ``decode``) go to a decode placement.
     ``kv_capacity_tokens``: the engine's KV pool (``max_total_tokens`` from
-    ``/v1/loads``), ``None`` until the engine has said.
+    ``/v1/loads``), ``None`` until the engine has said; ``max_running_requests``:
+    its request slots (``/v1/loads`` too), ``None`` until it has said. A
+    request beyond them waits in the engine until a running one finishes.
     """
 
     id: str
@@ -75,11 +77,12 @@ class EngineView:
     in_flight: int = 0
     in_flight_prompt_tokens: int = 0
     kv_capacity_tokens: int | None = None
+    max_running_requests: int | None = None
 
     def with_dispatched(self, requests: int, prompt_tokens: int) -> "EngineView":
         """This view after ``requests`` more requests (``prompt_tokens`` in all) were sent to it."""
         return EngineView(self.id, self.pool, self.healthy, self.in_flight + requests, self.in_flight_prompt_tokens + prompt_tokens,
-                          self.kv_capacity_tokens)
+                          self.kv_capacity_tokens, self.max_running_requests)
 
 
 @dataclass(frozen=True, slots=True)

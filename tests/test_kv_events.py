@@ -183,8 +183,8 @@ async def test_the_gateway_serves_on_the_estimate_while_an_engines_stream_is_dow
     publisher (as a restarted SGLang scheduler's does: seq from 0, its first batch clearing the cache)."""
     port, replay = free_ports(2, set())
     publishing = loopback_publisher(port, replay)
-    engine_app = sim_app(SimServerArgs(enable_cache_report=True, max_total_tokens=200_000, served_model_name=MODEL,
-                                       kv_events_config=publishing.model_dump_json()))
+    engine_app = sim_app(SimServerArgs(enable_cache_report=True, max_total_tokens=200_000, max_running_requests=96,
+                                       served_model_name=MODEL, kv_events_config=publishing.model_dump_json()))
     data = yaml.safe_load(DEFAULT_CONFIG_PATH.read_text())
     async with TestServer(engine_app) as engine_server:
         url = str(engine_server.make_url("")).rstrip("/")
@@ -192,6 +192,8 @@ async def test_the_gateway_serves_on_the_estimate_while_an_engines_stream_is_dow
                             "kv_events_endpoint": publishing.endpoint, "kv_events_replay_endpoint": publishing.replay_endpoint}]
         async with TestClient(TestServer(gateway_app(parse_config(data), engine_urls={"e": url}))) as client:
             gw = client.app[GATEWAY]
+            # The gateway read the engine's KV pool and request slots from /v1/loads at start-up.
+            assert (gw.registry["e"].kv_capacity_tokens, gw.registry["e"].max_running_requests) == (200_000, 96)
             history: list[dict] = []
 
             async def turn(text: str) -> tuple[int, int]:

@@ -179,6 +179,48 @@ def test_a_tie_in_predicted_cost_goes_to_the_engine_with_fewer_requests_in_fligh
     assert s.decide(even, 0.0) == Decision((Dispatch("s", ("r0",)),))  # as many in flight: the short pool
 
 
+def test_a_request_goes_where_it_gets_a_request_slot_first():
+    # s has all its 4 slots taken (decoding requests) and nothing to prefill; l has 2.35 s of prefill backlog but a free
+    # slot. Nothing has finished on s yet, so its slot comes in 1 s at the floor rate (policies.ttft_model): s wins.
+    s = LapsScheduler(config(awd_windows=False), TRAITS)
+    occupy(s, "l")
+    engines = [EngineView("s", "short", in_flight=4, max_running_requests=4), EngineView("l", "long", in_flight=1, max_running_requests=4)]
+    s.submit(short("r0", 10, 0.0), 0.0)
+    assert s.decide(engines, 0.0) == Decision((Dispatch("s", ("r0",)),))
+    # Two requests ahead of it waiting for a slot on s (in flight 6 of 4, plus itself: 3): 3 s, later than l's backlog.
+    s = LapsScheduler(config(awd_windows=False), TRAITS)
+    occupy(s, "l")
+    engines = [EngineView("s", "short", in_flight=6, max_running_requests=4), EngineView("l", "long", in_flight=1, max_running_requests=4)]
+    s.submit(short("r1", 10, 0.0), 0.0)
+    assert s.decide(engines, 0.0) == Decision((Dispatch("l", ("r1",)),))
+    # Slots unknown (an engine that does not say): no wait is counted, and the idle s takes it.
+    s = LapsScheduler(config(awd_windows=False), TRAITS)
+    occupy(s, "l")
+    engines = [EngineView("s", "short", in_flight=6), EngineView("l", "long", in_flight=1)]
+    s.submit(short("r2", 10, 0.0), 0.0)
+    assert s.decide(engines, 0.0) == Decision((Dispatch("s", ("r2",)),))
+
+
+def test_an_engine_that_finishes_requests_faster_frees_its_slots_sooner():
+    # Both engines full (4 in flight of 4 slots) and idle in prefill; s has finished 20 requests in the last instant,
+    # l none: the request goes to s (1 / 20 s against 1 s).
+    s = LapsScheduler(config(awd_windows=False), TRAITS)
+    for i in range(20):
+        s.model.dispatched("s", [f"d{i}"], [(10, 0)], 0.0)
+        s.model.first_token(f"d{i}", 0.001)
+        s.on_complete(f"d{i}", "s", 0.002)
+    engines = [EngineView("s", "short", in_flight=4, max_running_requests=4), EngineView("l", "long", in_flight=4, max_running_requests=4)]
+    s.submit(short("r0", 10, 0.002), 0.002)
+    assert s.decide(engines, 0.002) == Decision((Dispatch("s", ("r0",)),))
+    s = LapsScheduler(config(awd_windows=False), TRAITS)
+    for i in range(20):
+        s.model.dispatched("l", [f"d{i}"], [(10, 0)], 0.0)
+        s.model.first_token(f"d{i}", 0.001)
+        s.on_complete(f"d{i}", "l", 0.002)
+    s.submit(short("r0", 10, 0.002), 0.002)
+    assert s.decide(engines, 0.002) == Decision((Dispatch("l", ("r0",)),))
+
+
 def test_a_short_batch_goes_to_the_engine_whose_backlog_ends_first_even_behind_a_long_prefill():
     s = LapsScheduler(config(), TRAITS)
     s.submit(long("L", 3000, 0.0), 0.0)

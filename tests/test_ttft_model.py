@@ -1,5 +1,7 @@
 """The per-engine TTFT queue model: backlog, decode residual, chunked prefill, corrections from first tokens."""
 
+import math
+
 import pytest
 
 from policies.ttft_model import EngineQueueModel, EngineTraits, isolated_prefill_s
@@ -22,8 +24,8 @@ def test_a_request_queues_behind_the_backlog_and_the_backlog_follows_late_first_
     assert (m.prefilling("e", 0.025), m.decoding("e")) == (1, 1)
     m.first_token("b", 0.026)  # early: the backlog is simply gone
     assert m.backlog_end_s("e", 0.026) == 0.026
-    m.finished("a")
-    m.finished("b")
+    m.finished("a", 0.03)
+    m.finished("b", 0.03)
     assert (m.prefilling("e", 0.03), m.decoding("e")) == (0, 0)
 
 
@@ -145,7 +147,7 @@ def test_unstreamed_requests_count_as_prefilled_at_their_predicted_time():
     m.dispatched("e", ["a"], [(1000, 0)], 0.0, stream=False)
     assert m.prefilling("e", 0.01) == 1 and m.prefilling("e", 0.016) == 0  # done at its predicted 15 ms
     m.dispatched("e", ["a2"], [(1000, 0)], 0.02, stream=False)
-    m.finished("a2")
+    m.finished("a2", 0.02)
     assert m.backlog_end_s("e", 0.01) == 0.01
     assert m.decoding("e") == 1
     m.first_token("a", 0.5)  # reported with the whole answer: corrects nothing
@@ -157,8 +159,30 @@ def test_an_unstreamed_answer_after_its_predicted_prefill_is_taken_as_told_once(
     m.dispatched("e", ["a"], [(1000, 0)], 0.0, stream=False)
     m.first_token("a", 0.5)  # the whole answer, long after the predicted 15 ms: nothing left to correct
     assert (m.prefilling("e", 0.5), m.decoding("e")) == (0, 1)
-    m.finished("a")
+    m.finished("a", 0.5)
     assert m.decoding("e") == 0
+
+
+def test_a_request_without_a_free_slot_waits_for_as_many_finishes_at_the_engines_finishing_rate():
+    m = EngineQueueModel(TRAITS)
+    # Nothing has finished yet: the floor of one finish per FINISH_RATE_WINDOW_S (1 s).
+    assert m.slot_wait_s("e", 2, 0.0) == pytest.approx(2.0)
+    assert m.slot_wait_s("e", 0, 0.0) == 0.0
+    for i in range(10):  # ten requests finish at 1 s, five of them before their first token (failed, withdrawn)
+        m.dispatched("e", [f"r{i}"], [(10, 0)], 0.99)
+        if i % 2:
+            m.first_token(f"r{i}", 0.995)
+        m.finished(f"r{i}", 1.0)
+    assert (m.prefilling("e", 1.0), m.decoding("e")) == (0, 0)
+    # 10 finishes in a 1-s window: 10 per second, so the 5th request waiting for a slot gets one in 0.5 s.
+    assert m.slot_wait_s("e", 5, 1.0) == pytest.approx(0.5)
+    assert m.slot_wait_s("e", 1, 2.0) == pytest.approx(1 / (10 * math.exp(-1.0)))  # the rate decays: 3.68 per second
+    assert m.slot_wait_s("other", 1, 1.0) == pytest.approx(1.0)  # per engine
+    # Its TTFT: the slot wait, then its own pass (5 ms + 1 ms); a prefill backlog longer than the wait counts instead.
+    assert m.predict_ttft_s("e", [(100, 0)], 1.0, waiting_for_slot=5) == pytest.approx(0.5 + 0.006)
+    m.dispatched("e", ["big"], [(100_000, 0)], 1.0)
+    backlog_s = isolated_prefill_s(LinearCost(), 100_000, 0, 4096)  # 2.354 s in 25 chunks on a growing context
+    assert m.predict_ttft_s("e", [(100, 0)], 1.0, waiting_for_slot=5) == pytest.approx(backlog_s + 0.006)
 
 
 def test_bad_chunk_size_is_refused():
