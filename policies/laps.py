@@ -321,6 +321,18 @@ every engine in the gateway while no engine is clean (within ±0.3 points everyw
 ``--enable-mixed-chunk`` on laps' engines (decodes ride in every prefill pass, which then takes the
 decode batch's time too: ``chat-single`` at 1.0× 0.61 → 2.19%, ``hh-rlhf`` 0.25 → 29.3%).
 
+Request slots. An engine admits a prefill only into one of its ``max_running_requests`` slots, and on
+decode-heavy chat near saturation every engine's 4,096 fill (``hh-rlhf`` at 1.0× least_load's saturation
+load: 2,900 of 34,000 requests were sent to an engine holding over 3,800, and waited there a median 34 ms,
+P90 417 ms). The queue model saw only prefill work, so it sent requests where a slot was not free. With
+the wait for a slot in the prediction (:meth:`EngineQueueModel.slot_wait_s`: the requests ahead waiting for
+a slot over the rate requests finish on that engine), ``point_config``'s laps on ``hh-rlhf`` at 1.0×, seeds
+0 / 1 / 2: 1.24 / 0.29 / 1.15% → 0.15 / 0.10 / 0.10%, short-class P90 TTFT 37 / 29 / 38 → 28 / 28 / 36 ms;
+at 1.2× (seed 0) 11.07 → 10.88%, ``chat-single`` at its knee (seed 0) 3.83 → 3.36%; the other knee points
+and the two 1.0× points that ``cache_aware`` wins on seed 1 (``azure-conv``, ``mixed`` PD) did not move.
+A first version charged any engine without a free slot 10 s plus 10 ms per request over (0.00% on
+``hh-rlhf`` 1.0×, 11.37% at 1.2×): close, but a constant where the engine's own rate says how long.
+
 Temporal mode (one engine serving both classes, the ``mixed`` role) was decided
 in the simulator (one simulated H200, Qwen2.5-7B, the mixed real-chat workload,
 30 s per point, with the windows on as they were then by default): gating long prefills in the gateway alone halves short P90
