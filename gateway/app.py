@@ -41,7 +41,7 @@ from gateway import handlers, relay, tracing
 from gateway.admin import SWITCHES, add_admin_routes
 from gateway.controller_loop import CONTROLLER, ControllerLoop
 from gateway.dispatcher import Dispatcher, classify
-from gateway.engine_load import fetch_engine_load
+from gateway.engine_load import read_capacity
 from gateway.auth import api_key_middleware, is_loopback
 from gateway.errors import ServerLog, ShuttingDown, error_middleware, expect_continue
 from gateway.health import HealthMonitor, watch_silence
@@ -74,21 +74,6 @@ log = logging.getLogger("laps.gateway")
 MAX_BODY_BYTES = 64 * 1024 * 1024
 # Once the grace period is over, how long the requests still running get to write their error and finish (seconds).
 END_REQUESTS_S = 2.0
-
-
-async def _mirror_capacity(client: EngineClient, registry: EngineRegistry, prefix_index: PrefixCaches) -> None:
-    """Cap each engine's prefix estimate at its KV pool (``/v1/loads``) and record the pool (for ``policy: backlog``) and
-    its request slots (for ``policy: laps``) on the engine's state; an engine that does not say keeps the byte budget
-    and no capacity."""
-    for engine in registry:
-        try:
-            load = await fetch_engine_load(client, engine.url, metrics=False)
-        except (EngineHTTPError, ValueError, KeyError) as err:
-            log.warning("engine %s: no KV capacity from /v1/loads (%r); its prefix estimate uses the byte budget only", engine.id, err)
-            continue
-        prefix_index.set_capacity(engine.id, load.max_total_tokens)
-        engine.kv_capacity_tokens = load.max_total_tokens
-        engine.max_running_requests = load.max_running_requests
 
 
 async def _context_tokens(client: EngineClient, registry: EngineRegistry) -> int | None:
@@ -132,7 +117,8 @@ def create_app(config: Config, engine_urls: dict[str, str] | None = None, span_e
                                     classify=partial(classify, config=config, registry=registry, prefix_index=prefix_index,
                                                      classifier=classifier),
                                     prefills=prefix_index.in_flight)
-            await _mirror_capacity(client, registry, prefix_index)
+            for engine in registry:
+                await read_capacity(client, engine, prefix_index)
             context_tokens = await _context_tokens(client, registry)
             gw = Gateway(config, tokenizer, registry, client, dispatcher, prefix_index, GatewayMetrics(), manager,
                          tracer=tracer,

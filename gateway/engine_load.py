@@ -12,10 +12,19 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import logging
+from typing import TYPE_CHECKING
+
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
-from engines.client import EngineClient
+from engines.client import EngineClient, EngineHTTPError
+from gateway.registry import EngineState
+
+if TYPE_CHECKING:
+    from policies.exact_prefix import PrefixCaches
+
+log = logging.getLogger("laps.gateway")
 
 # /v1/loads per-rank keys summed into the snapshot.
 _LOAD_KEYS = ("num_running_reqs", "num_waiting_reqs", "num_waiting_uncached_tokens", "num_used_tokens", "max_total_num_tokens")
@@ -95,7 +104,7 @@ def engine_load(loads: Mapping[str, Any], metrics: Mapping[str, float]) -> Engin
         raise ValueError(f"/v1/loads: a rank lacks a numeric field: {err!r}") from None
     counters = [metrics.get(name, 0.0) for name in _COUNTERS]
     capacities = [rank.get("max_running_requests") for rank in ranks]
-    capacity = sum(capacities) if all(isinstance(c, int) and c > 0 for c in capacities) else None
+    capacity = sum(capacities) if all(isinstance(c, int) and not isinstance(c, bool) and c > 0 for c in capacities) else None
     return EngineLoad(
         totals["num_running_reqs"], totals["num_waiting_reqs"], totals["num_waiting_uncached_tokens"], totals["num_used_tokens"],
         totals["max_total_num_tokens"], hit_rate, *counters, capacity,
@@ -120,3 +129,21 @@ async def fetch_engine_load(client: EngineClient, base_url: str, metrics: bool =
     except orjson.JSONDecodeError as err:
         raise ValueError(f"/v1/loads: not JSON: {err}") from None
     return engine_load(loads, parse_metrics(metrics_body.decode()))
+
+
+async def read_capacity(client: EngineClient, engine: EngineState, prefix_index: PrefixCaches) -> None:
+    """Put ``engine``'s KV pool and request slots (``/v1/loads``) on its state (``kv_capacity_tokens`` for ``policy:
+    backlog``, ``max_running_requests`` for ``policy: laps``) and cap its prefix estimate at the pool. At start-up and
+    after the engine restarted or flipped with another role's flags, which may change both. An engine that does not
+    say keeps the byte budget and no capacity, with a warning; errors are logged, never raised."""
+    try:
+        load = await fetch_engine_load(client, engine.url, metrics=False)
+    except (EngineHTTPError, ValueError, KeyError) as err:
+        log.warning("engine %s: no KV capacity or request slots from /v1/loads (%r); its prefix estimate uses the byte "
+                    "budget only, and laps counts no wait for a request slot there", engine.id, err)
+        return
+    prefix_index.set_capacity(engine.id, load.max_total_tokens)
+    engine.kv_capacity_tokens = load.max_total_tokens
+    engine.max_running_requests = load.max_running_requests
+    if load.max_running_requests is None:
+        log.warning("engine %s: /v1/loads gives no max_running_requests; laps counts no wait for a request slot there", engine.id)

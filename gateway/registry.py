@@ -20,9 +20,11 @@ class EngineState:
     ``/ready`` but its streams have stopped (see :mod:`gateway.health`).
     Policies see an engine as healthy only when it is :attr:`serving`, so no new
     work goes to it otherwise. ``kv_capacity_tokens`` is the engine's KV pool
-    and ``max_running_requests`` its request slots, once it has reported them. ``open_streams``: streams relayed from it that have
-    had their first byte and not ended; ``last_byte_s``: when one of them last
-    brought bytes (the event loop's ``loop.time()``, seconds).
+    and ``max_running_requests`` its request slots, as it reported them at
+    start-up or after its last restart or flip (``None``: not reported).
+    ``open_streams``: streams relayed from it that have had their first byte
+    and not ended; ``last_byte_s``: when one of them last brought bytes (the
+    event loop's ``loop.time()``, seconds).
     """
 
     id: str

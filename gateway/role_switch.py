@@ -9,6 +9,7 @@ import time
 import orjson
 
 from engines.client import EngineHTTPError
+from gateway.engine_load import read_capacity
 from gateway.registry import EngineState
 from gateway.state import Gateway
 
@@ -47,7 +48,8 @@ async def switch_role(gw: Gateway, engine_id: str, role: str, drain_timeout_s: f
        on the same port with the new flags (requests still running then end
        with an engine error) and waits until it is ready.
     4. Its prefix-cache estimate is dropped (the flip or the restart emptied
-       its cache), it joins ``role``'s pool and is routed to again.
+       its cache), its KV pool and request slots are read again (the new
+       flags may change them), it joins ``role``'s pool and is routed to again.
 
     Raises:
         ValueError: the gateway runs no engine processes, ``engine_id`` is not
@@ -84,6 +86,7 @@ async def switch_role(gw: Gateway, engine_id: str, role: str, drain_timeout_s: f
         log.info("engine %s: drained in %.1f s; restarting as %s", engine_id, time.monotonic() - started, role)
         await manager.restart(engine_id, role, gw.client)
     gw.prefix_index.forget_engine(engine_id)
+    await read_capacity(gw.client, state, gw.prefix_index)
     state.pool = gw.config.roles[role].pool
     if not state.healthy:  # the health poller saw the restart; it logs no recovery for a flag set here
         log.info("engine %s is now healthy", engine_id)

@@ -322,7 +322,7 @@ every engine in the gateway while no engine is clean (within ±0.3 points everyw
 decode batch's time too: ``chat-single`` at 1.0× 0.61 → 2.19%, ``hh-rlhf`` 0.25 → 29.3%).
 
 Request slots. An engine admits a prefill only into one of its ``max_running_requests`` slots, and on
-decode-heavy chat near saturation every engine's 4,096 fill (``hh-rlhf`` at 1.0× least_load's saturation
+decode-heavy chat near saturation all 4,096 slots of every engine fill (``hh-rlhf`` at 1.0× least_load's saturation
 load: 2,900 of 34,000 requests were sent to an engine holding over 3,800, and waited there a median 34 ms,
 P90 417 ms). The queue model saw only prefill work, so it sent requests where a slot was not free. With
 the wait for a slot in the prediction (:meth:`EngineQueueModel.slot_wait_s`: the requests ahead waiting for
@@ -750,8 +750,7 @@ class LapsScheduler:
         engine = load[engine_id]
         self.model.dispatched(engine_id, [r.rid for r in batch], self._shapes(batch, engine_id), now,
                               self._decoding_context(engine), stream=all(r.stream for r in batch),
-                              deadlines_s=[r.deadline_s for r in batch], behind_all=self._joins_in_flight(batch, engine_id),
-                              waiting_for_slot=self._waiting_for_slot(engine, batch))
+                              deadlines_s=[r.deadline_s for r in batch], behind_all=self._joins_in_flight(batch, engine_id))
         load[engine_id] = engine.with_dispatched(len(batch), sum(r.prompt_tokens for r in batch))
         for r in batch:
             self._in_flight[r.rid] = _InFlight(engine_id, short, now, self._new_on(r, engine_id))

@@ -218,18 +218,18 @@ class EngineQueueModel:
 
     def dispatched(self, engine_id: str, rids: Iterable[str], batch: Sequence[SeqShape], now: float,
                    decoding_context_tokens: int = 0, stream: bool = True, deadlines_s: Sequence[float] = (),
-                   behind_all: bool = False, waiting_for_slot: int = 0) -> float:
+                   behind_all: bool = False) -> float:
         """``rids`` (shapes ``batch``) went to ``engine_id`` at ``now`` as one group; their predicted first-token time.
 
         ``deadlines_s``: the first-token deadlines of ``rids`` (clock seconds; none given: no deadline); the group
-        counts by the earliest. ``waiting_for_slot``: as for :meth:`predict_ttft_s` (it moves only the time returned).
+        counts by the earliest.
 
         On ``short_first`` engines the group goes ahead of the longer prefills waiting there, which
         its tokens push back (:meth:`displaced`); with ``behind_all`` behind all of them (:meth:`predict_ttft_s`), where
         the requests sent after it see it as longer work they overtake (its pass more in :meth:`_ahead_s`, and a
         prefill they displace), as they would the prefill it waits for.
         """
-        finish = now + self.predict_ttft_s(engine_id, batch, now, decoding_context_tokens, behind_all, waiting_for_slot)
+        finish = now + self.predict_ttft_s(engine_id, batch, now, decoding_context_tokens, behind_all)
         work_s = batch_prefill_s(self.cost, batch, self.chunk_tokens)
         key = self._key(None if behind_all else max((new for new, _ in batch), default=1))
         chunk_s = work_s if sum(max(1, new) for new, _ in batch) <= self.chunk_tokens else self.chunk_pass_s

@@ -14,6 +14,8 @@ def test_ranks_are_summed_and_the_capacity_is_read_where_every_rank_gives_it():
     assert load.token_usage == 0.25 and load.cache_hit_rate == 0.5
     assert engine_load({"loads": [{**RANK, "max_running_requests": 64}, RANK]}, {}).max_running_requests is None
     assert engine_load({"loads": [{**RANK, "max_running_requests": "64"}]}, {}).max_running_requests is None
+    assert engine_load({"loads": [{**RANK, "max_running_requests": True}]}, {}).max_running_requests is None  # not 1
+    assert engine_load({"loads": [{**RANK, "max_running_requests": 0}]}, {}).max_running_requests is None  # SGLang's unset
 
 
 def test_a_rank_without_a_field_read_is_refused():

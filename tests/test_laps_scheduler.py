@@ -201,6 +201,18 @@ def test_a_request_goes_where_it_gets_a_request_slot_first():
     assert s.decide(engines, 0.0) == Decision((Dispatch("s", ("r2",)),))
 
 
+def test_a_batch_dispatched_takes_its_slots_for_the_next_decision():
+    # One decision, two 100-token batches (D 128 keeps them apart). s has one free slot and nothing to do; l has
+    # ~0.63 s of prefill backlog and a free slot. The first takes s's slot; the second would wait 1 s for one there
+    # (nothing has finished on s: the floor rate), so it goes to l.
+    s = LapsScheduler(config(awd_windows=False), TRAITS)
+    s.model.dispatched("l", ["busy-l"], [(40_000, 0)], 0.0)
+    engines = [EngineView("s", "short", max_running_requests=1), EngineView("l", "long", in_flight=1, max_running_requests=4)]
+    s.submit(short("r0", 100, 0.0), 0.0)
+    s.submit(short("r1", 100, 0.0), 0.0)
+    assert s.decide(engines, 0.0) == Decision((Dispatch("s", ("r0",)), Dispatch("l", ("r1",))))
+
+
 def test_an_engine_that_finishes_requests_faster_frees_its_slots_sooner():
     # Both engines full (4 in flight of 4 slots) and idle in prefill; s has finished 20 requests in the last instant,
     # l none: the request goes to s (1 / 20 s against 1 s).

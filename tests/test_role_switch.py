@@ -7,8 +7,10 @@ import logging
 from pathlib import Path
 from types import SimpleNamespace
 
+import orjson
 import pytest
 
+from engines.client import EngineHTTPError
 from gateway.registry import EngineRegistry, EngineState
 from gateway.role_switch import switch_role
 from laps.config import load_config
@@ -28,16 +30,37 @@ class RecordingManager:
 class ForgettingIndex:
     def __init__(self) -> None:
         self.forgotten: list[str] = []
+        self.capacities: dict[str, int] = {}
 
     def forget_engine(self, engine_id: str) -> None:
         self.forgotten.append(engine_id)
 
+    def set_capacity(self, engine_id: str, kv_tokens: int) -> None:
+        self.capacities[engine_id] = kv_tokens
 
-def stand_in_gateway(healthy: bool, config=None) -> SimpleNamespace:
+
+class LoadsClient:
+    """Answers ``GET /v1/loads`` with one rank of ``slots`` request slots and a 500,000-token KV pool (the engine as
+    restarted); ``slots=None``: the engine cannot be reached."""
+
+    def __init__(self, slots: int | None) -> None:
+        self.slots = slots
+
+    async def get(self, url: str, path: str) -> bytes:
+        assert path == "/v1/loads"
+        if self.slots is None:
+            raise EngineHTTPError(f"GET {url}{path}: connection refused")
+        rank = {"num_running_reqs": 0, "num_waiting_reqs": 0, "num_waiting_uncached_tokens": 0, "num_used_tokens": 0,
+                "max_total_num_tokens": 500_000, "cache_hit_rate": 0.0, "max_running_requests": self.slots}
+        return orjson.dumps({"loads": [rank]})
+
+
+def stand_in_gateway(healthy: bool, config=None, slots: int | None = 64) -> SimpleNamespace:
     config = config or load_config()
-    registry = EngineRegistry([EngineState(e.name, f"http://engine-{e.name}", config.pool(e), healthy=healthy) for e in config.engines])
+    registry = EngineRegistry([EngineState(e.name, f"http://engine-{e.name}", config.pool(e), healthy=healthy, kv_capacity_tokens=900_000,
+                                           max_running_requests=256) for e in config.engines])
     return SimpleNamespace(config=config, registry=registry, manager=RecordingManager({e.name: e.role for e in config.engines}),
-                           client=None, prefix_index=ForgettingIndex())
+                           client=LoadsClient(slots), prefix_index=ForgettingIndex())
 
 
 @pytest.mark.parametrize("healthy_before, recovery_logged", [(False, True), (True, False)])
@@ -60,3 +83,19 @@ def test_a_switch_to_a_role_with_the_same_flags_is_instant_and_keeps_the_cache(c
     assert (state.pool, state.draining, state.in_flight) == ("long", False, 3)
     assert gw.manager.restarts == [] and gw.prefix_index.forgotten == [] and gw.manager.engines["e0"].role == "long-prefill"
     assert "engine e0: serving as long-prefill in the long pool (same engine flags and plugin: no drain, no restart)" in caplog.messages
+
+
+def test_a_restart_reads_the_engines_kv_pool_and_request_slots_again(caplog):
+    # config.yaml: lp0 (long-prefill, 64 slots) restarts as short-prefill; its new /v1/loads says 64 here, its
+    # state said 256 before: the scheduler's view follows the engine.
+    gw = stand_in_gateway(True, slots=64)
+    asyncio.run(switch_role(gw, "lp0", "short-prefill", drain_timeout_s=1.0))
+    view = next(v for v in gw.registry.views() if v.id == "lp0")
+    assert (view.kv_capacity_tokens, view.max_running_requests) == (500_000, 64)
+    assert gw.prefix_index.capacities == {"lp0": 500_000}
+    # An engine that cannot be reached after its restart keeps what it had, with a warning.
+    gw = stand_in_gateway(True, slots=None)
+    with caplog.at_level(logging.WARNING, logger="laps.gateway"):
+        asyncio.run(switch_role(gw, "lp0", "short-prefill", drain_timeout_s=1.0))
+    assert (gw.registry["lp0"].kv_capacity_tokens, gw.registry["lp0"].max_running_requests) == (900_000, 256)
+    assert any(m.startswith("engine lp0: no KV capacity or request slots from /v1/loads") for m in caplog.messages)

@@ -46,6 +46,9 @@ def test_a_burst_of_documents_moves_a_short_engine_to_the_long_pool():
                               "ok": True, "start_s": 1.0, "drain_s": 0.0, "restart_s": 5.0, "end_s": 6.0, "drain_failed": 0}]
     assert (virtual.restart_engine_s, virtual.drain_engine_s, virtual.controller.moves) == (5.0, 0.0, 1)
     assert virtual.registry["sp0"].pool == "long" and virtual.engines["sp0"].core.config.chunked_prefill_size == 16384
+    # Its request slots are the long-prefill role's now (config.yaml: 64, the short-prefill role's 256), as the live
+    # gateway reads them from /v1/loads after a restart, and the scheduler sees them.
+    assert [(v.id, v.max_running_requests) for v in virtual.registry.views()] == [("sp0", 64), ("sp1", 256), ("lp0", 64)]
     # The second burst (7 s) is shared by both long engines; the fresh sp0 started with an empty cache.
     assert virtual.engines["sp0"].core.stats().total_prefill_uncached_tokens > 0
     assert len(records) == 40 and all(r.ok for r in records)
