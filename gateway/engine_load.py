@@ -2,18 +2,18 @@
 
 Both SGLang 0.5.23 and the simulated engine serve these routes (metrics only
 with ``--enable-metrics``). The parsers are pure; :func:`fetch_engine_load`
-reads both routes through the gateway's :class:`~engines.client.EngineClient`.
+reads both routes through the gateway's :class:`~engines.client.EngineClient`,
+and :func:`read_capacity` puts an engine's KV pool and request slots on its
+gateway state.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
-
-import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from prometheus_client.parser import text_string_to_metric_families

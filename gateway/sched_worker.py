@@ -203,7 +203,8 @@ def registry_of(engines: list[list]) -> MirrorRegistry:
 def apply_state(registry: EngineRegistry, engines: list[list]) -> None:
     """Copy the scheduler's URLs (a scheduler started again starts its engines on new ports), pools, health and load
     into ``registry`` (this worker's streams' own fields stay)."""
-    for engine_id, url, pool, healthy, draining, stalled, in_flight, in_flight_prompt_tokens, kv_capacity_tokens, max_running_requests in engines:
+    for (engine_id, url, pool, healthy, draining, stalled, in_flight, in_flight_prompt_tokens, kv_capacity_tokens,
+         max_running_requests) in engines:
         e = registry[engine_id]
         e.url, e.pool, e.healthy, e.draining, e.stalled = url, pool, healthy, draining, stalled
         e.in_flight, e.in_flight_prompt_tokens, e.kv_capacity_tokens = in_flight, in_flight_prompt_tokens, kv_capacity_tokens
