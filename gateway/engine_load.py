@@ -133,17 +133,21 @@ async def fetch_engine_load(client: EngineClient, base_url: str, metrics: bool =
 
 async def read_capacity(client: EngineClient, engine: EngineState, prefix_index: PrefixCaches) -> None:
     """Put ``engine``'s KV pool and request slots (``/v1/loads``) on its state (``kv_capacity_tokens`` for ``policy:
-    backlog``, ``max_running_requests`` for ``policy: laps``) and cap its prefix estimate at the pool. At start-up and
-    after the engine restarted or flipped with another role's flags, which may change both. An engine that does not
-    say keeps the byte budget and no capacity, with a warning; errors are logged, never raised."""
+    backlog``, ``max_running_requests`` for ``policy: laps``) and cap its prefix estimate at the pool. At start-up,
+    and after the engine restarted with another role's flags or flipped, which may change both. Best effort: an
+    engine that does not answer, or answers what SGLang does not serve, gets no slot count (laps counts no wait for
+    a slot there) and keeps the KV pool it had (none at start-up: the byte budget alone caps its estimate), with a
+    warning; nothing is raised, so a bad answer never keeps an engine out of routing."""
     try:
         load = await fetch_engine_load(client, engine.url, metrics=False)
-    except (EngineHTTPError, ValueError, KeyError) as err:
-        log.warning("engine %s: no KV capacity or request slots from /v1/loads (%r); its prefix estimate uses the byte "
-                    "budget only, and laps counts no wait for a request slot there", engine.id, err)
+    except Exception as err:  # best effort: see the docstring
+        engine.max_running_requests = None
+        log.warning("engine %s: no KV capacity or request slots from /v1/loads (%r); laps counts no wait for a request slot "
+                    "there, and its prefix estimate keeps the cap it had", engine.id, err)
         return
-    prefix_index.set_capacity(engine.id, load.max_total_tokens)
-    engine.kv_capacity_tokens = load.max_total_tokens
+    if load.max_total_tokens > 0:
+        prefix_index.set_capacity(engine.id, load.max_total_tokens)
+        engine.kv_capacity_tokens = load.max_total_tokens
     engine.max_running_requests = load.max_running_requests
     if load.max_running_requests is None:
         log.warning("engine %s: /v1/loads gives no max_running_requests; laps counts no wait for a request slot there", engine.id)

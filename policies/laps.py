@@ -326,8 +326,12 @@ decode-heavy chat near saturation all 4,096 slots of every engine fill (``hh-rlh
 load: 2,900 of 34,000 requests were sent to an engine holding over 3,800, and waited there a median 34 ms,
 P90 417 ms). The queue model saw only prefill work, so it sent requests where a slot was not free. With
 the wait for a slot in the prediction (:meth:`EngineQueueModel.slot_wait_s`: the requests ahead waiting for
-a slot over the rate requests finish on that engine), ``point_config``'s laps on ``hh-rlhf`` at 1.0×, seeds
-0 / 1 / 2: 1.24 / 0.29 / 1.15% → 0.15 / 0.10 / 0.10%, short-class P90 TTFT 37 / 29 / 38 → 28 / 28 / 36 ms;
+a slot over the rate requests finish on that engine), ``point_config``'s laps on ``hh-rlhf`` at load 22,807
+(1.0×; single runs of ``bench/dominance.py``'s point configuration; its own point, at 22,807.007, is
+another run, and near saturation that is enough to move the figures), seeds
+0 / 1 / 2: 1.24 / 0.29 / 1.15% → 0.15 / 0.10 / 0.10%, short-class P90 TTFT 37 / 29 / 38 → 28 / 28 / 36 ms
+(the benchmark's own points: seed 0 1.04 → 0.00%, ``dominance16`` → ``dominance18``; seed 1 0.19 → 0.01%,
+``dominance17`` → ``dominance19``);
 at 1.2× (seed 0) 11.07 → 10.88%, ``chat-single`` at its knee (seed 0) 3.83 → 3.36%; the other knee points
 and the two 1.0× points that ``cache_aware`` wins on seed 1 (``azure-conv``, ``mixed`` PD) did not move.
 A first version charged any engine without a free slot 10 s plus 10 ms per request over (0.00% on

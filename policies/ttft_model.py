@@ -219,7 +219,8 @@ class EngineQueueModel:
     def dispatched(self, engine_id: str, rids: Iterable[str], batch: Sequence[SeqShape], now: float,
                    decoding_context_tokens: int = 0, stream: bool = True, deadlines_s: Sequence[float] = (),
                    behind_all: bool = False) -> float:
-        """``rids`` (shapes ``batch``) went to ``engine_id`` at ``now`` as one group; their predicted first-token time.
+        """``rids`` (shapes ``batch``) went to ``engine_id`` at ``now`` as one group; their predicted first-token time
+        from the prefill work alone (no wait for a request slot: the caller knows the slots, :meth:`predict_ttft_s`).
 
         ``deadlines_s``: the first-token deadlines of ``rids`` (clock seconds; none given: no deadline); the group
         counts by the earliest.

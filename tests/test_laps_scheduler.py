@@ -25,11 +25,11 @@ class LinearCost:
 
 
 TRAITS = EngineTraits(LinearCost(), chunk_tokens=4096)
-BUSY_TOKENS = 100_000  # 25 chunks: 25 × 5 ms + 1 s = 1.125 s of prefill backlog
+BUSY_TOKENS = 100_000  # 25 chunks: 25 × 5 ms + 1 s of new tokens + 1.23 s of their growing context = 2.35 s of backlog
 
 
 def occupy(s: LapsScheduler, *engine_ids: str, at: float = 0.0) -> None:
-    """Give each engine a prefill backlog of 1.125 s that is not the scheduler's own request (another gateway's, say)."""
+    """Give each engine a prefill backlog of 2.35 s that is not the scheduler's own request (another gateway's, say)."""
     for e in engine_ids:
         s.model.dispatched(e, [f"busy-{e}"], [(BUSY_TOKENS, 0)], at)
 
@@ -140,7 +140,7 @@ def test_a_re_prefill_goes_where_its_context_is_cached_unless_recomputing_elsewh
     s.submit(short("r0", 2000, 0.0, cached_by_engine={"s1": 1900}), 0.0)
     assert s.decide(engines, 0.0).dispatches == (Dispatch("s1", ("r0",)),)
     s2 = LapsScheduler(config(), TRAITS)
-    occupy(s2, "s1")  # 1.125 s of backlog on s1: recomputing 2,000 tokens elsewhere is far sooner
+    occupy(s2, "s1")  # 2.35 s of backlog on s1: recomputing 2,000 tokens elsewhere is far sooner
     s2.submit(short("r0", 2000, 0.0, cached_by_engine={"s1": 1900}), 0.0)
     assert s2.decide(engines, 0.0).dispatches == (Dispatch("s0", ("r0",)),)
 
@@ -237,7 +237,7 @@ def test_a_short_batch_goes_to_the_engine_whose_backlog_ends_first_even_behind_a
     s = LapsScheduler(config(), TRAITS)
     s.submit(long("L", 3000, 0.0), 0.0)
     assert s.decide(ENGINES, 0.0).dispatches == (Dispatch("l", ("L",)),)
-    occupy(s, "s")  # now both engines are busy; s's backlog ends at 1.125 s, l's at 0.035 s
+    occupy(s, "s")  # now both engines are busy; s's backlog ends at 2.35 s, l's at 0.035 s
     s.submit(short("r0", 200, 0.001, deadline=10.0), 0.001)
     s.submit(short("r1", 100, 0.001, deadline=10.0), 0.001)
     decision = s.decide(ENGINES, 0.001)  # depth 300 >= D 128: r0 goes (alone: r1 would pass D) to l, behind the long prefill
@@ -284,7 +284,7 @@ def test_without_a_long_pool_the_single_engine_takes_long_prefills_one_at_a_time
 def test_a_long_prefill_borrows_a_short_engine_when_the_long_pool_would_miss_its_deadline():
     engines = [EngineView("s0", "short"), EngineView("s1", "short"), EngineView("l", "long")]
     s = LapsScheduler(config(), TRAITS)
-    occupy(s, "l")  # the long pool's only engine is 1.125 s behind: a 3,000-token prefill there misses 0.4 s
+    occupy(s, "l")  # the long pool's only engine is 2.35 s behind: a 3,000-token prefill there misses 0.4 s
     s.submit(long("L", 3000, 0.0), 0.0)
     s.submit(long("L2", 3000, 0.0), 0.0)
     # 35 ms on s0, then 35 ms on s1 (s0 would now take 70 ms).

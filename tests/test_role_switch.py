@@ -82,20 +82,23 @@ def test_a_switch_to_a_role_with_the_same_flags_is_instant_and_keeps_the_cache(c
     state = gw.registry["e0"]
     assert (state.pool, state.draining, state.in_flight) == ("long", False, 3)
     assert gw.manager.restarts == [] and gw.prefix_index.forgotten == [] and gw.manager.engines["e0"].role == "long-prefill"
+    assert (gw.prefix_index.capacities, state.max_running_requests) == ({}, 256)  # nothing read again
     assert "engine e0: serving as long-prefill in the long pool (same engine flags and plugin: no drain, no restart)" in caplog.messages
 
 
 def test_a_restart_reads_the_engines_kv_pool_and_request_slots_again(caplog):
-    # config.yaml: lp0 (long-prefill, 64 slots) restarts as short-prefill; its new /v1/loads says 64 here, its
-    # state said 256 before: the scheduler's view follows the engine.
+    # lp0's state says 256 slots and a 900,000-token pool; restarted, its /v1/loads says 64 and 500,000: the
+    # scheduler's view follows the engine.
     gw = stand_in_gateway(True, slots=64)
     asyncio.run(switch_role(gw, "lp0", "short-prefill", drain_timeout_s=1.0))
     view = next(v for v in gw.registry.views() if v.id == "lp0")
     assert (view.kv_capacity_tokens, view.max_running_requests) == (500_000, 64)
     assert gw.prefix_index.capacities == {"lp0": 500_000}
-    # An engine that cannot be reached after its restart keeps what it had, with a warning.
+    # An engine that cannot be reached after its restart is routed to again with no slot count (no slot wait
+    # counted, rather than the old role's) and the KV pool it had, with a warning.
     gw = stand_in_gateway(True, slots=None)
     with caplog.at_level(logging.WARNING, logger="laps.gateway"):
         asyncio.run(switch_role(gw, "lp0", "short-prefill", drain_timeout_s=1.0))
-    assert (gw.registry["lp0"].kv_capacity_tokens, gw.registry["lp0"].max_running_requests) == (900_000, 256)
+    state = gw.registry["lp0"]
+    assert (state.kv_capacity_tokens, state.max_running_requests, state.draining, state.pool) == (900_000, None, False, "short")
     assert any(m.startswith("engine lp0: no KV capacity or request slots from /v1/loads") for m in caplog.messages)
