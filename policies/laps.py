@@ -336,6 +336,19 @@ at 1.2× (seed 0) 11.07 → 10.88%, ``chat-single`` at its knee (seed 0) 3.83 �
 and the two 1.0× points that ``cache_aware`` wins on seed 1 (``azure-conv``, ``mixed`` PD) did not move.
 A first version charged any engine without a free slot 10 s plus 10 ms per request over (0.00% on
 ``hh-rlhf`` 1.0×, 11.37% at 1.2×): close, but a constant where the engine's own rate says how long.
+Tried after it and not kept (seed 0, ``hh-rlhf`` at 1.2×, 27,368 conv/s, single runs of the benchmark's point
+configuration: 11.40% as shipped): holding short requests in the gateway while no engine has a free slot and
+sending each, as a request finishes, to the cheapest engine with one (late binding across the engines' slots):
+13.04%, and the same with those that can no longer meet their deadline behind the others: 13.04%.
+
+Nor does a deadline order inside the engines (a scratch patch of the simulated ``shortest-prefill-first`` with
+the plugin, not kept): each pass, Moore and Hodgson's rule over the waiting queue (deadline order; whenever the
+queue's prefill, at the engine's full-chunk rate, would end a request past its deadline, the largest so far is
+put aside), the requests it keeps shortest first where that keeps them all in time and in deadline order where
+not, those put aside and those already late last. On ``azure-conv`` (its knee, 1.2× on seed 0; 1.0× on seed 1,
+where ``cache_aware``'s FCFS engines beat laps): 4.76% and 0.85% against 3.64% and 0.74% as shipped; keeping
+the shortest-first order for the requests kept: 3.91% and 0.85%. The rule decides on the queue as it stands,
+and the shorter prefills that arrive later overtake what it kept.
 
 Temporal mode (one engine serving both classes, the ``mixed`` role) was decided
 in the simulator (one simulated H200, Qwen2.5-7B, the mixed real-chat workload,
