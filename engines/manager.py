@@ -226,6 +226,9 @@ def sim_flags(config: Config, role: str) -> list[str]:
     objective = late_last_objective(config, role)
     if objective is not None:
         flags += ["--sim-late-last-ttft-s", f"{objective[0]:g}", "--sim-late-last-per-1k-s", f"{objective[1]:g}"]
+    above = deadline_order_above(config, role)
+    if above is not None:
+        flags += ["--sim-late-last-deadline-order-above", str(above)]
     return flags
 
 
@@ -234,6 +237,8 @@ def sim_flags(config: Config, role: str) -> list[str]:
 SGLANG_PLUGIN_DIR = Path(__file__).resolve().parent / "sglang_plugin"
 PLUGIN_TTFT_ENV = "LAPS_TTFT_S"
 PLUGIN_PER_1K_ENV = "LAPS_TTFT_PER_1K_NEW_TOKENS_S"
+PLUGIN_DEADLINE_ORDER_ENV = "LAPS_DEADLINE_ORDER_ABOVE_TOKENS"
+PLUGIN_PREFILL_RATE_ENV = "LAPS_PREFILL_S_PER_1K_TOKENS"
 
 
 def late_last_objective(config: Config, role: str) -> tuple[float, float] | None:
@@ -243,6 +248,13 @@ def late_last_objective(config: Config, role: str) -> tuple[float, float] | None
     if not config.roles[role].late_requests_last:
         return None
     return config.slo.ttft_s, config.slo.ttft_per_1k_new_tokens_s or 0.0
+
+
+def deadline_order_above(config: Config, role: str) -> int | None:
+    """New tokens above which the plugin puts ``role``'s requests in time in deadline order while the engine keeps up
+    (``scheduling.short_threshold_tokens`` − 1: the requests the gateway classes short keep shortest first); None
+    where the role does not set ``deadline_order``."""
+    return config.scheduling.short_threshold_tokens - 1 if config.roles[role].deadline_order else None
 
 
 def sim_model(config: Config, engine: EngineConfig, role: str | None = None) -> ResolvedSim:
@@ -309,7 +321,8 @@ def engine_env(config: Config, engine: EngineConfig, role: str | None = None) ->
 
     ``sglang.env`` for SGLang engines; where the role sets ``late_requests_last``, laps' SGLang plugin: its
     directory ahead of ``PYTHONPATH`` (``sglang.env``'s, else the gateway's) and its objective
-    (:func:`late_last_objective`); then ``CUDA_VISIBLE_DEVICES`` from the engine's GPUs when it has any (it wins
+    (:func:`late_last_objective`), and where it sets ``deadline_order`` too, that order's token threshold
+    (:func:`deadline_order_above`) and the engine's full-chunk prefill rate in the ``sim`` section's engine model; then ``CUDA_VISIBLE_DEVICES`` from the engine's GPUs when it has any (it wins
     over ``sglang.env``).
     """
     env = dict(config.sglang.env) if engine.kind == "sglang" else {}
@@ -318,6 +331,10 @@ def engine_env(config: Config, engine: EngineConfig, role: str | None = None) ->
         path = env.get("PYTHONPATH", os.environ.get("PYTHONPATH"))
         env["PYTHONPATH"] = os.pathsep.join([str(SGLANG_PLUGIN_DIR), *([path] if path else [])])
         env[PLUGIN_TTFT_ENV], env[PLUGIN_PER_1K_ENV] = f"{objective[0]:g}", f"{objective[1]:g}"
+        above = deadline_order_above(config, role or engine.role)
+        if above is not None:
+            env[PLUGIN_DEADLINE_ORDER_ENV] = str(above)
+            env[PLUGIN_PREFILL_RATE_ENV] = f"{sim_model(config, engine, role).config.late_last_prefill_s_per_1k:g}"
     if engine.gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in engine.gpus)
     return env

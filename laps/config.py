@@ -219,11 +219,18 @@ class RoleConfig(_Strict):
     still within theirs, so that in overload the engine spends its passes on
     requests that can still be in time (needs ``schedule-policy:
     shortest-prefill-first``; simulated engines model it).
+    ``deadline_order`` (needs ``late_requests_last``): the plugin also puts the
+    requests still within their objective that have more new tokens than
+    ``scheduling.short_threshold_tokens`` in deadline order behind the shorter
+    ones, whenever the engine, at its full-chunk prefill rate (the ``sim``
+    section's engine model), can serve every request in time so; shortest
+    first otherwise (``engines/sglang_plugin``).
     """
 
     pool: Literal["short", "long", "decode"]
     flags: dict[str, FlagValue] = Field(default_factory=dict)
     late_requests_last: bool = False
+    deadline_order: bool = False
 
     @model_validator(mode="after")
     def _check_late_requests_last(self) -> "RoleConfig":
@@ -232,11 +239,14 @@ class RoleConfig(_Strict):
             here = "unset here: SGLang's default fcfs" if policy is None else f"here: {policy}"
             raise ValueError(f"late_requests_last reorders the queue of shortest-prefill-first: it needs "
                              f"flags.schedule-policy: shortest-prefill-first ({here})")
+        if self.deadline_order and not self.late_requests_last:
+            raise ValueError("deadline_order is part of laps' SGLang plugin: it needs late_requests_last: true")
         return self
 
     def same_engine(self, other: "RoleConfig") -> bool:
         """Whether an engine runs the same with ``other``: the same flags and the same plugin."""
-        return self.flags == other.flags and self.late_requests_last == other.late_requests_last
+        return (self.flags == other.flags and self.late_requests_last == other.late_requests_last
+                and self.deadline_order == other.deadline_order)
 
 
 class SimConfig(_Strict):

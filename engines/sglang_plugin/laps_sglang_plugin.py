@@ -11,7 +11,17 @@ by entry into the queue; requests SGLang pushes back for a duplicate prefix
 stay last). A request's objective is ``LAPS_TTFT_S`` seconds plus
 ``LAPS_TTFT_PER_1K_NEW_TOKENS_S`` seconds per 1,000 tokens it must prefill
 (prompt and reply so far, less its cached prefix), measured from its entry
-into the waiting queue. The simulated engine models the same order
+into the waiting queue.
+
+Deadline order while the engine keeps up (``LAPS_DEADLINE_ORDER_ABOVE_TOKENS``
+N and ``LAPS_PREFILL_S_PER_1K_TOKENS``, both set): the requests still within
+their objective go those of at most N new tokens first (shortest first), then
+the longer ones by deadline, whenever that order, at the engine's prefill rate,
+ends every one of them within its objective; otherwise shortest first as
+above. Shortest first minimizes the requests made late once some must be
+(overload), but it lets a stream of shorter prompts overtake a long one until
+the long one misses; deadline order serves them all while all can be served.
+The order is re-decided at every sort, so it follows the load. The simulated engine models the same order
 (``engines/sim/core.py``); what it buys there is in the README ("Late
 requests last").
 
@@ -68,6 +78,8 @@ if not logger.handlers:
 
 TTFT_ENV = "LAPS_TTFT_S"
 PER_1K_ENV = "LAPS_TTFT_PER_1K_NEW_TOKENS_S"
+DEADLINE_ORDER_ENV = "LAPS_DEADLINE_ORDER_ABOVE_TOKENS"
+PREFILL_RATE_ENV = "LAPS_PREFILL_S_PER_1K_TOKENS"
 _TARGET = "sglang.srt.managers.schedule_policy.SchedulePolicy._sort_by_shortest_prefill"
 
 
@@ -86,7 +98,32 @@ def _read_seconds(name: str, default: float | None, allow_zero: bool) -> float |
     return value
 
 
-def make_late_last_sort(ttft_s: float, per_1k_s: float, policy_module: Any) -> Callable[[list, set], None]:
+def deadline_order(in_time: list[tuple[Any, int, float]], now: float, above_tokens: int,
+                   prefill_s_per_1k: float) -> list[Any] | None:
+    """The waiting requests still within their objective in deadline order, if the engine can serve them all so.
+
+    Args:
+        in_time: ``(request, new tokens, deadline)`` of each, shortest first; deadlines in seconds on ``now``'s clock.
+        now: the current time, in seconds.
+        above_tokens: requests of at most this many new tokens keep their place ahead of the others.
+        prefill_s_per_1k: the engine's prefill time per 1,000 new tokens, in seconds (its full-chunk rate).
+
+    Returns:
+        The requests of at most ``above_tokens`` new tokens as given, then the others by deadline (ties as given),
+        when in that order, prefilled back to back from ``now``, each ends by its deadline; else None.
+    """
+    first = [e for e in in_time if e[1] <= above_tokens]
+    order = first + sorted((e for e in in_time if e[1] > above_tokens), key=lambda e: e[2])
+    end_s = now
+    for _, work, deadline_s in order:
+        end_s += work * prefill_s_per_1k / 1000
+        if end_s > deadline_s:
+            return None
+    return [e[0] for e in order]
+
+
+def make_late_last_sort(ttft_s: float, per_1k_s: float, policy_module: Any, deadline_order_above: int | None = None,
+                        prefill_s_per_1k: float | None = None) -> Callable[[list, set], None]:
     """The replacement for ``SchedulePolicy._sort_by_shortest_prefill``.
 
     Args:
@@ -94,24 +131,42 @@ def make_late_last_sort(ttft_s: float, per_1k_s: float, policy_module: Any) -> C
         per_1k_s: what each 1,000 new (uncached) tokens add to the objective, in seconds.
         policy_module: ``sglang.srt.managers.schedule_policy``; ``SchedulePolicy`` is looked up
             in it at each sort, so a later patch of that class or of ``_shortest_prefill_work`` is seen.
+        deadline_order_above, prefill_s_per_1k: both set: the requests still in time go in
+            :func:`deadline_order` (those of more than ``deadline_order_above`` new tokens by deadline) whenever
+            the engine, at ``prefill_s_per_1k`` seconds per 1,000 new tokens, can serve them all in time so.
 
     Returns:
         ``sort(waiting_queue, temporary_deprioritized)``, which sorts the list of requests in place by
         (pushed back for a duplicate prefix, late, new tokens, queue entry time); a request is late when
-        it has waited longer than ``ttft_s + per_1k_s * new_tokens / 1000`` seconds.
+        it has waited longer than ``ttft_s + per_1k_s * new_tokens / 1000`` seconds; then, with deadline
+        order on, reorders the leading requests neither pushed back nor late.
     """
 
     def sort_late_last(waiting_queue: list, temporary_deprioritized: set) -> None:
         work_of = policy_module.SchedulePolicy._shortest_prefill_work
         now = time.perf_counter()  # seconds, the clock of wait_queue_entry_time
+        keys = {}
 
         def key(req: Any) -> tuple[bool, bool, int, float]:
             work = work_of(req)
             entered = req.time_stats.wait_queue_entry_time
-            late = now - entered > ttft_s + per_1k_s * work / 1000
-            return (req.rid in temporary_deprioritized, late, work, entered)
+            objective_s = ttft_s + per_1k_s * work / 1000
+            keys[id(req)] = (req.rid in temporary_deprioritized, now - entered > objective_s, work, entered,
+                             entered + objective_s)
+            return keys[id(req)][:4]
 
         waiting_queue.sort(key=key)
+        if deadline_order_above is None or prefill_s_per_1k is None:
+            return
+        in_time = []
+        for req in waiting_queue:
+            pushed, late, work, _, deadline_s = keys[id(req)]
+            if pushed or late:
+                break
+            in_time.append((req, work, deadline_s))
+        order = deadline_order(in_time, now, deadline_order_above, prefill_s_per_1k)
+        if order is not None:
+            waiting_queue[:len(order)] = order
 
     return sort_late_last
 
@@ -122,7 +177,9 @@ def register() -> None:
     Reads ``LAPS_TTFT_S`` (seconds, > 0) and ``LAPS_TTFT_PER_1K_NEW_TOKENS_S`` (seconds per 1,000 new
     tokens, >= 0, default 0). With ``LAPS_TTFT_S`` unset or empty it logs that and registers nothing; with
     a malformed value it logs an error and registers nothing, leaving SGLang's order (it never raises for
-    a bad setting, so the engine starts either way).
+    a bad setting, so the engine starts either way). Deadline order while the engine keeps up (module doc)
+    is on when ``LAPS_DEADLINE_ORDER_ABOVE_TOKENS`` (an integer >= 0) and ``LAPS_PREFILL_S_PER_1K_TOKENS``
+    (seconds, > 0) are both set; with one of them missing or malformed it logs why and stays off.
     """
     try:
         ttft_s = _read_seconds(TTFT_ENV, None, allow_zero=False)
@@ -140,9 +197,33 @@ def register() -> None:
                      "order is left unchanged", PER_1K_ENV, os.environ.get(PER_1K_ENV))
         return
 
+    above, rate = _deadline_order_settings()
+
     from sglang.srt.managers import schedule_policy
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    HookRegistry.register(_TARGET, make_late_last_sort(ttft_s, per_1k_s, schedule_policy), HookType.REPLACE)
+    HookRegistry.register(_TARGET, make_late_last_sort(ttft_s, per_1k_s, schedule_policy, above, rate), HookType.REPLACE)
     logger.info("shortest-prefill-first now puts requests that have waited longer than %g s "
                 "+ %g s per 1,000 new tokens behind all others", ttft_s, per_1k_s)
+    if above is not None:
+        logger.info("requests in time of more than %d new tokens go by deadline while the engine, at %g s per 1,000 "
+                    "new tokens, can serve every request in time so", above, rate)
+
+
+def _deadline_order_settings() -> tuple[int | None, float | None]:
+    """(``LAPS_DEADLINE_ORDER_ABOVE_TOKENS``, ``LAPS_PREFILL_S_PER_1K_TOKENS``), or (None, None) with a log line
+    saying why when either is unset or malformed."""
+    raw_above = os.environ.get(DEADLINE_ORDER_ENV, "").strip()
+    raw_rate = os.environ.get(PREFILL_RATE_ENV, "").strip()
+    if not raw_above and not raw_rate:
+        return None, None
+    try:
+        above = int(raw_above)
+        rate = _read_seconds(PREFILL_RATE_ENV, None, allow_zero=False)
+        if above < 0 or rate is None:
+            raise ValueError
+    except ValueError:
+        logger.error("deadline order needs %s (an integer >= 0) and %s (seconds > 0), got %r and %r; it stays off",
+                     DEADLINE_ORDER_ENV, PREFILL_RATE_ENV, raw_above, raw_rate)
+        return None, None
+    return above, rate

@@ -103,6 +103,7 @@ class SimServerArgs:
     sim_fault: str | None = None
     sim_late_last_ttft_s: float | None = None
     sim_late_last_per_1k_s: float = 0.0
+    sim_late_last_deadline_order_above: int | None = None
     disaggregation_mode: str = "null"
     disaggregation_transfer_backend: str = "mooncake"
     disaggregation_bootstrap_port: int = 8998
@@ -195,6 +196,12 @@ def _graphs(args: SimServerArgs, chunk: int, max_running: int | None, gpu_mib: f
     return GraphSpec(decode_backend, decode_sizes), GraphSpec(prefill_backend, prefill_sizes, full_slots)  # type: ignore[arg-type]
 
 
+def full_chunk_prefill_s_per_1k(latency: LatencyModel, chunk_tokens: int) -> float:
+    """Seconds per 1,000 new tokens of a prefill pass of ``chunk_tokens`` with nothing cached: the engine's prefill
+    rate when its queue is long, which the plugin's deadline order uses."""
+    return latency.predict([(chunk_tokens, 0)]) / chunk_tokens * 1000
+
+
 def _check_late_last(args: SimServerArgs) -> None:
     """The simulated plugin's flags as laps' plugin takes its variables: a finite objective > 0, an allowance >= 0.
 
@@ -208,6 +215,11 @@ def _check_late_last(args: SimServerArgs) -> None:
         raise ValueError(f"--sim-late-last-per-1k-s must be a number of seconds >= 0, got {per_1k_s}")
     if per_1k_s and ttft_s is None:
         raise ValueError("--sim-late-last-per-1k-s needs --sim-late-last-ttft-s")
+    above = args.sim_late_last_deadline_order_above
+    if above is not None and above < 0:
+        raise ValueError(f"--sim-late-last-deadline-order-above must be a number of tokens >= 0, got {above}")
+    if above is not None and ttft_s is None:
+        raise ValueError("--sim-late-last-deadline-order-above needs --sim-late-last-ttft-s")
     if ttft_s is not None and args.schedule_policy != "shortest-prefill-first":
         raise ValueError(f"--sim-late-last-ttft-s reorders the queue of --schedule-policy shortest-prefill-first, "
                          f"not {args.schedule_policy}")
@@ -265,6 +277,8 @@ def resolve_args(args: SimServerArgs) -> ResolvedSim:
         disaggregation_mode=args.disaggregation_mode,
         late_last_ttft_s=args.sim_late_last_ttft_s,
         late_last_per_1k_s=args.sim_late_last_per_1k_s,
+        late_last_deadline_order_tokens=args.sim_late_last_deadline_order_above,
+        late_last_prefill_s_per_1k=full_chunk_prefill_s_per_1k(latency, chunk if chunk > 0 else args.max_prefill_tokens),
     )
     tokenizer_path = args.tokenizer_path or (args.model_path if Path(args.model_path).is_dir() else None)
     kv_events = None
@@ -359,6 +373,10 @@ def build_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--sim-late-last-per-1k-s", type=float, metavar="SECONDS",
                    help="with --sim-late-last-ttft-s: seconds added to the objective per 1,000 tokens the request "
                         f"must prefill (prompt and reply so far, less its cached prefix; default {d.sim_late_last_per_1k_s:g})")
+    p.add_argument("--sim-late-last-deadline-order-above", type=int, metavar="TOKENS",
+                   help="with --sim-late-last-ttft-s: the plugin's deadline order: requests in time of more than "
+                        "TOKENS new tokens go by deadline (behind the shorter ones) while the engine, at its full-chunk "
+                        "prefill rate, can serve every request in time so (default: off)")
     p.add_argument("--disaggregation-mode", choices=("null", "prefill", "decode"),
                    help="PD disaggregation: prefill-only or decode-only engine (default null; see engines.sim.pd_http)")
     p.add_argument("--disaggregation-transfer-backend", choices=PD_TRANSFER_BACKENDS,

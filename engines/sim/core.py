@@ -51,7 +51,11 @@ models, read from SGLang 0.5.23 (``managers/scheduler.py``
   same pass. With laps' SGLang plugin (``engines/sglang_plugin``; here
   ``late_last_ttft_s``) a request that has waited in the queue longer than its
   TTFT objective, ``late_last_ttft_s + late_last_per_1k_s`` per 1,000 uncached
-  tokens, sorts behind every request still within it (pushed-back ones stay last).
+  tokens, sorts behind every request still within it (pushed-back ones stay last);
+  with ``late_last_deadline_order_tokens`` N the requests still within it go
+  those of at most N tokens first, the longer ones by deadline, whenever that
+  order at ``late_last_prefill_s_per_1k`` ends each within its objective (the
+  plugin's deadline order).
 * **Priority preemption** (``--enable-priority-scheduling`` without
   ``--disable-priority-preemption``): when the request slots are full, running
   requests whose priority is worse by more than
@@ -97,6 +101,7 @@ import sys
 from dataclasses import dataclass, replace
 from typing import Callable, NamedTuple, Sequence
 
+from engines.sglang_plugin.laps_sglang_plugin import deadline_order
 from engines.sim.latency import LatencyModel, SeqShape
 from engines.sim.radix import RadixCache, RadixNode
 from engines.sim.replies import IncrementalDetokenizer, ReplyPlanner, find_stop
@@ -156,6 +161,8 @@ class EngineConfig:
     disaggregation_mode: str = "null"
     late_last_ttft_s: float | None = None
     late_last_per_1k_s: float = 0.0
+    late_last_deadline_order_tokens: int | None = None
+    late_last_prefill_s_per_1k: float | None = None
 
     def __post_init__(self) -> None:
         if self.disaggregation_mode not in DISAGGREGATION_MODES:
@@ -167,6 +174,12 @@ class EngineConfig:
             raise ValueError(f"late_last_ttft_s must be > 0 or None, got {self.late_last_ttft_s}")
         if not self.late_last_per_1k_s >= 0:
             raise ValueError(f"late_last_per_1k_s must be >= 0, got {self.late_last_per_1k_s}")
+        if self.late_last_deadline_order_tokens is not None and (
+                self.late_last_ttft_s is None or self.late_last_deadline_order_tokens < 0
+                or not (self.late_last_prefill_s_per_1k or 0) > 0):
+            raise ValueError("late_last_deadline_order_tokens must be >= 0 and needs late_last_ttft_s and "
+                             f"late_last_prefill_s_per_1k > 0, got {self.late_last_deadline_order_tokens}, "
+                             f"{self.late_last_ttft_s} and {self.late_last_prefill_s_per_1k}")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size < 1:
             raise ValueError(f"chunked_prefill_size must be >= 1 or None, got {self.chunked_prefill_size}")
         policy = self.schedule_policy
@@ -635,6 +648,8 @@ class EngineCore:
                 waiting.sort(key=lambda r: float("inf") if r.rid in pushed_back else -r.matched)
             elif policy == "shortest-prefill-first" and cfg.late_last_ttft_s is not None:
                 waiting.sort(key=self._late_last_key(pushed_back))
+                if cfg.late_last_deadline_order_tokens is not None:
+                    self._deadline_order_in_time(pushed_back)
             elif policy == "shortest-prefill-first":
                 waiting.sort(key=lambda r: (r.rid in pushed_back, max(1, r.fill_len - r.matched), r.entry_time))
             else:
@@ -748,10 +763,28 @@ class EngineCore:
 
         def key(r: _Req) -> tuple:
             work = max(1, r.fill_len - r.matched)
-            late = now - r.entry_time > cfg.late_last_ttft_s + cfg.late_last_per_1k_s * work / 1000
-            return r.rid in pushed_back, late, work, r.entry_time
+            return r.rid in pushed_back, now - r.entry_time > self._late_last_objective_s(work), work, r.entry_time
 
         return key
+
+    def _late_last_objective_s(self, work: int) -> float:
+        """The plugin's TTFT objective of a request with ``work`` tokens to prefill (seconds from its queue entry)."""
+        return self.config.late_last_ttft_s + self.config.late_last_per_1k_s * work / 1000
+
+    def _deadline_order_in_time(self, pushed_back: set[str]) -> None:
+        """After the late-last sort: the leading requests neither pushed back nor late in the plugin's deadline order
+        (:func:`engines.sglang_plugin.laps_sglang_plugin.deadline_order`) when the engine can serve them all so."""
+        cfg, now = self.config, self._now
+        in_time = []
+        for r in self._waiting:
+            work = max(1, r.fill_len - r.matched)
+            objective_s = self._late_last_objective_s(work)
+            if r.rid in pushed_back or now - r.entry_time > objective_s:
+                break
+            in_time.append((r, work, r.entry_time + objective_s))
+        order = deadline_order(in_time, now, cfg.late_last_deadline_order_tokens, cfg.late_last_prefill_s_per_1k)
+        if order is not None:
+            self._waiting[:len(order)] = order
 
     def _spf_chunk_limit(self, chunked: _Req, budget: int) -> int | None:
         """shortest-prefill-first: cap the continuing chunk so shorter waiting prefills fit (None: no cap)."""
