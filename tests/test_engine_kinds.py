@@ -109,6 +109,30 @@ def test_late_requests_last_starts_sglang_with_laps_plugin_and_the_sim_with_its_
     assert not parse_config(data).instant_move("mixed", "other")
 
 
+def test_deadline_order_gives_the_plugin_the_short_threshold_and_the_engine_models_prefill_rate(monkeypatch):
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    data = late_last_config().model_dump(mode="json")
+    data["roles"]["mixed"]["deadline_order"] = True
+    data["scheduling"]["short_threshold_tokens"] = 300
+    config = parse_config(data)
+    real, simulated = config.engines
+    rate = sim_model(config, real).config.late_last_prefill_s_per_1k
+    # The sim section's engine model: a pass of a whole chunk with nothing cached, per 1,000 of its tokens.
+    chunk = sim_model(config, real).config.chunked_prefill_size
+    assert rate == sim_model(config, real).latency.predict([(chunk, 0)]) / chunk * 1000
+    env = engine_env(config, real)
+    assert (env["LAPS_DEADLINE_ORDER_ABOVE_TOKENS"], env["LAPS_PREFILL_S_PER_1K_TOKENS"]) == ("299", f"{rate:g}")
+    assert engine_command(config, simulated, 30001)[-2:] == ["--sim-late-last-deadline-order-above", "299"]
+    assert sim_model(config, simulated).config.late_last_deadline_order_tokens == 299
+    assert "LAPS_DEADLINE_ORDER_ABOVE_TOKENS" not in engine_env(late_last_config(), real)  # off unless asked
+    # It changes the engine, so a move between roles that differ in it restarts the engine.
+    data["roles"]["other"] = {**data["roles"]["mixed"], "deadline_order": False}
+    assert not parse_config(data).instant_move("mixed", "other")
+    data["roles"]["other"] = {**data["roles"]["mixed"], "late_requests_last": False}
+    with pytest.raises(ValueError, match="deadline_order is part of laps' SGLang plugin: it needs late_requests_last: true"):
+        parse_config(data)
+
+
 async def test_a_restart_into_a_role_without_the_plugin_starts_the_engine_without_it(monkeypatch):
     config = late_last_config()
     real = config.engines[0]

@@ -8,10 +8,12 @@ import json
 import os
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from engines.manager import PLUGIN_PER_1K_ENV, PLUGIN_TTFT_ENV, SGLANG_PLUGIN_DIR
+from engines.manager import (PLUGIN_DEADLINE_ORDER_ENV, PLUGIN_PER_1K_ENV, PLUGIN_PREFILL_RATE_ENV, PLUGIN_TTFT_ENV,
+                             SGLANG_PLUGIN_DIR)
 
 # Run by SGLang's interpreter (importing SGLang takes ~25 s, so every case runs in this one process): load the
 # plugins as SGLang's scheduler does, with LAPS_TTFT_S=0.4, and sort two queues of fake requests with SGLang's own
@@ -19,7 +21,7 @@ from engines.manager import PLUGIN_PER_1K_ENV, PLUGIN_TTFT_ENV, SGLANG_PLUGIN_DI
 # original function, and with the plugin's order under a 1 s per-1k allowance; then call register() again without
 # LAPS_TTFT_S and with a malformed one, which must register nothing. Prints the results as JSON on stdout's last line.
 # Queue "a": in-time and late requests and one SGLang has pushed back for a duplicate prefix ("pushed");
-# queue "b": 1 s waits, "cached" has 2,990 of its 3,000 prompt tokens cached.
+# queue "b": 1 s waits, "cached" has 2,990 of its 3,000 prompt tokens cached; queue "c": for the deadline order.
 _SCRIPT = """
 import json, logging, os, time
 from types import SimpleNamespace
@@ -44,12 +46,14 @@ now = time.perf_counter()
 a = [req("late_short", 10, 1.0), req("late_mid", 50, 2.0), req("long", 1000, 0.0), req("mid", 100, 0.0),
      req("pushed", 5, 0.0)]
 b = [req("small", 10, 1.0), req("big", 2000, 1.0), req("cached", 3000, 1.2, cached=2990)]
+c = [req("mid", 300, 0.0), req("long", 900, 0.1), req("short", 50, 0.0)]
 out = {"a": rids(SchedulePolicy._sort_by_shortest_prefill, a, ["pushed"]),
        "via_instance": rids(object.__new__(SchedulePolicy)._sort_by_shortest_prefill, a, ["pushed"]),
        "b": rids(SchedulePolicy._sort_by_shortest_prefill, b),
        "sglang_a": rids(SchedulePolicy._sort_by_shortest_prefill.__wrapped__, a, ["pushed"]),
        "sglang_b": rids(SchedulePolicy._sort_by_shortest_prefill.__wrapped__, b),
-       "per_1k_b": rids(laps_sglang_plugin.make_late_last_sort(0.4, 1.0, schedule_policy), b)}
+       "per_1k_b": rids(laps_sglang_plugin.make_late_last_sort(0.4, 1.0, schedule_policy), b),
+       "deadline_c": rids(laps_sglang_plugin.make_late_last_sort(0.4, 0.0, schedule_policy, 100, 0.1), c)}
 target = "sglang.srt.managers.schedule_policy.SchedulePolicy._sort_by_shortest_prefill"
 hooks = len(HookRegistry._hooks[target])
 for value in (None, "abc"):
@@ -78,6 +82,9 @@ def test_sglang_loads_the_plugin_and_late_requests_go_behind_those_in_time(sglan
     # 1 s per 1,000 new tokens: "big" (2,000 new: 0.4 + 2.0 s) is in time after 1 s; "small" and "cached" (10 new
     # each: 0.41 s) are late, so the allowance counts only uncached tokens.
     assert out["per_1k_b"] == ["big", "cached", "small"]
+    # Deadline order above 100 tokens at 0.1 s per 1,000: all three end within 0.125 s, so "long" (waited 0.1 s) goes
+    # before "mid", and "short" keeps its place ahead.
+    assert out["deadline_c"] == ["short", "long", "mid"]
     # Without LAPS_TTFT_S, or with a malformed one, the plugin leaves SGLang's order and says why.
     assert out["hooks_added_by_bad_settings"] == 0
     assert "LAPS_TTFT_S is not set" in done.stderr
@@ -95,6 +102,60 @@ def test_the_plugin_imports_without_sglang_and_names_the_variables_the_manager_s
     plugin = load_plugin_module()
     assert (plugin.TTFT_ENV, plugin.PER_1K_ENV) == (PLUGIN_TTFT_ENV, PLUGIN_PER_1K_ENV) == (
         "LAPS_TTFT_S", "LAPS_TTFT_PER_1K_NEW_TOKENS_S")
+    assert (plugin.DEADLINE_ORDER_ENV, plugin.PREFILL_RATE_ENV) == (PLUGIN_DEADLINE_ORDER_ENV, PLUGIN_PREFILL_RATE_ENV) == (
+        "LAPS_DEADLINE_ORDER_ABOVE_TOKENS", "LAPS_PREFILL_S_PER_1K_TOKENS")
+
+
+def test_deadline_order_keeps_short_requests_first_and_the_rest_by_deadline_only_while_all_are_in_time():
+    order = load_plugin_module().deadline_order
+    # (request, new tokens, deadline s), shortest first; now = 10 s.
+    queue = [("s", 40, 10.4), ("m", 300, 10.35), ("l", 900, 10.3)]
+    # Rate 0.1 s per 1,000: s ends 10.004, l 10.094, m 10.124, all in time.
+    assert order(queue, 10.0, 100, 0.1) == ["s", "l", "m"]
+    # Rate 0.3: s ends 10.012, l 10.282, m 10.372 > 10.35: one would be late, so None (shortest first stays).
+    assert order(queue, 10.0, 100, 0.3) is None
+    # Everything at most 1,000 tokens keeps its place; equal deadlines keep the order given.
+    assert order(queue, 10.0, 1000, 0.1) == ["s", "m", "l"]
+    assert order([("a", 500, 11.0), ("b", 600, 11.0)], 10.0, 0, 0.1) == ["a", "b"]
+    assert order([], 10.0, 100, 0.1) == []
+
+
+def test_the_sort_reorders_only_the_requests_in_time(monkeypatch):
+    plugin = load_plugin_module()
+    policy = SimpleNamespace(SchedulePolicy=SimpleNamespace(_shortest_prefill_work=lambda r: r.work))
+    now = 1000.0
+    monkeypatch.setattr(plugin.time, "perf_counter", lambda: now)
+
+    def req(rid, work, waited_s):
+        return SimpleNamespace(rid=rid, work=work, time_stats=SimpleNamespace(wait_queue_entry_time=now - waited_s))
+
+    queue = [req("late", 20, 0.5), req("mid", 300, 0.0), req("long", 900, 0.1), req("short", 50, 0.0), req("dup", 10, 0.0)]
+    spf = plugin.make_late_last_sort(0.4, 0.0, policy)
+    ordered = plugin.make_late_last_sort(0.4, 0.0, policy, 100, 0.1)
+    for sort, expected in ((spf, ["short", "mid", "long", "late", "dup"]), (ordered, ["short", "long", "mid", "late", "dup"])):
+        q = list(queue)
+        sort(q, {"dup"})
+        assert [r.rid for r in q] == expected
+
+
+@pytest.mark.parametrize(("above", "rate", "expected", "says"), [
+    (None, None, (None, None), None), ("256", "0.0224", (256, 0.0224), None),
+    ("256", None, (None, None), "ERROR deadline order needs LAPS_DEADLINE_ORDER_ABOVE_TOKENS"),
+    ("x", "0.02", (None, None), "ERROR deadline order needs"), ("-1", "0.02", (None, None), "ERROR deadline order needs"),
+    ("256", "0", (None, None), "ERROR deadline order needs"),
+])
+def test_deadline_order_settings(monkeypatch, caplog, above, rate, expected, says):
+    plugin = load_plugin_module()
+    for name, value in ((PLUGIN_DEADLINE_ORDER_ENV, above), (PLUGIN_PREFILL_RATE_ENV, rate)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    monkeypatch.setattr(plugin.logger, "propagate", True)
+    with caplog.at_level("INFO", logger=plugin.logger.name):
+        assert plugin._deadline_order_settings() == expected
+    logged = [f"{r.levelname} {r.getMessage()}" for r in caplog.records]
+    assert logged[0].startswith(says) if says else logged == []
 
 
 @pytest.mark.parametrize(("ttft", "per_1k", "says"), [

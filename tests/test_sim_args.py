@@ -75,6 +75,14 @@ def test_bad_flags_and_policies_are_refused():
     with pytest.raises(ValueError, match="Unknown schedule_policy"):
         resolve_args(parse_server_args(["--schedule-policy", "priority"]))
     assert resolve_args(parse_server_args(["--schedule-policy", "lpm"])).config.schedule_policy == "lpm"
+    spf = ["--schedule-policy", "shortest-prefill-first"]
+    with pytest.raises(ValueError, match="--sim-late-last-deadline-order-above needs --sim-late-last-ttft-s"):
+        resolve_args(parse_server_args([*spf, "--sim-late-last-deadline-order-above", "255"]))
+    with pytest.raises(ValueError, match="--sim-late-last-deadline-order-above must be a number of tokens >= 0, got -1"):
+        resolve_args(parse_server_args([*spf, "--sim-late-last-ttft-s", "0.4", "--sim-late-last-deadline-order-above", "-1"]))
+    sim = resolve_args(parse_server_args([*spf, "--sim-late-last-ttft-s", "0.4", "--sim-late-last-deadline-order-above", "0"]))
+    assert (sim.config.late_last_deadline_order_tokens, sim.config.late_last_prefill_s_per_1k) == (
+        0, sim.latency.predict([(8192, 0)]) / 8192 * 1000)  # an H200's default chunk
 
 
 def test_the_managers_command_line_for_every_shipped_role_parses():

@@ -160,6 +160,31 @@ def test_late_requests_last_puts_requests_past_their_objective_behind_those_in_t
         EngineConfig(100, 8, late_last_ttft_s=0.0)
 
 
+def test_deadline_order_serves_a_long_prefill_before_later_shorter_ones_while_all_can_be_in_time():
+    def admitted(**deadline_order) -> list[tuple[int, int]]:
+        core = make_core(schedule_policy="shortest-prefill-first", max_prefill_tokens=1000, chunked_prefill_size=None,
+                         late_last_ttft_s=0.4, **deadline_order)
+        core.add_request("long", prompt(900), 1, ignore_eos=True, now=0.0)
+        core.add_request("mid", prompt(300, 5000), 1, ignore_eos=True, now=0.1)
+        core.add_request("short", prompt(50, 9000), 1, ignore_eos=True, now=0.1)
+        return [core.step(t).prefill for t in (0.15, 0.2)]
+
+    # Shortest first: short and mid fill 350 of the 1,000 tokens, long does not fit behind them and waits a pass.
+    spf = [((50, 0), (300, 0)), ((900, 0),)]
+    assert admitted() == spf
+    # Deadline order above 100 tokens: short (50 tokens) keeps its place, then long (deadline 0.4 s) before mid
+    # (0.5 s). At 0.1 s per 1,000 tokens the three end by 0.15 + 1.25 × 0.1 = 0.275 s, all in time, so that order
+    # stands; at 1 s per 1,000 long would end at 0.15 + 0.95 = 1.1 s, past its deadline: shortest first.
+    assert admitted(late_last_deadline_order_tokens=100, late_last_prefill_s_per_1k=0.1) == [((50, 0), (900, 0)), ((300, 0),)]
+    assert admitted(late_last_deadline_order_tokens=100, late_last_prefill_s_per_1k=1.0) == spf
+    # Above 1,000 tokens every request keeps its shortest-first place.
+    assert admitted(late_last_deadline_order_tokens=1000, late_last_prefill_s_per_1k=0.1) == spf
+    with pytest.raises(ValueError, match="needs late_last_ttft_s and late_last_prefill_s_per_1k > 0"):
+        EngineConfig(100, 8, late_last_deadline_order_tokens=100, late_last_prefill_s_per_1k=0.1)
+    with pytest.raises(ValueError, match="needs late_last_ttft_s and late_last_prefill_s_per_1k > 0"):
+        EngineConfig(100, 8, late_last_ttft_s=0.4, late_last_deadline_order_tokens=100)
+
+
 def test_priority_scheduling_sorts_by_priority_and_preempts_the_lowest_running_one():
     core = make_core(enable_priority_scheduling=True, max_running_requests=2)
     clock = Clock(core)
