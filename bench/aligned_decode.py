@@ -230,7 +230,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="JSON output; the PNG goes next to it")
     parser.add_argument("--engines", type=int, default=4, help="decode (data-parallel) engines (default: %(default)s)")

@@ -246,7 +246,7 @@ def print_report(result: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--conversations", type=int, default=100_000, help="conversations tracked before timing (default: %(default)s)")
     parser.add_argument("--turns", type=int, default=3, help="turns of each tracked conversation (default: %(default)s)")
     parser.add_argument("--requests", type=int, default=20_000, help="follow-up turns timed (default: %(default)s)")

@@ -489,7 +489,7 @@ def write(path: Path, duration_s: float, rows: list[dict], verdicts: list[dict],
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, help="JSON output; one PNG per workload goes next to it (required unless --verdict-of)")
     parser.add_argument("--quick", action="store_true", help="3 workloads, 4 loads, at most 6 simulated s of arrivals per Poisson point")
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, help="default: all (with --quick: %s)" % ", ".join(QUICK_WORKLOADS))

@@ -238,7 +238,7 @@ def headline(rows: list[dict]) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="JSON output; the PNG goes next to it")
     parser.add_argument("--rates", type=float, nargs="+", default=[120.0, 200.0],

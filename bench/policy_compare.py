@@ -141,7 +141,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engines", type=int, default=1, help="engines in the deployment (default: %(default)s)")
     parser.add_argument("--dataset", default="mixed", help="workload, as for laps simulate (default: %(default)s)")
     parser.add_argument("--duration", type=float, default=30.0, help="simulated seconds per point (default: %(default)s)")

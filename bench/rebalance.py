@@ -145,7 +145,7 @@ def plot(controller: dict, best: dict, path: Path, phase_s: float, title: str) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="JSON output; the PNG goes next to it")
     parser.add_argument("--rate", type=float, default=150.0, help="conversations per second, all phases (default: %(default)s)")
     parser.add_argument("--phase-s", type=float, default=120.0, help="simulated seconds per phase (default: %(default)s)")

@@ -76,7 +76,7 @@ def _ms(seconds: float | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="JSON output")
     parser.add_argument("--points", nargs="+", type=point, default=[point(p) for p in DEFAULT_POINTS], metavar="WORKLOAD:RATE",

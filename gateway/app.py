@@ -288,7 +288,9 @@ async def end_requests(gw: Gateway, grace_s: float) -> None:
     gw.closing = True
     deadline = time.monotonic() + grace_s
     if gw.guards:
-        log.info("shutting down: %d requests in flight get up to %.0f s to finish", len(gw.guards), grace_s)
+        n = len(gw.guards)
+        log.info("shutting down: %d request%s in flight get%s up to %.0f s to finish", n, "" if n == 1 else "s",
+                 "s" if n == 1 else "", grace_s)
     while gw.guards and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     if gw.guards:

@@ -81,9 +81,15 @@ async def read_body(request: web.Request, timeout_s: float) -> bytes:
         raise BodyTimeout(timeout_s) from None
 
 
+_JSON_TYPE_NAMES = {type(None): "null", bool: "a boolean", int: "a number", float: "a number", str: "a string",
+                    list: "an array"}
+
+
 async def _json_body(request: web.Request, timeout_s: float) -> dict:
     if request.content_type != "application/json":
-        raise APIError(415, f"Content-Type must be application/json, got {request.content_type or 'none'!r}", param="Content-Type",
+        # aiohttp reads a missing header as application/octet-stream; say what the client sent
+        sent = repr(request.content_type) if "Content-Type" in request.headers else "no Content-Type header"
+        raise APIError(415, f"Content-Type must be application/json, got {sent}", param="Content-Type",
                        code="unsupported_media_type")
     raw = await read_body(request, timeout_s)
     try:
@@ -91,7 +97,7 @@ async def _json_body(request: web.Request, timeout_s: float) -> dict:
     except orjson.JSONDecodeError as err:
         raise APIError(400, f"request body is not valid JSON: {err}") from None
     if not isinstance(body, dict):
-        raise APIError(400, f"request body must be a JSON object, got {type(body).__name__}")
+        raise APIError(400, f"request body must be a JSON object, got {_JSON_TYPE_NAMES.get(type(body), type(body).__name__)}")
     return body
 
 

@@ -140,3 +140,9 @@ async def test_a_body_that_is_not_declared_json_gets_415(keyed):
         error = (await resp.json())["error"]
     assert error == {"message": "Content-Type must be application/json, got 'text/plain'", "type": "invalid_request_error",
                      "param": "Content-Type", "code": "unsupported_media_type"}
+    # No header at all: said so (aiohttp reads it as application/octet-stream, which the client never sent).
+    headers = {"Authorization": f"Bearer {KEYS[0]}"}
+    async with keyed.post("/v1/chat/completions", data=b'{"model": "x", "messages": []}', headers=headers,
+                          skip_auto_headers=["Content-Type"]) as resp:
+        assert resp.status == 415
+        assert (await resp.json())["error"]["message"] == "Content-Type must be application/json, got no Content-Type header"

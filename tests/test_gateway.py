@@ -110,7 +110,8 @@ async def test_stream_is_relayed_to_done(stack):
     "path, payload, status, param, fragment",
     [
         ("/v1/chat/completions", b"{not json", 400, None, "not valid JSON"),
-        ("/v1/chat/completions", b"[1, 2]", 400, None, "must be a JSON object"),
+        ("/v1/chat/completions", b"[1, 2]", 400, None, "must be a JSON object, got an array"),
+        ("/v1/chat/completions", b"null", 400, None, "must be a JSON object, got null"),
         ("/v1/chat/completions", {"model": MODEL}, 400, "messages", "Field required"),
         ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages", "at least 1 item"),
         ("/v1/chat/completions", {"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}, 404, "model", "gpt-9"),
