@@ -128,12 +128,21 @@ def _validate(model: type[BaseModel], body: dict) -> BaseModel:
     try:
         return model.model_validate(body)
     except ValidationError as err:
-        errors = [(_body_path(e["loc"], body, e["type"] == "missing"), e["msg"].removeprefix("Value error, ")) for e in err.errors()]
+        errors = [(_body_path(e["loc"], body, e["type"] == "missing"), _error_message(e)) for e in err.errors()]
         top = errors[0][0][:1]
         path = max((p for p, _ in errors if p[:1] == top), key=len)
         message = " or ".join(dict.fromkeys(m for p, m in errors if p == path))
         param = ".".join(str(p) for p in path) or None
         raise APIError(400, f"{param}: {message}" if param else message, param=param) from None
+
+
+def _error_message(error: dict) -> str:
+    """pydantic's message for one error, in the client's terms: an integer too large for 64 bits (which the JSON parser
+    hands over as a float) is said to be that, not "not a valid integer"."""
+    value = error.get("input")
+    if error["type"].startswith("int_") and isinstance(value, float) and value.is_integer() and abs(value) >= 2**63:
+        return "Input should be an integer that fits in 64 bits (signed)"
+    return error["msg"].removeprefix("Value error, ")
 
 
 def _check_model(gw: Gateway, model: str) -> None:

@@ -116,6 +116,8 @@ async def test_stream_is_relayed_to_done(stack):
         ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages", "at least 1 item"),
         ("/v1/chat/completions", {"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}, 404, "model", "gpt-9"),
         ("/v1/chat/completions", chat("x", max_tokens=-3), 400, "max_tokens", "greater than or equal to 1"),
+        ("/v1/chat/completions", chat("x", max_tokens=10**30), 400, "max_tokens", "an integer that fits in 64 bits"),
+        ("/v1/chat/completions", chat("x", seed=2**80), 400, "seed", "an integer that fits in 64 bits"),
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role", "'user'"),
         ("/v1/completions", {"model": MODEL}, 400, "prompt", "Field required"),
         ("/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt", "one prompt per request"),
