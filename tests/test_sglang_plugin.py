@@ -98,6 +98,19 @@ def load_plugin_module():
     return module
 
 
+def plugin_with_env(monkeypatch, env: dict[str, str | None]):
+    """The plugin module, with ``env`` set (None: unset) and its log lines going to caplog (in SGLang the plugin
+    writes them to stderr itself)."""
+    plugin = load_plugin_module()
+    for name, value in env.items():
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    monkeypatch.setattr(plugin.logger, "propagate", True)
+    return plugin
+
+
 def test_the_plugin_imports_without_sglang_and_names_the_variables_the_manager_sets():
     plugin = load_plugin_module()
     assert (plugin.TTFT_ENV, plugin.PER_1K_ENV) == (PLUGIN_TTFT_ENV, PLUGIN_PER_1K_ENV) == (
@@ -145,13 +158,7 @@ def test_the_sort_reorders_only_the_requests_in_time(monkeypatch):
     ("256", "0", (None, None), "ERROR deadline order needs"),
 ])
 def test_deadline_order_settings(monkeypatch, caplog, above, rate, expected, says):
-    plugin = load_plugin_module()
-    for name, value in ((PLUGIN_DEADLINE_ORDER_ENV, above), (PLUGIN_PREFILL_RATE_ENV, rate)):
-        if value is None:
-            monkeypatch.delenv(name, raising=False)
-        else:
-            monkeypatch.setenv(name, value)
-    monkeypatch.setattr(plugin.logger, "propagate", True)
+    plugin = plugin_with_env(monkeypatch, {PLUGIN_DEADLINE_ORDER_ENV: above, PLUGIN_PREFILL_RATE_ENV: rate})
     with caplog.at_level("INFO", logger=plugin.logger.name):
         assert plugin._deadline_order_settings() == expected
     logged = [f"{r.levelname} {r.getMessage()}" for r in caplog.records]
@@ -168,13 +175,7 @@ def test_deadline_order_settings(monkeypatch, caplog, above, rate, expected, say
     ("0.4", "abc", "ERROR LAPS_TTFT_PER_1K_NEW_TOKENS_S='abc' is not a number of seconds >= 0"),
 ])
 def test_a_missing_or_bad_setting_registers_nothing_and_says_why(monkeypatch, caplog, ttft, per_1k, says):
-    plugin = load_plugin_module()
-    for name, value in ((PLUGIN_TTFT_ENV, ttft), (PLUGIN_PER_1K_ENV, per_1k)):
-        if value is None:
-            monkeypatch.delenv(name, raising=False)
-        else:
-            monkeypatch.setenv(name, value)
-    monkeypatch.setattr(plugin.logger, "propagate", True)  # to caplog; the plugin writes to stderr itself in SGLang
+    plugin = plugin_with_env(monkeypatch, {PLUGIN_TTFT_ENV: ttft, PLUGIN_PER_1K_ENV: per_1k})
     with caplog.at_level("INFO", logger=plugin.logger.name):
         plugin.register()  # returns before importing SGLang, which laps' own environment does not have
     assert [f"{r.levelname} {r.getMessage()}" for r in caplog.records][0].startswith(says)
