@@ -219,7 +219,8 @@ def engine_command(config: Config, engine: EngineConfig, port: int, role: str | 
 
 def sim_flags(config: Config, role: str) -> list[str]:
     """The simulated engine's flags from ``config.sim`` (model, GPU and, when set, the calibration file) and, where
-    ``role`` has ``late_requests_last``, the objective the simulated plugin uses (:func:`late_last_objective`)."""
+    ``role`` has ``late_requests_last``, the objective the simulated plugin uses (:func:`late_last_objective`), and
+    with ``deadline_order`` its threshold (:func:`deadline_order_above`)."""
     flags = ["--sim-model", config.sim.model, "--sim-gpu", config.sim.gpu]
     if config.sim.calibration is not None:
         flags += ["--sim-calibration", str(config.sim.calibration)]
@@ -250,10 +251,24 @@ def late_last_objective(config: Config, role: str) -> tuple[float, float] | None
     return config.slo.ttft_s, config.slo.ttft_per_1k_new_tokens_s or 0.0
 
 
+def _prefill_s_per_1k(config: Config, engine: EngineConfig, role: str | None) -> float | None:
+    """The full-chunk prefill rate (seconds per 1,000 new tokens) of ``engine`` with ``role`` in the ``sim`` section's
+    engine model, for the plugin's deadline order; None, with a warning, where that model cannot take the role's flags
+    (a real engine then starts with late requests last but without the deadline order)."""
+    try:
+        return sim_model(config, engine, role).config.late_last_prefill_s_per_1k
+    except ValueError as err:
+        log.warning("engine %s: deadline_order is off: its prefill rate comes from the sim section's engine model, "
+                    "which cannot model this engine (%s)", engine.name, err)
+        return None
+
+
 def deadline_order_above(config: Config, role: str) -> int | None:
-    """New tokens above which the plugin puts ``role``'s requests in time in deadline order while the engine keeps up
-    (``scheduling.short_threshold_tokens`` − 1: the requests the gateway classes short keep shortest first); None
-    where the role does not set ``deadline_order``."""
+    """New tokens above which the plugin puts ``role``'s requests in time in deadline order while the engine keeps up:
+    ``scheduling.short_threshold_tokens`` − 1, so requests of fewer than the threshold keep their shortest-first place
+    (the gateway's short class where no ``cost_model`` sets the boundary; the engine counts the tokens it must
+    prefill, prompt and reply so far less its own cache, the gateway its estimate); None where the role does not set
+    ``deadline_order``."""
     return config.scheduling.short_threshold_tokens - 1 if config.roles[role].deadline_order else None
 
 
@@ -322,7 +337,8 @@ def engine_env(config: Config, engine: EngineConfig, role: str | None = None) ->
     ``sglang.env`` for SGLang engines; where the role sets ``late_requests_last``, laps' SGLang plugin: its
     directory ahead of ``PYTHONPATH`` (``sglang.env``'s, else the gateway's) and its objective
     (:func:`late_last_objective`), and where it sets ``deadline_order`` too, that order's token threshold
-    (:func:`deadline_order_above`) and the engine's full-chunk prefill rate in the ``sim`` section's engine model; then ``CUDA_VISIBLE_DEVICES`` from the engine's GPUs when it has any (it wins
+    (:func:`deadline_order_above`) and the engine's full-chunk prefill rate in the ``sim`` section's engine model
+    (none, with a warning, where that model cannot take the role's flags); then ``CUDA_VISIBLE_DEVICES`` from the engine's GPUs when it has any (it wins
     over ``sglang.env``).
     """
     env = dict(config.sglang.env) if engine.kind == "sglang" else {}
@@ -332,9 +348,9 @@ def engine_env(config: Config, engine: EngineConfig, role: str | None = None) ->
         env["PYTHONPATH"] = os.pathsep.join([str(SGLANG_PLUGIN_DIR), *([path] if path else [])])
         env[PLUGIN_TTFT_ENV], env[PLUGIN_PER_1K_ENV] = f"{objective[0]:g}", f"{objective[1]:g}"
         above = deadline_order_above(config, role or engine.role)
-        if above is not None:
-            env[PLUGIN_DEADLINE_ORDER_ENV] = str(above)
-            env[PLUGIN_PREFILL_RATE_ENV] = f"{sim_model(config, engine, role).config.late_last_prefill_s_per_1k:g}"
+        rate = _prefill_s_per_1k(config, engine, role) if above is not None else None
+        if rate is not None:
+            env[PLUGIN_DEADLINE_ORDER_ENV], env[PLUGIN_PREFILL_RATE_ENV] = str(above), repr(rate)
     if engine.gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in engine.gpus)
     return env
@@ -545,10 +561,11 @@ class EngineManager:
         e = self.engines[name]
         e.restarting = True
         try:
+            # the new command line first: a role it cannot be built for must not leave the engine stopped
+            command = engine_command(self.config, e.config, e.port, role, e.kv_events)
+            env = engine_env(self.config, e.config, role)
             await e.stop()
-            e.role = role
-            e.command = engine_command(self.config, e.config, e.port, role, e.kv_events)
-            e.env = engine_env(self.config, e.config, role)
+            e.role, e.command, e.env = role, command, env
             await e.start()
             await e.wait_ready(client, self.ready_timeout_s)
         finally:

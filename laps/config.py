@@ -220,11 +220,12 @@ class RoleConfig(_Strict):
     requests that can still be in time (needs ``schedule-policy:
     shortest-prefill-first``; simulated engines model it).
     ``deadline_order`` (needs ``late_requests_last``): the plugin also puts the
-    requests still within their objective that have more new tokens than
-    ``scheduling.short_threshold_tokens`` in deadline order behind the shorter
-    ones, whenever the engine, at its full-chunk prefill rate (the ``sim``
-    section's engine model), can serve every request in time so; shortest
-    first otherwise (``engines/sglang_plugin``).
+    requests still within their objective that have
+    ``scheduling.short_threshold_tokens`` new tokens or more in deadline order
+    behind the shorter ones, whenever by its estimate (prefills back to back at
+    the engine's full-chunk rate in the ``sim`` section's engine model: set
+    ``sim`` to the real engine's model and GPU) every request in time stays in
+    time so; shortest first otherwise (``engines/sglang_plugin``).
     """
 
     pool: Literal["short", "long", "decode"]

@@ -109,7 +109,7 @@ def test_late_requests_last_starts_sglang_with_laps_plugin_and_the_sim_with_its_
     assert not parse_config(data).instant_move("mixed", "other")
 
 
-def test_deadline_order_gives_the_plugin_the_short_threshold_and_the_engine_models_prefill_rate(monkeypatch):
+def test_deadline_order_gives_the_plugin_the_short_threshold_and_the_engine_models_prefill_rate(monkeypatch, caplog):
     monkeypatch.delenv("PYTHONPATH", raising=False)
     data = late_last_config().model_dump(mode="json")
     data["roles"]["mixed"]["deadline_order"] = True
@@ -121,10 +121,17 @@ def test_deadline_order_gives_the_plugin_the_short_threshold_and_the_engine_mode
     chunk = sim_model(config, real).config.chunked_prefill_size
     assert rate == sim_model(config, real).latency.predict([(chunk, 0)]) / chunk * 1000
     env = engine_env(config, real)
-    assert (env["LAPS_DEADLINE_ORDER_ABOVE_TOKENS"], env["LAPS_PREFILL_S_PER_1K_TOKENS"]) == ("299", f"{rate:g}")
+    assert (env["LAPS_DEADLINE_ORDER_ABOVE_TOKENS"], env["LAPS_PREFILL_S_PER_1K_TOKENS"]) == ("299", repr(rate))
     assert engine_command(config, simulated, 30001)[-2:] == ["--sim-late-last-deadline-order-above", "299"]
     assert sim_model(config, simulated).config.late_last_deadline_order_tokens == 299
     assert "LAPS_DEADLINE_ORDER_ABOVE_TOKENS" not in engine_env(late_last_config(), real)  # off unless asked
+    # A real engine whose flags the engine model cannot take still starts, with late requests last, without the order.
+    odd = {**data, "roles": {**data["roles"], "mixed": {**data["roles"]["mixed"],
+                                                       "flags": {**data["roles"]["mixed"]["flags"], "attention-backend": "fa3"}}}}
+    with caplog.at_level("WARNING", "laps.engines"):
+        env = engine_env(parse_config(odd), real)
+    assert env["LAPS_TTFT_S"] == "0.5" and "LAPS_DEADLINE_ORDER_ABOVE_TOKENS" not in env
+    assert "engine real: deadline_order is off" in caplog.text and "--attention-backend fa3" in caplog.text
     # It changes the engine, so a move between roles that differ in it restarts the engine.
     data["roles"]["other"] = {**data["roles"]["mixed"], "deadline_order": False}
     assert not parse_config(data).instant_move("mixed", "other")

@@ -16,12 +16,14 @@ into the waiting queue.
 Deadline order while the engine keeps up (``LAPS_DEADLINE_ORDER_ABOVE_TOKENS``
 N and ``LAPS_PREFILL_S_PER_1K_TOKENS``, both set): the requests still within
 their objective go those of at most N new tokens first (shortest first), then
-the longer ones by deadline, whenever that order, at the engine's prefill rate,
-ends every one of them within its objective; otherwise shortest first as
-above. Shortest first minimizes the requests made late once some must be
-(overload), but it lets a stream of shorter prompts overtake a long one until
-the long one misses; deadline order serves them all while all can be served.
-The order is re-decided at every sort, so it follows the load. The simulated engine models the same order
+the longer ones by deadline, whenever by an estimate (their prefills back to
+back from now at ``LAPS_PREFILL_S_PER_1K_TOKENS``, the engine's full-chunk
+rate; a chunked prefill in progress is not counted) every one of them ends
+within its objective; otherwise shortest first as above (one request that would
+miss is enough). In overload shortest first tends to keep the most requests in
+time, but it lets a stream of shorter prompts overtake a long one until the
+long one misses; deadline order serves them all while all can be served. The
+order is re-decided at every sort, so it follows the load. The simulated engine models the same order
 (``engines/sim/core.py``); what it buys there is in the README ("Late
 requests last").
 
@@ -110,7 +112,8 @@ def deadline_order(in_time: list[tuple[Any, int, float]], now: float, above_toke
 
     Returns:
         The requests of at most ``above_tokens`` new tokens as given, then the others by deadline (ties as given),
-        when in that order, prefilled back to back from ``now``, each ends by its deadline; else None.
+        when in that order, prefilled back to back from ``now`` at ``prefill_s_per_1k`` (an estimate), each ends by
+        its deadline; else None.
     """
     first = [e for e in in_time if e[1] <= above_tokens]
     order = first + sorted((e for e in in_time if e[1] > above_tokens), key=lambda e: e[2])

@@ -278,7 +278,8 @@ def resolve_args(args: SimServerArgs) -> ResolvedSim:
         late_last_ttft_s=args.sim_late_last_ttft_s,
         late_last_per_1k_s=args.sim_late_last_per_1k_s,
         late_last_deadline_order_tokens=args.sim_late_last_deadline_order_above,
-        late_last_prefill_s_per_1k=full_chunk_prefill_s_per_1k(latency, chunk if chunk > 0 else args.max_prefill_tokens),
+        late_last_prefill_s_per_1k=None if args.sim_late_last_deadline_order_above is None else
+        full_chunk_prefill_s_per_1k(latency, chunk if chunk > 0 else args.max_prefill_tokens),
     )
     tokenizer_path = args.tokenizer_path or (args.model_path if Path(args.model_path).is_dir() else None)
     kv_events = None
@@ -375,8 +376,8 @@ def build_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
                         f"must prefill (prompt and reply so far, less its cached prefix; default {d.sim_late_last_per_1k_s:g})")
     p.add_argument("--sim-late-last-deadline-order-above", type=int, metavar="TOKENS",
                    help="with --sim-late-last-ttft-s: the plugin's deadline order: requests in time of more than "
-                        "TOKENS new tokens go by deadline (behind the shorter ones) while the engine, at its full-chunk "
-                        "prefill rate, can serve every request in time so (default: off)")
+                        "TOKENS new tokens go by deadline (behind the shorter ones) while, by an estimate at the "
+                        "engine's full-chunk prefill rate, every request in time stays in time so (default: off)")
     p.add_argument("--disaggregation-mode", choices=("null", "prefill", "decode"),
                    help="PD disaggregation: prefill-only or decode-only engine (default null; see engines.sim.pd_http)")
     p.add_argument("--disaggregation-transfer-backend", choices=PD_TRANSFER_BACKENDS,
