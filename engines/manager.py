@@ -338,8 +338,8 @@ def engine_env(config: Config, engine: EngineConfig, role: str | None = None) ->
     directory ahead of ``PYTHONPATH`` (``sglang.env``'s, else the gateway's) and its objective
     (:func:`late_last_objective`), and where it sets ``deadline_order`` too, that order's token threshold
     (:func:`deadline_order_above`) and the engine's full-chunk prefill rate in the ``sim`` section's engine model
-    (none, with a warning, where that model cannot take the role's flags); then ``CUDA_VISIBLE_DEVICES`` from the engine's GPUs when it has any (it wins
-    over ``sglang.env``).
+    (none, with a warning, where that model cannot take the role's flags); then ``CUDA_VISIBLE_DEVICES`` from the
+    engine's GPUs when it has any (it wins over ``sglang.env``).
     """
     env = dict(config.sglang.env) if engine.kind == "sglang" else {}
     objective = late_last_objective(config, role or engine.role) if engine.kind == "sglang" else None

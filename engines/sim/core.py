@@ -54,8 +54,8 @@ models, read from SGLang 0.5.23 (``managers/scheduler.py``
   tokens, sorts behind every request still within it (pushed-back ones stay last);
   with ``late_last_deadline_order_tokens`` N the requests still within it go
   those of at most N tokens first, the longer ones by deadline, whenever that
-  order at ``late_last_prefill_s_per_1k`` ends each within its objective (the
-  plugin's deadline order).
+  order, prefilled back to back at ``late_last_prefill_s_per_1k`` (an estimate),
+  ends each within its objective (the plugin's deadline order).
 * **Priority preemption** (``--enable-priority-scheduling`` without
   ``--disable-priority-preemption``): when the request slots are full, running
   requests whose priority is worse by more than
