@@ -23,13 +23,16 @@ within its objective; otherwise shortest first as above (one request that would
 miss is enough). In overload shortest first tends to keep the most requests in
 time, but it lets a stream of shorter prompts overtake a long one until the
 long one misses; deadline order serves them all while all can be served. The
-order is re-decided at every sort, so it follows the load. The simulated engine models the same order
-(``engines/sim/core.py``); what it buys there is in the README ("Late
+order is re-decided at every sort, so it follows the load.
+
+The simulated engine models both orders (``engines/sim/core.py``, with this
+module's :func:`deadline_order`); what they buy there is in the README ("Late
 requests last").
 
 How laps enables it: when a role sets ``late_requests_last: true``, the
 gateway's engine manager puts this directory on the engine's ``PYTHONPATH``
-and sets the two variables. SGLang then finds the entry point in
+and sets the first two variables (the other two where it also sets
+``deadline_order: true``). SGLang then finds the entry point in
 ``laps_sglang_plugin-0.1.dist-info/entry_points.txt`` (group
 ``sglang.srt.plugins``, name ``laps_late_last``) and calls :func:`register`
 in every process that loads plugins: the server's, its scheduler's (where the
