@@ -26,6 +26,7 @@ from engines.manager import (FREE_PORT_RANGE, SGLANG_PLUGIN_DIR, EngineManager, 
 from gateway.app import create_app
 from gateway.state import GATEWAY
 from laps.config import DEFAULT_CONFIG_PATH, Config, EngineConfig, load_config, parse_config
+from laps.cost import engine_traits
 from laps.tokenizer import load_tokenizer
 from loadgen.virtual import engine_cores
 from tests import sglang_env
@@ -124,6 +125,9 @@ def test_deadline_order_gives_the_plugin_the_short_threshold_and_the_engine_mode
     assert (env["LAPS_DEADLINE_ORDER_ABOVE_TOKENS"], env["LAPS_PREFILL_S_PER_1K_TOKENS"]) == ("299", repr(rate))
     assert engine_command(config, simulated, 30001)[-2:] == ["--sim-late-last-deadline-order-above", "299"]
     assert sim_model(config, simulated).config.late_last_deadline_order_tokens == 299
+    # The gateway's queue model orders the engines' queues the same way (every prefill role sets the key).
+    assert engine_traits(config).deadline_order_above == 299
+    assert engine_traits(late_last_config()).deadline_order_above is None
     assert "LAPS_DEADLINE_ORDER_ABOVE_TOKENS" not in engine_env(late_last_config(), real)  # off unless asked
     # A real engine whose flags the engine model cannot take still starts, with late requests last, without the order.
     odd = {**data, "roles": {**data["roles"], "mixed": {**data["roles"]["mixed"],

@@ -19,7 +19,9 @@ from engines.manager import (PLUGIN_DEADLINE_ORDER_ENV, PLUGIN_PER_1K_ENV, PLUGI
 # plugins as SGLang's scheduler does, with LAPS_TTFT_S=0.4, and sort two queues of fake requests with SGLang's own
 # static method (on the class, as calc_priority calls it, and through an instance); sort them again with SGLang's
 # original function, and with the plugin's order under a 1 s per-1k allowance; then call register() again without
-# LAPS_TTFT_S and with a malformed one, which must register nothing. Prints the results as JSON on stdout's last line.
+# LAPS_TTFT_S and with a malformed one, which must register nothing. With deadline order on (above 100 tokens at
+# 0.1 s per 1,000), the hook before SGLang's batch decision must be on the scheduler's method and read a chunked
+# request's tokens left from it. Prints the results as JSON on stdout's last line.
 # Queue "a": in-time and late requests and one SGLang has pushed back for a duplicate prefix ("pushed");
 # queue "b": 1 s waits, "cached" has 2,990 of its 3,000 prompt tokens cached; queue "c": for the deadline order.
 _SCRIPT = """
@@ -60,13 +62,22 @@ for value in (None, "abc"):
     os.environ.pop("LAPS_TTFT_S") if value is None else os.environ.__setitem__("LAPS_TTFT_S", value)
     laps_sglang_plugin.register()
 out["hooks_added_by_bad_settings"] = len(HookRegistry._hooks[target]) - hooks
+from sglang.srt.managers.scheduler import Scheduler
+(hook_type, hook, _), = HookRegistry._hooks["sglang.srt.managers.scheduler.Scheduler._get_new_batch_prefill_raw"]
+scheduler = SimpleNamespace(chunked_req=SimpleNamespace(full_untruncated_fill_ids=[7] * 3500, prefix_len=500))
+try:
+    Scheduler._get_new_batch_prefill_raw(scheduler, None)  # the hook runs first; SGLang's method then fails on the fake
+except Exception:
+    pass
+out["batch_hook"] = [hook_type.value, hook.__self__.tokens_left]
 print(json.dumps(out))
 """
 
 
 @pytest.mark.sglang
 def test_sglang_loads_the_plugin_and_late_requests_go_behind_those_in_time(sglang_python: Path):
-    env = {**os.environ, "PYTHONPATH": str(SGLANG_PLUGIN_DIR), "LAPS_TTFT_S": "0.4"}
+    env = {**os.environ, "PYTHONPATH": str(SGLANG_PLUGIN_DIR), "LAPS_TTFT_S": "0.4",
+           "LAPS_DEADLINE_ORDER_ABOVE_TOKENS": "100", "LAPS_PREFILL_S_PER_1K_TOKENS": "0.1"}
     env.pop("LAPS_TTFT_PER_1K_NEW_TOKENS_S", None)
     done = subprocess.run([str(sglang_python), "-c", _SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -87,6 +98,9 @@ def test_sglang_loads_the_plugin_and_late_requests_go_behind_those_in_time(sglan
     assert out["deadline_c"] == ["short", "long", "mid"]
     # Without LAPS_TTFT_S, or with a malformed one, the plugin leaves SGLang's order and says why.
     assert out["hooks_added_by_bad_settings"] == 0
+    # The hook before each batch decision is on SGLang's scheduler and sees its chunked request: 3,000 tokens left.
+    assert out["batch_hook"] == ["before", 3000]
+    assert "requests of more than 100 new tokens go by deadline while none waiting is late" in done.stderr
     assert "LAPS_TTFT_S is not set" in done.stderr
     assert "ERROR laps plugin (pid " in done.stderr and "): LAPS_TTFT_S='abc' is not a number" in done.stderr
 
@@ -131,9 +145,13 @@ def test_deadline_order_keeps_short_requests_first_and_the_rest_by_deadline_only
     assert order(queue, 10.0, 1000, 0.1) == ["s", "m", "l"]
     assert order([("a", 500, 11.0), ("b", 600, 11.0)], 10.0, 0, 0.1) == ["a", "b"]
     assert order([], 10.0, 100, 0.1) == []
+    # 2,000 tokens of a chunked prefill in progress first: at 0.1 s per 1,000, l ends 10.294, m 10.324, in time;
+    # 2,500 tokens: m would end 10.374 > 10.35, so None.
+    assert order(queue, 10.0, 100, 0.1, 2000) == ["s", "l", "m"]
+    assert order(queue, 10.0, 100, 0.1, 2500) is None
 
 
-def test_the_sort_reorders_only_the_requests_in_time(monkeypatch):
+def test_the_sort_uses_deadline_order_only_while_none_is_late_and_counts_the_chunk_in_progress(monkeypatch):
     plugin = load_plugin_module()
     policy = SimpleNamespace(SchedulePolicy=SimpleNamespace(_shortest_prefill_work=lambda r: r.work))
     now = 1000.0
@@ -142,13 +160,30 @@ def test_the_sort_reorders_only_the_requests_in_time(monkeypatch):
     def req(rid, work, waited_s):
         return SimpleNamespace(rid=rid, work=work, time_stats=SimpleNamespace(wait_queue_entry_time=now - waited_s))
 
-    queue = [req("late", 20, 0.5), req("mid", 300, 0.0), req("long", 900, 0.1), req("short", 50, 0.0), req("dup", 10, 0.0)]
+    queue = [req("mid", 300, 0.0), req("long", 900, 0.1), req("short", 50, 0.0), req("dup", 10, 0.5)]
+    chunk = plugin.ChunkInProgress()
     spf = plugin.make_late_last_sort(0.4, 0.0, policy)
-    ordered = plugin.make_late_last_sort(0.4, 0.0, policy, 100, 0.1)
-    for sort, expected in ((spf, ["short", "mid", "long", "late", "dup"]), (ordered, ["short", "long", "mid", "late", "dup"])):
-        q = list(queue)
+    ordered = plugin.make_late_last_sort(0.4, 0.0, policy, 100, 0.1, chunk)
+
+    def sorted_rids(sort, q):
+        q = list(q)
         sort(q, {"dup"})
-        assert [r.rid for r in q] == expected
+        return [r.rid for r in q]
+
+    assert sorted_rids(spf, queue) == ["short", "mid", "long", "dup"]
+    # Nothing late but the pushed-back one: deadline order (long, waiting 0.1 s longer, before mid).
+    assert sorted_rids(ordered, queue) == ["short", "long", "mid", "dup"]
+    # A request late and not pushed back: the engine has fallen behind, shortest first (late last).
+    assert sorted_rids(ordered, queue + [req("late", 20, 0.5)]) == ["short", "mid", "long", "late", "dup"]
+    # The scheduler is in a chunked prefill with 3,000 of its 3,500 tokens left (the hook SGLang runs before each
+    # batch decision reads it): long would end at 1000 + 0.3 + 0.095 s, past its deadline (1000.3 s): shortest first.
+    scheduler = SimpleNamespace(chunked_req=SimpleNamespace(full_untruncated_fill_ids=[7] * 3500, prefix_len=500))
+    assert chunk.before_prefill_batch(scheduler, "running batch") is None
+    assert chunk.tokens_left == 3000
+    assert sorted_rids(ordered, queue) == ["short", "mid", "long", "dup"]
+    chunk.before_prefill_batch(SimpleNamespace(chunked_req=None))
+    assert chunk.tokens_left == 0
+    assert sorted_rids(ordered, queue) == ["short", "long", "mid", "dup"]
 
 
 @pytest.mark.parametrize(("above", "rate", "expected", "says"), [

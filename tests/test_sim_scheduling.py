@@ -185,6 +185,29 @@ def test_deadline_order_serves_a_long_prefill_before_later_shorter_ones_while_al
         EngineConfig(100, 8, late_last_ttft_s=0.4, late_last_deadline_order_tokens=100)
 
 
+def test_deadline_order_counts_the_chunked_prefill_in_progress_and_stops_while_a_request_is_late():
+    def passes(rate: float, late: bool = False) -> list[tuple[tuple[int, int], ...]]:
+        core = make_core(schedule_policy="shortest-prefill-first", max_prefill_tokens=1000, chunked_prefill_size=1000,
+                         late_last_ttft_s=0.4, late_last_deadline_order_tokens=100, late_last_prefill_s_per_1k=rate)
+        core.add_request("doc", prompt(3000, 20000), 1, ignore_eos=True, now=0.0)
+        core.step(0.0)  # the document's first 1,000-token chunk: 2,000 tokens left
+        core.add_request("long", prompt(900), 1, ignore_eos=True, now=0.0)
+        core.add_request("mid", prompt(300, 5000), 1, ignore_eos=True, now=0.1)
+        core.add_request("short", prompt(50, 9000), 1, ignore_eos=True, now=0.1)
+        if late:
+            core.add_request("late", prompt(20, 12000), 1, ignore_eos=True, now=-1.0)
+        return [core.step(t).prefill for t in (0.15, 0.2)]
+
+    # At 0.05 s per 1,000 the document's 2,000 tokens end at 0.25 s, then short, then long at 0.2975 s (its deadline
+    # 0.4 s), then mid: all in time, so long goes before mid (the document's chunk shrinks to leave them room).
+    assert passes(0.05)[0] == ((50, 1000), (50, 0), (900, 0))
+    # At 0.1 s per 1,000 long would end at 0.15 + 0.2 + 0.005 + 0.09 = 0.445 s: shortest first. Without the
+    # document's tokens it would have ended at 0.245 s, in time.
+    assert passes(0.1)[0] == ((650, 1000), (50, 0), (300, 0))
+    # A request already late (it entered at -1 s): the engine has fallen behind, shortest first; the late one last.
+    assert passes(0.05, late=True) == [((650, 1000), (50, 0), (300, 0)), ((80, 1650), (900, 0), (20, 0))]
+
+
 def test_priority_scheduling_sorts_by_priority_and_preempts_the_lowest_running_one():
     core = make_core(enable_priority_scheduling=True, max_running_requests=2)
     clock = Clock(core)

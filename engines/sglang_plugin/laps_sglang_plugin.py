@@ -14,16 +14,19 @@ stay last). A request's objective is ``LAPS_TTFT_S`` seconds plus
 into the waiting queue.
 
 Deadline order while the engine keeps up (``LAPS_DEADLINE_ORDER_ABOVE_TOKENS``
-N and ``LAPS_PREFILL_S_PER_1K_TOKENS``, both set): the requests still within
-their objective go those of at most N new tokens first (shortest first), then
-the longer ones by deadline, whenever by an estimate (their prefills back to
-back from now at ``LAPS_PREFILL_S_PER_1K_TOKENS``, the engine's full-chunk
-rate; a chunked prefill in progress is not counted) every one of them ends
-within its objective; otherwise shortest first as above (one request that would
-miss is enough). In overload shortest first tends to keep the most requests in
+N and ``LAPS_PREFILL_S_PER_1K_TOKENS``, both set): while no waiting request
+(bar those pushed back for a duplicate prefix) is late, the requests go those
+of at most N new tokens first (shortest first), then the longer ones by
+deadline, whenever by an estimate (the rest of the chunked prefill in progress,
+then their prefills back to back, all at ``LAPS_PREFILL_S_PER_1K_TOKENS``, the
+engine's full-chunk rate) every one of them ends within its objective;
+otherwise shortest first as above (one late request, or one that would miss,
+is enough). In overload shortest first tends to keep the most requests in
 time, but it lets a stream of shorter prompts overtake a long one until the
-long one misses; deadline order serves them all while all can be served. The
-order is re-decided at every sort, so it follows the load.
+long one misses; deadline order serves them all while all can be served. A
+late request waiting means the engine has fallen behind, where deadline order
+would spend its passes on the oldest requests while the others then miss too.
+The order is re-decided at every sort, so it follows the load.
 
 The simulated engine models both orders (``engines/sim/core.py``, with this
 module's :func:`deadline_order`); what they buy there is in the README ("Late
@@ -51,6 +54,14 @@ SGLang source it hooks (SGLang 0.5.23):
   temporary_deprioritized)``, which ``SchedulePolicy.calc_priority`` calls
   under ``shortest-prefill-first``, is replaced; the replacement measures work
   with ``SchedulePolicy._shortest_prefill_work(req)``.
+* ``sglang/srt/managers/scheduler.py``: with deadline order on, a hook runs
+  before ``Scheduler._get_new_batch_prefill_raw`` (which sorts the queue
+  through ``calc_priority``) and reads the scheduler's ``chunked_req``: its
+  tokens left are ``len(full_untruncated_fill_ids) - prefix_len``, as in
+  ``SchedulePolicy.shortest_prefill_chunk_limit`` (``prefix_len`` moves to the
+  end of each chunk run, ``checkpoint_kv_cache`` in
+  ``sglang/srt/mem_cache/common.py``; with the overlap scheduler the last
+  chunk's result may not be in yet, so the estimate can count one chunk more).
 * ``sglang/srt/observability/req_time_stats.py``: a request's
   ``time_stats.wait_queue_entry_time`` is the ``time.perf_counter()`` value
   (seconds) at which it entered the waiting queue; a retracted request enters
@@ -86,6 +97,7 @@ PER_1K_ENV = "LAPS_TTFT_PER_1K_NEW_TOKENS_S"
 DEADLINE_ORDER_ENV = "LAPS_DEADLINE_ORDER_ABOVE_TOKENS"
 PREFILL_RATE_ENV = "LAPS_PREFILL_S_PER_1K_TOKENS"
 _TARGET = "sglang.srt.managers.schedule_policy.SchedulePolicy._sort_by_shortest_prefill"
+_BATCH_TARGET = "sglang.srt.managers.scheduler.Scheduler._get_new_batch_prefill_raw"
 
 
 def _read_seconds(name: str, default: float | None, allow_zero: bool) -> float | None:
@@ -104,7 +116,7 @@ def _read_seconds(name: str, default: float | None, allow_zero: bool) -> float |
 
 
 def deadline_order(in_time: list[tuple[Any, int, float]], now: float, above_tokens: int,
-                   prefill_s_per_1k: float) -> list[Any] | None:
+                   prefill_s_per_1k: float, ahead_tokens: int = 0) -> list[Any] | None:
     """The waiting requests still within their objective in deadline order, if the engine can serve them all so.
 
     Args:
@@ -112,15 +124,16 @@ def deadline_order(in_time: list[tuple[Any, int, float]], now: float, above_toke
         now: the current time, in seconds.
         above_tokens: requests of at most this many new tokens keep their place ahead of the others.
         prefill_s_per_1k: the engine's prefill time per 1,000 new tokens, in seconds (its full-chunk rate).
+        ahead_tokens: new tokens the engine prefills before any of them (the rest of a chunked prefill in progress).
 
     Returns:
         The requests of at most ``above_tokens`` new tokens as given, then the others by deadline (ties as given),
-        when in that order, prefilled back to back from ``now`` at ``prefill_s_per_1k`` (an estimate), each ends by
-        its deadline; else None.
+        when in that order, prefilled back to back after ``ahead_tokens`` from ``now`` at ``prefill_s_per_1k`` (an
+        estimate), each ends by its deadline; else None.
     """
     first = [e for e in in_time if e[1] <= above_tokens]
     order = first + sorted((e for e in in_time if e[1] > above_tokens), key=lambda e: e[2])
-    end_s = now
+    end_s = now + ahead_tokens * prefill_s_per_1k / 1000
     for _, work, deadline_s in order:
         end_s += work * prefill_s_per_1k / 1000
         if end_s > deadline_s:
@@ -128,8 +141,22 @@ def deadline_order(in_time: list[tuple[Any, int, float]], now: float, above_toke
     return [e[0] for e in order]
 
 
+class ChunkInProgress:
+    """The new tokens left of the scheduler's chunked prefill in progress, as of its last batch decision."""
+
+    def __init__(self) -> None:
+        self.tokens_left = 0
+
+    def before_prefill_batch(self, scheduler: Any, *args: Any, **kwargs: Any) -> None:
+        """The hook run before ``Scheduler._get_new_batch_prefill_raw(self, ...)`` (module doc); changes nothing
+        of the call."""
+        req = getattr(scheduler, "chunked_req", None)
+        self.tokens_left = 0 if req is None else max(0, len(req.full_untruncated_fill_ids) - req.prefix_len)
+
+
 def make_late_last_sort(ttft_s: float, per_1k_s: float, policy_module: Any, deadline_order_above: int | None = None,
-                        prefill_s_per_1k: float | None = None) -> Callable[[list, set], None]:
+                        prefill_s_per_1k: float | None = None,
+                        chunk: ChunkInProgress | None = None) -> Callable[[list, set], None]:
     """The replacement for ``SchedulePolicy._sort_by_shortest_prefill``.
 
     Args:
@@ -137,15 +164,16 @@ def make_late_last_sort(ttft_s: float, per_1k_s: float, policy_module: Any, dead
         per_1k_s: what each 1,000 new (uncached) tokens add to the objective, in seconds.
         policy_module: ``sglang.srt.managers.schedule_policy``; ``SchedulePolicy`` is looked up
             in it at each sort, so a later patch of that class or of ``_shortest_prefill_work`` is seen.
-        deadline_order_above, prefill_s_per_1k: both set: the requests still in time go in
-            :func:`deadline_order` (those of more than ``deadline_order_above`` new tokens by deadline) whenever
-            the engine, at ``prefill_s_per_1k`` seconds per 1,000 new tokens, can serve them all in time so.
+        deadline_order_above, prefill_s_per_1k: both set: while no request but those pushed back is late, the
+            requests go in :func:`deadline_order` (those of more than ``deadline_order_above`` new tokens by
+            deadline) whenever the engine, at ``prefill_s_per_1k`` seconds per 1,000 new tokens, can serve them
+            all in time so (after the rest of ``chunk``'s prefill in progress, when given).
 
     Returns:
         ``sort(waiting_queue, temporary_deprioritized)``, which sorts the list of requests in place by
         (pushed back for a duplicate prefix, late, new tokens, queue entry time); a request is late when
         it has waited longer than ``ttft_s + per_1k_s * new_tokens / 1000`` seconds; then, with deadline
-        order on, reorders the leading requests neither pushed back nor late.
+        order on and no request late but those pushed back, reorders the leading requests not pushed back.
     """
 
     def sort_late_last(waiting_queue: list, temporary_deprioritized: set) -> None:
@@ -165,12 +193,15 @@ def make_late_last_sort(ttft_s: float, per_1k_s: float, policy_module: Any, dead
         if deadline_order_above is None or prefill_s_per_1k is None:
             return
         in_time = []
-        for req in waiting_queue:
+        for req in waiting_queue:  # in time, then late, then pushed back
             pushed, late, work, _, deadline_s = keys[id(req)]
-            if pushed or late:
+            if pushed:
                 break
+            if late:
+                return  # the engine has fallen behind: shortest first
             in_time.append((req, work, deadline_s))
-        order = deadline_order(in_time, now, deadline_order_above, prefill_s_per_1k)
+        ahead = chunk.tokens_left if chunk is not None else 0
+        order = deadline_order(in_time, now, deadline_order_above, prefill_s_per_1k, ahead)
         if order is not None:
             waiting_queue[:len(order)] = order
 
@@ -208,12 +239,17 @@ def register() -> None:
     from sglang.srt.managers import schedule_policy
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    HookRegistry.register(_TARGET, make_late_last_sort(ttft_s, per_1k_s, schedule_policy, above, rate), HookType.REPLACE)
+    chunk = ChunkInProgress() if above is not None else None
+    HookRegistry.register(_TARGET, make_late_last_sort(ttft_s, per_1k_s, schedule_policy, above, rate, chunk),
+                          HookType.REPLACE)
+    if chunk is not None:
+        HookRegistry.register(_BATCH_TARGET, chunk.before_prefill_batch, HookType.BEFORE)
     logger.info("shortest-prefill-first now puts requests that have waited longer than %g s "
                 "+ %g s per 1,000 new tokens behind all others", ttft_s, per_1k_s)
     if above is not None:
-        logger.info("requests in time of more than %d new tokens go by deadline while the engine, at %g s per 1,000 "
-                    "new tokens, can serve every request in time so", above, rate)
+        logger.info("requests of more than %d new tokens go by deadline while none waiting is late and the engine, "
+                    "at %g s per 1,000 new tokens after its chunked prefill in progress, can serve every request in "
+                    "time so", above, rate)
 
 
 def _deadline_order_settings() -> tuple[int | None, float | None]:
