@@ -186,6 +186,20 @@ def test_the_sort_uses_deadline_order_only_while_none_is_late_and_counts_the_chu
     assert sorted_rids(ordered, queue) == ["short", "long", "mid", "dup"]
 
 
+def test_a_chunked_request_the_hook_cannot_read_counts_as_none_and_never_stops_the_scheduler(monkeypatch, caplog):
+    plugin = plugin_with_env(monkeypatch, {})
+    chunk = plugin.ChunkInProgress()
+    chunk.tokens_left = 500
+    unreadable = SimpleNamespace(chunked_req=SimpleNamespace(prefix_len=3))  # no full_untruncated_fill_ids
+    with caplog.at_level("WARNING"):
+        chunk.before_prefill_batch(unreadable)
+        assert chunk.tokens_left == 0
+        assert "cannot read the chunked prefill in progress" in caplog.text
+        caplog.clear()
+        chunk.before_prefill_batch(unreadable)  # said once
+    assert chunk.tokens_left == 0 and "cannot read" not in caplog.text
+
+
 @pytest.mark.parametrize(("above", "rate", "expected", "says"), [
     (None, None, (None, None), None), ("256", "0.0224", (256, 0.0224), None),
     ("256", None, (None, None), "ERROR deadline order needs LAPS_DEADLINE_ORDER_ABOVE_TOKENS"),

@@ -146,12 +146,19 @@ class ChunkInProgress:
 
     def __init__(self) -> None:
         self.tokens_left = 0
+        self._unreadable = False
 
     def before_prefill_batch(self, scheduler: Any, *args: Any, **kwargs: Any) -> None:
         """The hook run before ``Scheduler._get_new_batch_prefill_raw(self, ...)`` (module doc); changes nothing
-        of the call."""
+        of the call and never raises: a chunked request whose fields it cannot read counts as none (logged once)."""
         req = getattr(scheduler, "chunked_req", None)
-        self.tokens_left = 0 if req is None else max(0, len(req.full_untruncated_fill_ids) - req.prefix_len)
+        try:
+            self.tokens_left = 0 if req is None else max(0, len(req.full_untruncated_fill_ids) - int(req.prefix_len))
+        except (AttributeError, TypeError, ValueError) as err:
+            self.tokens_left = 0
+            if not self._unreadable:
+                self._unreadable = True
+                logger.warning("cannot read the chunked prefill in progress (%s); deadline order leaves it out", err)
 
 
 def make_late_last_sort(ttft_s: float, per_1k_s: float, policy_module: Any, deadline_order_above: int | None = None,
