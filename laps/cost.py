@@ -7,7 +7,9 @@ run as a simulated engine (:func:`engines.manager.sim_model`: ``sim.model`` on
 tensor-parallel size). For ``kind: sim`` engines that is the engines' own
 latency; for real SGLang it is a prior until calibrated.
 The chunk size and queue order come from the prefill roles' flags, and laps'
-deadline order from their ``deadline_order`` keys (where every prefill role sets it).
+deadline order from their ``deadline_order`` keys (where every prefill role sets it,
+with one threshold; an engine the manager starts without the order, or an
+``external`` one, is still modelled with it).
 """
 
 from __future__ import annotations

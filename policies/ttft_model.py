@@ -20,9 +20,14 @@ its first token after
   those of more than N new tokens go after the shorter ones in the order they
   were sent (the engine orders them by deadline: the same order where every
   request has the same objective), and shortest first again as soon as one is
-  late, as the engine re-decides its order at every pass (the model does not
-  follow the engine's estimate of whether all can stay in time). ``A_e`` is
-  the work left of the prefills ordered before the request, plus, when it overtakes longer work there, the longest pass that work can
+  late, as the engine re-decides its order at every pass. Two simplifications
+  there: the model does not follow the engine's estimate of whether all can
+  stay in time, and the prefill in progress keeps its place as sent, though
+  the engine lets waiting prefills shorter than its rest into its passes
+  (SGLang's ``shortest_prefill_chunk_limit``), so a long prefill sent behind
+  one in progress is predicted to wait for all of it. ``A_e`` is the work left
+  of the prefills ordered before the request, plus, when it overtakes longer
+  work there, the longest pass that work can
   have in progress: all of it in one pass, up to one chunk pass (the engine
   fills a pass with waiting prefills up to a chunk; where it is in that pass
   is not known here; the worst case, as short requests are judged on their
@@ -79,6 +84,11 @@ BEHIND_ALL = 1 << 62
 
 SeqShape = tuple[int, int]
 """(L new tokens, H cached tokens) of one sequence in a pass."""
+
+
+def _key_as_is(key: tuple[int, int]) -> tuple[int, int]:
+    """A shortest-first key where the engine orders by it (no deadline order)."""
+    return key
 
 
 class PassCost(Protocol):
@@ -138,8 +148,8 @@ class EngineTraits:
     a prefill sent to a busy engine waits for the pass in progress (at most one
     chunk) and for the shorter prefills waiting there, not for the longer ones;
     ``deadline_order_above``: with ``short_first``, they all run laps' deadline
-    order for prefills of more than this many new tokens (module doc; None: none
-    of them does).
+    order for prefills of more than this many new tokens (module doc; None: no
+    deadline order is modelled).
     """
 
     cost: PassCost
@@ -226,8 +236,11 @@ class EngineQueueModel:
         if not self.short_first or behind_all:
             return 0
         entries = self._advance(engine_id, now)
+        key = self._key(max((new for new, _ in batch), default=1))
         rank = self._ranking(self._keeps_up(entries.values(), now))
-        key = rank(self._key(max((new for new, _ in batch), default=1)))
+        if rank is None:
+            return sum(1 for p in entries.values() if p.remaining_s > 0 and p.key > key and p.deadline_s > now + p.remaining_s)
+        key = rank(key)
         return sum(1 for p in entries.values()
                    if p.remaining_s > 0 and rank(p.key) > key and p.deadline_s > now + p.remaining_s)
 
@@ -282,7 +295,7 @@ class EngineQueueModel:
         self._decoding_rids[rid] = p.engine_id
         if not p.stream:
             return
-        rank = self._ranking(self._keeps_up(entries.values(), now))
+        rank = self._ranking(self._keeps_up(entries.values(), now)) or _key_as_is
         if p.remaining_s > 0 and not p.behind_all:
             for q in entries.values():
                 if rank(q.key) < rank(p.key) and q.remaining_s > 0:
@@ -331,12 +344,13 @@ class EngineQueueModel:
         return self.deadline_order_above is not None and not any(
             p.remaining_s > 0 and p.deadline_s < now for p in entries)
 
-    def _ranking(self, deadline_order: bool) -> Callable[[tuple[int, int]], tuple[int, int]]:
-        """The engine's order from a shortest-first key: as it is, or in deadline order those of more than
-        ``deadline_order_above`` new tokens as sent (behind-all keys stay last)."""
+    def _ranking(self, deadline_order: bool) -> Callable[[tuple[int, int]], tuple[int, int]] | None:
+        """The engine's order from a shortest-first key in deadline order: those of more than
+        ``deadline_order_above`` new tokens as sent (behind-all keys stay last); None where the keys stand as they
+        are (no deadline order, the default: the callers then compare the keys themselves, on the hot path)."""
         above = self.deadline_order_above
         if not deadline_order or above is None:
-            return lambda key: key
+            return None
         return lambda key: (above + 1, key[1]) if above < key[0] < BEHIND_ALL else key
 
     def _ahead_s(self, entries: dict[str, _Prefill], key: tuple[int, int], deadline_order: bool) -> float:
@@ -348,10 +362,14 @@ class EngineQueueModel:
         the longest group's pass (where the engine is in that pass is not known here: the worst case,
         as a short request's tail TTFT is what it is judged on)."""
         rank = self._ranking(deadline_order)
-        key = rank(key)
-        ahead = sum(p.remaining_s for p in entries.values() if rank(p.key) < key)
         # one past its predicted end may still be running: every longer entry counts, whatever its remaining_s
-        longer = [p for p in entries.values() if rank(p.key) > key]
+        if rank is None:
+            ahead = sum(p.remaining_s for p in entries.values() if p.key < key)
+            longer = [p for p in entries.values() if p.key > key]
+        else:
+            key = rank(key)
+            ahead = sum(p.remaining_s for p in entries.values() if rank(p.key) < key)
+            longer = [p for p in entries.values() if rank(p.key) > key]
         if longer:
             groups = [p for p in longer if p.work_s > 0]  # a group's work is carried by its first request
             together = sum(p.chunk_s for p in groups) - max(0, len(groups) - 1) * self.pass_floor_s
@@ -375,7 +393,7 @@ class EngineQueueModel:
                     self._current.pop(engine_id, None)
                     break
                 rank = self._ranking(self._keeps_up(live, t))
-                current = min(live, key=lambda p: rank(p.key))
+                current = min(live, key=(lambda p: p.key) if rank is None else (lambda p: rank(p.key)))
                 current.chunk_left_s = min(current.remaining_s, current.chunk_s)
                 self._current[engine_id] = current
             step = min(current.chunk_left_s, now - t)

@@ -128,6 +128,9 @@ def test_deadline_order_gives_the_plugin_the_short_threshold_and_the_engine_mode
     # The gateway's queue model orders the engines' queues the same way (every prefill role sets the key).
     assert engine_traits(config).deadline_order_above == 299
     assert engine_traits(late_last_config()).deadline_order_above is None
+    one_without = {**data, "roles": {**data["roles"], "other": {**data["roles"]["mixed"], "deadline_order": False}},
+                   "engines": [data["engines"][0], {**data["engines"][1], "role": "other"}]}
+    assert engine_traits(parse_config(one_without)).deadline_order_above is None  # not every prefill role sets it
     assert "LAPS_DEADLINE_ORDER_ABOVE_TOKENS" not in engine_env(late_last_config(), real)  # off unless asked
     # A real engine whose flags the engine model cannot take still starts, with late requests last, without the order.
     odd = {**data, "roles": {**data["roles"], "mixed": {**data["roles"]["mixed"],

@@ -146,7 +146,7 @@ def test_deadline_order_keeps_short_requests_first_and_the_rest_by_deadline_only
     assert order([("a", 500, 11.0), ("b", 600, 11.0)], 10.0, 0, 0.1) == ["a", "b"]
     assert order([], 10.0, 100, 0.1) == []
     # 2,000 tokens of a chunked prefill in progress first: at 0.1 s per 1,000, l ends 10.294, m 10.324, in time;
-    # 2,500 tokens: m would end 10.374 > 10.35, so None.
+    # 2,500 tokens: l would end 10.344 > 10.3, so None.
     assert order(queue, 10.0, 100, 0.1, 2000) == ["s", "l", "m"]
     assert order(queue, 10.0, 100, 0.1, 2500) is None
 

@@ -195,7 +195,7 @@ def test_on_deadline_order_engines_long_prefills_go_as_sent_while_none_there_is_
     # deadline, prefills of 256 tokens or more go in deadline order (here: as sent), shorter ones still go first.
     traits = EngineTraits(LinearCost(), chunk_tokens=4096, short_first=True, deadline_order_above=255)
     m = EngineQueueModel(traits)
-    big_s = isolated_prefill_s(LinearCost(), 10000, 0, 4096)  # 0.131328 s in three chunks
+    big_s = isolated_prefill_s(LinearCost(), 10000, 0, 4096)  # 0.127288 s in three chunks
     m.dispatched("e", ["big"], [(10000, 0)], 0.0, deadlines_s=[5.0])
     # 1,000 tokens wait for all of big (shortest first: one chunk pass of it at most), and overtake nothing.
     assert m.predict_ttft_s("e", [(1000, 0)], 0.0) == pytest.approx(big_s + 0.015)
@@ -206,7 +206,7 @@ def test_on_deadline_order_engines_long_prefills_go_as_sent_while_none_there_is_
     assert m.predict_ttft_s("e", [(100, 0)], 0.0) == pytest.approx(CHUNK_S + 0.006)
     assert m.displaced("e", [(100, 0)], 0.0) == 2
     # Once big is past its deadline (0.1 s) with work left, the engine has fallen behind and orders shortest first
-    # again: at 0.11 s (big ran all along, 0.0213 s of it left) 2,000 tokens go after mid but before big, waiting for
+    # again: at 0.11 s (big ran all along, 0.0173 s of it left) 2,000 tokens go after mid but before big, waiting for
     # big's chunk in progress at most; 500 tokens go before both.
     late = EngineQueueModel(traits)
     late.dispatched("e", ["big"], [(10000, 0)], 0.0, deadlines_s=[0.1])
@@ -216,7 +216,9 @@ def test_on_deadline_order_engines_long_prefills_go_as_sent_while_none_there_is_
     assert late.predict_ttft_s("e", [(2000, 0)], 0.11) == pytest.approx(0.015 + CHUNK_S + 0.025)
     assert late.predict_ttft_s("e", [(500, 0)], 0.11) == pytest.approx(CHUNK_S + 0.010)
     assert late.displaced("e", [(500, 0)], 0.11) == 1  # mid; big misses its deadline anyway
-    # Without short_first the threshold means nothing: first come first served.
-    fcfs = EngineQueueModel(EngineTraits(LinearCost(), chunk_tokens=4096, deadline_order_above=255))
-    fcfs.dispatched("e", ["big"], [(10000, 0)], 0.0)
-    assert fcfs.predict_ttft_s("e", [(100, 0)], 0.0) == pytest.approx(big_s + 0.006)
+    # A prefill keyed behind all (a question of 50 new tokens on 9,000 cached, waiting for its document's prefill)
+    # stays behind the long ones: a 2,000-token prefill waits for big and mid, and for the question's 14.5 ms pass at
+    # most (longer work it overtakes, as on shortest-first engines), not for all of it after them.
+    m.dispatched("e", ["q"], [(50, 9000)], 0.0, deadlines_s=[5.0], behind_all=True)
+    assert m.predict_ttft_s("e", [(2000, 0)], 0.0) == pytest.approx(big_s + 0.015 + 0.0145 + 0.025)
+    assert m.displaced("e", [(2000, 0)], 0.0) == 1  # the question, which it goes ahead of

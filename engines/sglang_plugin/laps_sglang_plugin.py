@@ -59,9 +59,13 @@ SGLang source it hooks (SGLang 0.5.23):
   through ``calc_priority``) and reads the scheduler's ``chunked_req``: its
   tokens left are ``len(full_untruncated_fill_ids) - prefix_len``, as in
   ``SchedulePolicy.shortest_prefill_chunk_limit`` (``prefix_len`` moves to the
-  end of each chunk run, ``checkpoint_kv_cache`` in
-  ``sglang/srt/mem_cache/common.py``; with the overlap scheduler the last
-  chunk's result may not be in yet, so the estimate can count one chunk more).
+  end of the last chunk scheduled, ``stash_chunked_request`` →
+  ``checkpoint_kv_cache`` in ``sglang/srt/mem_cache/common.py``, before this
+  hook runs; with the overlap scheduler that chunk may still be running, so
+  the estimate can count one chunk fewer). The estimate puts all of that rest
+  first, though ``shortest_prefill_chunk_limit`` lets waiting requests shorter
+  than it into its passes: a margin that keeps deadline order off longer
+  behind a long prefill in progress.
 * ``sglang/srt/observability/req_time_stats.py``: a request's
   ``time_stats.wait_queue_entry_time`` is the ``time.perf_counter()`` value
   (seconds) at which it entered the waiting queue; a retracted request enters
@@ -154,7 +158,7 @@ class ChunkInProgress:
         req = getattr(scheduler, "chunked_req", None)
         try:
             self.tokens_left = 0 if req is None else max(0, len(req.full_untruncated_fill_ids) - int(req.prefix_len))
-        except (AttributeError, TypeError, ValueError) as err:
+        except Exception as err:  # inside SGLang's scheduler loop: never raise
             self.tokens_left = 0
             if not self._unreadable:
                 self._unreadable = True
