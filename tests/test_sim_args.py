@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from engines.manager import server_args
 from engines.sim.args import SimServerArgs, parse_server_args, resolve_args
 from engines.sim.core import EngineCore
 from engines.sim.latency import decode_graph_buckets
+from engines.sim.server import plugin_lines
 from laps.config import load_config
 from laps.tokenizer import load_tokenizer
 
@@ -83,6 +86,18 @@ def test_bad_flags_and_policies_are_refused():
     sim = resolve_args(parse_server_args([*spf, "--sim-late-last-ttft-s", "0.4", "--sim-late-last-deadline-order-above", "0"]))
     assert (sim.config.late_last_deadline_order_tokens, sim.config.late_last_prefill_s_per_1k) == (
         0, sim.latency.predict([(8192, 0)]) / 8192 * 1000)  # an H200's default chunk
+
+
+def test_the_engine_says_at_start_up_which_plugin_order_it_models():
+    spf = ["--schedule-policy", "shortest-prefill-first"]
+    assert plugin_lines(resolve_args(parse_server_args(spf)).config) == []
+    late = resolve_args(parse_server_args([*spf, "--sim-late-last-ttft-s", "0.4"])).config
+    assert plugin_lines(late) == ["shortest-prefill-first puts requests that have waited longer than 0.4 s + 0 s per "
+                                  "1,000 new tokens behind all others (laps' plugin, modelled)"]
+    ordered = dataclasses.replace(late, late_last_deadline_order_tokens=255, late_last_prefill_s_per_1k=0.0224)
+    assert plugin_lines(ordered)[1] == ("requests of more than 255 new tokens go by deadline while none waiting is late "
+                                        "and the engine, at 0.0224 s per 1,000 new tokens after its chunked prefill "
+                                        "in progress, can serve every request in time so")
 
 
 def test_the_managers_command_line_for_every_shipped_role_parses():

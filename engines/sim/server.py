@@ -35,7 +35,7 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from engines.sim.args import SimServerArgs, resolve_args
-from engines.sim.core import RequestEvent
+from engines.sim.core import EngineConfig, RequestEvent
 from engines.sim.faults import FAULT, parse_fault
 from engines.sim.kv_publisher import KVEventPublisher
 from engines.sim.kv_transfer import kv_transfer_bytes
@@ -376,6 +376,19 @@ async def _freeze_heap(_: web.Application) -> None:
     freeze_heap()
 
 
+def plugin_lines(config: EngineConfig) -> list[str]:
+    """What the engine says at start-up of the order of laps' plugin it models (the real plugin's log lines)."""
+    if config.late_last_ttft_s is None:
+        return []
+    lines = [f"shortest-prefill-first puts requests that have waited longer than {config.late_last_ttft_s:g} s + "
+             f"{config.late_last_per_1k_s:g} s per 1,000 new tokens behind all others (laps' plugin, modelled)"]
+    if config.late_last_deadline_order_tokens is not None:
+        lines.append(f"requests of more than {config.late_last_deadline_order_tokens} new tokens go by deadline while "
+                     f"none waiting is late and the engine, at {config.late_last_prefill_s_per_1k:g} s per 1,000 new "
+                     "tokens after its chunked prefill in progress, can serve every request in time so")
+    return lines
+
+
 def run(args: SimServerArgs) -> None:
     """Serve until SIGINT/SIGTERM (uvloop when installed); returns normally on shutdown
     (:func:`_drain_on_the_first_sigterm`)."""
@@ -394,6 +407,8 @@ def run(args: SimServerArgs) -> None:
              "chunked_prefill_size=%s, serving %s at http://%s:%d", sim.sim_model, sim.latency.gpu.name,
              sim.latency.tp_size, sim.config.max_total_tokens, sim.config.max_running_requests,
              sim.config.chunked_prefill_size, sim.served_model_name, args.host, args.port)
+    for line in plugin_lines(sim.config):
+        log.info("%s", line)
     # backlog: uvicorn's default, which SGLang's HTTP server runs with (aiohttp's own is 128: a burst of new
     # connections beyond it waits for SYN retries).
     web.run_app(app, host=args.host, port=args.port, handler_cancellation=True, print=None, access_log=None,
