@@ -236,7 +236,7 @@ class EngineQueueModel:
         if not self.short_first or behind_all:
             return 0
         entries = self._advance(engine_id, now)
-        key = self._key(max((new for new, _ in batch), default=1))
+        key = (max((new for new, _ in batch), default=1), math.inf)  # after every prefill as long sent before it
         rank = self._ranking(self._keeps_up(entries.values(), now))
         if rank is None:
             return sum(1 for p in entries.values() if p.remaining_s > 0 and p.key > key and p.deadline_s > now + p.remaining_s)

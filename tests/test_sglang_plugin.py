@@ -65,10 +65,11 @@ out["hooks_added_by_bad_settings"] = len(HookRegistry._hooks[target]) - hooks
 from sglang.srt.managers.scheduler import Scheduler
 (hook_type, hook, _), = HookRegistry._hooks["sglang.srt.managers.scheduler.Scheduler._get_new_batch_prefill_raw"]
 scheduler = SimpleNamespace(chunked_req=SimpleNamespace(full_untruncated_fill_ids=[7] * 3500, prefix_len=500))
-try:
-    Scheduler._get_new_batch_prefill_raw(scheduler, None)  # the hook runs first; SGLang's method then fails on the fake
+try:  # the hook runs first; SGLang's own method, reached after it, cannot run on the fake scheduler
+    Scheduler._get_new_batch_prefill_raw(scheduler, None)
+    out["sglang_method"] = "returned"
 except Exception:
-    pass
+    out["sglang_method"] = "raised"
 out["batch_hook"] = [hook_type.value, hook.__self__.tokens_left]
 print(json.dumps(out))
 """
@@ -99,7 +100,7 @@ def test_sglang_loads_the_plugin_and_late_requests_go_behind_those_in_time(sglan
     # Without LAPS_TTFT_S, or with a malformed one, the plugin leaves SGLang's order and says why.
     assert out["hooks_added_by_bad_settings"] == 0
     # The hook before each batch decision is on SGLang's scheduler and sees its chunked request: 3,000 tokens left.
-    assert out["batch_hook"] == ["before", 3000]
+    assert out["batch_hook"] == ["before", 3000] and out["sglang_method"] == "raised"
     assert "requests of more than 100 new tokens go by deadline while none waiting is late" in done.stderr
     assert "LAPS_TTFT_S is not set" in done.stderr
     assert "ERROR laps plugin (pid " in done.stderr and "): LAPS_TTFT_S='abc' is not a number" in done.stderr
