@@ -95,6 +95,10 @@ async def _json_body(request: web.Request, timeout_s: float) -> dict:
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as err:
+        try:
+            raw.decode()
+        except UnicodeDecodeError as bad:  # orjson's own words for this are about surrogates
+            raise APIError(400, f"request body is not valid UTF-8: byte 0x{raw[bad.start]:02x} at offset {bad.start}") from None
         raise APIError(400, f"request body is not valid JSON: {err}") from None
     if not isinstance(body, dict):
         raise APIError(400, f"request body must be a JSON object, got {_JSON_TYPE_NAMES.get(type(body), type(body).__name__)}")

@@ -110,6 +110,7 @@ async def test_stream_is_relayed_to_done(stack):
     "path, payload, status, param, fragment",
     [
         ("/v1/chat/completions", b"{not json", 400, None, "not valid JSON"),
+        ("/v1/chat/completions", b'{"model": "\xff"}', 400, None, "not valid UTF-8: byte 0xff at offset 11"),
         ("/v1/chat/completions", b"[1, 2]", 400, None, "must be a JSON object, got an array"),
         ("/v1/chat/completions", b"null", 400, None, "must be a JSON object, got null"),
         ("/v1/chat/completions", {"model": MODEL}, 400, "messages", "Field required"),
