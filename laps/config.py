@@ -226,8 +226,8 @@ class RoleConfig(_Strict):
     progress, then prefills back to back, at the engine's full-chunk rate in the
     ``sim`` section's engine model: set ``sim`` to the real engine's model and
     GPU) every request stays in time so; shortest first otherwise
-    (``engines/sglang_plugin``). Where every prefill role sets it, the gateway's
-    queue model orders the engines' queues the same way (``policies/ttft_model.py``).
+    (``engines/sglang_plugin``). The gateway's queue model keeps predicting
+    shortest first there (``policies/ttft_model.py`` says why).
     """
 
     pool: Literal["short", "long", "decode"]

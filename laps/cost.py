@@ -6,15 +6,12 @@ run as a simulated engine (:func:`engines.manager.sim_model`: ``sim.model`` on
 ``sim.gpu``, ``sim.calibration`` when set, its role's CUDA-graph flags, its
 tensor-parallel size). For ``kind: sim`` engines that is the engines' own
 latency; for real SGLang it is a prior until calibrated.
-The chunk size and queue order come from the prefill roles' flags, and laps'
-deadline order from their ``deadline_order`` keys (where every prefill role sets it,
-with one threshold; an engine the manager starts without the order, or an
-``external`` one, is still modelled with it).
+The chunk size and queue order come from the prefill roles' flags.
 """
 
 from __future__ import annotations
 
-from engines.manager import deadline_order_above, sim_model
+from engines.manager import sim_model
 from laps.config import Config
 from policies.classifier import PrefillCostModel
 from policies.ttft_model import EngineTraits, PassCost
@@ -32,13 +29,9 @@ def pass_cost(config: Config) -> PassCost:
 
 
 def engine_traits(config: Config) -> EngineTraits:
-    """Pass cost, the largest ``chunked-prefill-size``, whether every prefill role runs ``shortest-prefill-first``
-    and, where every one also sets ``deadline_order``, the threshold of laps' deadline order."""
-    names = [e.role for e in config.engines if config.pool(e) != "decode"]
-    roles = [config.roles[name] for name in names]
+    """Pass cost, the largest ``chunked-prefill-size`` and whether every prefill role runs ``shortest-prefill-first``."""
+    roles = [config.roles[e.role] for e in config.engines if config.pool(e) != "decode"]
     chunks = [r.flags.get("chunked-prefill-size", SGLANG_CHUNKED_PREFILL_SIZE) for r in roles]
     chunk = max((int(c) for c in chunks if isinstance(c, int) and c > 0), default=SGLANG_CHUNKED_PREFILL_SIZE)
     short_first = bool(roles) and all(r.flags.get("schedule-policy") == "shortest-prefill-first" for r in roles)
-    thresholds = {deadline_order_above(config, name) for name in names}
-    above = thresholds.pop() if len(thresholds) == 1 else None
-    return EngineTraits(pass_cost(config), chunk, short_first, above)
+    return EngineTraits(pass_cost(config), chunk, short_first)

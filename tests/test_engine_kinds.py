@@ -26,7 +26,6 @@ from engines.manager import (FREE_PORT_RANGE, SGLANG_PLUGIN_DIR, EngineManager, 
 from gateway.app import create_app
 from gateway.state import GATEWAY
 from laps.config import DEFAULT_CONFIG_PATH, Config, EngineConfig, load_config, parse_config
-from laps.cost import engine_traits
 from laps.tokenizer import load_tokenizer
 from loadgen.virtual import engine_cores
 from tests import sglang_env
@@ -125,12 +124,6 @@ def test_deadline_order_gives_the_plugin_the_short_threshold_and_the_engine_mode
     assert (env["LAPS_DEADLINE_ORDER_ABOVE_TOKENS"], env["LAPS_PREFILL_S_PER_1K_TOKENS"]) == ("299", repr(rate))
     assert engine_command(config, simulated, 30001)[-2:] == ["--sim-late-last-deadline-order-above", "299"]
     assert sim_model(config, simulated).config.late_last_deadline_order_tokens == 299
-    # The gateway's queue model orders the engines' queues the same way (every prefill role sets the key).
-    assert engine_traits(config).deadline_order_above == 299
-    assert engine_traits(late_last_config()).deadline_order_above is None
-    one_without = {**data, "roles": {**data["roles"], "other": {**data["roles"]["mixed"], "deadline_order": False}},
-                   "engines": [data["engines"][0], {**data["engines"][1], "role": "other"}]}
-    assert engine_traits(parse_config(one_without)).deadline_order_above is None  # not every prefill role sets it
     assert "LAPS_DEADLINE_ORDER_ABOVE_TOKENS" not in engine_env(late_last_config(), real)  # off unless asked
     # A real engine whose flags the engine model cannot take still starts, with late requests last, without the order.
     odd = {**data, "roles": {**data["roles"], "mixed": {**data["roles"]["mixed"],
@@ -278,7 +271,14 @@ def test_the_8xh200_example_uses_each_gpu_once_with_real_sglang_engines():
     assert config.instant_move("short-prefill", "long-prefill") and config.controller.enabled
     flags = {k: v for k, v in config.roles["short-prefill"].flags.items() if k != "mem-fraction-static"}
     assert flags == sim.roles["short-prefill"].flags == sim.roles["long-prefill"].flags
-    assert all(role.late_requests_last for c in (config, sim) for role in (c.roles["short-prefill"], c.roles["long-prefill"]))
+    assert all(role.late_requests_last and role.deadline_order
+               for c in (config, sim) for role in (c.roles["short-prefill"], c.roles["long-prefill"]))
+    # The real engines get the deadline order for prompts of at least the short threshold (256 new tokens), at the
+    # sim section's engine model's full-chunk rate (Qwen2.5-7B on an H200), the simulated ones the same threshold.
+    env = engine_env(config, config.engines[0])
+    rate = sim_model(config, config.engines[0]).config.late_last_prefill_s_per_1k
+    assert (env["LAPS_DEADLINE_ORDER_ABOVE_TOKENS"], env["LAPS_PREFILL_S_PER_1K_TOKENS"]) == ("255", repr(rate))
+    assert sim_model(sim, sim.engines[0]).config.late_last_deadline_order_tokens == 255
 
 
 def test_the_8xh200_examples_capture_sglangs_own_prefill_buckets_so_a_pass_pads_little():

@@ -188,37 +188,3 @@ def test_a_request_without_a_free_slot_waits_for_as_many_finishes_at_the_engines
 def test_bad_chunk_size_is_refused():
     with pytest.raises(ValueError, match="chunk_tokens"):
         EngineQueueModel(EngineTraits(LinearCost(), chunk_tokens=0))
-
-
-def test_on_deadline_order_engines_long_prefills_go_as_sent_while_none_there_is_late():
-    # laps' deadline order above 255 new tokens (engines/sglang_plugin): while no prefill on the engine is past its
-    # deadline, prefills of 256 tokens or more go in deadline order (here: as sent), shorter ones still go first.
-    traits = EngineTraits(LinearCost(), chunk_tokens=4096, short_first=True, deadline_order_above=255)
-    m = EngineQueueModel(traits)
-    big_s = isolated_prefill_s(LinearCost(), 10000, 0, 4096)  # 0.127288 s in three chunks
-    m.dispatched("e", ["big"], [(10000, 0)], 0.0, deadlines_s=[5.0])
-    # 1,000 tokens wait for all of big (shortest first: one chunk pass of it at most), and overtake nothing.
-    assert m.predict_ttft_s("e", [(1000, 0)], 0.0) == pytest.approx(big_s + 0.015)
-    assert m.displaced("e", [(1000, 0)], 0.0) == 0
-    m.dispatched("e", ["mid"], [(1000, 0)], 0.0, deadlines_s=[5.0])
-    assert m.predict_ttft_s("e", [(300, 0)], 0.0) == pytest.approx(big_s + 0.015 + 0.008)
-    # 100 tokens (under the threshold) still go first: one chunk pass of big at most, then their own 6 ms.
-    assert m.predict_ttft_s("e", [(100, 0)], 0.0) == pytest.approx(CHUNK_S + 0.006)
-    assert m.displaced("e", [(100, 0)], 0.0) == 2
-    # Once big is past its deadline (0.1 s) with work left, the engine has fallen behind and orders shortest first
-    # again: at 0.11 s (big ran all along, 0.0173 s of it left) 2,000 tokens go after mid but before big, waiting for
-    # big's chunk in progress at most; 500 tokens go before both.
-    late = EngineQueueModel(traits)
-    late.dispatched("e", ["big"], [(10000, 0)], 0.0, deadlines_s=[0.1])
-    late.dispatched("e", ["mid"], [(1000, 0)], 0.0, deadlines_s=[5.0])
-    assert late.predict_ttft_s("e", [(2000, 0)], 0.0) == pytest.approx(big_s + 0.015 + 0.025)  # 0 s: none late yet
-    assert late.backlog_end_s("e", 0.11) == pytest.approx(0.11 + (big_s - 0.11) + 0.015)
-    assert late.predict_ttft_s("e", [(2000, 0)], 0.11) == pytest.approx(0.015 + CHUNK_S + 0.025)
-    assert late.predict_ttft_s("e", [(500, 0)], 0.11) == pytest.approx(CHUNK_S + 0.010)
-    assert late.displaced("e", [(500, 0)], 0.11) == 1  # mid; big misses its deadline anyway
-    # A prefill keyed behind all (a question of 50 new tokens on 9,000 cached, waiting for its document's prefill)
-    # stays behind the long ones: a 2,000-token prefill waits for big and mid, and for the question's 14.5 ms pass at
-    # most (longer work it overtakes, as on shortest-first engines), not for all of it after them.
-    m.dispatched("e", ["q"], [(50, 9000)], 0.0, deadlines_s=[5.0], behind_all=True)
-    assert m.predict_ttft_s("e", [(2000, 0)], 0.0) == pytest.approx(big_s + 0.015 + 0.0145 + 0.025)
-    assert m.displaced("e", [(2000, 0)], 0.0) == 1  # the question, which it goes ahead of
