@@ -14,14 +14,15 @@ completion: prompts of ~1,500 tokens, replies of ~13; our own construction in th
 coding trace).
 
 Policies: ``laps`` as shipped (``examples/sim-h200x8.yaml``, unedited: pools as preferences,
-predicted-TTFT routing, the controller on with instant moves, late requests last in the engines) and
+predicted-TTFT routing, the controller on with instant moves, laps' SGLang plugin in the engines: late requests
+last, long prompts by deadline while the engine keeps up) and
 the baselines over all 8 engines with SGLang's default flags and order: ``least_load`` (unified
 FCFS), ``least_load+spf`` (least load to engines running ``--schedule-policy
 shortest-prefill-first``), ``cache_aware``, ``bucket``, ``round_robin`` (the rules of SGLang's
 router). ``--pd`` adds the PD runs (6 prefill + 2 decode)
 of ``mixed`` and ``docs``. Every sweep also runs a control, ``least_load+spf/laps-flags``: least load to
 engines with laps' own flags (a 2,048-token chunk instead of SGLang's 8,192, prefill CUDA graphs,
-``shortest-prefill-first``) and plugin (``late_requests_last``); it is not in the verdict, but a second
+``shortest-prefill-first``) and plugin (``late_requests_last``, ``deadline_order``); it is not in the verdict, but a second
 table sets laps against it alone, which separates what laps' scheduling buys from what its engines buy.
 
 Loads: least_load's saturation load is searched first (the offered load at which its violations
@@ -91,7 +92,7 @@ BASELINES = {"least_load": "least_load", "least_load+spf": "sglang-spf", "cache_
              "bucket": "bucket", "round_robin": "round_robin"}
 CONTROL = "least_load+spf/laps-flags"
 """least_load to engines running laps' own engine flags (``examples/sim-h200x8.yaml``'s: its chunk size, prefill CUDA
-graphs, ``shortest-prefill-first``). Not a baseline of the verdict (the router rules run on SGLang as it ships) but
+graphs, ``shortest-prefill-first``, laps' SGLang plugin). Not a baseline of the verdict (the router rules run on SGLang as it ships) but
 its control: laps against it is what the scheduling alone buys, apart from the flags laps ships with."""
 POLICIES = ("laps", *BASELINES, CONTROL)
 LOADS = (0.2, 0.5, 0.8, 1.0, 1.2, 1.5)

@@ -346,8 +346,8 @@ never changed which held request went next.
 
 Engine order (violations of the 0.4 s objective; single runs of the benchmark's point configuration on
 ``azure-conv`` at 1.2× on seed 0, its knee, a 64.145× replay speed-up, and at 1.0× on seed 1, 57.733×, where
-``cache_aware``'s FCFS engines beat laps; with the shipped order, shortest first and late requests last: 3.64%
-and 0.74%). Moore and Hodgson's rule over the waiting queue at each pass (deadline order; whenever the queue's
+``cache_aware``'s FCFS engines beat laps; with shortest first and late requests last, the order shipped then:
+3.64% and 0.74%). Moore and Hodgson's rule over the waiting queue at each pass (deadline order; whenever the queue's
 prefill, at the engine's full-chunk rate, would end a request past its deadline, the largest so far is put aside;
 the kept requests shortest first where that keeps them all in time, in deadline order where not; those put aside
 and those already late last; a scratch patch of the simulated engine) did worse: 4.76% and 0.85%, and 3.91% and
@@ -355,17 +355,17 @@ and those already late last; a scratch patch of the simulated engine) did worse:
 prefills that arrive later overtake what it kept. The other way round, deadline order while every request in
 time stays in time in it by the same estimate, shortest first as soon as one would not, and the requests under
 the short threshold ahead either way (laps' SGLang plugin and the simulated engine, role flag
-``deadline_order``, on in the shipped files): 3.25% and 0.39% there, and in the whole benchmark (run
+``deadline_order``; a first version): 3.25% and 0.39% there, and in the whole benchmark (run
 ``dominance20``, README, Late requests last) fewer violations at least_load's saturation load but more deeper in
 overload. A second version (deadline order only while no waiting request is late, the chunk in progress counted,
 the queue model here ordering long prefills as the engine does, ``dominance22``): about shortest first's
 violations at 1.2×, fewer at 1.0×, 0.1–1.0 points more at 1.5× (three seeds), one benchmark target more missed.
-As shipped (the second version's engines, the queue model shortest first: it predicted a mid-sized prompt behind
+As shipped in both roles of the example files (the second version's engines, the queue model shortest first: it predicted a mid-sized prompt behind
 every longer one sent before it, and cost ~0.7 points at 1.2× on ``mixed``): on seed 1's whole benchmark never
 worse everywhere, where with the key off ``azure-conv`` and ``mixed`` PD at 1.0× are worse than ``cache_aware``
-(README, Late requests last). Deadline order
-for every request, short ones too, gave 2.94% and 0.46% on ``azure-conv`` but ``mixed`` at 1.2× 3.16% against
-2.63% with the shipped order and short P90 TTFT 260 against 91 ms.
+(README, Late requests last). Deadline order for every request, short ones too, gave 2.94% and 0.46% on
+``azure-conv`` but ``mixed`` at 1.2× 3.16% against 2.63% with shortest first and late requests last, and short
+P90 TTFT 260 against 91 ms.
 
 Temporal mode (one engine serving both classes, the ``mixed`` role) was decided
 in the simulator (one simulated H200, Qwen2.5-7B, the mixed real-chat workload,
