@@ -360,10 +360,11 @@ the short threshold ahead either way (laps' SGLang plugin and the simulated engi
 overload. A second version (deadline order only while no waiting request is late, the chunk in progress counted,
 the queue model here ordering long prefills as the engine does, ``dominance22``): about shortest first's
 violations at 1.2×, fewer at 1.0×, 0.1–1.0 points more at 1.5× (three seeds), one benchmark target more missed.
-As shipped in both roles of the example files (the second version's engines, the queue model shortest first: it predicted a mid-sized prompt behind
-every longer one sent before it, and cost ~0.7 points at 1.2× on ``mixed``): on seed 1's whole benchmark never
-worse everywhere, where with the key off ``azure-conv`` and ``mixed`` PD at 1.0× are worse than ``cache_aware``
-(README, Late requests last). Deadline order for every request, short ones too, gave 2.94% and 0.46% on
+As shipped in both roles of the example files: the second version's engines, with the queue model here
+shortest first (modelling the order predicted a mid-sized prompt behind every longer one sent before it and cost
+~0.7 points at 1.2× on ``mixed``); never worse everywhere in the whole benchmark on seeds 0 and 1, where with the
+key off ``azure-conv`` and ``mixed`` PD at 1.0× on seed 1 are worse than ``cache_aware`` (README, Late requests
+last). Deadline order for every request, short ones too, gave 2.94% and 0.46% on
 ``azure-conv`` but ``mixed`` at 1.2× 3.16% against 2.63% with shortest first and late requests last, and short
 P90 TTFT 260 against 91 ms.
 
