@@ -85,6 +85,12 @@ _JSON_TYPE_NAMES = {type(None): "null", bool: "a boolean", int: "a number", floa
                     list: "an array"}
 
 
+# In OpenAI's API an optional parameter sent as null takes its default ("stream": null is a plain answer); SGLang
+# 0.5.23 refuses null where its field is a plain bool, int or float (stream, n, logprobs, echo, a completion's
+# temperature ...), so such keys are dropped before validation and relay. A required one stays, and is refused.
+_REQUIRED = frozenset({"model", "messages", "prompt"})
+
+
 async def _json_body(request: web.Request, timeout_s: float) -> dict:
     if request.content_type != "application/json":
         # aiohttp reads a missing header as application/octet-stream; say what the client sent
@@ -102,7 +108,7 @@ async def _json_body(request: web.Request, timeout_s: float) -> dict:
         raise APIError(400, f"request body is not valid JSON: {err}") from None
     if not isinstance(body, dict):
         raise APIError(400, f"request body must be a JSON object, got {_JSON_TYPE_NAMES.get(type(body), type(body).__name__)}")
-    return body
+    return {k: v for k, v in body.items() if v is not None or k in _REQUIRED}
 
 
 def _body_path(loc: tuple, body: dict, missing: bool) -> tuple:

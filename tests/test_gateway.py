@@ -75,6 +75,19 @@ async def test_sglangs_sampling_values_pass_through_as_sent(stack):
     assert {k: forwarded[k] for k in sampling} == sampling
 
 
+async def test_optional_parameters_sent_as_null_take_their_defaults_and_are_not_relayed(stack):
+    """OpenAI's API reads an optional null as absent; SGLang refuses ``"stream": null``, so the gateway drops it."""
+    session, fakes, _ = stack
+    nulls = {"stream": None, "n": None, "temperature": None, "stream_options": None, "max_tokens": None}
+    async with session.post("/v1/chat/completions", json=chat("Hello!", **nulls)) as resp:
+        assert resp.status == 200 and resp.content_type == "application/json"
+        assert (await resp.json())["object"] == "chat.completion"
+    [forwarded] = fakes["sp0"].bodies + fakes["lp0"].bodies
+    assert set(nulls).isdisjoint(forwarded)
+    async with session.post("/v1/chat/completions", json={"model": None, "messages": [{"role": "user", "content": "x"}]}) as resp:
+        assert resp.status == 400 and (await resp.json())["error"]["param"] == "model"
+
+
 async def test_long_prompt_goes_to_long_pool(stack):
     session, fakes, _ = stack
     # Each " word" is one Qwen2.5 token; with the template this is well past 256 tokens.

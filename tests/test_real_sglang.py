@@ -168,6 +168,10 @@ def test_completions_streaming_and_not(deployment: Deployment):
     chunks = list(client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, stream=True, extra_body={"ignore_eos": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices)
     assert chunks[-1].choices[0].finish_reason == "length"
+    # OpenAI reads an optional null as absent; SGLang refuses these nulls, so the gateway drops them
+    nulls = {"stream": None, "n": None, "echo": None, "temperature": None, "top_p": None, "frequency_penalty": None}
+    done = client.completions.create(model=MODEL, prompt="One two", max_tokens=3, extra_body={"ignore_eos": True, **nulls})
+    assert done.usage.completion_tokens == 3 and len(done.choices) == 1
 
 
 def test_logprobs_and_tools_pass_through_with_openai_shapes(deployment: Deployment):
