@@ -110,7 +110,7 @@ def create_app(config: Config, engine_urls: dict[str, str] | None = None, span_e
         try:
             urls = engine_urls if manager is None else await manager.start(client)
             registry = EngineRegistry([EngineState(e.name, urls[e.name], config.pool(e)) for e in config.engines])
-            first_tokens = FirstTokenWindow(config.controller.window_s) if config.controller.enabled else None
+            first_tokens = FirstTokenWindow(config.controller.window_s, config.controller.min_first_tokens) if config.controller.enabled else None
             prefix_index = PrefixCaches(PrefixIndex.from_byte_budget(config.scheduling.prefix_block_tokens, config.scheduling.prefix_index_bytes, len(config.engines)))
             classifier = make_classifier(config.scheduling)
             dispatcher = Dispatcher(make_scheduler(config.scheduling, engine_traits(config)), registry, first_tokens=first_tokens,

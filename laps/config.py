@@ -373,7 +373,9 @@ class ControllerConfig(PressureControllerConfig):
     on (gateway and simulator); a file that does not say is on wherever it can
     work (:meth:`Config._controller_on_where_it_can`); ``interval_s``: seconds between decisions;
     ``window_s``: the recent window of first tokens over which an engine's TTFT
-    SLO-violation share is taken; ``short_role`` / ``long_role``: the role an
+    SLO-violation share is taken; ``min_first_tokens``: that share is the late first tokens over at least this
+    many (fewer in the window count as on time), so one slow first token on a quiet engine (a cold start) moves
+    nothing; ``short_role`` / ``long_role``: the role an
     engine is restarted with when it moves into that pool (each must be defined
     under ``roles`` and serve that pool: checked when ``enabled``, or when set
     explicitly); ``drain_timeout_s``: how long a moving
@@ -398,6 +400,7 @@ class ControllerConfig(PressureControllerConfig):
     enabled: bool = False
     interval_s: float = Field(2.0, gt=0)
     window_s: float = Field(30.0, gt=0)
+    min_first_tokens: int = Field(10, ge=1)
     short_role: str = "short-prefill"
     long_role: str = "long-prefill"
     decode_role: str = "decode"

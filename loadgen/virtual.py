@@ -223,9 +223,10 @@ class VirtualRun:
         self._failures: list[tuple[SimRequest, int, str]] = []
         self._duration_s = 0.0
         self._on_record: Callable[[RequestRecord], None] | None = None
+        self._on_prompt: Callable[[RequestRecord, list[int]], None] | None = None
         control = config.controller
         self.controller = make_controller(control.pressure_config(), config.controller_sizes_decode()) if control.enabled else None
-        self.first_tokens = FirstTokenWindow(control.window_s)
+        self.first_tokens = FirstTokenWindow(control.window_s, control.min_first_tokens)
         self.moves: list[dict[str, Any]] = []
         self.control_log: list[dict[str, float]] = []
         self.restart_engine_s = 0.0

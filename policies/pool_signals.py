@@ -34,17 +34,24 @@ class LoadSample:
 class FirstTokenWindow:
     """Per engine, whether each first token of the last ``window_s`` seconds came after its TTFT deadline.
 
+    ``min_first_tokens``: an engine's violation share is its late first tokens over at least this many, so a
+    few first tokens cannot make a pressure on their own (one cold-start TTFT on an idle node is a share of
+    1/10 with 10, not 1); where the window holds that many or more, it is the plain share.
+
     Memory: one entry per first token within the window (pruned on every
     :meth:`record` and :meth:`violation_share` of that engine).
 
     Raises:
-        ValueError: ``window_s`` <= 0.
+        ValueError: ``window_s`` <= 0 or ``min_first_tokens`` < 1.
     """
 
-    def __init__(self, window_s: float) -> None:
+    def __init__(self, window_s: float, min_first_tokens: int = 1) -> None:
         if window_s <= 0:
             raise ValueError(f"window_s must be > 0, got {window_s}")
+        if min_first_tokens < 1:
+            raise ValueError(f"min_first_tokens must be >= 1, got {min_first_tokens}")
         self.window_s = window_s
+        self.min_first_tokens = min_first_tokens
         self._events: dict[str, deque[tuple[float, bool]]] = {}
 
     def record(self, engine_id: str, now: float, deadline_s: float) -> None:
@@ -58,12 +65,13 @@ class FirstTokenWindow:
         self._prune(events, now)
 
     def violation_share(self, engine_id: str, now: float) -> float:
-        """Share of ``engine_id``'s first tokens in ``(now - window_s, now]`` that were late; 0 when there were none."""
+        """Late first tokens of ``engine_id`` in ``(now - window_s, now]`` over their count or ``min_first_tokens``,
+        whichever is more; 0 when there were none."""
         events = self._events.get(engine_id)
         if not events:
             return 0.0
         self._prune(events, now)
-        return sum(late for _, late in events) / len(events) if events else 0.0
+        return sum(late for _, late in events) / max(len(events), self.min_first_tokens)
 
     def forget_engine(self, engine_id: str) -> None:
         """Drop ``engine_id``'s history (it restarted in another role)."""

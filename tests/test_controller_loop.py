@@ -65,7 +65,7 @@ def test_scripted_pressure_moves_an_engine_and_the_metrics_follow(live):
         ("laps_pool_engines", ("pool", "short")): 2.0, ("laps_pool_engines", ("pool", "long")): 1.0,
         ("laps_pool_pressure", ("pool", "short")): 0.0, ("laps_pool_pressure", ("pool", "long")): 0.0,
     }
-    live.run(late_first_tokens(live, "lp0", 3))
+    live.run(late_first_tokens(live, "lp0", 10))  # controller.min_first_tokens of them: a share of 1
     # Ψ_long = 4·1 = 4 > Ψ_short + τ = 0.5: the least loaded short engine (idle tie: smallest id) moves.
     assert live.run(loop.step()) == Move("sp0", "short", "long")
     assert engines(live)["sp0"]["state"] == "switching"

@@ -22,6 +22,17 @@ def test_first_token_window_counts_late_first_tokens_of_the_last_window():
         FirstTokenWindow(0.0)
 
 
+def test_a_few_first_tokens_count_over_min_first_tokens_so_one_cold_start_moves_nothing():
+    window = FirstTokenWindow(10.0, min_first_tokens=10)
+    window.record("e0", 1.0, deadline_s=0.4)   # a cold start: late, alone in the window
+    assert window.violation_share("e0", 1.0) == pytest.approx(0.1)
+    for i in range(11):                          # 12 in the window: the plain share
+        window.record("e0", 2.0 + i / 10, deadline_s=0.0 if i < 2 else 9.0)
+    assert window.violation_share("e0", 3.0) == pytest.approx(3 / 12)
+    with pytest.raises(ValueError, match="min_first_tokens"):
+        FirstTokenWindow(10.0, min_first_tokens=0)
+
+
 def test_queued_new_tokens_per_pool_count_uncached_tokens_only():
     queued = [RequestView("a", 300, cached_tokens=100, request_class="long"), RequestView("b", 40, request_class="short"),
               RequestView("c", 5000, cached_tokens=1000, request_class="long")]
