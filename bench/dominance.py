@@ -35,7 +35,10 @@ rate. Rows: ``{workload, policy, load, rate_rps, slo_violation_rate, length_slo_
 ttft_p90_s, short_ttft_p90_s, goodput_rps, prefill_busy_fraction, short_slo_violation_rate,
 long_slo_violation_rate}`` (``goodput_rps``: requests per second that met the fixed objective;
 ``prefill_busy_fraction``: the mean share of the run the prefill engines spent in prefill passes; the last two:
-the fixed objective's violation rate within the short and the long class, None for a class with no request). One PNG per workload next to the JSON. The verdict (printed, and under ``verdict``):
+the fixed objective's violation rate within the short and the long class, None for a class with no request;
+``violation_floor``: the fewest violations of the fixed objective that any scheduler could have on the row's
+arrivals, as a rate, from ``bench/violation_floor.py``: the prefill compute alone, a perfect prefix cache, all 8
+engines prefilling, no decode). One PNG per workload next to the JSON. The verdict (printed, and under ``verdict``):
 
 * ``never_worse``: at every load laps' violation rate ≤ the best baseline's + 0.5 points (fixed
   and length-aware);
@@ -49,6 +52,12 @@ the fixed objective's violation rate within the short and the long class, None f
 * ``short_p90``: from 0.5× saturation up, laps' short-class P90 TTFT ≤ 0.5× the best baseline's,
   or ≤ 2× the physical floor (the P90 of the short requests' isolated forward passes plus the
   gateway's measured overhead, 0.56 ms) where the baseline is within 2× of that floor.
+
+Next to the knee and goodput checks (fixed objective only) the violation floor says whether a miss could be
+avoided at all: laps' floor at the knee (a floor above 0.6× the best baseline's rate there would make that
+target unreachable on those arrivals) and the load where laps' floor reaches 5% over the best baseline's goodput
+(a goodput ceiling; "≥" where the floor stays under 5% at every load run). The floor leaves out decode, KV
+memory and request slots, so a floor far below a miss does not say the miss is avoidable.
 """
 
 from __future__ import annotations
@@ -77,6 +86,7 @@ from loadgen.report import build_report  # noqa: E402
 from loadgen.simulate import simulate_run  # noqa: E402
 from loadgen.workloads import CODE_BURST_RATE_RPS, TIMED_DATASETS, build_workload, load_azure_trace  # noqa: E402
 from policy_compare import POLICIES as COMPARED, ROLES  # noqa: E402
+from violation_floor import IdealPrefixCache, violation_floor  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = ROOT / "examples" / "sim-h200x8.yaml"
@@ -183,10 +193,12 @@ def run_point(workload: str, policy: str, load: float, max_duration_s: float, se
     config = point_config(policy, pd)
     duration_s = point_duration_s(workload, load, max_duration_s)
     wl = build_workload(workload, random.Random(f"workload/{seed}"), tokenizer=tokenizer)
+    prefills = PrefillWork(tokenizer)
     if wl.timed:
-        run = simulate_run(config, wl, duration_s=duration_s, seed=seed, time_scale=1.0 / load, tokenizer=tokenizer)
+        run = simulate_run(config, wl, duration_s=duration_s, seed=seed, time_scale=1.0 / load, tokenizer=tokenizer,
+                           on_prompt=prefills.arrive)
     else:
-        run = simulate_run(config, wl, duration_s=duration_s, seed=seed, rate=load, tokenizer=tokenizer)
+        run = simulate_run(config, wl, duration_s=duration_s, seed=seed, rate=load, tokenizer=tokenizer, on_prompt=prefills.arrive)
     records = run.records
     report = build_report(records, slo_ttft_s=SLO_TTFT_S, slo_ttft_per_1k_s=PER_1K_S)
     met = sum(r.ok and r.ttft_s is not None and r.ttft_s <= SLO_TTFT_S for r in records)
@@ -205,7 +217,30 @@ def run_point(workload: str, policy: str, load: float, max_duration_s: float, se
         "short_floor_s": short_floor_s(records),
         "prefill_busy_fraction": prefill_busy_fraction(run, config, report["duration_s"]),
         "moves": len(run.moves) if hasattr(run, "moves") else 0,
+        # the fewest violations of the fixed objective any scheduler could have on this run's arrivals with all
+        # the engines prefilling (bench/violation_floor.py): where a target is missed, whether it could be met
+        "violation_floor": (violation_floor(prefills.arrival_s, prefills.work_s, SLO_TTFT_S, len(config.engines))
+                            / len(records) if records else None),
     }
+
+
+class PrefillWork:
+    """Each arriving request's arrival time and least prefill compute (s) under a perfect cache, for the floor."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.model = make_latency_model()
+        self.cache = IdealPrefixCache()
+        self.arrival_s: list[float] = []
+        self.work_s: list[float] = []
+
+    def arrive(self, record, prompt_ids: list[int]) -> None:
+        """:func:`~loadgen.simulate.simulate_run`'s ``on_prompt``: a follow-up turn's new user message (less a token, for
+        a merge at its edge) is all that no earlier sequence holds."""
+        tail = max(1, len(self.tokenizer.encode(record.user)) - 1) if record.turn else None
+        cached = self.cache.arrive(prompt_ids, unshared_tail_tokens=tail)
+        self.arrival_s.append(record.start_s)
+        self.work_s.append(self.model.prefill_compute_s(len(prompt_ids) - cached, cached))
 
 
 def prefill_busy_fraction(run, config: Config, duration_s: float) -> float | None:
@@ -306,7 +341,7 @@ def verdict(rows: list[dict], workload: str, saturation: float) -> dict:
         knee_best = min(others, key=lambda r: r[key])
         if knee is None and knee_best[key] >= VIOLATION_TARGET:
             knee = {"load": load, "laps": mine[key], "best": knee_best[key], "best_policy": knee_best["policy"],
-                    "ok": mine[key] <= 0.6 * knee_best[key]}
+                    "ok": mine[key] <= 0.6 * knee_best[key], "floor": _floor(mine, key)}
         out["points"].append({"load": load, "laps": mine["slo_violation_rate"], "best": best["slo_violation_rate"],
                               "best_policy": best["policy"], "laps_length": mine["length_slo_violation_rate"],
                               "best_length": best_len, "never_worse": ok, "laps_short_p90_s": mine["short_ttft_p90_s"],
@@ -319,11 +354,21 @@ def verdict(rows: list[dict], workload: str, saturation: float) -> dict:
     ratio = g_laps / g_base[best_policy] if g_base[best_policy] > 0 else None
     at_sat = [r for r in rows if r["policy"] == best_policy and abs(r["load"] - saturation) <= 1e-3 * saturation]
     out["prefill_busy_at_saturation"] = at_sat[0].get("prefill_busy_fraction") if at_sat else None
+    floors = [r for r in rows if r["policy"] == "laps" and _floor(r, key) is not None]
+    # the load where the floor itself reaches 5% (the top load run where it never does: a ceiling of at least that)
+    g_floor = goodput(floors, "violation_floor") if floors and len(floors) == len(laps) else None
     out.update(never_worse=never_worse, knee=knee, short_p90=short_ok, objective=key,
                goodput={"laps_load": g_laps, "best_load": g_base[best_policy], "best_policy": best_policy,
-                        "ratio": ratio, "needed": need, "ok": g_laps > 0 if ratio is None else ratio >= need},
+                        "ratio": ratio, "needed": need, "ok": g_laps > 0 if ratio is None else ratio >= need,
+                        "floor_load": g_floor, "floor_capped": g_floor is not None and g_floor >= max(laps),
+                        "floor_ratio": g_floor / g_base[best_policy] if g_floor is not None and g_base[best_policy] > 0 else None},
                same_flags=against_control(rows, key))
     return out
+
+
+def _floor(row: dict, key: str) -> float | None:
+    """The row's violation floor where it bounds the verdict's objective (the fixed one), else None."""
+    return row.get("violation_floor") if key == "slo_violation_rate" else None
 
 
 def against_control(rows: list[dict], key: str) -> dict | None:
@@ -442,10 +487,18 @@ def _times(ratio: float | None) -> str:
     return "n/a" if ratio is None else f"{ratio:.2f}×"
 
 
+def _floor_cell(v: dict) -> str:
+    """The verdict's violation floor as printed: at the knee and the goodput ceiling over the best baseline's."""
+    knee, g = v["knee"], v["goodput"]
+    at_knee = "no knee" if knee is None else _percent(knee.get("floor"))
+    ceiling = "n/a" if g.get("floor_ratio") is None else f"{'≥ ' if g['floor_capped'] else ''}{_times(g['floor_ratio'])}"
+    return f"{at_knee} / {ceiling}"
+
+
 def print_verdicts(verdicts: list[dict], console: Console) -> bool:
     table = Table(title=f"laps (examples/sim-h200x8.yaml) against the best baseline at each load; SLO {SLO_TTFT_S} s")
     for col in ("workload", "sat. load", "never worse (+0.5 pt)", "knee: laps / best", "goodput (× sat.) laps / best",
-                "prefill busy at sat.", "short P90"):
+                "prefill busy at sat.", "short P90", "floor: at knee / goodput ceiling"):
         table.add_column(col, justify="right")
     all_ok = True
     for v in verdicts:
@@ -457,7 +510,7 @@ def print_verdicts(verdicts: list[dict], console: Console) -> bool:
                       f"{g['laps_load'] / v['saturation_load']:.2f} / {g['best_load'] / v['saturation_load']:.2f} ({g['best_policy']}) "
                       f"= {_times(g['ratio'])} {'ok' if g['ok'] else 'MISS'}",
                       "n/a" if v.get("prefill_busy_at_saturation") is None else f"{100 * v['prefill_busy_at_saturation']:.0f}%",
-                      "ok" if v["short_p90"] else "MISS")
+                      "ok" if v["short_p90"] else "MISS", _floor_cell(v))
     console.print(table)
     control = Table(title=f"laps against {CONTROL} (least_load to engines with laps' own flags): what the scheduling "
                           "alone buys; not part of the verdict")

@@ -236,14 +236,17 @@ class VirtualRun:
         self._drain_failed = 0  # the moving engine's requests failed by the drain timeout
 
     def run(self, plan: list[Arrival], duration_s: float, on_record: Callable[[RequestRecord], None] | None = None,
-            on_progress: Callable[[float], None] | None = None, progress_every_s: float = 1.0) -> list[RequestRecord]:
+            on_progress: Callable[[float], None] | None = None, progress_every_s: float = 1.0,
+            on_prompt: Callable[[RequestRecord, list[int]], None] | None = None) -> list[RequestRecord]:
         """Run every conversation of ``plan`` to its end; the records in completion order.
 
         ``on_record`` is called as each request ends, ``on_progress(sim_time)``
-        about every ``progress_every_s`` simulated seconds.
+        about every ``progress_every_s`` simulated seconds, ``on_prompt(record, prompt_ids)`` as each request
+        arrives, with its record so far and its prompt's token ids (the chat template applied; do not modify them).
         """
         self._duration_s = duration_s
         self._on_record = on_record
+        self._on_prompt = on_prompt
         for arrival in plan:
             self._push(arrival.start_s, _TURN, _Conversation(arrival))
         if self.controller is not None:
@@ -294,6 +297,8 @@ class VirtualRun:
         rid = f"{c.id}/{k}"
         record = RequestRecord(c.id, c.source, k, turn.content, turn.max_tokens, now)
         prompt_ids = self.tokenizer.encode_chat(conv.history)
+        if self._on_prompt is not None:
+            self._on_prompt(record, prompt_ids)
         replies = reply_token_counts(conv.history, self.tokenizer.encode) if self.config.scheduling.policy == "backlog" else ()
         view, chain = classified_view(rid, prompt_ids, now, now + self.config.slo.ttft_s, self._engine_ids,
                                       self.prefix_index, self.classifier, turn.max_tokens, replies)

@@ -33,7 +33,7 @@ def test_verdict_checks_every_load_the_knee_goodput_and_short_p90():
         rows.append(row("round_robin", load, rate, best + 0.1, short=short_best))
     v = dominance.verdict(rows, "w", 100.0)
     assert v["never_worse"] and v["short_p90"]
-    assert v["knee"] == {"load": 100, "laps": 0.02, "best": 0.06, "best_policy": "least_load+spf", "ok": True}
+    assert v["knee"] == {"load": 100, "laps": 0.02, "best": 0.06, "best_policy": "least_load+spf", "ok": True, "floor": None}
     # laps: 5% halfway between loads 100 (2%) and 150 (8%): 125; least_load+spf: between 50 (0%) and 100 (6%): 91.7.
     assert v["goodput"]["laps_load"] == pytest.approx(125.0) and v["goodput"]["best_load"] == pytest.approx(50 + 50 * 5 / 6)
     assert v["goodput"]["ok"] and v["goodput"]["best_policy"] == "least_load+spf"
@@ -50,6 +50,29 @@ def test_a_goodput_ratio_without_a_baseline_goodput_is_none_not_infinite():
     g = dominance.verdict(rows, "w", 100.0)["goodput"]
     assert (g["laps_load"], g["ratio"], g["ok"]) == (0.0, None, False)
 
+
+
+def test_the_verdict_sets_the_violation_floor_beside_the_knee_and_goodput():
+    rows = []
+    for load, laps, best, laps_floor in ((50, 0.0, 0.0, 0.0), (100, 0.04, 0.06, 0.03), (150, 0.08, 0.30, 0.07)):
+        rows += [{**row("laps", load, load, laps), "violation_floor": laps_floor},
+                 {**row("least_load+spf", load, load, best), "violation_floor": 0.0}]
+    v = dominance.verdict(rows, "w", 100.0)
+    # at the knee (load 100) laps' 4% misses 0.6 × 6%, but its floor, 3%, is 0.5 × 6%: the target is not out of reach
+    assert (v["knee"]["ok"], v["knee"]["floor"]) == (False, 0.03)
+    # the floor reaches 5% halfway from 100 (3%) to 150 (7%): 125; the best baseline's goodput 91.7: a ceiling of 1.36×
+    g = v["goodput"]
+    assert g["floor_load"] == pytest.approx(125.0) and not g["floor_capped"]
+    assert g["floor_ratio"] == pytest.approx(125.0 / (50 + 50 * 5 / 6))
+    assert dominance._floor_cell(v) == "3.00% / 1.36×"
+    for r in rows:
+        r["violation_floor"] = 0.0
+    g = dominance.verdict(rows, "w", 100.0)["goodput"]
+    assert g["floor_load"] == 150 and g["floor_capped"]  # never 5% at any load run: a ceiling of at least the top one
+    # the length-aware objective (shared-docs) has no floor, nor have rows of an older run
+    assert dominance.verdict(rows, "shared-docs", 100.0)["goodput"]["floor_load"] is None
+    assert dominance._floor_cell(dominance.verdict([row("laps", 50, 50, 0.0), row("least_load+spf", 50, 50, 0.0)], "w", 50.0)) \
+        == "no knee / n/a"
 
 
 def test_the_verdict_gives_the_best_baselines_prefill_busy_share_at_saturation():

@@ -393,6 +393,13 @@ class LatencyModel:
         :class:`~policies.ttft_model.PassCost`)."""
         return self.predict(batch)
 
+    def prefill_compute_s(self, new_tokens: int, cached_tokens: int) -> float:
+        """The compute part alone of prefilling one sequence of ``new_tokens`` on ``cached_tokens`` (its linear
+        layers, LM head and causal attention at the effective FLOP rate; no graph padding, weight reads, launch or
+        fixed cost): a lower bound on what its prefill adds to any pass or passes it runs in, however chunked."""
+        c_tok, c_seq, c_pair = self._const[:3]
+        return c_tok * new_tokens + c_seq + c_pair * (new_tokens * cached_tokens + new_tokens * (new_tokens + 1) / 2)
+
     def decode_s(self, seqs: int, context_tokens: int) -> float:
         """One decode pass of ``seqs`` sequences holding ``context_tokens`` KV tokens in all (equal lengths assumed:
         no spread charge); the scheduler's :class:`~policies.ttft_model.PassCost`."""
