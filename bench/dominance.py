@@ -441,7 +441,8 @@ def sweep(workload: str, pd: bool, loads: tuple[float, ...], duration_s: float, 
             progress.console.print(f"  {label} {r['policy']:>15} load {r['load']:g}: {r['rate_rps']:.0f} req/s, "
                                    f"{100 * r['slo_violation_rate']:.2f}% ({100 * r['length_slo_violation_rate']:.2f}% "
                                    f"length-aware; short {_percent(r.get('short_slo_violation_rate'))}, long "
-                                   f"{_percent(r.get('long_slo_violation_rate'))}), short P90 {1e3 * (r['short_ttft_p90_s'] or math.nan):.1f} ms")
+                                   f"{_percent(r.get('long_slo_violation_rate'))}), short P90 {1e3 * (r['short_ttft_p90_s'] or math.nan):.1f} ms, "
+                                   f"floor {_percent(r.get('violation_floor'))}")
             progress.advance(task)
         more = extra_load(rows, key, max(multiples))
         multiples = [] if more is None else [more]
