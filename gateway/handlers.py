@@ -85,11 +85,6 @@ _JSON_TYPE_NAMES = {type(None): "null", bool: "a boolean", int: "a number", floa
                     list: "an array"}
 
 
-# In OpenAI's API an optional parameter sent as null takes its default ("stream": null is a plain answer); SGLang
-# 0.5.23 refuses null where its field is a plain bool, int or float (stream, n, logprobs, echo, a completion's
-# temperature ...), so such keys are dropped before validation and relay. A required one stays, and is refused.
-_REQUIRED = frozenset({"model", "messages", "prompt"})
-
 
 async def _json_body(request: web.Request, timeout_s: float) -> dict:
     if request.content_type != "application/json":
@@ -108,7 +103,17 @@ async def _json_body(request: web.Request, timeout_s: float) -> dict:
         raise APIError(400, f"request body is not valid JSON: {err}") from None
     if not isinstance(body, dict):
         raise APIError(400, f"request body must be a JSON object, got {_JSON_TYPE_NAMES.get(type(body), type(body).__name__)}")
-    return {k: v for k, v in body.items() if v is not None or k in _REQUIRED}
+    return body
+
+
+def _nulls_dropped(body: dict, schema: type[BaseModel]) -> dict:
+    """``body`` without its top-level keys sent as null, but for ``schema``'s required ones (refused by validation).
+
+    In OpenAI's API an optional parameter sent as null takes its default ("stream": null is a plain answer); SGLang
+    0.5.23 refuses null where its field is a plain bool, int or float (stream, n, logprobs, echo, a completion's
+    temperature ...), so such keys go neither to validation nor to the engine.
+    """
+    return {k: v for k, v in body.items() if v is not None or (k in schema.model_fields and schema.model_fields[k].is_required())}
 
 
 def _body_path(loc: tuple, body: dict, missing: bool) -> tuple:
@@ -193,7 +198,7 @@ async def _serve(request: web.Request, schema: type[ChatCompletionRequest] | typ
     if gw.closing:
         raise ShuttingDown()
     with child_span(gw.tracer, "validation"):
-        body = await _json_body(request, gw.config.gateway.body_timeout_s)
+        body = _nulls_dropped(await _json_body(request, gw.config.gateway.body_timeout_s), schema)
         req = _validate(schema, body)
         _check_model(gw, req.model)
     with child_span(gw.tracer, "tokenization") as span:

@@ -86,6 +86,12 @@ async def test_optional_parameters_sent_as_null_take_their_defaults_and_are_not_
     assert set(nulls).isdisjoint(forwarded)
     async with session.post("/v1/chat/completions", json={"model": None, "messages": [{"role": "user", "content": "x"}]}) as resp:
         assert resp.status == 400 and (await resp.json())["error"]["param"] == "model"
+    async with session.post("/v1/completions", json={"model": MODEL, "prompt": None}) as resp:
+        assert resp.status == 400 and (await resp.json())["error"]["param"] == "prompt"
+    # another endpoint's required key is optional here: a null one is dropped too
+    async with session.post("/v1/chat/completions", json=chat("Hi", prompt=None)) as resp:
+        assert resp.status == 200
+    assert "prompt" not in (fakes["sp0"].bodies + fakes["lp0"].bodies)[-1]
 
 
 async def test_long_prompt_goes_to_long_pool(stack):
