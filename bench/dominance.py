@@ -38,7 +38,7 @@ long_slo_violation_rate}`` (``goodput_rps``: requests per second that met the fi
 the fixed objective's violation rate within the short and the long class, None for a class with no request;
 ``violation_floor``: the fewest violations of the fixed objective that any scheduler could have on the row's
 arrivals, as a rate, from ``bench/violation_floor.py``: the prefill compute alone, a perfect prefix cache, all 8
-engines prefilling, no decode). One PNG per workload next to the JSON. The verdict (printed, and under ``verdict``):
+engines prefilling, in PD too, no decode). One PNG per workload next to the JSON. The verdict (printed, and under ``verdict``):
 
 * ``never_worse``: at every load laps' violation rate ≤ the best baseline's + 0.5 points (fixed
   and length-aware);
@@ -56,8 +56,9 @@ engines prefilling, no decode). One PNG per workload next to the JSON. The verdi
 Next to the knee and goodput checks (fixed objective only) the violation floor says whether a miss could be
 avoided at all: laps' floor at the knee (a floor above 0.6× the best baseline's rate there would make that
 target unreachable on those arrivals) and the load where laps' floor reaches 5% over the best baseline's goodput
-(a goodput ceiling; "≥" where the floor stays under 5% at every load run). The floor leaves out decode, KV
-memory and request slots, so a floor far below a miss does not say the miss is avoidable.
+(a goodput ceiling; "≥" where the floor stays under 5% at every load run; an estimate, not a bound: it is
+interpolated between loads, and on multi-turn workloads taken on laps' own arrivals). The floor leaves out
+decode, KV memory and request slots, so a floor far below a miss does not say the miss is avoidable.
 """
 
 from __future__ import annotations
@@ -219,28 +220,32 @@ def run_point(workload: str, policy: str, load: float, max_duration_s: float, se
         "moves": len(run.moves) if hasattr(run, "moves") else 0,
         # the fewest violations of the fixed objective any scheduler could have on this run's arrivals with all
         # the engines prefilling (bench/violation_floor.py): where a target is missed, whether it could be met
-        "violation_floor": (violation_floor(prefills.arrival_s, prefills.work_s, SLO_TTFT_S, len(config.engines))
-                            / len(records) if records else None),
+        "violation_floor": prefills.floor_rate(run) if records else None,
     }
 
 
 class PrefillWork:
-    """Each arriving request's arrival time and least prefill compute (s) under a perfect cache, for the floor."""
+    """Each arriving request's arrival time, prompt length and most cached tokens under a perfect cache; then the
+    run's violation floor (:mod:`violation_floor`)."""
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
-        self.model = make_latency_model()
         self.cache = IdealPrefixCache()
-        self.arrival_s: list[float] = []
-        self.work_s: list[float] = []
+        self.requests: list[tuple[float, int, int]] = []  # (arrival s, new tokens, cached tokens)
 
     def arrive(self, record, prompt_ids: list[int]) -> None:
         """:func:`~loadgen.simulate.simulate_run`'s ``on_prompt``: a follow-up turn's new user message (less a token, for
         a merge at its edge) is all that no earlier sequence holds."""
         tail = max(1, len(self.tokenizer.encode(record.user)) - 1) if record.turn else None
         cached = self.cache.arrive(prompt_ids, unshared_tail_tokens=tail)
-        self.arrival_s.append(record.start_s)
-        self.work_s.append(self.model.prefill_compute_s(len(prompt_ids) - cached, cached))
+        self.requests.append((record.start_s, len(prompt_ids) - cached, cached))
+
+    def floor_rate(self, run) -> float:
+        """The floor over the run's requests, every engine of the run prefilling (in PD the decode engines too: the
+        controller may flip one), each request's work on the engine model that computes it fastest."""
+        models = {slot.core.latency for slot in run.engines.values()}
+        work_s = [min(m.prefill_compute_s(new, cached) for m in models) for _, new, cached in self.requests]
+        return violation_floor([a for a, _, _ in self.requests], work_s, SLO_TTFT_S, len(run.engines)) / len(run.records)
 
 
 def prefill_busy_fraction(run, config: Config, duration_s: float) -> float | None:
@@ -499,7 +504,7 @@ def _floor_cell(v: dict) -> str:
 def print_verdicts(verdicts: list[dict], console: Console) -> bool:
     table = Table(title=f"laps (examples/sim-h200x8.yaml) against the best baseline at each load; SLO {SLO_TTFT_S} s")
     for col in ("workload", "sat. load", "never worse (+0.5 pt)", "knee: laps / best", "goodput (× sat.) laps / best",
-                "prefill busy at sat.", "short P90", "floor: at knee / goodput ceiling"):
+                "prefill busy at sat.", "short P90", "floor: at knee / goodput ceiling (est.)"):
         table.add_column(col, justify="right")
     all_ok = True
     for v in verdicts:

@@ -122,3 +122,8 @@ def violation_floor(arrival_s: Sequence[float], work_s: Sequence[float], slo_ttf
             k = int(np.searchsorted(dropped, excess - 1e-12, side="left")) + 1
             best[end] = max(best[end], best[start] + k)
     return int(best[-1])
+
+
+if __name__ == "__main__":
+    raise SystemExit("violation_floor.py is a module of bench/dominance.py (each row's violation_floor): run that, "
+                     "e.g. python bench/dominance.py --quick --out runs/dominance/quick.json")
