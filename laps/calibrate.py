@@ -49,7 +49,10 @@ def http_measure(client: EngineClient, url: str) -> Measure:
         async with client.post(url, "/generate", body) as resp:
             payload = await resp.read()
             if resp.status != 200:
-                raise CalibrationError(f"{url}/generate answered HTTP {resp.status}: {payload[:300]!r}")
+                hint = ("; this looks like an OpenAI server such as the laps gateway, not an SGLang engine: pass an engine's "
+                        "URL (GET /admin/engines on the gateway, or its 'serving ... with N engines' log line)"
+                        if resp.status == 404 and payload.lstrip().startswith(b'{"error"') else "")
+                raise CalibrationError(f"{url}/generate answered HTTP {resp.status}: {payload[:300]!r}{hint}")
         return time.perf_counter() - start
 
     return measure

@@ -4,12 +4,13 @@ import random
 
 import pytest
 import yaml
+from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from engines.client import EngineClient
 from engines.sim.latency import make_latency_model
 from engines.sim.server import SimServerArgs, create_app
-from laps.calibrate import collect_samples, http_measure, write_fit
+from laps.calibrate import CalibrationError, collect_samples, http_measure, write_fit
 from laps.config import parse_config, load_config
 from policies.cost_fit import fit_cost_model
 
@@ -68,3 +69,22 @@ async def test_calibration_over_http_times_every_grid_point_and_writes_a_config_
     data = yaml.safe_load(load_config().model_dump_json())
     data["scheduling"]["cost_model"] = block["scheduling"]["cost_model"]
     assert parse_config(data).scheduling.cost_model.memory_floor_s == pytest.approx(fit.model.memory_floor_s)
+
+
+async def test_calibrating_against_an_openai_server_says_to_pass_an_engine_url():
+    async def not_found(request: web.Request) -> web.Response:  # as the laps gateway answers an unknown path
+        return web.json_response({"error": {"message": "not found", "type": "invalid_request_error", "param": None,
+                                            "code": "not_found"}}, status=404)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", not_found)
+    server = TestServer(app)
+    await server.start_server()
+    client = EngineClient()
+    await client.start()
+    try:
+        with pytest.raises(CalibrationError, match="answered HTTP 404.*not an SGLang engine: pass an engine's URL"):
+            await http_measure(client, str(server.make_url("")).rstrip("/"))([1, 2, 3])
+    finally:
+        await client.close()
+        await server.close()
