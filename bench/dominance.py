@@ -38,7 +38,7 @@ long_slo_violation_rate}`` (``goodput_rps``: requests per second that met the fi
 the fixed objective's violation rate within the short and the long class, None for a class with no request;
 ``violation_floor``: the fewest violations of the fixed objective that any scheduler could have on the row's
 arrivals, as a rate, from ``bench/violation_floor.py``: the prefill compute alone, a perfect prefix cache, all 8
-engines prefilling, in PD too, no decode). One PNG per workload next to the JSON. The verdict (printed, and under ``verdict``):
+engines prefilling, in PD too, no decode, each prefill on one engine). One PNG per workload next to the JSON. The verdict (printed, and under ``verdict``):
 
 * ``never_worse``: at every load laps' violation rate ≤ the best baseline's + 0.5 points (fixed
   and length-aware);

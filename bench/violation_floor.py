@@ -15,12 +15,16 @@ bound relaxes everything but the prefill compute that each request's first token
   (:class:`IdealPrefixCache`): the longest prefix j shares with any earlier prompt, rounded *up* to the
   next 16-token block, and for a follow-up turn everything before its new user message (the conversation's
   earlier prompt and reply), whichever is more; never the whole prompt (one token is always computed).
+* **One engine per request.** A prefill runs on one engine (its chunks one after another), so a request whose
+  work alone exceeds ``slo_ttft_s`` misses whatever the schedule (on ``shared-docs`` a 30k-token document's first
+  question); those are counted outright and left out of the windows below.
 * **Engines.** For any window [a, b], the requests with a ≤ r_j and d_j ≤ b that meet their deadline had
   their whole prefill inside it, on ``engines`` engines: at most ``engines``·(b − a) seconds of compute.
   When their work exceeds that, at least k(a, b) of them miss, k the fewest that can be dropped to fit
   (dropping the largest first is fewest). Disjoint windows hold disjoint requests and disjoint engine
   time, so the k of disjoint windows add up; :func:`violation_floor` takes the best sum over windows on a
-  grid (dynamic programming).
+  grid (dynamic programming). The windows still let one request's work spread over several engines at once, which
+  is where the bound is loosest.
 
 The floor is a valid bound for the run's arrivals, not a schedule: it ignores decode, KV memory, request
 slots and the engines' passes, so a real scheduler may be far above it. For a multi-turn workload the
@@ -82,7 +86,8 @@ class IdealPrefixCache:
 
 def violation_floor(arrival_s: Sequence[float], work_s: Sequence[float], slo_ttft_s: float, engines: int,
                     step_s: float = 0.05, max_window_s: float = 4.0) -> int:
-    """The fewest requests that must miss ``slo_ttft_s`` (module doc): a sum of k over disjoint windows.
+    """The fewest requests that must miss ``slo_ttft_s`` (module doc): those whose own work exceeds it, plus a sum of
+    k over disjoint windows for the rest.
 
     Windows start and end on a grid of ``step_s`` from the first arrival and last at most ``max_window_s``.
     ``arrival_s`` and ``work_s`` are per request (seconds); ``engines`` the prefill engines. O(G·W·n log n)
@@ -100,6 +105,11 @@ def violation_floor(arrival_s: Sequence[float], work_s: Sequence[float], slo_ttf
     order = np.argsort(arrival_s, kind="stable")
     r = np.asarray(arrival_s, dtype=float)[order]
     p = np.asarray(work_s, dtype=float)[order]
+    alone_late = p > slo_ttft_s
+    forced = int(alone_late.sum())
+    r, p = r[~alone_late], p[~alone_late]
+    if not len(r):
+        return forced
     t0 = r[0]
     points = int(np.ceil((r[-1] + slo_ttft_s - t0) / step_s)) + 1
     grid = t0 + step_s * np.arange(points + 1)
@@ -121,7 +131,7 @@ def violation_floor(arrival_s: Sequence[float], work_s: Sequence[float], slo_ttf
             dropped = np.cumsum(np.sort(p[lo:last])[::-1])
             k = int(np.searchsorted(dropped, excess - 1e-12, side="left")) + 1
             best[end] = max(best[end], best[start] + k)
-    return int(best[-1])
+    return forced + int(best[-1])
 
 
 if __name__ == "__main__":

@@ -22,6 +22,9 @@ def test_a_burst_past_the_engines_capacity_forces_its_excess_to_miss():
     # Within capacity nothing must miss.
     assert floor.violation_floor([0.0] * 8, [0.1] * 8, slo_ttft_s=0.4, engines=2) == 0
     assert floor.violation_floor([], [], slo_ttft_s=0.4, engines=2) == 0
+    # A prefill longer than the objective misses on any number of engines (one runs on one engine); the rest as before.
+    assert floor.violation_floor([0.0, 0.0], [0.5, 0.1], slo_ttft_s=0.4, engines=8) == 1
+    assert floor.violation_floor([0.0] * 11, [0.5] + [0.1] * 10, slo_ttft_s=0.4, engines=2) == 3
 
 
 def test_disjoint_bursts_add_up_and_spread_arrivals_do_not_overlap_windows():
