@@ -36,20 +36,10 @@ own cache hits).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
 BLOCK_TOKENS = 16
-
-
-@dataclass(frozen=True, slots=True)
-class PrefillJob:
-    """One request as the floor sees it: arrival (s), prompt tokens, and the most of them a perfect cache holds."""
-
-    arrival_s: float
-    prompt_tokens: int
-    cached_tokens: int
 
 
 class IdealPrefixCache:
