@@ -99,10 +99,11 @@ onto the engine where a long one waits, which then starves):
 How these rules were chosen (``laps simulate`` engine model, 8 H200s running
 ``shortest-prefill-first`` with SGLang's 8,192-token chunks, as
 ``examples/sim-h200x8.yaml`` shipped then; the points of ``bench/dominance.py``,
-10 s at most each; violations of the 0.4 s objective; the file now ships
-2,048-token chunks, which lowers laps' figures below in overload, as it does
-least_load's to engines given the same chunk: README, What the simulator says
-so far).
+10 s at most each; violations of the 0.4 s objective; the file shipped
+2,048-token chunks later, and now 1,024 (README, Chunk size), which lowers laps'
+figures below in overload, as it does least_load's to engines given the same
+chunk: README, What the simulator says so far; where a figure below says 2,048-token
+chunks, it was measured on them).
 The first design predicted each engine's backlog first come first served,
 gated long prefills at 16,384 tokens per engine and kept them in the long pool
 while its best engine met the deadline with the observed P99 of actual over
@@ -135,7 +136,7 @@ last, at most two in progress per engine (``docs`` 9.9% but ``azure-conv``
 14.1% and ``mixed`` 7.4%: too few prefills left to fill a chunk), or while the
 engine's backlog is under one chunk pass (14.5%, 8.8%, 6.5%); choosing by the
 fewest predicted missed deadlines first (no better, and its per-decision cost
-grows with each engine's queue). With the 2,048-token chunks shipped now (seed
+grows with each engine's queue). With the 2,048-token chunks shipped then (seed
 0), charging a clean engine's short batches what they really wait, 1.5 ×
 min(P, one chunk pass) (the rest of the pass in progress, then their own pass,
 which ``shortest-prefill-first`` fills to a chunk), cut short P90 TTFT at 0.8×

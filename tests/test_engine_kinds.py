@@ -288,12 +288,12 @@ def test_the_8xh200_examples_capture_sglangs_own_prefill_buckets_so_a_pass_pads_
     config = load_config(EXAMPLE_H200X8.parent / "sim-h200x8.yaml")
     argv = engine_command(config, config.engines[0], 30000)[3:]
     sim = resolve_args(parse_server_args(argv))
-    assert sim.prefill_graph.backend == "breakable" and sim.prefill_graph.sizes == prefill_graph_buckets(2048)
-    # A 1,100-token pass replays the 1,280-token graph; the coarse buckets (64, 128, ..., 2,048) padded it to 2,048.
-    assert sim.prefill_graph.bucket(1100) == 1280
-    coarse = resolve_args(parse_server_args([*argv, "--cuda-graph-bs-prefill", "64", "128", "256", "512", "1024", "2048"]))
-    assert coarse.prefill_graph.bucket(1100) == 2048
-    assert sim.latency.prefill_s([(1100, 0)]) < 0.7 * coarse.latency.prefill_s([(1100, 0)])
+    assert sim.prefill_graph.backend == "breakable" and sim.prefill_graph.sizes == prefill_graph_buckets(1024)
+    # A 540-token pass replays the 576-token graph; the coarse buckets (64, 128, ..., 1,024) padded it to 1,024.
+    assert sim.prefill_graph.bucket(540) == 576
+    coarse = resolve_args(parse_server_args([*argv, "--cuda-graph-bs-prefill", "64", "128", "256", "512", "1024"]))
+    assert coarse.prefill_graph.bucket(540) == 1024
+    assert sim.latency.prefill_s([(540, 0)]) < 0.7 * coarse.latency.prefill_s([(540, 0)])
 
 
 def test_a_sim_role_flag_the_engine_model_does_not_take_fails_before_any_process_starts():
