@@ -54,7 +54,7 @@ def sglang_python() -> Path:
     """The interpreter of the SGLang environment, built first if there is none yet.
 
     Raises:
-        RuntimeError: the build failed; the message has the tail of its log.
+        RuntimeError: the build or the bytecode compilation failed; the message has the tail of its output.
     """
     override = os.environ.get(OVERRIDE_ENV)
     if override:
@@ -104,11 +104,16 @@ def _compile(directory: Path) -> None:
     A few files written for other Python versions do not compile; nothing imports them.
     """
     python = directory / "bin" / "python"
-    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                             capture_output=True, text=True, check=True).stdout.strip()
+    where = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                           capture_output=True, text=True)
+    if where.returncode != 0:
+        raise RuntimeError(f"the SGLang environment's interpreter failed (exit {where.returncode}): {where.stderr[-2000:]}")
+    purelib = where.stdout.strip()
     print(f"compiling the SGLang test environment's modules to bytecode (once): {purelib}", file=sys.stderr, flush=True)
-    subprocess.run([str(python), "-m", "compileall", "-q", "-j", "0", purelib], stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL, preexec_fn=lambda: os.nice(10))
+    done = subprocess.run([str(python), "-m", "compileall", "-q", "-j", "0", purelib], stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True, preexec_fn=lambda: os.nice(10))
+    if done.returncode not in (0, 1):  # 1: some file did not compile (those above); else it did not run through
+        raise RuntimeError(f"compiling the SGLang environment failed (exit {done.returncode}): {done.stderr[-2000:]}")
     (directory / _BYTECODE_MARKER).write_text("")
 
 
