@@ -99,11 +99,11 @@ onto the engine where a long one waits, which then starves):
 How these rules were chosen (``laps simulate`` engine model, 8 H200s running
 ``shortest-prefill-first`` with SGLang's 8,192-token chunks, as
 ``examples/sim-h200x8.yaml`` shipped then; the points of ``bench/dominance.py``,
-10 s at most each; violations of the 0.4 s objective; the file shipped
-2,048-token chunks later, and now 1,024 (README, Chunk size), which lowers laps'
-figures below in overload, as it does least_load's to engines given the same
-chunk: README, What the simulator says so far; where a figure below says 2,048-token
-chunks, it was measured on them).
+10 s at most each; violations of the 0.4 s objective; the file later shipped
+2,048-token chunks and now ships 1,024 (README, Chunk size): finer chunks lower
+laps' figures below in overload, as they do least_load's to engines given the
+same chunk (README, What the simulator says so far); a figure said to be on
+2,048-token chunks was measured on them).
 The first design predicted each engine's backlog first come first served,
 gated long prefills at 16,384 tokens per engine and kept them in the long pool
 while its best engine met the deadline with the observed P99 of actual over
