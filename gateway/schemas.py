@@ -40,6 +40,8 @@ class ChatMessage(BaseModel):
     def _text_only(cls, v):
         if v is None or isinstance(v, str):
             return v
+        if isinstance(v, list) and not v:  # OpenAI's API refuses an empty content array too
+            raise ValueError("content is an empty list: give a string or at least one text part")
         if isinstance(v, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in v):
             return v
         raise ValueError('content must be a string or a list of text parts {"type": "text", "text": "..."}; laps serves text only')
