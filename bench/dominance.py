@@ -142,14 +142,16 @@ def baseline_setup(policy: str) -> tuple[str, str, dict]:
 
 
 def pd_deployment(policy: str) -> Config:
-    """6 prefill + 2 decode simulated engines: laps with the shipped pools and controller, or a baseline placing prefills."""
+    """6 prefill + 2 decode simulated engines: laps with the shipped pools, controller and objectives, or a baseline placing
+    prefills."""
     shipped = load_config(SHIPPED)
     roles = {**({k: v.model_dump() for k, v in shipped.roles.items()} if policy == "laps" else
                 {"prefill": baseline_setup(policy)[2]}),
              "decode": {"pool": "decode", "flags": {}}}
     prefill_roles = ["short-prefill"] * 3 + ["long-prefill"] * 3 if policy == "laps" else ["prefill"] * 6
     data = {
-        "model": {"name": "Qwen2.5-7B-Instruct"}, "slo": {"ttft_s": SLO_TTFT_S}, "sim": {"model": "qwen2.5-7b", "gpu": "h200"},
+        "model": {"name": "Qwen2.5-7B-Instruct"}, "sim": {"model": "qwen2.5-7b", "gpu": "h200"},
+        "slo": shipped.slo.model_dump() if policy == "laps" else {"ttft_s": SLO_TTFT_S},
         "scheduling": {"policy": "laps" if policy == "laps" else baseline_setup(policy)[0]},
         "pd": {"link": "nvlink"}, "roles": roles,
         "engines": [{"name": f"p{i}", "kind": "sim", "role": r, "gpus": [i]} for i, r in enumerate(prefill_roles)]

@@ -50,7 +50,7 @@ class Arrival:
 
     ``chain``: the templated prompt's tokens and prefix block keys; ``arrival_s``: ``time.monotonic()`` at arrival
     (one clock for every process of the node); ``deadline_s``: the client's TTFT deadline (the SLO header), ``None``
-    for the configured SLO (length-aware with ``slo.ttft_per_1k_new_tokens_s``); ``max_tokens``, ``reply_tokens``,
+    for the configured SLO (``slo.ttft_s``, and the length-aware one too with ``slo.ttft_per_1k_new_tokens_s``); ``max_tokens``, ``reply_tokens``,
     ``stream``, ``priority``: as :class:`~policies.types.RequestView`'s.
     """
 
@@ -67,13 +67,13 @@ class Arrival:
 def classify(arrival: Arrival, config: Config, registry: EngineRegistry, prefix_index: PrefixCaches, classifier: Classifier) -> RequestView:
     """The scheduler's view of ``arrival``: its cached tokens on each prefill engine of ``registry`` now from
     ``prefix_index`` (not on a PD deployment's decode engines: they hold prompts and replies that no prefill engine
-    has), its class, its deadline (the configured SLO's, length-aware on its new tokens, unless the client set one)."""
+    has), its class, its deadlines (the configured SLO's: ``slo.ttft_s`` and, when set, the length-aware one on its new
+    tokens; the client's own instead, when it set one)."""
     deadline_s = arrival.deadline_s if arrival.deadline_s is not None else arrival.arrival_s + config.slo.ttft_s
     view = classified_view_of_chain(arrival.rid, arrival.chain, arrival.arrival_s, deadline_s, registry.prefill_ids(), prefix_index,
                                     classifier, arrival.max_tokens, arrival.reply_tokens)
-    if arrival.deadline_s is None and config.slo.ttft_per_1k_new_tokens_s is not None:
-        deadline_s = config.slo.deadline_s(arrival.arrival_s, view.new_tokens)
-    return dataclasses.replace(view, deadline_s=deadline_s, stream=arrival.stream, priority=arrival.priority)
+    length_s = config.slo.length_deadline_s(arrival.arrival_s, view.new_tokens) if arrival.deadline_s is None else None
+    return dataclasses.replace(view, length_deadline_s=length_s, stream=arrival.stream, priority=arrival.priority)
 
 
 class Dispatcher:

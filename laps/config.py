@@ -135,16 +135,21 @@ class SLOConfig(_Strict):
 
     ``ttft_per_1k_new_tokens_s``: the optional length-aware objective, ``ttft_s`` plus this many
     seconds per 1,000 new (uncached) prompt tokens, so a long prefill is judged on what is
-    achievable (a 30k-token prefill alone takes ~0.9 s on one H200 with Qwen2.5-7B); when set,
-    the scheduler's deadlines use it and reports give its violation rate next to the fixed one.
+    achievable (a 30k-token prefill alone takes ~0.9 s on one H200 with Qwen2.5-7B). When set,
+    reports give its violation rate next to the fixed one, and laps schedules a request whose
+    prefill alone would end past ``ttft_s`` (no scheduler can meet the fixed objective for it) to
+    the length-aware deadline; every other request keeps ``ttft_s``.
     """
 
     ttft_s: float = Field(0.4, gt=0)
     ttft_per_1k_new_tokens_s: float | None = Field(None, ge=0)
 
-    def deadline_s(self, arrival_s: float, new_tokens: int) -> float:
-        """The TTFT deadline of a request arriving at ``arrival_s`` with ``new_tokens`` uncached prompt tokens."""
-        return arrival_s + self.ttft_s + (self.ttft_per_1k_new_tokens_s or 0.0) * new_tokens / 1000
+    def length_deadline_s(self, arrival_s: float, new_tokens: int) -> float | None:
+        """The length-aware TTFT deadline of a request arriving at ``arrival_s`` with ``new_tokens`` uncached prompt
+        tokens (seconds on the same clock); None without ``ttft_per_1k_new_tokens_s``."""
+        if self.ttft_per_1k_new_tokens_s is None:
+            return None
+        return arrival_s + self.ttft_s + self.ttft_per_1k_new_tokens_s * new_tokens / 1000
 
 
 class CostModelConfig(_Strict):

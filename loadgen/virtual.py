@@ -303,7 +303,7 @@ class VirtualRun:
         view, chain = classified_view(rid, prompt_ids, now, now + self.config.slo.ttft_s, self._engine_ids,
                                       self.prefix_index, self.classifier, turn.max_tokens, replies)
         if self.config.slo.ttft_per_1k_new_tokens_s is not None:
-            view = dataclasses.replace(view, deadline_s=self.config.slo.deadline_s(now, view.new_tokens))  # length-aware
+            view = dataclasses.replace(view, length_deadline_s=self.config.slo.length_deadline_s(now, view.new_tokens))
         record.laps_class = view.request_class
         req = SimRequest(conv, record, view, chain.keys, prompt_ids)
         self._requests[rid] = req

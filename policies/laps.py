@@ -386,6 +386,7 @@ above are ours; tests pin them down on scripted arrival sequences.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 from collections import defaultdict, deque
 from dataclasses import dataclass
@@ -486,6 +487,7 @@ class LapsScheduler:
     # -- events -------------------------------------------------------------------------------
 
     def submit(self, request: RequestView, now: float) -> None:
+        request = self._reachable_deadline(request)
         if request.request_class == "long":
             self._long.append(request)
             return
@@ -683,6 +685,16 @@ class LapsScheduler:
         on any engine)."""
         cached = min(request.cached_tokens, request.prompt_tokens) if engine_id is None else self._held_on(request, engine_id)
         return isolated_prefill_s(self.model.cost, request.prompt_tokens - cached, cached, self.model.chunk_tokens)
+
+    def _reachable_deadline(self, request: RequestView) -> RequestView:
+        """``request`` with the deadline it is scheduled to: its length-aware one (``length_deadline_s``) where its
+        prefill alone, from its arrival on the engine holding most of its prompt, would end past ``deadline_s``: no
+        order or engine meets the fixed objective for it, and judged on that one it counts as late on arrival, so
+        every rule that spares requests still in time (the charge for overtaken prefills, the engines where a long
+        prefill is in time) would pass it over until its TTFT is seconds long; ``request`` itself otherwise."""
+        if request.length_deadline_s is None or request.arrival_s + self._isolated_s(request) <= request.deadline_s:
+            return request
+        return dataclasses.replace(request, deadline_s=request.length_deadline_s)
 
     def _long_key(self, request: RequestView, now: float) -> tuple:
         """Held long requests go by priority, then deadline, shortest isolated prefill first among equal deadlines;

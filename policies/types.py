@@ -28,6 +28,9 @@ class RequestView:
     (filled only for policies that predict output lengths, else empty).
     ``stream``: the client streams, so its first token is reported when it is
     generated; ``False``: only when the whole answer is in.
+    ``length_deadline_s``: the length-aware deadline (``slo.ttft_per_1k_new_tokens_s``; ``None`` when that is
+    unset or the client set its own deadline), which a scheduler may use in place of ``deadline_s`` for a request
+    that cannot meet ``deadline_s`` even alone on an idle engine (:class:`policies.laps.LapsScheduler` does).
     ``priority``: how urgent the request is, higher values first (the gateway
     gives SGLang's ``priority`` here, negated for engines that schedule low
     values first); ``None`` after every request that has one, as SGLang
@@ -47,6 +50,7 @@ class RequestView:
     reply_tokens: tuple[int, ...] = ()
     stream: bool = True
     priority: int | None = None
+    length_deadline_s: float | None = None
 
     @property
     def new_tokens(self) -> int:

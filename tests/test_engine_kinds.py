@@ -90,7 +90,8 @@ def test_late_requests_last_starts_sglang_with_laps_plugin_and_the_sim_with_its_
     monkeypatch.setenv("PYTHONPATH", "/site/extra")
     config = late_last_config()
     real, simulated = config.engines
-    plugin = {"LAPS_TTFT_S": "0.5", "LAPS_TTFT_PER_1K_NEW_TOKENS_S": "0.06"}
+    # The fixed objective, not the length-aware one (engines.manager.late_last_objective says why).
+    plugin = {"LAPS_TTFT_S": "0.5", "LAPS_TTFT_PER_1K_NEW_TOKENS_S": "0"}
     # SGLang finds the plugin through the dist-info in its directory, put ahead of the gateway's PYTHONPATH.
     assert engine_env(config, real) == {"PYTHONPATH": f"{SGLANG_PLUGIN_DIR}{os.pathsep}/site/extra", **plugin,
                                         "CUDA_VISIBLE_DEVICES": "3"}
@@ -99,9 +100,9 @@ def test_late_requests_last_starts_sglang_with_laps_plugin_and_the_sim_with_its_
     assert engine_env(config, real, role="short-prefill") == {"CUDA_VISIBLE_DEVICES": "3"}  # a role without it
     assert "--sim-late-last-ttft-s" not in engine_command(config, real, 30000)
     # The simulated engine models the plugin from its command line, in real time and in virtual time alike.
-    assert engine_command(config, simulated, 30001)[-4:] == ["--sim-late-last-ttft-s", "0.5", "--sim-late-last-per-1k-s", "0.06"]
+    assert engine_command(config, simulated, 30001)[-4:] == ["--sim-late-last-ttft-s", "0.5", "--sim-late-last-per-1k-s", "0"]
     assert engine_env(config, simulated) == {}
-    assert (sim_model(config, simulated).config.late_last_ttft_s, sim_model(config, simulated).config.late_last_per_1k_s) == (0.5, 0.06)
+    assert (sim_model(config, simulated).config.late_last_ttft_s, sim_model(config, simulated).config.late_last_per_1k_s) == (0.5, 0.0)
     assert sim_model(config, simulated, role="short-prefill").config.late_last_ttft_s is None
     # The plugin changes the engine, so a move between roles that differ in it restarts the engine.
     data = shipped_data()

@@ -395,6 +395,25 @@ def test_held_long_requests_go_in_deadline_order_those_that_cannot_make_it_last(
     assert order == ["early", "late", "hopeless"]
 
 
+@pytest.mark.parametrize(("length_deadline_s", "order"), [(0.9, ["missed", "huge", "later"]), (None, ["missed", "later", "huge"])])
+def test_a_request_that_cannot_meet_its_fixed_deadline_even_alone_is_scheduled_to_its_length_aware_one(length_deadline_s, order):
+    s = LapsScheduler(config(max_long_prefill_tokens=1000), TRAITS)
+    s.submit(long("first", 3000, 0.0), 0.0)  # occupies the gate
+    # Alone, 30,000 tokens take 8 passes: 8 × 5 ms + 0.3 s + 0.115 s of cached context (0 + 4,096 + ... + 28,672
+    # tokens at 1 µs) = 0.455 s, past 0.4 s: held by its length-aware deadline, 0.9 s, it is in time (ahead of
+    # "later"); without one it cannot make 0.4 s and goes last.
+    s.submit(RequestView("huge", 30000, 0, 0.0, 0.4, "long", length_deadline_s=length_deadline_s), 0.0)
+    # Alone, 3,000 tokens take 35 ms: it keeps its fixed deadline, 0.4 s, not its length-aware 0.58 s.
+    s.submit(RequestView("missed", 3000, 0, 0.0, 0.4, "long", length_deadline_s=0.58), 0.0)
+    s.submit(RequestView("later", 3000, 0, 0.0, 1.0, "long"), 0.0)
+    assert s.decide(LONG_ONLY, 0.0).dispatches == (Dispatch("l", ("first",)),)
+    done = []
+    for t, rid in ((0.04, "first"), (0.08, None), (0.12, None)):
+        s.on_first_token(rid or done[-1], "l", t, 0)
+        done += [d.rids[0] for d in s.decide(LONG_ONLY, t).dispatches]
+    assert done == order
+
+
 def test_service_estimate_is_an_ewma_of_dispatch_to_first_token():
     s = laps(config())
     s.submit(short("r0", 10, 0.0, deadline=0.05), 0.0)

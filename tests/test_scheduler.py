@@ -5,12 +5,15 @@ import math
 
 import pytest
 
-from gateway.dispatcher import Dispatcher
+from gateway.dispatcher import Arrival, Dispatcher, classify
 from gateway.errors import APIError
 from gateway.registry import EngineRegistry, EngineState
 from policies.in_flight_prefix import InFlightPrefills
 from policies.pool_router import PoolRouter
-from policies.prefix_index import BlockChain
+from laps.config import DEFAULT_CONFIG_PATH, load_config
+from policies.exact_prefix import PrefixCaches
+from policies.prefix_index import BlockChain, PrefixIndex
+from policies.registry import make_classifier
 from policies.scheduler import ImmediateScheduler
 from policies.types import Decision, Dispatch, EngineView, RequestView
 
@@ -167,3 +170,18 @@ async def test_the_dispatcher_keeps_a_prefill_in_flight_from_dispatch_to_its_fir
     dispatcher.complete(second, "a")  # failed before its first token
     assert len(prefills) == 0 and prefills.shared_tokens("a", doc) == 0
     dispatcher.close()
+
+
+def test_a_view_carries_the_fixed_deadline_and_with_a_length_aware_objective_that_one_too():
+    config = load_config(DEFAULT_CONFIG_PATH.parent / "examples" / "sim-h200x8.yaml")  # 0.4 s, and 0.06 s more per 1,000 new tokens
+    registry = EngineRegistry([EngineState(e.name, f"http://{e.name}", config.pool(e)) for e in config.engines])
+    index = PrefixCaches(PrefixIndex(16, 4096))
+    chain = BlockChain(16).extend(range(20_000))
+    index.insert("e0", chain.keys[:250])  # 4,000 tokens cached on e0: 16,000 new
+    classifier = make_classifier(config.scheduling)
+    view = classify(Arrival("r", chain, 10.0, None), config, registry, index, classifier)
+    assert (view.new_tokens, view.deadline_s, view.length_deadline_s) == (16_000, 10.4, pytest.approx(10.0 + 0.4 + 0.96))
+    own = classify(Arrival("r", chain, 10.0, 12.0), config, registry, index, classifier)  # the client's x-laps-slo-ttft-s
+    assert (own.deadline_s, own.length_deadline_s) == (12.0, None)
+    fixed_only = config.model_copy(update={"slo": config.slo.model_copy(update={"ttft_per_1k_new_tokens_s": None})})
+    assert classify(Arrival("r", chain, 10.0, None), fixed_only, registry, index, classifier).length_deadline_s is None
