@@ -1,0 +1,120 @@
+"""laps and the router baselines on a trace file that ``bench/dominance.py`` never uses: is laps still never worse?
+
+    python bench/held_out.py --dataset mooncake:/work/shared/data/mooncake_fast25_conversation_trace.jsonl.gz \\
+        --loads 3 6 9 12 15 --out runs/held_out/mooncake.json          # ~15 min on 2 cores
+
+laps' rules were chosen on ``bench/dominance.py``'s workloads, so a check on traffic it never saw says more
+about traffic we do not have. This bench runs the same deployments (laps as ``examples/sim-h200x8.yaml`` ships
+it, the baselines of ``bench/dominance.py`` with SGLang's default flags) on a trace file, ``FORMAT:PATH`` as
+``laps simulate --dataset`` takes it. A timed trace (``mooncake:``, ``azure:``) replays its first
+``--requests`` requests at each speed-up in ``--loads``; a ``sharegpt:`` file is Poisson at each rate in
+``--loads`` (conversations per second) for max(1.5, 3,000 / rate) simulated seconds. Requests whose prompt plus
+output pass the engines' 32,768-token context are left out. Per point and policy: violations of the fixed
+0.4 s objective and of the length-aware one (0.4 s + 0.06 s per 1,000 new prompt tokens), short-class and
+overall P90 TTFT. The table marks the loads where laps is worse than the best baseline by more than 0.5
+points on either objective (``bench/dominance.py``'s "never worse").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from dominance import BASELINES, PER_1K_S, SLO_TTFT_S, point_config  # noqa: E402
+from laps.tokenizer import load_tokenizer  # noqa: E402
+from loadgen.cli import positive_float, positive_int  # noqa: E402
+from loadgen.report import build_report  # noqa: E402
+from loadgen.simulate import simulate_run  # noqa: E402
+from loadgen.workloads import TRACE_FORMATS, build_workload  # noqa: E402
+
+POLICIES = ("laps", *BASELINES)
+CONTEXT_TOKENS = 32768  # the simulated engines' context length (Qwen2.5-7B)
+MARGIN = 0.005  # never worse: at most the best baseline's violations plus 0.5 points
+
+
+def trace(text: str) -> str:
+    """``FORMAT:PATH`` of a trace file for argparse (the file is read by the workers)."""
+    kind, colon, path = text.partition(":")
+    if not colon or kind not in TRACE_FORMATS:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected FORMAT:PATH with FORMAT one of {', '.join(TRACE_FORMATS)}")
+    if not Path(path).is_file():
+        raise argparse.ArgumentTypeError(f"{text!r}: no such file {path}")
+    return text
+
+
+def run(dataset: str, policy: str, load: float, requests: int, seed: int) -> dict:
+    """One (load, policy) point; its row."""
+    tokenizer = load_tokenizer()
+    workload = build_workload(dataset, random.Random(f"workload/{seed}"), tokenizer=tokenizer, max_context_tokens=CONTEXT_TOKENS)
+    config = point_config(policy, pd=False)
+    if workload.timed:
+        records = simulate_run(config, workload, duration_s=float("inf"), seed=seed, time_scale=1.0 / load,
+                               tokenizer=tokenizer, max_requests=requests).records
+    else:
+        records = simulate_run(config, workload, duration_s=max(1.5, 3000 / load), seed=seed, rate=load, tokenizer=tokenizer).records
+    report = build_report(records, slo_ttft_s=SLO_TTFT_S, slo_ttft_per_1k_s=PER_1K_S)
+    return {"policy": policy, "load": load, "requests": report["requests"]["sent"],
+            "slo_violation_rate": report["slo"]["violation_rate"],
+            "length_slo_violation_rate": report["length_slo"]["violation_rate"],
+            "short_ttft_p90_s": report["by_class"]["short"]["ttft_s"]["p90"], "ttft_p90_s": report["ttft_s"]["p90"]}
+
+
+def worse_than_best(rows: list[dict], load: float) -> list[str]:
+    """The objectives on which laps is worse than the best baseline at ``load`` by more than :data:`MARGIN`."""
+    at = [r for r in rows if r["load"] == load]
+    laps = next(r for r in at if r["policy"] == "laps")
+    return [name for name, key in (("fixed", "slo_violation_rate"), ("length-aware", "length_slo_violation_rate"))
+            if laps[key] > min(r[key] for r in at if r["policy"] != "laps") + MARGIN]
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{1e3 * seconds:.0f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dataset", type=trace, required=True, help="FORMAT:PATH, FORMAT one of " + ", ".join(TRACE_FORMATS))
+    parser.add_argument("--loads", type=positive_float, nargs="+", required=True,
+                        help="speed-ups of a timed trace, or conversations per second of a sharegpt: file")
+    parser.add_argument("--requests", type=positive_int, default=2000, help="requests replayed per point of a timed trace (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="workload and arrival seed (default: %(default)s)")
+    parser.add_argument("--jobs", type=positive_int, default=2, help="simulations in parallel (default: %(default)s)")
+    parser.add_argument("--out", type=Path, required=True, help="JSON output")
+    args = parser.parse_args(argv)
+    console = Console(width=150)
+    with ProcessPoolExecutor(args.jobs) as pool, console.status("simulating") as status:
+        futures = [pool.submit(run, args.dataset, p, load, args.requests, args.seed) for load in args.loads for p in POLICIES]
+        rows = []
+        for future in futures:
+            rows.append(future.result())
+            status.update(f"simulating: {len(rows)} of {len(futures)} runs done")
+    table = Table(title=f"{args.dataset}, seed {args.seed}: violations of 0.4 s / of 0.4 s + {PER_1K_S:g} s per 1k new tokens (%), "
+                        "short-class P90 TTFT (ms)")
+    for column in ("load", "policy", "requests", "fixed %", "length-aware %", "short P90", "P90", "laps worse"):
+        table.add_column(column, justify="left" if column in ("policy", "laps worse") else "right")
+    for load in args.loads:
+        worse = ", ".join(worse_than_best(rows, load)) or "no"
+        for r in (r for r in rows if r["load"] == load):
+            table.add_row(f"{load:g}", r["policy"], f"{r['requests']:,}", f"{100 * r['slo_violation_rate']:.2f}",
+                          f"{100 * r['length_slo_violation_rate']:.2f}", _ms(r["short_ttft_p90_s"]), _ms(r["ttft_p90_s"]),
+                          worse if r["policy"] == "laps" else "")
+    console.print(table)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"dataset": args.dataset, "seed": args.seed, "rows": rows}, indent=1))
+    console.print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
