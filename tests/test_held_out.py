@@ -1,0 +1,33 @@
+"""bench/held_out.py's "laps worse" marks on scripted rows, and its refusal of a dataset that is not a trace file."""
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench" / "held_out.py"
+_spec = importlib.util.spec_from_file_location("held_out", BENCH)
+held_out = sys.modules["held_out"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(held_out)
+
+
+def row(policy, load, fixed, length):
+    return {"policy": policy, "load": load, "slo_violation_rate": fixed, "length_slo_violation_rate": length}
+
+
+def test_laps_is_marked_worse_only_past_the_best_baseline_plus_half_a_point_on_each_objective():
+    rows = [row("laps", 9, 0.2025, 0.0065), row("least_load", 9, 0.3365, 0.0845), row("least_load+spf", 9, 0.28, 0.0185),
+            row("laps", 12, 0.272, 0.0505), row("least_load+spf", 12, 0.34, 0.0335), row("cache_aware", 12, 0.36, 0.10),
+            row("laps", 15, 0.30, 0.0385), row("least_load+spf", 15, 0.296, 0.0335)]
+    assert held_out.worse_than_best(rows, 9) == []
+    assert held_out.worse_than_best(rows, 12) == ["length-aware"]  # 5.05% against 3.35%: 1.7 points
+    assert held_out.worse_than_best(rows, 15) == []  # 0.4 and exactly 0.5 points over: within the margin
+
+
+@pytest.mark.parametrize(("text", "says"), [("mixed", "expected FORMAT:PATH"), ("csv:/x.csv", "expected FORMAT:PATH"),
+                                            ("azure:/no/such.csv", "no such file")])
+def test_only_a_trace_file_that_exists_is_taken(text, says):
+    with pytest.raises(argparse.ArgumentTypeError, match=says):
+        held_out.trace(text)
