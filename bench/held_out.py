@@ -47,8 +47,10 @@ def trace(text: str) -> str:
     kind, colon, path = text.partition(":")
     if not colon or kind not in TRACE_FORMATS:
         raise argparse.ArgumentTypeError(f"{text!r}: expected FORMAT:PATH with FORMAT one of {', '.join(TRACE_FORMATS)}")
-    if not Path(path).is_file():
+    if not Path(path).exists():
         raise argparse.ArgumentTypeError(f"{text!r}: no such file {path}")
+    if not Path(path).is_file():
+        raise argparse.ArgumentTypeError(f"{text!r}: {path} is not a file")
     return text
 
 
@@ -92,18 +94,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=positive_int, default=2, help="simulations in parallel (default: %(default)s)")
     parser.add_argument("--out", type=Path, required=True, help="JSON output")
     args = parser.parse_args(argv)
+    loads = sorted(set(args.loads))
+    try:  # before hours of simulation, not after
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.touch()
+    except OSError as err:
+        parser.error(f"--out {args.out}: {err.strerror or err}")
     console = Console(width=150)
     with ProcessPoolExecutor(args.jobs) as pool, console.status("simulating") as status:
-        futures = [pool.submit(run, args.dataset, p, load, args.requests, args.seed) for load in args.loads for p in POLICIES]
+        futures = [pool.submit(run, args.dataset, p, load, args.requests, args.seed) for load in loads for p in POLICIES]
         rows = []
         for future in futures:
-            rows.append(future.result())
+            try:
+                rows.append(future.result())
+            except ValueError as err:  # the trace's reader refuses the file (its message names the file and line)
+                console.print(f"[red]error:[/red] {err}")
+                return 2
             status.update(f"simulating: {len(rows)} of {len(futures)} runs done")
-    table = Table(title=f"{args.dataset}, seed {args.seed}: violations of 0.4 s / of 0.4 s + {PER_1K_S:g} s per 1k new tokens (%), "
-                        "short-class P90 TTFT (ms)")
-    for column in ("load", "policy", "requests", "fixed %", "length-aware %", "short P90", "P90", "laps worse"):
+    load_name = "conv/s" if args.dataset.startswith("sharegpt:") else "speed-up"  # Poisson, or a timed trace replayed
+    table = Table(title=f"{args.dataset}, seed {args.seed}\nviolations (%) of 0.4 s (fixed) and of 0.4 s + {PER_1K_S:g} s per 1k new "
+                        "tokens (length-aware); P90 TTFT (ms) of the short class (-: none) and of all")
+    for column in (load_name, "policy", "requests", "fixed %", "length-aware %", "short P90", "P90", "laps worse"):
         table.add_column(column, justify="left" if column in ("policy", "laps worse") else "right")
-    for load in args.loads:
+    for load in loads:
         worse = ", ".join(worse_than_best(rows, load)) or "no"
         for r in (r for r in rows if r["load"] == load):
             table.add_row(f"{load:g}", r["policy"], f"{r['requests']:,}", f"{100 * r['slo_violation_rate']:.2f}",

@@ -244,8 +244,8 @@ PLUGIN_PREFILL_RATE_ENV = "LAPS_PREFILL_S_PER_1K_TOKENS"
 
 def late_last_objective(config: Config, role: str) -> tuple[float, float] | None:
     """(TTFT objective in seconds, seconds more per 1,000 uncached prompt tokens) after which ``role``'s engines put a
-    waiting request behind the others: ``slo.ttft_s`` and 0, the fixed objective, the deadline the gateway schedules
-    every request to that can meet it alone; None where the role does not set ``late_requests_last``.
+    waiting request behind the others: ``slo.ttft_s`` and 0, the fixed objective (the deadline laps schedules to for
+    every request that can meet it alone); None where the role does not set ``late_requests_last``.
 
     Not the length-aware objective where ``slo.ttft_per_1k_new_tokens_s`` is set: judged on it, a prompt of a few
     thousand tokens stays in time in the engine well past 0.4 s, and shorter ones then overtake it until it misses

@@ -50,8 +50,8 @@ class Arrival:
 
     ``chain``: the templated prompt's tokens and prefix block keys; ``arrival_s``: ``time.monotonic()`` at arrival
     (one clock for every process of the node); ``deadline_s``: the client's TTFT deadline (the SLO header), ``None``
-    for the configured SLO (``slo.ttft_s``, and the length-aware one too with ``slo.ttft_per_1k_new_tokens_s``); ``max_tokens``, ``reply_tokens``,
-    ``stream``, ``priority``: as :class:`~policies.types.RequestView`'s.
+    for the configured SLO (``slo.ttft_s``, and the length-aware one too with ``slo.ttft_per_1k_new_tokens_s``);
+    ``max_tokens``, ``reply_tokens``, ``stream``, ``priority``: as :class:`~policies.types.RequestView`'s.
     """
 
     rid: str

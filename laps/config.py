@@ -135,7 +135,7 @@ class SLOConfig(_Strict):
 
     ``ttft_per_1k_new_tokens_s``: the optional length-aware objective, ``ttft_s`` plus this many
     seconds per 1,000 new (uncached) prompt tokens, so a long prefill is judged on what is
-    achievable (a 30k-token prefill alone takes ~0.9 s on one H200 with Qwen2.5-7B). When set,
+    achievable (a 30k-token prefill alone takes ~1 s on one H200 with Qwen2.5-7B). When set,
     reports give its violation rate next to the fixed one, and laps schedules a request whose
     prefill alone would end past ``ttft_s`` (no scheduler can meet the fixed objective for it) to
     the length-aware deadline; every other request keeps ``ttft_s``.
@@ -220,7 +220,7 @@ class RoleConfig(_Strict):
 
     ``late_requests_last``: start the role's engines with laps' SGLang plugin
     (``engines/sglang_plugin``), which makes ``shortest-prefill-first`` put a
-    request that has waited longer than its TTFT objective (``slo``) behind those
+    request that has waited longer than ``slo.ttft_s`` (never the per-1k allowance) behind those
     still within theirs, so that in overload the engine spends its passes on
     requests that can still be in time (needs ``schedule-policy:
     shortest-prefill-first``; simulated engines model it).
