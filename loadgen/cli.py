@@ -47,7 +47,7 @@ code completion's lengths on chat text: 1 h at 5.5 req/s mean, prompts ~1,500 to
 timed), replay:PATH (a
 --trace-out file); trace files: mooncake:PATH (Mooncake JSONL: times, exact lengths, equal hash ids as
 equal 512-token blocks), azure:PATH (Azure LLM inference CSV, 2023 or 2024), sharegpt:PATH (ShareGPT JSON
-or JSONL conversations, multi-turn, recorded reply lengths; Poisson at --rate).
+or JSONL conversations, multi-turn, recorded reply lengths, or first-turn prompts; Poisson at --rate).
 exit status: 0 when every request succeeded, 1 when any failed or the run could not start, 2 for bad arguments."""
 
 

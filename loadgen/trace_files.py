@@ -280,13 +280,18 @@ def _json_items(path: Path) -> Iterator[tuple[int, Any]]:
 
 
 def _messages(item: dict, where: str) -> list[tuple[str, str]]:
-    """``(role, text)`` of a ShareGPT item's ``conversations`` (or an OpenAI-style ``messages`` list)."""
+    """``(role, text)`` of a ShareGPT item's ``conversations`` (or an OpenAI-style ``messages`` list, or one user
+    message ``prompt``, as in files of first-turn prompts)."""
+    if "conversations" not in item and "messages" not in item and "prompt" in item:
+        if not isinstance(item["prompt"], str):
+            raise ValueError(f"{where}: 'prompt' must be a string")
+        return [("user", item["prompt"])]
     if "conversations" in item:
         messages, role_key, text_key = item["conversations"], "from", "value"
     elif "messages" in item:
         messages, role_key, text_key = item["messages"], "role", "content"
     else:
-        raise ValueError(f"{where}: not a ShareGPT conversation: no 'conversations' (or 'messages') list")
+        raise ValueError(f"{where}: not a ShareGPT conversation: no 'conversations' (or 'messages') list, nor a 'prompt'")
     if not isinstance(messages, list):
         raise ValueError(f"{where}: '{'conversations' if role_key == 'from' else 'messages'}' must be a list")
     out = []
@@ -312,8 +317,9 @@ def read_sharegpt(path: Path) -> list[RecordedConversation]:
     Raises:
         ValueError: the file cannot be read, is not a JSON array or JSONL, an
             item is not an object with a ``conversations`` list of
-            ``{from, value}`` strings, or no conversation is left (messages
-            name file and line).
+            ``{from, value}`` strings (or ``messages`` of ``{role, content}``,
+            or a string ``prompt``: one user message), or no conversation is
+            left (messages name file and line).
     """
     path = Path(path)
     conversations = []

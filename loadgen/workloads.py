@@ -47,7 +47,7 @@ Data sets (``--dataset`` names; files and licences in ``loadgen/data/README.md``
   exactly ``input_length`` tokens whose 512-token blocks are equal where the
   hash ids are (:mod:`loadgen.block_prompts`); ``azure:PATH`` any Azure LLM
   inference CSV (2023 or 2024) replayed as ``azure-conv``; ``sharegpt:PATH``
-  ShareGPT conversations, multi-turn, each turn asking its recorded reply's
+  ShareGPT conversations (or first-turn prompts), multi-turn, each turn asking its recorded reply's
   length, Poisson arrivals. Requests that would pass the model's context are
   left out and counted (:attr:`Workload.rows`).
 

@@ -109,8 +109,15 @@ def test_sharegpt_pairs_each_user_message_with_its_reply(tmp_path):
     assert read_sharegpt(jsonl) == convs
 
 
+def test_a_file_of_first_turn_prompts_reads_as_one_user_message_each(tmp_path):
+    rows = [{"id": "d", "prompt": "a first turn alone", "prompt_tokens_cl100k": 4}, {"id": "e", "prompt": " "}]
+    convs = read_sharegpt(write_jsonl(tmp_path / "first.jsonl", rows))  # an empty prompt is dropped, as an empty message
+    assert [(c.id, c.exchanges) for c in convs] == [("d", (ChatExchange("a first turn alone", None),))]
+
+
 @pytest.mark.parametrize(("items", "expected"), [
     ('[\n  {"id": "x", "conversations": []},\n  {"id": "y"}\n]', "line 3: not a ShareGPT conversation"),
+    ('[\n  {"id": "x", "prompt": ["hi"]}\n]', "line 2: 'prompt' must be a string"),
     ('[\n  {"conversations": [{"from": "human", "value": 3}]}\n]', "line 2: message 0 must be an object with string 'from' and 'value'"),
     ('[\n  {"conversations": [{"from": "robot", "value": "x"}]}\n]', "line 2: message 0 has an unknown from 'robot'"),
     ('[\n  {"conversations": [{"from": "human", "value": "x"}]},\n  7\n]', "line 3: expected a ShareGPT conversation (a JSON object), got int"),
