@@ -123,7 +123,6 @@ def main(argv: list[str] | None = None) -> int:
                           f"{100 * r['length_slo_violation_rate']:.2f}", _ms(r["short_ttft_p90_s"]), _ms(r["ttft_p90_s"]),
                           worse if r["policy"] == "laps" else "")
     console.print(table)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"dataset": args.dataset, "seed": args.seed, "rows": rows}, indent=1))
     console.print(f"wrote {args.out}")
     return 0
