@@ -240,7 +240,9 @@ def _json_items(path: Path) -> Iterator[tuple[int, Any]]:
         except (OSError, EOFError, UnicodeDecodeError) as err:
             raise ValueError(f"{path}: cannot read: {err}") from None
     if not text.lstrip().startswith("["):
-        for line_no, line in enumerate(text.splitlines(), 1):
+        # "\n" alone ends a JSONL line: str.splitlines() also splits at U+2028 and other separators that JSON strings
+        # may hold unescaped (a ShareGPT prompt does)
+        for line_no, line in enumerate(text.split("\n"), 1):
             if line.strip():
                 try:
                     yield line_no, orjson.loads(line)

@@ -115,6 +115,13 @@ def test_a_file_of_first_turn_prompts_reads_as_one_user_message_each(tmp_path):
     assert [(c.id, c.exchanges) for c in convs] == [("d", (ChatExchange("a first turn alone", None),))]
 
 
+def test_a_jsonl_line_holding_a_unicode_line_separator_is_one_item(tmp_path):
+    path = tmp_path / "sep.jsonl"  # JSON lets U+2028 stand unescaped in a string, as in real ShareGPT prompts
+    path.write_text('{"id": "k", "prompt": "one\u2028two"}\r\n{"id": "m", "prompt": "three"}\n', encoding="utf-8")
+    assert "\u2028" in path.read_text(encoding="utf-8")
+    assert [(c.id, c.exchanges[0].user) for c in read_sharegpt(path)] == [("k", "one\u2028two"), ("m", "three")]
+
+
 @pytest.mark.parametrize(("items", "expected"), [
     ('[\n  {"id": "x", "conversations": []},\n  {"id": "y"}\n]', "line 3: not a ShareGPT conversation"),
     ('[\n  {"id": "x", "prompt": ["hi"]}\n]', "line 2: 'prompt' must be a string"),
