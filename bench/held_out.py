@@ -1,7 +1,7 @@
 """laps and the router baselines on a trace file that ``bench/dominance.py`` never uses: is laps still never worse?
 
     python bench/held_out.py --dataset mooncake:/work/shared/data/mooncake_fast25_conversation_trace.jsonl.gz \\
-        --loads 3 6 9 12 15 --out runs/held_out/mooncake.json          # ~15 min on 2 cores
+        --loads 3 6 9 12 15 --out runs/held_out/mooncake.json          # ~25 min on 2 cores
 
 laps' rules were chosen on ``bench/dominance.py``'s workloads, so a check on traffic it never saw says more
 about traffic we do not have. This bench runs the same deployments (laps as ``examples/sim-h200x8.yaml`` ships
@@ -95,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="JSON output")
     args = parser.parse_args(argv)
     loads = sorted(set(args.loads))
+    if args.out.is_dir():
+        parser.error(f"--out {args.out} is a directory; name a JSON file")
+    created = not args.out.exists()
     try:  # before hours of simulation, not after
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.touch()
@@ -109,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(future.result())
             except ValueError as err:  # the trace's reader refuses the file (its message names the file and line)
                 console.print(f"[red]error:[/red] {err}")
+                if created:
+                    args.out.unlink(missing_ok=True)
                 return 2
             status.update(f"simulating: {len(rows)} of {len(futures)} runs done")
     load_name = "conv/s" if args.dataset.startswith("sharegpt:") else "speed-up"  # Poisson, or a timed trace replayed

@@ -314,7 +314,8 @@ def read_sharegpt(path: Path) -> list[RecordedConversation]:
     message (joined; ``None`` when there is none). Replies before the first
     user message, ``system`` messages and empty (all-whitespace) user messages
     with their replies are dropped; conversations left with no user message
-    are skipped.
+    are skipped. A conversation's id is its ``id`` (``lineN``, its line, where
+    it has none; ``ID@lineN`` where an earlier conversation has the same id).
 
     Raises:
         ValueError: the file cannot be read, is not a JSON array or JSONL, an
@@ -325,6 +326,7 @@ def read_sharegpt(path: Path) -> list[RecordedConversation]:
     """
     path = Path(path)
     conversations = []
+    seen: set[str] = set()
     for line_no, item in _json_items(path):
         where = f"{path} line {line_no}"
         if not isinstance(item, dict):
@@ -343,7 +345,10 @@ def read_sharegpt(path: Path) -> list[RecordedConversation]:
             exchanges.append(ChatExchange(user, "".join(reply) if reply else None))
         exchanges = [e for e in exchanges if e.user.strip()]
         if exchanges:
-            conversations.append(RecordedConversation(str(item.get("id", f"line{line_no}")), tuple(exchanges)))
+            cid = f"line{line_no}" if item.get("id") is None else str(item["id"])
+            cid = f"{cid}@line{line_no}" if cid in seen else cid  # each conversation's requests need their own ids
+            seen.add(cid)
+            conversations.append(RecordedConversation(cid, tuple(exchanges)))
     if not conversations:
         raise ValueError(f"{path}: no conversation with a user message")
     return conversations

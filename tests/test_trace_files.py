@@ -115,6 +115,12 @@ def test_a_file_of_first_turn_prompts_reads_as_one_user_message_each(tmp_path):
     assert [(c.id, c.exchanges) for c in convs] == [("d", (ChatExchange("a first turn alone", None),))]
 
 
+def test_conversations_with_a_repeated_or_no_id_get_ids_of_their_own(tmp_path):
+    rows = [{"id": "same", "prompt": "a"}, {"id": "same", "prompt": "b"}, {"id": None, "prompt": "c"}, {"prompt": "d"}]
+    convs = read_sharegpt(write_jsonl(tmp_path / "ids.jsonl", rows))
+    assert [c.id for c in convs] == ["same", "same@line2", "line3", "line4"]
+
+
 def test_a_jsonl_line_holding_a_unicode_line_separator_is_one_item(tmp_path):
     path = tmp_path / "sep.jsonl"  # JSON lets U+2028 stand unescaped in a string, as in real ShareGPT prompts
     path.write_text('{"id": "k", "prompt": "one\u2028two"}\r\n{"id": "m", "prompt": "three"}\n', encoding="utf-8")
