@@ -7,8 +7,8 @@ laps' rules were chosen on ``bench/dominance.py``'s workloads, so a check on tra
 about traffic we do not have. This bench runs the same deployments (laps as ``examples/sim-h200x8.yaml`` ships
 it, the baselines of ``bench/dominance.py`` with SGLang's default flags) on a trace file, ``FORMAT:PATH`` as
 ``laps simulate --dataset`` takes it. A timed trace (``mooncake:``, ``azure:``) replays its first
-``--requests`` requests at each speed-up in ``--loads``; a ``sharegpt:`` file is Poisson at each rate in
-``--loads`` (conversations per second) for max(1.5, 3,000 / rate) simulated seconds. Requests whose prompt plus
+``--requests`` requests at each speed-up in ``--loads``; a ``sharegpt:`` or ``lengths:`` file is Poisson at each
+rate in ``--loads`` (conversations per second) for max(1.5, 3,000 / rate) simulated seconds. Requests whose prompt plus
 output pass the engines' 32,768-token context are left out. Per point and policy: violations of the fixed
 0.4 s objective and of the length-aware one (0.4 s + 0.06 s per 1,000 new prompt tokens), short-class and
 overall P90 TTFT. The table marks the loads where laps is worse than the best baseline by more than 0.5
@@ -35,7 +35,7 @@ from laps.tokenizer import load_tokenizer  # noqa: E402
 from loadgen.cli import positive_float, positive_int  # noqa: E402
 from loadgen.report import build_report  # noqa: E402
 from loadgen.simulate import simulate_run  # noqa: E402
-from loadgen.workloads import TRACE_FORMATS, build_workload  # noqa: E402
+from loadgen.workloads import TRACE_FORMATS, UNTIMED_TRACE_FORMATS, build_workload  # noqa: E402
 
 POLICIES = ("laps", *BASELINES)
 CONTEXT_TOKENS = 32768  # the simulated engines' context length (Qwen2.5-7B)
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dataset", type=trace, required=True, help="FORMAT:PATH, FORMAT one of " + ", ".join(TRACE_FORMATS))
     parser.add_argument("--loads", type=positive_float, nargs="+", required=True,
-                        help="speed-ups of a timed trace, or conversations per second of a sharegpt: file")
+                        help="speed-ups of a timed trace, or conversations per second of a sharegpt: or lengths: file")
     parser.add_argument("--requests", type=positive_int, default=2000, help="requests replayed per point of a timed trace (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="workload and arrival seed (default: %(default)s)")
     parser.add_argument("--jobs", type=positive_int, default=2, help="simulations in parallel (default: %(default)s)")
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                     args.out.unlink(missing_ok=True)
                 return 2
             status.update(f"simulating: {len(rows)} of {len(futures)} runs done")
-    load_name = "conv/s" if args.dataset.startswith("sharegpt:") else "speed-up"  # Poisson, or a timed trace replayed
+    load_name = "conv/s" if args.dataset.partition(":")[0] in UNTIMED_TRACE_FORMATS else "speed-up"  # Poisson, or replayed
     table = Table(title=f"{args.dataset}, seed {args.seed}\nviolations (%) of 0.4 s (fixed) and of 0.4 s + {PER_1K_S:g} s per 1k new "
                         "tokens (length-aware); P90 TTFT (ms) of the short class (-: none) and of all")
     for column in (load_name, "policy", "requests", "fixed %", "length-aware %", "short P90", "P90", "laps worse"):

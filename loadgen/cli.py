@@ -47,7 +47,9 @@ code completion's lengths on chat text: 1 h at 5.5 req/s mean, prompts ~1,500 to
 timed), replay:PATH (a
 --trace-out file); trace files: mooncake:PATH (Mooncake JSONL: times, exact lengths, equal hash ids as
 equal 512-token blocks), azure:PATH (Azure LLM inference CSV, 2023 or 2024), sharegpt:PATH (ShareGPT JSON
-or JSONL conversations, multi-turn, recorded reply lengths, or first-turn prompts; Poisson at --rate).
+or JSONL conversations, multi-turn, recorded reply lengths, or first-turn prompts; Poisson at --rate),
+lengths:PATH (a CSV of prompt and output token counts, num_prefill_tokens,num_decode_tokens or
+input_tokens,output_tokens: single-turn requests of real text cut to those lengths; Poisson at --rate).
 exit status: 0 when every request succeeded, 1 when any failed or the run could not start, 2 for bad arguments."""
 
 

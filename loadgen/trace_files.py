@@ -1,4 +1,4 @@
-"""Readers of public LLM-serving trace files: Mooncake JSONL, Azure LLM inference CSV, ShareGPT JSON.
+"""Readers of public LLM-serving trace files: Mooncake JSONL, Azure LLM inference CSV, ShareGPT JSON, token-count CSV.
 
 Each reader returns plain rows (no prompts, no tokenizer) and refuses a bad
 row with a ``ValueError`` whose message starts ``PATH line N:`` and says what
@@ -21,6 +21,11 @@ gzip.
   ``bard``/``model``; ``system`` messages are dropped), or the same objects one
   per line (JSONL); OpenAI-style ``"messages": [{"role", "content"}]`` is
   accepted too.
+* **Token counts** (e.g. project-etalon/etalon's
+  ``sharegpt_8k_filtered_stats_llama2_tokenizer.csv``): a CSV with one request
+  a row and no times, its prompt and output tokens in the columns
+  ``num_prefill_tokens,num_decode_tokens`` (etalon's names) or
+  ``input_tokens,output_tokens``; other columns are ignored.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import orjson
 
 MOONCAKE_BLOCK_TOKENS = 512
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+LENGTHS_COLUMNS = (("num_prefill_tokens", "num_decode_tokens"), ("input_tokens", "output_tokens"))
 SHAREGPT_USER_ROLES = frozenset({"human", "user"})
 SHAREGPT_REPLY_ROLES = frozenset({"gpt", "chatgpt", "assistant", "bing", "bard", "model"})
 SHAREGPT_SYSTEM_ROLES = frozenset({"system"})
@@ -173,6 +179,21 @@ def parse_azure_time(stamp: str) -> datetime:
     return datetime.fromisoformat(stamp.strip())
 
 
+def _count(row: dict, column: str, where: str) -> int:
+    """A CSV row's token count in ``column``: an integer >= 0.
+
+    Raises:
+        ValueError: it is not (the message starts with ``where``).
+    """
+    try:
+        value = int(row[column] or "")
+    except ValueError:
+        raise ValueError(f"{where}: {column} {row[column]!r} is not an integer") from None
+    if value < 0:
+        raise ValueError(f"{where}: {column} must be >= 0, got {value}")
+    return value
+
+
 def read_azure(path: Path) -> list[TraceRow]:
     """The rows of an Azure LLM inference trace CSV (2023 or 2024 schema), sorted by arrival (stable).
 
@@ -209,16 +230,7 @@ def read_azure(path: Path) -> list[TraceRow]:
                     aware = t.tzinfo is not None
                 elif aware != (t.tzinfo is not None):
                     raise ValueError(f"{where}: TIMESTAMP {row['TIMESTAMP']!r} mixes stamps with and without a UTC offset")
-                counts = []
-                for column in AZURE_COLUMNS[1:]:
-                    try:
-                        value = int(row[column] or "")
-                    except ValueError:
-                        raise ValueError(f"{where}: {column} {row[column]!r} is not an integer") from None
-                    if value < 0:
-                        raise ValueError(f"{where}: {column} must be >= 0, got {value}")
-                    counts.append(value)
-                raw.append((t, counts[0], counts[1]))
+                raw.append((t, _count(row, AZURE_COLUMNS[1], where), _count(row, AZURE_COLUMNS[2], where)))
         except (csv.Error, UnicodeDecodeError) as err:
             raise ValueError(f"{path} line {reader.line_num}: not CSV ({err})") from None
     if not raw:
@@ -226,6 +238,39 @@ def read_azure(path: Path) -> list[TraceRow]:
     raw.sort(key=lambda r: r[0])
     t0 = raw[0][0]
     return [TraceRow((t - t0).total_seconds(), ctx, gen) for t, ctx, gen in raw]
+
+
+def read_lengths(path: Path) -> list[tuple[int, int]]:
+    """The (prompt, output) token counts of a token-count CSV, one request a row, in file order.
+
+    The columns are the first pair of :data:`LENGTHS_COLUMNS` that the header holds.
+
+    Raises:
+        ValueError: the file cannot be read, its header holds neither pair, a count is not an integer or is < 0,
+            or the file holds no row (messages name file and line).
+    """
+    path = Path(path)
+    rows = []
+    with _open_text(path) as f:
+        reader = csv.DictReader(f)
+        try:
+            header = reader.fieldnames or []
+        except (csv.Error, UnicodeDecodeError) as err:
+            raise ValueError(f"{path} line 1: not a CSV header ({err})") from None
+        columns = next((pair for pair in LENGTHS_COLUMNS if all(c in header for c in pair)), None)
+        if columns is None:
+            expected = " or ".join(",".join(pair) for pair in LENGTHS_COLUMNS)
+            raise ValueError(f"{path} line 1: not a token-count CSV: expected the columns {expected} "
+                             f"(header: {','.join(header) or 'empty'})")
+        try:
+            for row in reader:
+                where = f"{path} line {reader.line_num}"
+                rows.append((_count(row, columns[0], where), _count(row, columns[1], where)))
+        except (csv.Error, UnicodeDecodeError) as err:
+            raise ValueError(f"{path} line {reader.line_num}: not CSV ({err})") from None
+    if not rows:
+        raise ValueError(f"{path}: no rows after the header")
+    return rows
 
 
 def _json_items(path: Path) -> Iterator[tuple[int, Any]]:

@@ -48,8 +48,10 @@ Data sets (``--dataset`` names; files and licences in ``loadgen/data/README.md``
   hash ids are (:mod:`loadgen.block_prompts`); ``azure:PATH`` any Azure LLM
   inference CSV (2023 or 2024) replayed as ``azure-conv``; ``sharegpt:PATH``
   ShareGPT conversations (or first-turn prompts), multi-turn, each turn asking its recorded reply's
-  length, Poisson arrivals. Requests that would pass the model's context are
-  left out and counted (:attr:`Workload.rows`).
+  length, Poisson arrivals; ``lengths:PATH`` a token-count CSV, single-turn
+  requests of each row's prompt and output tokens, Poisson arrivals. Requests
+  that would pass the model's context are left out and counted
+  (:attr:`Workload.rows`).
 
 Poisson data sets are endless: each pass over the file is a fresh seeded
 shuffle. Every random choice comes from the ``random.Random`` passed in.
@@ -69,7 +71,8 @@ from typing import Any
 from laps.tokenizer import CHATML_GENERATION_PROMPT, ChatTokenizer, load_tokenizer, render_chatml_turn
 from loadgen.block_prompts import BlockPrompts
 from loadgen.trace_files import (
-    MooncakeRow, RecordedConversation, TraceRow, read_azure, read_jsonl_lines, read_mooncake, read_sharegpt,
+    MooncakeRow, RecordedConversation, TraceRow, read_azure, read_jsonl_lines, read_lengths, read_mooncake,
+    read_sharegpt,
 )
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
@@ -78,7 +81,8 @@ LONG_MIN_CONTEXT_TOKENS = 1024
 DATASETS = ("hh-rlhf", "mtbench", "arena", "sharegpt", "azure-conv", "mixed", "docs", "chat-single", "shared-docs", "code-burst")
 TIMED_DATASETS = ("azure-conv", "code-burst")  # replayed at their own arrival times (a speed-up, not a rate)
 REPLAY_PREFIX = "replay:"
-TRACE_FORMATS = ("mooncake", "azure", "sharegpt")  # --dataset FORMAT:PATH
+TRACE_FORMATS = ("mooncake", "azure", "sharegpt", "lengths")  # --dataset FORMAT:PATH
+UNTIMED_TRACE_FORMATS = ("sharegpt", "lengths")  # Poisson at a rate; the others replay their own times
 # Special-token strings: a text holding one would be tokenized as a control token.
 _SPECIAL_MARK = "<|"
 
@@ -292,10 +296,12 @@ def _over_context_note(name: str, over: int, read: int, context_tokens: int | No
 
 
 def _length_trace(name: str, stream: Iterator[Conversation], lengths: Sequence[tuple[int, int]], kept: int,
-                  min_tokens: int, columns: tuple[str, str], max_context_tokens: int | None) -> Workload:
-    """The timed workload of a length trace with its notes: rows below the template's minimum (their prompts get
+                  min_tokens: int, columns: tuple[str, str], max_context_tokens: int | None,
+                  timed: bool = True) -> Workload:
+    """The workload of a length trace with its notes: rows below the template's minimum (their prompts get
     it), rows asking no output (they ask 1 token) and rows left out past the context. ``lengths``: each row's
-    (prompt, output) tokens as the trace gives them; ``columns``: the trace's names for the two."""
+    (prompt, output) tokens as the trace gives them; ``columns``: the trace's names for the two; ``timed``: the
+    stream carries arrival times (else Poisson)."""
     below = sum(n < min_tokens for n, _ in lengths)
     notes = []
     if below:
@@ -306,7 +312,7 @@ def _length_trace(name: str, stream: Iterator[Conversation], lengths: Sequence[t
         notes.append(f"{name}: {no_output} of {len(lengths)} trace rows have {columns[1]} 0; they ask max_tokens 1")
     over = len(lengths) - kept
     notes += _over_context_note(name, over, len(lengths), max_context_tokens)
-    return Workload(name, stream, timed=True, notes=notes, rows=TraceRowCounts(len(lengths), over, max_context_tokens))
+    return Workload(name, stream, timed=timed, notes=notes, rows=TraceRowCounts(len(lengths), over, max_context_tokens))
 
 
 # code-burst (code_burst_rows): Splitwise (Patel et al., ISCA 2024) gives its coding trace's median prompt as 1,500
@@ -403,6 +409,35 @@ def mooncake_workload(name: str, rows: Sequence[MooncakeRow], tokenizer: ChatTok
 
     return _length_trace(name, stream(), [(r.input_length, r.output_length) for r in rows], len(kept), prompts.min_tokens,
                          ("input_length", "output_length"), max_context_tokens)
+
+
+def lengths_workload(name: str, rows: Sequence[tuple[int, int]], tokenizer: ChatTokenizer, rng: random.Random,
+                     max_context_tokens: int | None = None) -> Workload:
+    """Single-turn requests of a token-count trace's (prompt, output) rows, Poisson arrivals, endless seeded shuffles.
+
+    Each prompt is real text cut to exactly the row's prompt tokens
+    (:class:`ExactLengthPrompts`, made as the stream reaches it: prompts share
+    no prefix beyond the chat template); ``max_tokens`` is the row's output
+    (at least 1). Rows whose prompt plus output pass ``max_context_tokens``
+    are left out and counted (:attr:`Workload.rows`). Conversation ids are
+    ``lengths-{row index}``, with ``#pass`` from the second pass on.
+    """
+    prompts = ExactLengthPrompts(tokenizer, rng)
+    kept = [(i, max(n, prompts.min_tokens), max(1, o)) for i, (n, o) in enumerate(rows)
+            if _fits(max(n, prompts.min_tokens), max(1, o), max_context_tokens)]
+    if not kept:
+        raise ValueError(f"{name}: every row passes the context of {max_context_tokens} tokens")
+
+    def stream() -> Iterator[Conversation]:
+        for n in itertools.count():
+            order = list(kept)
+            rng.shuffle(order)
+            for i, prompt_tokens, output_tokens in order:
+                cid = f"lengths-{i}" if n == 0 else f"lengths-{i}#{n}"
+                yield Conversation(cid, "lengths", (Turn(prompts.make(prompt_tokens), output_tokens),))
+
+    return _length_trace(name, stream(), rows, len(kept), prompts.min_tokens, ("prompt tokens", "output tokens"),
+                         max_context_tokens, timed=False)
 
 
 def _chat_tokens(tokenizer: ChatTokenizer, exchanges: Sequence[tuple[str, str]]) -> Iterator[int]:
@@ -645,7 +680,7 @@ def build_workload(
 ) -> Workload:
     """The workload called ``name``: one of :data:`DATASETS`, ``replay:PATH`` or a trace file ``FORMAT:PATH``
     (``FORMAT`` one of :data:`TRACE_FORMATS`; :func:`mooncake_workload`, :func:`azure_workload`,
-    :func:`sharegpt_workload`).
+    :func:`sharegpt_workload`, :func:`lengths_workload`).
 
     ``tokenizer`` (default: the built-in Qwen2.5 one) counts reply lengths and
     cuts exact-length prompts; ``default_max_tokens`` is used where the data
@@ -669,6 +704,8 @@ def build_workload(
             return mooncake_workload(name, read_mooncake(Path(path)), tok, rng, max_context_tokens)
         if kind == "azure":
             return azure_workload(name, read_azure(Path(path)), tok, rng, max_context_tokens)
+        if kind == "lengths":
+            return lengths_workload(name, read_lengths(Path(path)), tok, rng, max_context_tokens)
         return sharegpt_workload(name, read_sharegpt(Path(path)), tok, rng, default_max_tokens, max_context_tokens)
     if name == "hh-rlhf":
         return Workload(name, cycle_shuffled(load_hh_rlhf(tok), rng), timed=False)

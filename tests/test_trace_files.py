@@ -9,7 +9,7 @@ import pytest
 
 from laps.tokenizer import load_tokenizer
 from loadgen.runner import plan_arrivals
-from loadgen.trace_files import ChatExchange, read_azure, read_mooncake, read_sharegpt
+from loadgen.trace_files import ChatExchange, read_azure, read_lengths, read_mooncake, read_sharegpt
 from loadgen.workloads import build_workload
 
 TOK = load_tokenizer()
@@ -178,6 +178,48 @@ def test_azure_file_workload_replays_exact_lengths_and_counts_over_long_rows(tmp
                            f"azure:{path}: 1 of 3 rows left out: prompt plus output tokens pass the context of 2050 tokens"]
 
 
+def test_token_counts_read_either_pair_of_columns_in_file_order(tmp_path):
+    etalon = tmp_path / "etalon.csv"
+    etalon.write_text("num_prefill_tokens,num_decode_tokens,num_total_tokens,pd_ratio\n74,918,992,0.08\n290,0,290,inf\n")
+    plain = tmp_path / "plain.csv"
+    plain.write_text("output_tokens,input_tokens\n5,1000\n")
+    assert read_lengths(etalon) == [(74, 918), (290, 0)]
+    assert read_lengths(plain) == [(1000, 5)]
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("a,b\n1,2\n", " line 1: not a token-count CSV: expected the columns num_prefill_tokens,num_decode_tokens or "
+                     "input_tokens,output_tokens (header: a,b)"),
+    ("input_tokens,output_tokens\n1,2\n3,x\n", " line 3: output_tokens 'x' is not an integer"),
+    ("input_tokens,output_tokens\n-1,2\n", " line 2: input_tokens must be >= 0, got -1"),
+    ("input_tokens,output_tokens\n", ": no rows after the header"),
+])
+def test_a_bad_token_count_file_names_the_file_and_line(tmp_path, text, expected):
+    path = tmp_path / "bad.csv"
+    path.write_text(text)
+    with pytest.raises(ValueError) as info:
+        read_lengths(path)
+    assert str(info.value).startswith(f"{path}{expected}")
+
+
+def test_token_count_workload_is_poisson_single_turn_at_exact_lengths(tmp_path):
+    path = tmp_path / "lengths.csv"
+    path.write_text("input_tokens,output_tokens\n10,0\n700,50\n2000,100\n")
+    w = build_workload(f"lengths:{path}", random.Random(0), tokenizer=TOK, max_context_tokens=2050)
+    assert not w.timed and w.rows.to_dict() == {"read": 3, "over_context": 1, "context_tokens": 2050}
+    convs = list(itertools.islice(w.conversations, 4))
+    assert sorted((c.id, c.turns[0].max_tokens) for c in convs[:2]) == [("lengths-0", 1), ("lengths-1", 50)]
+    assert sorted(c.id for c in convs[2:]) == ["lengths-0#1", "lengths-1#1"]
+    assert all(c.start_s is None and len(c.turns) == 1 for c in convs)
+    assert sorted(len(TOK.encode_chat([{"role": "user", "content": c.turns[0].content}])) for c in convs) == [30, 30, 700, 700]
+    assert w.notes == [f"lengths:{path}: 1 of 3 trace rows have prompt tokens below the chat template's minimum of 30 tokens; their prompts are 30 tokens",
+                       f"lengths:{path}: 1 of 3 trace rows have output tokens 0; they ask max_tokens 1",
+                       f"lengths:{path}: 1 of 3 rows left out: prompt plus output tokens pass the context of 2050 tokens"]
+    path.write_text("input_tokens,output_tokens\n3000,100\n")
+    with pytest.raises(ValueError, match="every row passes the context of 2050 tokens"):
+        build_workload(f"lengths:{path}", random.Random(0), tokenizer=TOK, max_context_tokens=2050)
+
+
 def test_max_requests_caps_the_plan_mid_conversation(tmp_path):
     path = tmp_path / "sg.json"
     path.write_bytes(orjson.dumps([SHAREGPT[0]] * 3))
@@ -190,5 +232,5 @@ def test_max_requests_caps_the_plan_mid_conversation(tmp_path):
 
 
 def test_an_unknown_trace_format_lists_the_formats():
-    with pytest.raises(ValueError, match=r"mooncake:PATH, azure:PATH, sharegpt:PATH"):
+    with pytest.raises(ValueError, match=r"mooncake:PATH, azure:PATH, sharegpt:PATH, lengths:PATH"):
         build_workload("splitwise:x.csv", random.Random(0), tokenizer=TOK)
