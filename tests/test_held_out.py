@@ -26,6 +26,11 @@ def test_laps_is_marked_worse_only_past_the_best_baseline_plus_half_a_point_on_e
     assert held_out.worse_than_best(rows, 15) == []  # 0.4 and exactly 0.5 points over: within the margin
 
 
+def test_the_control_is_not_a_baseline_laps_must_beat():
+    rows = [row("laps", 9, 0.20, 0.01), row("least_load+spf", 9, 0.25, 0.02), row(held_out.CONTROL, 9, 0.10, 0.001)]
+    assert held_out.worse_than_best(rows, 9) == []
+
+
 @pytest.mark.parametrize(("text", "says"), [("mixed", "expected FORMAT:PATH"), ("csv:/x.csv", "expected FORMAT:PATH"),
                                             ("azure:/no/such.csv", "no such file")])
 def test_only_a_trace_file_that_exists_is_taken(text, says):
