@@ -12,7 +12,7 @@ with laps' own flags, which says how much of laps' edge is its engine flags) on 
 rate in ``--loads`` (conversations per second) for max(1.5, 3,000 / rate) simulated seconds. Requests whose prompt plus
 output pass the engines' 32,768-token context are left out. Per point and policy: violations of the fixed
 0.4 s objective and of the length-aware one (0.4 s + 0.06 s per 1,000 new prompt tokens), short-class and
-overall P90 TTFT. The table marks the loads where laps is worse than the best baseline by more than 0.5
+overall P90 TTFT, P50 TPOT. The table marks the loads where laps is worse than the best baseline by more than 0.5
 points on either objective (``bench/dominance.py``'s "never worse"; the control is not a baseline there).
 """
 
@@ -69,7 +69,8 @@ def run(dataset: str, policy: str, load: float, requests: int, seed: int) -> dic
     return {"policy": policy, "load": load, "requests": report["requests"]["sent"],
             "slo_violation_rate": report["slo"]["violation_rate"],
             "length_slo_violation_rate": report["length_slo"]["violation_rate"],
-            "short_ttft_p90_s": report["by_class"]["short"]["ttft_s"]["p90"], "ttft_p90_s": report["ttft_s"]["p90"]}
+            "short_ttft_p90_s": report["by_class"]["short"]["ttft_s"]["p90"], "ttft_p90_s": report["ttft_s"]["p90"],
+            "tpot_p50_s": report["tpot_s"]["p50"]}
 
 
 def worse_than_best(rows: list[dict], load: float) -> list[str]:
@@ -81,8 +82,8 @@ def worse_than_best(rows: list[dict], load: float) -> list[str]:
             if laps[key] > min(r[key] for r in at if r["policy"] in BASELINES) + MARGIN]
 
 
-def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{1e3 * seconds:.0f}"
+def _ms(seconds: float | None, digits: int = 0) -> str:
+    return "-" if seconds is None else f"{1e3 * seconds:.{digits}f}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,14 +121,15 @@ def main(argv: list[str] | None = None) -> int:
             status.update(f"simulating: {len(rows)} of {len(futures)} runs done")
     load_name = "conv/s" if args.dataset.partition(":")[0] in UNTIMED_TRACE_FORMATS else "speed-up"  # Poisson, or replayed
     table = Table(title=f"{args.dataset}, seed {args.seed}\nviolations (%) of 0.4 s (fixed) and of 0.4 s + {PER_1K_S:g} s per 1k new "
-                        "tokens (length-aware); P90 TTFT (ms) of the short class (-: none) and of all")
-    for column in (load_name, "policy", "requests", "fixed %", "length-aware %", "short P90", "P90", "laps worse"):
+                        "tokens (length-aware); P90 TTFT (ms) of the short class (-: none) and of all; P50 TPOT (ms)")
+    for column in (load_name, "policy", "requests", "fixed %", "length-aware %", "short P90", "P90", "TPOT P50", "laps worse"):
         table.add_column(column, justify="left" if column in ("policy", "laps worse") else "right")
     for load in loads:
         worse = ", ".join(worse_than_best(rows, load)) or "no"
         for r in (r for r in rows if r["load"] == load):
             table.add_row(f"{load:g}", r["policy"], f"{r['requests']:,}", f"{100 * r['slo_violation_rate']:.2f}",
                           f"{100 * r['length_slo_violation_rate']:.2f}", _ms(r["short_ttft_p90_s"]), _ms(r["ttft_p90_s"]),
+                          _ms(r["tpot_p50_s"], 1),
                           worse if r["policy"] == "laps" else "")
     console.print(table)
     args.out.write_text(json.dumps({"dataset": args.dataset, "seed": args.seed, "rows": rows}, indent=1))
