@@ -87,15 +87,15 @@ class RecordedConversation:
 
 
 def _open_text(path: Path) -> IO[str]:
-    """``path`` opened for text (UTF-8, universal newlines; through gzip for ``.gz``).
+    """``path`` opened for text (UTF-8, a leading byte-order mark dropped, universal newlines; through gzip for ``.gz``).
 
     Raises:
         ValueError: it cannot be opened (the message names the file).
     """
     try:
         if path.suffix == ".gz":
-            return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8", newline="")
-        return open(path, encoding="utf-8", newline="")
+            return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8-sig", newline="")
+        return open(path, encoding="utf-8-sig", newline="")
     except OSError as err:
         raise ValueError(f"{path}: cannot read: {err.strerror or err}") from None
 

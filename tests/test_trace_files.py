@@ -185,6 +185,9 @@ def test_token_counts_read_either_pair_of_columns_in_file_order(tmp_path):
     plain.write_text("output_tokens,input_tokens\n5,1000\n")
     assert read_lengths(etalon) == [(74, 918), (290, 0)]
     assert read_lengths(plain) == [(1000, 5)]
+    bom = tmp_path / "bom.csv"  # as spreadsheet programs save CSV: a byte-order mark, CRLF lines
+    bom.write_bytes(b"\xef\xbb\xbfinput_tokens,output_tokens\r\n7,8\r\n")
+    assert read_lengths(bom) == [(7, 8)]
 
 
 @pytest.mark.parametrize("text, expected", [
