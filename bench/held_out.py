@@ -9,7 +9,9 @@ it, the baselines of ``bench/dominance.py`` with SGLang's default flags, and its
 with laps' own flags, which says how much of laps' edge is its engine flags) on a trace file, ``FORMAT:PATH`` as
 ``laps simulate --dataset`` takes it. A timed trace (``mooncake:``, ``azure:``) replays its first
 ``--requests`` requests at each speed-up in ``--loads``; a ``sharegpt:`` or ``lengths:`` file is Poisson at each
-rate in ``--loads`` (conversations per second) for max(1.5, 3,000 / rate) simulated seconds. Requests whose prompt plus
+rate in ``--loads`` (conversations per second) for max(1.5, 3,000 / rate) simulated seconds. Every reply runs to the
+output length the file gives (``ignore_eos``, as SGLang's ``bench_serving`` sends by default; 256 tokens where a
+ShareGPT file records no reply), not to the simulated engine's own end of text (median 30 tokens). Requests whose prompt plus
 output pass the engines' 32,768-token context are left out. Per point and policy: violations of the fixed
 0.4 s objective and of the length-aware one (0.4 s + 0.06 s per 1,000 new prompt tokens), short-class and
 overall P90 TTFT, P50 TPOT. The table marks the loads where laps is worse than the best baseline by more than 0.5
@@ -62,9 +64,10 @@ def run(dataset: str, policy: str, load: float, requests: int, seed: int) -> dic
     config = point_config(policy, pd=False)
     if workload.timed:
         records = simulate_run(config, workload, duration_s=float("inf"), seed=seed, time_scale=1.0 / load,
-                               tokenizer=tokenizer, max_requests=requests).records
+                               tokenizer=tokenizer, max_requests=requests, ignore_eos=True).records
     else:
-        records = simulate_run(config, workload, duration_s=max(1.5, 3000 / load), seed=seed, rate=load, tokenizer=tokenizer).records
+        records = simulate_run(config, workload, duration_s=max(1.5, 3000 / load), seed=seed, rate=load, tokenizer=tokenizer,
+                               ignore_eos=True).records
     report = build_report(records, slo_ttft_s=SLO_TTFT_S, slo_ttft_per_1k_s=PER_1K_S)
     return {"policy": policy, "load": load, "requests": report["requests"]["sent"],
             "slo_violation_rate": report["slo"]["violation_rate"],
