@@ -48,7 +48,7 @@ MARGIN = 0.005  # never worse: at most the best baseline's violations plus 0.5 p
 def trace(text: str) -> str:
     """``FORMAT:PATH`` of a trace file for argparse (the file is read by the workers)."""
     kind, colon, path = text.partition(":")
-    if not colon or kind not in TRACE_FORMATS:
+    if not colon or not path or kind not in TRACE_FORMATS:
         raise argparse.ArgumentTypeError(f"{text!r}: expected FORMAT:PATH with FORMAT one of {', '.join(TRACE_FORMATS)}")
     if not Path(path).exists():
         raise argparse.ArgumentTypeError(f"{text!r}: no such file {path}")
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 rows.append(future.result())
             except ValueError as err:  # the trace's reader refuses the file (its message names the file and line)
-                console.print(f"[red]error:[/red] {err}")
+                print(f"{parser.prog}: error: {err}", file=sys.stderr)
                 if created:
                     args.out.unlink(missing_ok=True)
                 return 2

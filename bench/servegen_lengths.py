@@ -6,9 +6,10 @@
         --out runs/held_out/servegen_mlarge.json
 
 ServeGen (alibaba/ServeGen, Apache-2.0) publishes per-client length distributions, not request logs; the
-``servegen_length_pmf.csv`` of ``../shared/data`` sums them into one request-weighted pmf per workload over
-power-of-two token bins (columns ``workload,field,bin_lo_incl,bin_hi_excl,prob``, ``field`` one of
-``input_tokens``, ``input_text_tokens``, ``output_tokens``). Each row written here draws its prompt and its
+project's shared data folder (``/work/shared/data``, not shipped) has ``servegen_length_pmf.csv``, which sums them
+into one request-weighted pmf per workload over power-of-two token bins (columns
+``workload,field,bin_lo_incl,bin_hi_excl,prob``, ``field`` one of ``input_tokens``, ``input_text_tokens``,
+``output_tokens``). Each row written here draws its prompt and its
 output independently (the pmfs are marginals: whatever correlation the requests had is lost), a bin by its
 probability and then a length log-uniform within it, from a seeded generator.
 """
@@ -30,26 +31,32 @@ def read_pmf(path: Path, workload: str) -> tuple[list[tuple[int, int, float]], l
     """The input and output bins ``(lo_incl, hi_excl, prob)`` of ``workload`` in a ServeGen pmf CSV.
 
     Raises:
-        ValueError: the file lacks a column, a bin is malformed, or ``workload`` has no input or no output bins
-            (the message lists the workloads the file has).
+        ValueError: the file is not UTF-8 text, lacks a column, a bin is malformed (bounds not 0 <= lo < hi, prob
+            outside [0, 1]), or ``workload`` has no input or no output bins (the message lists the workloads the file
+            has).
+        OSError: the file cannot be opened.
     """
     bins: dict[str, list[tuple[int, int, float]]] = {"input": [], "output": []}
     names = set()
-    with open(path, newline="", encoding="utf-8") as f:
+    with open(path, newline="", encoding="utf-8-sig") as f:
         reader = csv.DictReader(f)
+        try:
+            rows = list(reader)
+        except (csv.Error, UnicodeDecodeError) as err:
+            raise ValueError(f"{path} line {max(1, reader.line_num)}: not CSV text ({err})") from None
         missing = {"workload", "field", "bin_lo_incl", "bin_hi_excl", "prob"} - set(reader.fieldnames or [])
         if missing:
             raise ValueError(f"{path} line 1: no column {', '.join(sorted(missing))}")
-        for row in reader:
+        for line_no, row in enumerate(rows, 2):
             names.add(row["workload"])
             if row["workload"] != workload:
                 continue
-            where = f"{path} line {reader.line_num}"
+            where = f"{path} line {line_no}"
             try:
                 lo, hi, prob = int(row["bin_lo_incl"]), int(row["bin_hi_excl"]), float(row["prob"])
             except ValueError:
                 raise ValueError(f"{where}: a bin needs integer bounds and a numeric prob") from None
-            if not (0 <= lo < hi and prob >= 0):
+            if not (0 <= lo < hi and 0 <= prob <= 1):
                 raise ValueError(f"{where}: bin [{lo}, {hi}) with prob {prob} is not a bin")
             if row["field"] in INPUT_FIELDS:
                 bins["input"].append((lo, hi, prob))
@@ -85,11 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as err:
         parser.error(str(err))
     rng = random.Random(args.seed)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as f:
-        f.write("input_tokens,output_tokens\n")
-        for _ in range(args.rows):
-            f.write(f"{draw(inputs, rng)},{draw(outputs, rng)}\n")
+    lines = [f"{draw(inputs, rng)},{draw(outputs, rng)}\n" for _ in range(args.rows)]
+    try:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text("input_tokens,output_tokens\n" + "".join(lines), encoding="utf-8")
+    except OSError as err:
+        parser.error(f"--out {args.out}: {err.strerror or err}")
     print(f"wrote {args.rows} rows to {args.out}")
     return 0
 

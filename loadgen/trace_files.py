@@ -35,7 +35,7 @@ import gzip
 import io
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -183,15 +183,45 @@ def _count(row: dict, column: str, where: str) -> int:
     """A CSV row's token count in ``column``: an integer >= 0.
 
     Raises:
-        ValueError: it is not (the message starts with ``where``).
+        ValueError: it is not, or the row is too short to have it (the message starts with ``where``).
     """
+    if row[column] is None:
+        raise ValueError(f"{where}: no {column} field (the row has fewer fields than the header)")
     try:
-        value = int(row[column] or "")
+        value = int(row[column])
     except ValueError:
         raise ValueError(f"{where}: {column} {row[column]!r} is not an integer") from None
     if value < 0:
         raise ValueError(f"{where}: {column} must be >= 0, got {value}")
     return value
+
+
+def _csv_rows(path: Path, check_header: Callable[[list[str]], str | None]) -> Iterator[tuple[str, dict[str, str]]]:
+    """The rows of a CSV file with a header, each with ``PATH line N`` for messages.
+
+    ``check_header(header)`` returns None to accept the header, or why it refuses it.
+
+    Raises:
+        ValueError: the file cannot be read (a corrupt ``.gz`` too), is not CSV, or its header is refused;
+            or the file holds no row after the header (messages name file and line).
+    """
+    with _open_text(path) as f:
+        reader = csv.DictReader(f)
+        rows = 0
+        try:
+            header = reader.fieldnames or []
+            refusal = check_header(header)
+            if refusal:
+                raise ValueError(f"{path} line 1: {refusal} (header: {','.join(header) or 'empty'})")
+            for row in reader:
+                rows += 1
+                yield f"{path} line {reader.line_num}", row
+        except (csv.Error, UnicodeDecodeError) as err:
+            raise ValueError(f"{path} line {max(1, reader.line_num)}: not CSV ({err})") from None
+        except (OSError, EOFError) as err:
+            raise ValueError(f"{path}: cannot read: {getattr(err, 'strerror', None) or err}") from None
+    if not rows:
+        raise ValueError(f"{path}: no rows after the header")
 
 
 def read_azure(path: Path) -> list[TraceRow]:
@@ -206,35 +236,24 @@ def read_azure(path: Path) -> list[TraceRow]:
             with and without an offset), a token count that is not an integer
             or is < 0; or the file holds no row (messages name file and line).
     """
+    def check(header: list[str]) -> str | None:
+        missing = [c for c in AZURE_COLUMNS if c not in header]
+        return (f"not an Azure LLM trace: no column {', '.join(missing)}; expected {','.join(AZURE_COLUMNS)}"
+                if missing else None)
+
     path = Path(path)
     raw = []
-    with _open_text(path) as f:
-        reader = csv.DictReader(f)
+    aware: bool | None = None
+    for where, row in _csv_rows(path, check):
         try:
-            header = reader.fieldnames or []
-        except (csv.Error, UnicodeDecodeError) as err:
-            raise ValueError(f"{path} line 1: not a CSV header ({err})") from None
-        missing = [c for c in AZURE_COLUMNS if c not in header]
-        if missing:
-            raise ValueError(f"{path} line 1: not an Azure LLM trace: no column {', '.join(missing)} "
-                             f"(header: {','.join(header) or 'empty'}; expected {','.join(AZURE_COLUMNS)})")
-        aware: bool | None = None
-        try:
-            for row in reader:
-                where = f"{path} line {reader.line_num}"
-                try:
-                    t = parse_azure_time(row["TIMESTAMP"] or "")
-                except ValueError:
-                    raise ValueError(f"{where}: TIMESTAMP {row['TIMESTAMP']!r} is not a date and time") from None
-                if aware is None:
-                    aware = t.tzinfo is not None
-                elif aware != (t.tzinfo is not None):
-                    raise ValueError(f"{where}: TIMESTAMP {row['TIMESTAMP']!r} mixes stamps with and without a UTC offset")
-                raw.append((t, _count(row, AZURE_COLUMNS[1], where), _count(row, AZURE_COLUMNS[2], where)))
-        except (csv.Error, UnicodeDecodeError) as err:
-            raise ValueError(f"{path} line {reader.line_num}: not CSV ({err})") from None
-    if not raw:
-        raise ValueError(f"{path}: no rows after the header")
+            t = parse_azure_time(row["TIMESTAMP"] or "")
+        except ValueError:
+            raise ValueError(f"{where}: TIMESTAMP {row['TIMESTAMP']!r} is not a date and time") from None
+        if aware is None:
+            aware = t.tzinfo is not None
+        elif aware != (t.tzinfo is not None):
+            raise ValueError(f"{where}: TIMESTAMP {row['TIMESTAMP']!r} mixes stamps with and without a UTC offset")
+        raw.append((t, _count(row, AZURE_COLUMNS[1], where), _count(row, AZURE_COLUMNS[2], where)))
     raw.sort(key=lambda r: r[0])
     t0 = raw[0][0]
     return [TraceRow((t - t0).total_seconds(), ctx, gen) for t, ctx, gen in raw]
@@ -249,27 +268,18 @@ def read_lengths(path: Path) -> list[tuple[int, int]]:
         ValueError: the file cannot be read, its header holds neither pair, a count is not an integer or is < 0,
             or the file holds no row (messages name file and line).
     """
+    columns: list[tuple[str, str]] = []
+
+    def check(header: list[str]) -> str | None:
+        columns.extend(pair for pair in LENGTHS_COLUMNS if all(c in header for c in pair))
+        expected = " or ".join(",".join(pair) for pair in LENGTHS_COLUMNS)
+        return None if columns else f"not a token-count CSV: expected the columns {expected}"
+
     path = Path(path)
     rows = []
-    with _open_text(path) as f:
-        reader = csv.DictReader(f)
-        try:
-            header = reader.fieldnames or []
-        except (csv.Error, UnicodeDecodeError) as err:
-            raise ValueError(f"{path} line 1: not a CSV header ({err})") from None
-        columns = next((pair for pair in LENGTHS_COLUMNS if all(c in header for c in pair)), None)
-        if columns is None:
-            expected = " or ".join(",".join(pair) for pair in LENGTHS_COLUMNS)
-            raise ValueError(f"{path} line 1: not a token-count CSV: expected the columns {expected} "
-                             f"(header: {','.join(header) or 'empty'})")
-        try:
-            for row in reader:
-                where = f"{path} line {reader.line_num}"
-                rows.append((_count(row, columns[0], where), _count(row, columns[1], where)))
-        except (csv.Error, UnicodeDecodeError) as err:
-            raise ValueError(f"{path} line {reader.line_num}: not CSV ({err})") from None
-    if not rows:
-        raise ValueError(f"{path}: no rows after the header")
+    for where, row in _csv_rows(path, check):
+        prompt, output = columns[0]
+        rows.append((_count(row, prompt, where), _count(row, output, where)))
     return rows
 
 

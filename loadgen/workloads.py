@@ -698,7 +698,9 @@ def build_workload(
     if name.startswith(REPLAY_PREFIX):
         return load_replay(Path(name[len(REPLAY_PREFIX) :]))
     tok = tokenizer if tokenizer is not None else load_tokenizer(None)
-    kind, _, path = name.partition(":")
+    kind, colon, path = name.partition(":")
+    if colon and not path and kind in TRACE_FORMATS:
+        raise ValueError(f"dataset {name!r}: name the trace file, {kind}:PATH")
     if path and kind in TRACE_FORMATS:
         if kind == "mooncake":
             return mooncake_workload(name, read_mooncake(Path(path)), tok, rng, max_context_tokens)

@@ -32,7 +32,8 @@ def test_the_control_is_not_a_baseline_laps_must_beat():
 
 
 @pytest.mark.parametrize(("text", "says"), [("mixed", "expected FORMAT:PATH"), ("csv:/x.csv", "expected FORMAT:PATH"),
-                                            ("azure:/no/such.csv", "no such file")])
+                                            ("azure:/no/such.csv", "no such file"),
+                                            ("lengths:", "expected FORMAT:PATH")])
 def test_only_a_trace_file_that_exists_is_taken(text, says):
     with pytest.raises(argparse.ArgumentTypeError, match=says):
         held_out.trace(text)

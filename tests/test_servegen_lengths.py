@@ -50,6 +50,8 @@ def test_a_draw_stays_below_the_bins_upper_bound():
     ("workload,field,bin_lo_incl,prob\n", "line 1: no column bin_hi_excl"),
     ("workload,field,bin_lo_incl,bin_hi_excl,prob\naudio,input_tokens,64,32,1\n", "line 2: bin [64, 32) with prob 1.0 is not a bin"),
     ("workload,field,bin_lo_incl,bin_hi_excl,prob\naudio,input_tokens,x,32,1\n", "line 2: a bin needs integer bounds"),
+    ("workload,field,bin_lo_incl,bin_hi_excl,prob\nchat,input_tokens,1,32,1\naudio,output_tokens,1,2,inf\n",
+     "line 3: bin [1, 2) with prob inf is not a bin"),
 ])
 def test_a_bad_pmf_or_workload_is_refused_with_what_is_wrong(tmp_path, capsys, text, says):
     pmf = tmp_path / "pmf.csv"
@@ -58,3 +60,11 @@ def test_a_bad_pmf_or_workload_is_refused_with_what_is_wrong(tmp_path, capsys, t
         servegen_lengths.main(["--pmf", str(pmf), "--workload", "audio", "--out", str(tmp_path / "o.csv")])
     assert info.value.code == 2 and says in capsys.readouterr().err
     assert not (tmp_path / "o.csv").exists()
+
+
+def test_an_out_that_cannot_be_written_is_refused(tmp_path, capsys):
+    pmf = tmp_path / "pmf.csv"
+    pmf.write_text(PMF)
+    with pytest.raises(SystemExit) as info:
+        servegen_lengths.main(["--pmf", str(pmf), "--workload", "chat", "--out", str(tmp_path)])
+    assert info.value.code == 2 and f"--out {tmp_path}: Is a directory" in capsys.readouterr().err

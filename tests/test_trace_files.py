@@ -234,6 +234,11 @@ def test_max_requests_caps_the_plan_mid_conversation(tmp_path):
         plan_arrivals(w, duration_s=1.0, rng=random.Random(0), rate=1.0, max_requests=0)
 
 
+def test_a_trace_format_without_a_path_asks_for_one():
+    with pytest.raises(ValueError, match=r"dataset 'lengths:': name the trace file, lengths:PATH"):
+        build_workload("lengths:", random.Random(0), tokenizer=TOK)
+
+
 def test_an_unknown_trace_format_lists_the_formats():
     with pytest.raises(ValueError, match=r"mooncake:PATH, azure:PATH, sharegpt:PATH, lengths:PATH"):
         build_workload("splitwise:x.csv", random.Random(0), tokenizer=TOK)
