@@ -7,11 +7,12 @@
 the length-aware objective 0.4 s + 0.06 s per 1,000 new prompt tokens (about twice the
 per-token prefill time of a long prompt on this engine, so a 30k-token prefill is allowed
 2.2 s). Workloads (``laps simulate --dataset`` names): ``hh-rlhf`` chats, ``mixed`` (20% long),
-``docs`` (50% long), ``chat-single`` (single-turn first turns, 90% short, 256-token replies),
+``docs`` (50% long), ``chat-single`` (single-turn first turns, 90% short, ``max_tokens`` 256),
 ``shared-docs`` (10k–30k-token documents asked several questions each, interleaved; our own
 prefix-heavy construction), the ``azure-conv`` replay sped up, and ``code-burst`` sped up (bursty code
 completion: prompts of ~1,500 tokens, replies of ~13; our own construction in the shape of Splitwise's
-coding trace).
+coding trace). Replies end at the simulated engine's own end of text (median 30 tokens) or at ``max_tokens``,
+whichever is first (``bench/held_out.py`` runs them to the trace's lengths).
 
 Policies: ``laps`` as shipped (``examples/sim-h200x8.yaml``, unedited: pools as preferences,
 predicted-TTFT routing, the controller on with instant moves, laps' SGLang plugin in the engines: late requests

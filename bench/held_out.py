@@ -97,10 +97,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="speed-ups of a timed trace, or conversations per second of a sharegpt: or lengths: file")
     parser.add_argument("--requests", type=positive_int, default=2000, help="requests replayed per point of a timed trace (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="workload and arrival seed (default: %(default)s)")
+    parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES), metavar="POLICY",
+                        help="laps and the baselines to run (default: all of %(choices)s); laps and one baseline at least")
     parser.add_argument("--jobs", type=positive_int, default=2, help="simulations in parallel (default: %(default)s)")
     parser.add_argument("--out", type=Path, required=True, help="JSON output")
     args = parser.parse_args(argv)
     loads = sorted(set(args.loads))
+    policies = [p for p in POLICIES if p in args.policies]
+    if "laps" not in policies or not any(p in BASELINES for p in policies):
+        parser.error("--policies must name laps and at least one baseline: " + ", ".join(BASELINES))
     if args.out.is_dir():
         parser.error(f"--out {args.out} is a directory; name a JSON file")
     created = not args.out.exists()
@@ -111,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--out {args.out}: {err.strerror or err}")
     console = Console(width=150)
     with ProcessPoolExecutor(args.jobs) as pool, console.status("simulating") as status:
-        futures = [pool.submit(run, args.dataset, p, load, args.requests, args.seed) for load in loads for p in POLICIES]
+        futures = [pool.submit(run, args.dataset, p, load, args.requests, args.seed) for load in loads for p in policies]
         rows = []
         for future in futures:
             try:
