@@ -38,7 +38,7 @@ from laps.tokenizer import load_tokenizer  # noqa: E402
 from loadgen.cli import positive_float, positive_int  # noqa: E402
 from loadgen.report import build_report  # noqa: E402
 from loadgen.simulate import simulate_run  # noqa: E402
-from loadgen.workloads import TRACE_FORMATS, UNTIMED_TRACE_FORMATS, build_workload  # noqa: E402
+from loadgen.workloads import TRACE_FORMATS, build_workload  # noqa: E402
 
 POLICIES = ("laps", *BASELINES, CONTROL)
 CONTEXT_TOKENS = 32768  # the simulated engines' context length (Qwen2.5-7B)
@@ -90,7 +90,8 @@ def _ms(seconds: float | None, digits: int = 0) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+    parser = argparse.ArgumentParser(prog=Path(__file__).name, description=__doc__.split("\n\n")[0],
+                                     epilog=__doc__.split("\n\n", 1)[1],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dataset", type=trace, required=True, help="FORMAT:PATH, FORMAT one of " + ", ".join(TRACE_FORMATS))
     parser.add_argument("--loads", type=positive_float, nargs="+", required=True,
@@ -115,19 +116,23 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as err:
         parser.error(f"--out {args.out}: {err.strerror or err}")
     console = Console(width=150)
+    try:  # the file once here, so a bad one stops the bench before any simulation (each run reads it again)
+        workload = build_workload(args.dataset, random.Random(f"workload/{args.seed}"), tokenizer=load_tokenizer(),
+                                  max_context_tokens=CONTEXT_TOKENS)
+    except ValueError as err:  # the trace's reader refuses the file (its message names the file and line)
+        print(f"{parser.prog}: error: {err}", file=sys.stderr)
+        if created:
+            args.out.unlink(missing_ok=True)
+        return 2
+    for note in workload.notes:
+        console.print(f"note: {note}", highlight=False)
     with ProcessPoolExecutor(args.jobs) as pool, console.status("simulating") as status:
         futures = [pool.submit(run, args.dataset, p, load, args.requests, args.seed) for load in loads for p in policies]
         rows = []
         for future in futures:
-            try:
-                rows.append(future.result())
-            except ValueError as err:  # the trace's reader refuses the file (its message names the file and line)
-                print(f"{parser.prog}: error: {err}", file=sys.stderr)
-                if created:
-                    args.out.unlink(missing_ok=True)
-                return 2
+            rows.append(future.result())
             status.update(f"simulating: {len(rows)} of {len(futures)} runs done")
-    load_name = "conv/s" if args.dataset.partition(":")[0] in UNTIMED_TRACE_FORMATS else "speed-up"  # Poisson, or replayed
+    load_name = "speed-up" if workload.timed else "conv/s"  # a trace replayed at its times, or Poisson
     table = Table(title=f"{args.dataset}, seed {args.seed}\nviolations (%) of 0.4 s (fixed) and of 0.4 s + {PER_1K_S:g} s per 1k new "
                         "tokens (length-aware); P90 TTFT (ms) of the short class (-: none) and of all; P50 TPOT (ms)")
     for column in (load_name, "policy", "requests", "fixed %", "length-aware %", "short P90", "P90", "TPOT P50", "laps worse"):

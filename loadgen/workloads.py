@@ -82,7 +82,6 @@ DATASETS = ("hh-rlhf", "mtbench", "arena", "sharegpt", "azure-conv", "mixed", "d
 TIMED_DATASETS = ("azure-conv", "code-burst")  # replayed at their own arrival times (a speed-up, not a rate)
 REPLAY_PREFIX = "replay:"
 TRACE_FORMATS = ("mooncake", "azure", "sharegpt", "lengths")  # --dataset FORMAT:PATH
-UNTIMED_TRACE_FORMATS = ("sharegpt", "lengths")  # Poisson at a rate; the others replay their own times
 # Special-token strings: a text holding one would be tokenized as a control token.
 _SPECIAL_MARK = "<|"
 

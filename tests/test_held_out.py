@@ -37,3 +37,14 @@ def test_the_control_is_not_a_baseline_laps_must_beat():
 def test_only_a_trace_file_that_exists_is_taken(text, says):
     with pytest.raises(argparse.ArgumentTypeError, match=says):
         held_out.trace(text)
+
+
+def test_a_file_its_reader_refuses_stops_the_bench_before_any_simulation(tmp_path, capsys):
+    trace_file = tmp_path / "lengths.csv"
+    trace_file.write_text("a,b\n1,2\n")
+    out = tmp_path / "out.json"
+    assert held_out.main(["--dataset", f"lengths:{trace_file}", "--loads", "1", "--out", str(out)]) == 2
+    assert capsys.readouterr().err == (f"held_out.py: error: {trace_file} line 1: not a token-count CSV: expected the "
+                                       "columns num_prefill_tokens,num_decode_tokens or input_tokens,output_tokens "
+                                       "(header: a,b)\n")
+    assert not out.exists()
