@@ -8,8 +8,8 @@ about traffic we do not have. This bench runs the same deployments (laps as ``ex
 it, the baselines of ``bench/dominance.py`` with SGLang's default flags, and its control: least load to engines
 with laps' own flags, which says how much of laps' edge is its engine flags) on a trace file, ``FORMAT:PATH`` as
 ``laps simulate --dataset`` takes it. A timed trace (``mooncake:``, ``azure:``) replays its first
-``--requests`` requests at each speed-up in ``--loads``; a ``sharegpt:`` or ``lengths:`` file is Poisson at each
-rate in ``--loads`` (conversations per second) for max(1.5, 3,000 / rate) simulated seconds. Every reply runs to the
+``--requests`` (2,000) requests at each speed-up in ``--loads``; a ``sharegpt:`` or ``lengths:`` file is Poisson at
+each rate in ``--loads`` (conversations per second) for max(1.5, ``--requests`` (3,000) / rate) simulated seconds. Every reply runs to the
 output length the file gives (``ignore_eos``, as SGLang's ``bench_serving`` sends by default; 256 tokens where a
 ShareGPT file records no reply), not to the simulated engine's own end of text (median 30 tokens). Requests whose prompt plus
 output pass the engines' 32,768-token context are left out. Per point and policy: violations of the fixed
@@ -66,7 +66,7 @@ def run(dataset: str, policy: str, load: float, requests: int, seed: int) -> dic
         records = simulate_run(config, workload, duration_s=float("inf"), seed=seed, time_scale=1.0 / load,
                                tokenizer=tokenizer, max_requests=requests, ignore_eos=True).records
     else:
-        records = simulate_run(config, workload, duration_s=max(1.5, 3000 / load), seed=seed, rate=load, tokenizer=tokenizer,
+        records = simulate_run(config, workload, duration_s=max(1.5, requests / load), seed=seed, rate=load, tokenizer=tokenizer,
                                ignore_eos=True).records
     report = build_report(records, slo_ttft_s=SLO_TTFT_S, slo_ttft_per_1k_s=PER_1K_S)
     return {"policy": policy, "load": load, "requests": report["requests"]["sent"],
@@ -96,7 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dataset", type=trace, required=True, help="FORMAT:PATH, FORMAT one of " + ", ".join(TRACE_FORMATS))
     parser.add_argument("--loads", type=positive_float, nargs="+", required=True,
                         help="speed-ups of a timed trace, or conversations per second of a sharegpt: or lengths: file")
-    parser.add_argument("--requests", type=positive_int, default=2000, help="requests replayed per point of a timed trace (default: %(default)s)")
+    parser.add_argument("--requests", type=positive_int,
+                        help="requests per point: a timed trace's first N (default: 2000), or N / rate seconds of "
+                             "Poisson arrivals, at least 1.5 s (default: 3000)")
     parser.add_argument("--seed", type=int, default=0, help="workload and arrival seed (default: %(default)s)")
     parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES), metavar="POLICY",
                         help="laps and the baselines to run (default: all of %(choices)s); laps and one baseline at least")
@@ -124,10 +126,11 @@ def main(argv: list[str] | None = None) -> int:
         if created:
             args.out.unlink(missing_ok=True)
         return 2
+    requests = args.requests or (2000 if workload.timed else 3000)
     for note in workload.notes:
         console.print(f"note: {note}", highlight=False)
     with ProcessPoolExecutor(args.jobs) as pool, console.status("simulating") as status:
-        futures = [pool.submit(run, args.dataset, p, load, args.requests, args.seed) for load in loads for p in policies]
+        futures = [pool.submit(run, args.dataset, p, load, requests, args.seed) for load in loads for p in policies]
         rows = []
         for future in futures:
             rows.append(future.result())
