@@ -68,23 +68,37 @@ def test_azure_reads_the_2023_and_the_2024_stamps(tmp_path):
         (0.0, 1452, 0), (pytest.approx(0.998837), 584, 3)]
 
 
-@pytest.mark.parametrize(("text", "expected"), [
-    ("time,ctx\n1,2\n", " line 1: not an Azure LLM trace: no column TIMESTAMP, ContextTokens, GeneratedTokens"),
-    ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,1,1\nyesterday,1,1\n",
+@pytest.mark.parametrize(("reader", "text", "expected"), [
+    (read_azure, "time,ctx\n1,2\n", " line 1: not an Azure LLM trace: no column TIMESTAMP, ContextTokens, GeneratedTokens"),
+    (read_azure, "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,1,1\nyesterday,1,1\n",
      " line 3: TIMESTAMP 'yesterday' is not a date and time"),
-    ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,1,1\n2023-11-16 18:15:47,x,1\n",
+    (read_azure, "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,1,1\n2023-11-16 18:15:47,x,1\n",
      " line 3: ContextTokens 'x' is not an integer"),
-    ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,1,-2\n", " line 2: GeneratedTokens must be >= 0, got -2"),
-    ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,1,1\n2023-11-16 18:15:47+00:00,1,1\n",
+    (read_azure, "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,1,-2\n", " line 2: GeneratedTokens must be >= 0, got -2"),
+    (read_azure, "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46,1,1\n2023-11-16 18:15:47+00:00,1,1\n",
      " line 3: TIMESTAMP '2023-11-16 18:15:47+00:00' mixes stamps with and without a UTC offset"),
-    ("TIMESTAMP,ContextTokens,GeneratedTokens\n", ": no rows after the header"),
+    (read_azure, "TIMESTAMP,ContextTokens,GeneratedTokens\n", ": no rows after the header"),
+    (read_lengths, "a,b\n1,2\n", " line 1: not a token-count CSV: expected the columns num_prefill_tokens,num_decode_tokens "
+                                 "or input_tokens,output_tokens (header: a,b)"),
+    (read_lengths, "input_tokens,output_tokens\n1,2\n3,x\n", " line 3: output_tokens 'x' is not an integer"),
+    (read_lengths, "input_tokens,output_tokens\n1,2\n3\n", " line 3: no output_tokens field (the row has fewer fields than the header)"),
+    (read_lengths, "input_tokens,output_tokens\n-1,2\n", " line 2: input_tokens must be >= 0, got -1"),
+    (read_lengths, "input_tokens,output_tokens\n", ": no rows after the header"),
 ])
-def test_a_bad_azure_file_names_the_file_and_line(tmp_path, text, expected):
+def test_a_bad_csv_trace_names_the_file_and_line(tmp_path, reader, text, expected):
     path = tmp_path / "bad.csv"
     path.write_text(text)
     with pytest.raises(ValueError) as info:
-        read_azure(path)
+        reader(path)
     assert str(info.value).startswith(f"{path}{expected}")
+
+
+@pytest.mark.parametrize("reader", [read_azure, read_lengths])
+def test_a_corrupt_gzip_file_is_a_read_error(tmp_path, reader):
+    path = tmp_path / "trace.csv.gz"
+    path.write_bytes(gzip.compress(b"input_tokens,output_tokens\n1,2\n")[:20])
+    with pytest.raises(ValueError, match=f"^{path}: cannot read: Compressed file ended"):
+        reader(path)
 
 
 SHAREGPT = [
@@ -188,21 +202,6 @@ def test_token_counts_read_either_pair_of_columns_in_file_order(tmp_path):
     bom = tmp_path / "bom.csv"  # as spreadsheet programs save CSV: a byte-order mark, CRLF lines
     bom.write_bytes(b"\xef\xbb\xbfinput_tokens,output_tokens\r\n7,8\r\n")
     assert read_lengths(bom) == [(7, 8)]
-
-
-@pytest.mark.parametrize("text, expected", [
-    ("a,b\n1,2\n", " line 1: not a token-count CSV: expected the columns num_prefill_tokens,num_decode_tokens or "
-                     "input_tokens,output_tokens (header: a,b)"),
-    ("input_tokens,output_tokens\n1,2\n3,x\n", " line 3: output_tokens 'x' is not an integer"),
-    ("input_tokens,output_tokens\n-1,2\n", " line 2: input_tokens must be >= 0, got -1"),
-    ("input_tokens,output_tokens\n", ": no rows after the header"),
-])
-def test_a_bad_token_count_file_names_the_file_and_line(tmp_path, text, expected):
-    path = tmp_path / "bad.csv"
-    path.write_text(text)
-    with pytest.raises(ValueError) as info:
-        read_lengths(path)
-    assert str(info.value).startswith(f"{path}{expected}")
 
 
 def test_token_count_workload_is_poisson_single_turn_at_exact_lengths(tmp_path):
