@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import random
+import signal
 import sys
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -46,7 +47,7 @@ MARGIN = 0.005  # never worse: at most the best baseline's violations plus 0.5 p
 
 
 def trace(text: str) -> str:
-    """``FORMAT:PATH`` of a trace file for argparse (the file is read by the workers)."""
+    """``FORMAT:PATH`` of a trace file for argparse (that the file exists; :func:`main` reads it)."""
     kind, colon, path = text.partition(":")
     if not colon or not path or kind not in TRACE_FORMATS:
         raise argparse.ArgumentTypeError(f"{text!r}: expected FORMAT:PATH with FORMAT one of {', '.join(TRACE_FORMATS)}")
@@ -76,6 +77,11 @@ def run(dataset: str, policy: str, load: float, requests: int, seed: int) -> dic
             "tpot_p50_s": report["tpot_s"]["p50"]}
 
 
+def _ignore_sigint() -> None:
+    """Pool workers leave Ctrl-C to the main process, which stops them."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def worse_than_best(rows: list[dict], load: float) -> list[str]:
     """The objectives on which laps is worse than the best baseline at ``load`` by more than :data:`MARGIN`
     (the baselines: :data:`dominance.BASELINES`; the control is not one)."""
@@ -97,11 +103,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loads", type=positive_float, nargs="+", required=True,
                         help="speed-ups of a timed trace, or conversations per second of a sharegpt: or lengths: file")
     parser.add_argument("--requests", type=positive_int,
-                        help="requests per point: a timed trace's first N (default: 2000), or N / rate seconds of "
-                             "Poisson arrivals, at least 1.5 s (default: 3000)")
+                        help="size of a point: a timed trace's first N requests (default: 2000), or N / rate seconds, "
+                             "at least 1.5 s, of Poisson arrivals of conversations (default: 3000)")
     parser.add_argument("--seed", type=int, default=0, help="workload and arrival seed (default: %(default)s)")
     parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES), metavar="POLICY",
-                        help="laps and the baselines to run (default: all of %(choices)s); laps and one baseline at least")
+                        help="policies to run (default: all of %(choices)s): laps and one baseline at least; the last is "
+                             "the control, not a baseline")
     parser.add_argument("--jobs", type=positive_int, default=2, help="simulations in parallel (default: %(default)s)")
     parser.add_argument("--out", type=Path, required=True, help="JSON output")
     args = parser.parse_args(argv)
@@ -129,12 +136,18 @@ def main(argv: list[str] | None = None) -> int:
     requests = args.requests or (2000 if workload.timed else 3000)
     for note in workload.notes:
         console.print(f"note: {note}", highlight=False)
-    with ProcessPoolExecutor(args.jobs) as pool, console.status("simulating") as status:
-        futures = [pool.submit(run, args.dataset, p, load, requests, args.seed) for load in loads for p in policies]
-        rows = []
-        for future in futures:
-            rows.append(future.result())
-            status.update(f"simulating: {len(rows)} of {len(futures)} runs done")
+    try:  # a Pool, not a ProcessPoolExecutor: on Ctrl-C its exit stops the simulations running, not waits them out
+        with multiprocessing.Pool(args.jobs, _ignore_sigint) as pool, console.status("simulating") as status:
+            pending = [pool.apply_async(run, (args.dataset, p, load, requests, args.seed)) for load in loads for p in policies]
+            rows = []
+            for result in pending:
+                rows.append(result.get())
+                status.update(f"simulating: {len(rows)} of {len(pending)} runs done")
+    except KeyboardInterrupt:
+        print(f"{parser.prog}: interrupted; nothing written", file=sys.stderr)
+        if created:
+            args.out.unlink(missing_ok=True)
+        return 130
     load_name = "speed-up" if workload.timed else "conv/s"  # a trace replayed at its times, or Poisson
     table = Table(title=f"{args.dataset}, seed {args.seed}\nviolations (%) of 0.4 s (fixed) and of 0.4 s + {PER_1K_S:g} s per 1k new "
                         "tokens (length-aware); P90 TTFT (ms) of the short class (-: none) and of all; P50 TPOT (ms)")
@@ -148,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
                           _ms(r["tpot_p50_s"], 1),
                           worse if r["policy"] == "laps" else "")
     console.print(table)
-    args.out.write_text(json.dumps({"dataset": args.dataset, "seed": args.seed, "rows": rows}, indent=1))
+    args.out.write_text(json.dumps({"dataset": args.dataset, "seed": args.seed, "requests": requests, "notes": workload.notes,
+                                    "rows": rows}, indent=1))
     console.print(f"wrote {args.out}")
     return 0
 

@@ -23,6 +23,10 @@ import random
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from loadgen.cli import positive_int  # noqa: E402
+
 INPUT_FIELDS = ("input_tokens", "input_text_tokens")  # mm-image lists only its text tokens
 OUTPUT_FIELD = "output_tokens"
 
@@ -54,7 +58,7 @@ def read_pmf(path: Path, workload: str) -> tuple[list[tuple[int, int, float]], l
             where = f"{path} line {line_no}"
             try:
                 lo, hi, prob = int(row["bin_lo_incl"]), int(row["bin_hi_excl"]), float(row["prob"])
-            except ValueError:
+            except (TypeError, ValueError):  # TypeError: a row short of fields
                 raise ValueError(f"{where}: a bin needs integer bounds and a numeric prob") from None
             if not (0 <= lo < hi and 0 <= prob <= 1):
                 raise ValueError(f"{where}: bin [{lo}, {hi}) with prob {prob} is not a bin")
@@ -77,19 +81,19 @@ def draw(bins: list[tuple[int, int, float]], rng: random.Random) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog=Path(__file__).name, description=__doc__.split("\n\n")[0],
+                                     epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pmf", type=Path, required=True, help="ServeGen length pmf CSV")
     parser.add_argument("--workload", required=True, help="its workload, e.g. language/m-large")
-    parser.add_argument("--rows", type=int, default=6000, help="requests to write (default: %(default)s)")
+    parser.add_argument("--rows", type=positive_int, default=6000, help="requests to write (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="generator seed (default: %(default)s)")
     parser.add_argument("--out", type=Path, required=True, help="CSV to write: input_tokens,output_tokens")
     args = parser.parse_args(argv)
-    if args.rows < 1:
-        parser.error("--rows must be >= 1")
     try:
         inputs, outputs = read_pmf(args.pmf, args.workload)
-    except (OSError, ValueError) as err:
+    except OSError as err:
+        parser.error(f"--pmf {args.pmf}: {err.strerror or err}")
+    except ValueError as err:
         parser.error(str(err))
     rng = random.Random(args.seed)
     lines = [f"{draw(inputs, rng)},{draw(outputs, rng)}\n" for _ in range(args.rows)]

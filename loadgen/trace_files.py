@@ -35,6 +35,7 @@ import gzip
 import io
 import json
 import math
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
@@ -118,7 +119,7 @@ def read_jsonl_lines(path: Path) -> list[tuple[int, Any]]:
                     rows.append((line_no, orjson.loads(line)))
                 except orjson.JSONDecodeError as err:
                     raise ValueError(f"{path} line {line_no}: not valid JSON ({err})") from None
-    except (OSError, EOFError) as err:
+    except (OSError, EOFError, zlib.error) as err:
         raise ValueError(f"{path}: cannot read: {getattr(err, 'strerror', None) or err}") from None
     return rows
 
@@ -218,7 +219,7 @@ def _csv_rows(path: Path, check_header: Callable[[list[str]], str | None]) -> It
                 yield f"{path} line {reader.line_num}", row
         except (csv.Error, UnicodeDecodeError) as err:
             raise ValueError(f"{path} line {max(1, reader.line_num)}: not CSV ({err})") from None
-        except (OSError, EOFError) as err:
+        except (OSError, EOFError, zlib.error) as err:  # zlib.error: a .gz corrupt inside
             raise ValueError(f"{path}: cannot read: {getattr(err, 'strerror', None) or err}") from None
     if not rows:
         raise ValueError(f"{path}: no rows after the header")
@@ -292,7 +293,7 @@ def _json_items(path: Path) -> Iterator[tuple[int, Any]]:
     with _open_text(path) as f:
         try:
             text = f.read()
-        except (OSError, EOFError, UnicodeDecodeError) as err:
+        except (OSError, EOFError, zlib.error, UnicodeDecodeError) as err:
             raise ValueError(f"{path}: cannot read: {err}") from None
     if not text.lstrip().startswith("["):
         # "\n" alone ends a JSONL line: str.splitlines() also splits at U+2028 and other separators that JSON strings

@@ -50,6 +50,7 @@ def test_a_draw_stays_below_the_bins_upper_bound():
     ("workload,field,bin_lo_incl,prob\n", "line 1: no column bin_hi_excl"),
     ("workload,field,bin_lo_incl,bin_hi_excl,prob\naudio,input_tokens,64,32,1\n", "line 2: bin [64, 32) with prob 1.0 is not a bin"),
     ("workload,field,bin_lo_incl,bin_hi_excl,prob\naudio,input_tokens,x,32,1\n", "line 2: a bin needs integer bounds"),
+    ("workload,field,bin_lo_incl,bin_hi_excl,prob\naudio,output_tokens,4\n", "line 2: a bin needs integer bounds"),
     ("workload,field,bin_lo_incl,bin_hi_excl,prob\nchat,input_tokens,1,32,1\naudio,output_tokens,1,2,inf\n",
      "line 3: bin [1, 2) with prob inf is not a bin"),
 ])
@@ -60,6 +61,12 @@ def test_a_bad_pmf_or_workload_is_refused_with_what_is_wrong(tmp_path, capsys, t
         servegen_lengths.main(["--pmf", str(pmf), "--workload", "audio", "--out", str(tmp_path / "o.csv")])
     assert info.value.code == 2 and says in capsys.readouterr().err
     assert not (tmp_path / "o.csv").exists()
+
+
+def test_a_missing_pmf_is_named(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        servegen_lengths.main(["--pmf", str(tmp_path / "no.csv"), "--workload", "chat", "--out", str(tmp_path / "o.csv")])
+    assert f"--pmf {tmp_path / 'no.csv'}: No such file or directory" in capsys.readouterr().err
 
 
 def test_an_out_that_cannot_be_written_is_refused(tmp_path, capsys):

@@ -93,11 +93,20 @@ def test_a_bad_csv_trace_names_the_file_and_line(tmp_path, reader, text, expecte
     assert str(info.value).startswith(f"{path}{expected}")
 
 
-@pytest.mark.parametrize("reader", [read_azure, read_lengths])
-def test_a_corrupt_gzip_file_is_a_read_error(tmp_path, reader):
-    path = tmp_path / "trace.csv.gz"
-    path.write_bytes(gzip.compress(b"input_tokens,output_tokens\n1,2\n")[:20])
-    with pytest.raises(ValueError, match=f"^{path}: cannot read: Compressed file ended"):
+def _cut(data: bytes) -> bytes:
+    return data[:20]
+
+
+def _flipped(data: bytes) -> bytes:
+    return data[:20] + bytes(b ^ 0xFF for b in data[20:60]) + data[60:]
+
+
+@pytest.mark.parametrize("reader", [read_azure, read_lengths, read_mooncake, read_sharegpt])
+@pytest.mark.parametrize("damage", [_cut, _flipped])
+def test_a_corrupt_gzip_file_is_a_read_error(tmp_path, reader, damage):
+    path = tmp_path / "trace.gz"
+    path.write_bytes(damage(gzip.compress(b"input_tokens,output_tokens\n" + b"1000,20\n" * 2000)))
+    with pytest.raises(ValueError, match=f"^{path}: cannot read: "):
         reader(path)
 
 
