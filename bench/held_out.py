@@ -9,13 +9,14 @@ it, the baselines of ``bench/dominance.py`` with SGLang's default flags, and its
 with laps' own flags, which says how much of laps' edge is its engine flags) on a trace file, ``FORMAT:PATH`` as
 ``laps simulate --dataset`` takes it. A timed trace (``mooncake:``, ``azure:``) replays its first
 ``--requests`` (2,000) requests at each speed-up in ``--loads``; a ``sharegpt:`` or ``lengths:`` file is Poisson at
-each rate in ``--loads`` (conversations per second) for max(1.5, ``--requests`` (3,000) / rate) simulated seconds. Every reply runs to the
-output length the file gives (``ignore_eos``, as SGLang's ``bench_serving`` sends by default; 256 tokens where a
-ShareGPT file records no reply), not to the simulated engine's own end of text (median 30 tokens). Requests whose prompt plus
-output pass the engines' 32,768-token context are left out. Per point and policy: violations of the fixed
-0.4 s objective and of the length-aware one (0.4 s + 0.06 s per 1,000 new prompt tokens), short-class and
-overall P90 TTFT, P50 TPOT. The table marks the loads where laps is worse than the best baseline by more than 0.5
-points on either objective (``bench/dominance.py``'s "never worse"; the control is not a baseline there).
+each rate in ``--loads`` (conversations per second) for max(1.5, ``--requests`` (3,000) / rate) simulated seconds.
+Every reply runs to the output length the file gives (``ignore_eos``, as SGLang's ``bench_serving`` sends by
+default; 256 tokens where a ShareGPT file records no reply), not to the simulated engine's own end of text (median
+30 tokens). Requests whose prompt plus output pass the engines' 32,768-token context are left out. Per point and
+policy: violations of the fixed 0.4 s objective and of the length-aware one (0.4 s + 0.06 s per 1,000 new prompt
+tokens), short-class and overall P90 TTFT, P50 TPOT. The table marks the loads where laps is worse than the best
+baseline by more than 0.5 points on either objective (``bench/dominance.py``'s "never worse"; the control is not a
+baseline there).
 """
 
 from __future__ import annotations
