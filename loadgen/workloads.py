@@ -267,6 +267,16 @@ def poisson_times(rate: float, rng: random.Random) -> Iterator[float]:
         yield t
 
 
+def _shuffled_passes(items: Sequence[Any], rng: random.Random) -> Iterator[tuple[str, Any]]:
+    """Endless ``(id suffix, item)`` over ``items``, each pass a fresh ``rng`` shuffle: the suffix is ``""`` on the
+    first pass and ``#pass`` after it (``#1``, ``#2``, ...), so that ids stay unique."""
+    for n in itertools.count():
+        order = list(items)
+        rng.shuffle(order)
+        for item in order:
+            yield (f"#{n}" if n else ""), item
+
+
 def cycle_shuffled(conversations: Sequence[Conversation], rng: random.Random) -> Iterator[Conversation]:
     """Endless stream over ``conversations``: each pass is a fresh ``rng`` shuffle.
 
@@ -275,11 +285,8 @@ def cycle_shuffled(conversations: Sequence[Conversation], rng: random.Random) ->
     """
     if not conversations:
         raise ValueError("cannot cycle over an empty data set")
-    for n in itertools.count():
-        order = list(conversations)
-        rng.shuffle(order)
-        for c in order:
-            yield c if n == 0 else Conversation(f"{c.id}#{n}", c.source, c.turns, c.start_s)
+    for suffix, c in _shuffled_passes(conversations, rng):
+        yield Conversation(c.id + suffix, c.source, c.turns, c.start_s) if suffix else c
 
 
 def _fits(prompt_tokens: int, output_tokens: int, context_tokens: int | None) -> bool:
@@ -428,12 +435,8 @@ def lengths_workload(name: str, rows: Sequence[tuple[int, int]], tokenizer: Chat
         raise ValueError(f"{name}: every row passes the context of {max_context_tokens} tokens")
 
     def stream() -> Iterator[Conversation]:
-        for n in itertools.count():
-            order = list(kept)
-            rng.shuffle(order)
-            for i, prompt_tokens, output_tokens in order:
-                cid = f"lengths-{i}" if n == 0 else f"lengths-{i}#{n}"
-                yield Conversation(cid, "lengths", (Turn(prompts.make(prompt_tokens), output_tokens),))
+        for suffix, (i, prompt_tokens, output_tokens) in _shuffled_passes(kept, rng):
+            yield Conversation(f"lengths-{i}{suffix}", "lengths", (Turn(prompts.make(prompt_tokens), output_tokens),))
 
     return _length_trace(name, stream(), rows, len(kept), prompts.min_tokens, ("prompt tokens", "output tokens"),
                          max_context_tokens, timed=False)
