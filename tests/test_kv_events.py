@@ -191,7 +191,7 @@ async def test_the_gateway_serves_on_the_estimate_while_an_engines_stream_is_dow
         data["engines"] = [{"name": "e", "kind": "external", "role": "short-prefill", "url": url,
                             "kv_events_endpoint": publishing.endpoint, "kv_events_replay_endpoint": publishing.replay_endpoint}]
         async with TestClient(TestServer(gateway_app(parse_config(data), engine_urls={"e": url}))) as client:
-            gw = client.app[GATEWAY]
+            gw, engine = client.app[GATEWAY], engine_app[ENGINE]
             # The gateway read the engine's KV pool and request slots from /v1/loads at start-up.
             assert (gw.registry["e"].kv_capacity_tokens, gw.registry["e"].max_running_requests) == (200_000, 96)
             history: list[dict] = []
@@ -201,10 +201,13 @@ async def test_the_gateway_serves_on_the_estimate_while_an_engines_stream_is_dow
                 resp = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": history, "max_tokens": 7, "ignore_eos": True})
                 assert resp.status == 200, await resp.text()
                 body = await resp.json()
-                if gw.prefix_index.is_exact("e"):  # a client's think time: the turn's cache insertion reaches the gateway
-                    prompt = BlockChain(gw.prefix_index.block_tokens).extend(gw.tokenizer.encode_chat(history))
-                    await wait_for(lambda: gw.prefix_index.cached_tokens("e", prompt) == prompt.tokens - 1)
                 history.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
+                if gw.prefix_index.is_exact("e"):
+                    # a client's think time: the turn's cache insertions (its prompt's at prefill, its reply's when it
+                    # finished) reach the gateway, which then matches the conversation so far as the engine does
+                    ids = gw.tokenizer.encode_chat(history)
+                    chain = BlockChain(gw.prefix_index.block_tokens).extend(ids)
+                    await wait_for(lambda: gw.prefix_index.cached_tokens("e", chain) == engine.core.tree.peek_prefix(ids[:-1]))
                 return int(resp.headers["x-laps-cached-tokens-est"]), body["usage"]["prompt_tokens_details"]["cached_tokens"]
 
             await wait_for(lambda: gw.prefix_index.is_exact("e"))
@@ -212,7 +215,6 @@ async def test_the_gateway_serves_on_the_estimate_while_an_engines_stream_is_dow
             h, cached = await turn("And the lighthouse?")
             assert h == cached and cached % gw.prefix_index.block_tokens  # exact, inside a block
 
-            engine = engine_app[ENGINE]
             await engine.kv_publisher.close()  # the stream stops; the engine serves on
             engine.kv_publisher = None
             await wait_for(lambda: not gw.prefix_index.is_exact("e"))
