@@ -68,9 +68,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing
+import multiprocessing.pool
 import random
+import signal
 import sys
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -275,14 +277,26 @@ def short_floor_s(records) -> float | None:
     return float(np.percentile(passes, 90)) + GATEWAY_OVERHEAD_S if passes else None
 
 
-def saturation_load(workload: str, duration_s: float, seed: int, pd: bool, pool: ProcessPoolExecutor) -> float:
+def _ignore_sigint() -> None:
+    """Pool workers leave Ctrl-C to the main process, which stops them."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def simulation_pool(jobs: int) -> multiprocessing.pool.Pool:
+    """``jobs`` worker processes for simulations. A ``multiprocessing.Pool``, not a ``ProcessPoolExecutor``: on Ctrl-C
+    (a ``KeyboardInterrupt`` in the main process only) leaving its ``with`` block stops the simulations running instead
+    of waiting them out."""
+    return multiprocessing.Pool(jobs, _ignore_sigint)
+
+
+def saturation_load(workload: str, duration_s: float, seed: int, pd: bool, pool: multiprocessing.pool.Pool) -> float:
     """least_load's offered load at 5% violations (of :data:`OBJECTIVE`'s objective): a geometric ladder two probes at a
     time (factor 2), then two rounds of two probes at the thirds of the bracket in log space; the bracket's geometric middle."""
     key = OBJECTIVE.get(workload, "slo_violation_rate")
 
     def probe(loads: list[float]) -> list[float]:
-        futures = [pool.submit(run_point, workload, "least_load", load, duration_s, seed, pd) for load in loads]
-        return [f.result()[key] or 0.0 for f in futures]  # None: no request in the window, nothing violated
+        pending = [pool.apply_async(run_point, (workload, "least_load", load, duration_s, seed, pd)) for load in loads]
+        return [result.get()[key] or 0.0 for result in pending]  # None: no request in the window, nothing violated
 
     passing, failing = [], []
     base = FIRST_GUESS[workload] * (0.75 if pd else 1.0)
@@ -436,7 +450,7 @@ def plot(rows: list[dict], path: Path, title: str, saturation: float) -> None:
     plt.close(fig)
 
 
-def sweep(workload: str, pd: bool, loads: tuple[float, ...], duration_s: float, seed: int, pool: ProcessPoolExecutor,
+def sweep(workload: str, pd: bool, loads: tuple[float, ...], duration_s: float, seed: int, pool: multiprocessing.pool.Pool,
           progress: Progress, seeds: int = 1) -> tuple[list[dict], dict]:
     """Saturation search (with ``seed``), then every policy at every load, each point with seeds ``seed`` …
     ``seed + seeds − 1`` averaged (:func:`mean_row`), then more loads while the goodput is still capped
@@ -450,10 +464,10 @@ def sweep(workload: str, pd: bool, loads: tuple[float, ...], duration_s: float, 
     rows: list[dict] = []
     multiples = list(loads)
     while multiples:
-        futures = [[pool.submit(run_point, workload, p, round(f * sat, 3), duration_s, seed + k, pd) for k in range(seeds)]
+        pending = [[pool.apply_async(run_point, (workload, p, round(f * sat, 3), duration_s, seed + k, pd)) for k in range(seeds)]
                    for p in POLICIES for f in multiples]
-        for point in futures:
-            r = mean_row([fut.result() for fut in point])
+        for point in pending:
+            r = mean_row([result.get() for result in point])
             rows.append(r)
             progress.console.print(f"  {label} {r['policy']:>15} load {r['load']:g}: {r['rate_rps']:.0f} req/s, "
                                    f"{100 * r['slo_violation_rate']:.2f}% ({100 * r['length_slo_violation_rate']:.2f}% "
@@ -608,15 +622,21 @@ def main(argv: list[str] | None = None) -> int:
                       f"~{REQUESTS_PER_POINT:,} requests at every load")
     all_rows, verdicts = [], []
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    with ProcessPoolExecutor(args.jobs) as pool, Progress(console=console, transient=True) as progress:
-        for workload, pd in runs:
-            rows, v = sweep(workload, pd, loads, duration, args.seed, pool, progress, args.seeds)
-            all_rows += rows
-            verdicts.append(v)
-            png = args.out.with_name(f"{args.out.stem}_{workload}{'_pd' if pd else ''}.png")
-            plot(rows, png, v["workload"], v["saturation_load"])
-            console.print(f"{v['workload']}: wrote {png}")
-            write(args.out, duration, all_rows, verdicts, None)  # what is done so far survives an interrupted run
+    try:
+        with simulation_pool(args.jobs) as pool, Progress(console=console, transient=True) as progress:
+            for workload, pd in runs:
+                rows, v = sweep(workload, pd, loads, duration, args.seed, pool, progress, args.seeds)
+                all_rows += rows
+                verdicts.append(v)
+                png = args.out.with_name(f"{args.out.stem}_{workload}{'_pd' if pd else ''}.png")
+                plot(rows, png, v["workload"], v["saturation_load"])
+                console.print(f"{v['workload']}: wrote {png}")
+                write(args.out, duration, all_rows, verdicts, None)  # what is done so far survives an interrupted run
+    except KeyboardInterrupt:
+        done = ", ".join(v["workload"] for v in verdicts)
+        print(f"{parser.prog}: interrupted; " + (f"{args.out} holds {done} (--verdict-of reads it)" if done else "nothing written"),
+              file=sys.stderr)
+        return 130
     ok = print_verdicts(verdicts, console)
     write(args.out, duration, all_rows, verdicts, ok)
     console.print(f"wrote {args.out}")

@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import random
-import signal
 import sys
 from pathlib import Path
 
@@ -35,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from dominance import BASELINES, CONTROL, PER_1K_S, SLO_TTFT_S, point_config  # noqa: E402
+from dominance import BASELINES, CONTROL, PER_1K_S, SLO_TTFT_S, point_config, simulation_pool  # noqa: E402
 from laps.tokenizer import load_tokenizer  # noqa: E402
 from loadgen.cli import positive_float, positive_int  # noqa: E402
 from loadgen.report import build_report  # noqa: E402
@@ -76,11 +74,6 @@ def run(dataset: str, policy: str, load: float, requests: int, seed: int) -> dic
             "length_slo_violation_rate": report["length_slo"]["violation_rate"],
             "short_ttft_p90_s": report["by_class"]["short"]["ttft_s"]["p90"], "ttft_p90_s": report["ttft_s"]["p90"],
             "tpot_p50_s": report["tpot_s"]["p50"]}
-
-
-def _ignore_sigint() -> None:
-    """Pool workers leave Ctrl-C to the main process, which stops them."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def worse_than_best(rows: list[dict], load: float) -> list[str]:
@@ -137,8 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     requests = args.requests or (2000 if workload.timed else 3000)
     for note in workload.notes:
         console.print(f"note: {note}", highlight=False)
-    try:  # a Pool, not a ProcessPoolExecutor: on Ctrl-C its exit stops the simulations running, not waits them out
-        with multiprocessing.Pool(args.jobs, _ignore_sigint) as pool, console.status("simulating") as status:
+    try:
+        with simulation_pool(args.jobs) as pool, console.status("simulating") as status:
             pending = [pool.apply_async(run, (args.dataset, p, load, requests, args.seed)) for load in loads for p in policies]
             rows = []
             for result in pending:

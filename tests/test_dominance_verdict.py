@@ -107,12 +107,15 @@ def test_a_point_run_with_several_seeds_is_their_mean():
     assert m["short_ttft_p90_s"] == 0.02 and m["short_floor_s"] == 0.006  # the seeds that have one
 
 
-def test_the_sweep_averages_every_point_over_its_seeds(monkeypatch):
-    class Now:  # a pool that runs each job at once
-        def submit(self, fn, *args):
-            result = fn(*args)
-            return type("Done", (), {"result": lambda self: result})()
+class Now:
+    """A pool that runs each job at once (``multiprocessing.Pool.apply_async``'s interface)."""
 
+    def apply_async(self, fn, args):
+        result = fn(*args)
+        return type("Done", (), {"get": lambda self: result})()
+
+
+def test_the_sweep_averages_every_point_over_its_seeds(monkeypatch):
     def run_point(workload, policy, load, duration_s, seed, pd):
         return {**row(policy, load, 100.0, 0.01 * seed + (0.1 if load > 150 else 0.0)), "pd": pd, "short_floor_s": None}
 
@@ -160,11 +163,6 @@ def test_the_control_runs_laps_engine_flags_under_least_load():
 
 
 def test_the_sweep_adds_loads_while_laps_or_a_baseline_still_meets_the_objective_at_the_top(monkeypatch):
-    class Now:  # a pool that runs each job at once
-        def submit(self, fn, *args):
-            result = fn(*args)
-            return type("Done", (), {"result": lambda self: result})()
-
     # least_load+spf passes 5% between 1.5× and 1.88×, laps between 2.34× and 2.93×; the others at 1×.
     knee = {"laps": 2.5, "least_load+spf": 1.7}
 
