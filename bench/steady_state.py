@@ -10,8 +10,9 @@ the same deployments (laps as ``examples/sim-h200x8.yaml`` ships it, the baselin
 of ``bench/dominance.py``) for ``--duration`` seconds of arrivals at each ``WORKLOAD:RATE`` point
 (conversations per second), so the engines are decoding as much as they will at that rate. Per point
 and policy: violations of the 0.4 s TTFT objective and of the length-aware one, short-class P90 TTFT,
-TTFT and TPOT P50, and the share of prompt tokens the engines found cached. It prints a table and
-writes the rows as JSON.
+TTFT P50, TPOT P50 and P90, and the share of prompt tokens the engines found cached. It prints a table and
+writes the rows as JSON. Replies end where ``bench/dominance.py``'s do: ``chat-single``'s run to their 256 tokens
+(``ignore_eos``), the other workloads' at the simulated engine's own end of text or ``max_tokens``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import argparse
 import json
 import random
 import sys
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from dominance import BASELINES, CONTROL, PER_1K_S, SLO_TTFT_S, WORKLOADS, point_config  # noqa: E402
+from dominance import BASELINES, CONTROL, PER_1K_S, RUN_TO_MAX_TOKENS, SLO_TTFT_S, WORKLOADS, point_config, simulation_pool  # noqa: E402
 from laps.tokenizer import load_tokenizer  # noqa: E402
 from loadgen.cli import positive_float, positive_int  # noqa: E402
 from loadgen.report import build_report  # noqa: E402
@@ -59,14 +59,14 @@ def run(workload: str, rate: float, policy: str, duration_s: float, seed: int) -
     tokenizer = load_tokenizer()
     wl = build_workload(workload, random.Random(f"workload/{seed}"), tokenizer=tokenizer)
     records = simulate_run(point_config(policy, pd=False), wl, duration_s=duration_s, seed=seed, rate=rate,
-                           tokenizer=tokenizer).records
+                           tokenizer=tokenizer, ignore_eos=workload in RUN_TO_MAX_TOKENS).records
     report = build_report(records, slo_ttft_s=SLO_TTFT_S, slo_ttft_per_1k_s=PER_1K_S)
     return {
         "workload": workload, "rate": rate, "policy": policy, "duration_s": duration_s, "requests": report["requests"]["sent"],
         "slo_violation_rate": report["slo"]["violation_rate"],
         "length_slo_violation_rate": report["length_slo"]["violation_rate"],
         "short_ttft_p90_s": report["by_class"]["short"]["ttft_s"]["p90"],
-        "ttft_p50_s": report["ttft_s"]["p50"], "tpot_p50_s": report["tpot_s"]["p50"],
+        "ttft_p50_s": report["ttft_s"]["p50"], "tpot_p50_s": report["tpot_s"]["p50"], "tpot_p90_s": report["tpot_s"]["p90"],
         "cache_hit_rate_pct": report["bench_serving"]["cache_report"]["cache_hit_rate_pct"],
     }
 
@@ -84,22 +84,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=positive_float, default=15.0, help="seconds of arrivals per run (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="workload and arrival seed (default: %(default)s)")
     parser.add_argument("--jobs", type=positive_int, default=2, help="simulations in parallel (default: %(default)s)")
+    parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES), metavar="POLICY",
+                        help="policies to run (default: all of %(choices)s)")
     args = parser.parse_args(argv)
-    console = Console(width=160)
-    with ProcessPoolExecutor(args.jobs) as pool, console.status("simulating") as status:
-        futures = [pool.submit(run, w, r, p, args.duration, args.seed) for w, r in args.points for p in POLICIES]
-        rows = []
-        for future in futures:
-            rows.append(future.result())
-            status.update(f"simulating: {len(rows)} of {len(futures)} runs done")
+    console = Console(width=170)
+    try:
+        with simulation_pool(args.jobs) as pool, console.status("simulating") as status:
+            pending = [pool.apply_async(run, (w, r, p, args.duration, args.seed)) for w, r in args.points for p in args.policies]
+            rows = []
+            for result in pending:
+                rows.append(result.get())
+                status.update(f"simulating: {len(rows)} of {len(pending)} runs done")
+    except KeyboardInterrupt:
+        print(f"{parser.prog}: interrupted; nothing written", file=sys.stderr)
+        return 130
     table = Table(title=f"steady state: {args.duration:g} s of arrivals per run, seed {args.seed}; TTFT objective {SLO_TTFT_S} s")
     for column in ("workload", "conv/s", "policy", "requests", "violations %", "length-aware %", "short P90 ms",
-                   "TTFT P50 ms", "TPOT P50 ms", "cached %"):
+                   "TTFT P50 ms", "TPOT P50 ms", "TPOT P90 ms", "cached %"):
         table.add_column(column, justify="left" if column in ("workload", "policy") else "right")
     for r in rows:
         table.add_row(r["workload"], f"{r['rate']:g}", r["policy"], f"{r['requests']:,}", f"{100 * r['slo_violation_rate']:.2f}",
                       f"{100 * r['length_slo_violation_rate']:.2f}", _ms(r["short_ttft_p90_s"]), _ms(r["ttft_p50_s"]),
-                      _ms(r["tpot_p50_s"]), f"{r['cache_hit_rate_pct']:.1f}")
+                      _ms(r["tpot_p50_s"]), _ms(r["tpot_p90_s"]), f"{r['cache_hit_rate_pct']:.1f}")
     console.print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"duration_s": args.duration, "seed": args.seed, "rows": rows}, indent=1))
