@@ -7,13 +7,17 @@
 the length-aware objective 0.4 s + 0.06 s per 1,000 new prompt tokens (about twice the
 per-token prefill time of a long prompt on this engine, so a 30k-token prefill is allowed
 2.2 s). Workloads (``laps simulate --dataset`` names): ``hh-rlhf`` chats, ``mixed`` (20% long),
-``docs`` (50% long), ``chat-single`` (single-turn first turns, 90% short, every reply 256 tokens),
+``docs`` (50% long), ``chat-single`` (single-turn first turns, 90% short, ``max_tokens`` 256),
 ``shared-docs`` (10k–30k-token documents asked several questions each, interleaved; our own
 prefix-heavy construction), the ``azure-conv`` replay sped up, and ``code-burst`` sped up (bursty code
 completion: prompts of ~1,500 tokens, replies of ~13; our own construction in the shape of Splitwise's
-coding trace). ``chat-single``'s replies run to their ``max_tokens`` (``ignore_eos``, as the issue's 256-token replies
-and SGLang's ``bench_serving``); every other workload's end at the simulated engine's own end of text (median 30 tokens)
-or at ``max_tokens``, whichever is first (``bench/held_out.py`` runs them to the trace's lengths).
+coding trace). Replies end at the simulated engine's own end of text (median 30 tokens) or at ``max_tokens``,
+whichever is first (``bench/held_out.py`` runs them to the trace's lengths). The issue's short-heavy mix has
+256-token replies; with them ``chat-single`` is decode-bound (by the engine model's ``decode_s`` 8 engines decode at
+most ~930 conversations/s of them) and past that TTFT stays low for every policy while the decode batches grow,
+until the request slots fill, which in a point of finite length happens at a load set by that length: a knee and a
+goodput of the TTFT objective there would measure the point's length, not the scheduler. ``bench/steady_state.py
+--ignore-eos`` runs that shape over 20 s of arrivals instead, TPOT beside TTFT.
 
 Policies: ``laps`` as shipped (``examples/sim-h200x8.yaml``, unedited: pools as preferences,
 predicted-TTFT routing, the controller on with instant moves, laps' SGLang plugin in the engines: late requests
@@ -34,8 +38,8 @@ baseline still has ≤ 5% violations there (up to 3×): otherwise a goodput and 
 1.5× for both sides. The offered load is conversations per second for
 Poisson workloads and the replay speed-up for ``azure-conv`` and ``code-burst``; rows also give the achieved request
 rate. Rows: ``{workload, policy, load, rate_rps, slo_violation_rate, length_slo_violation_rate,
-ttft_p90_s, short_ttft_p90_s, tpot_p50_s, reply_tokens_p50, goodput_rps, prefill_busy_fraction,
-short_slo_violation_rate, long_slo_violation_rate}`` (``goodput_rps``: requests per second that met the fixed objective;
+ttft_p90_s, short_ttft_p90_s, goodput_rps, prefill_busy_fraction, short_slo_violation_rate,
+long_slo_violation_rate}`` (``goodput_rps``: requests per second that met the fixed objective;
 ``prefill_busy_fraction``: the mean share of the run the prefill engines spent in prefill passes; the last two:
 the fixed objective's violation rate within the short and the long class, None for a class with no request;
 ``violation_floor``: the fewest violations of the fixed objective that any scheduler could have on the row's
@@ -101,8 +105,6 @@ VIOLATION_TARGET = 0.05
 GATEWAY_OVERHEAD_S = 0.56e-3  # README, Gateway overhead: added latency p50 at concurrency 1
 WORKLOADS = ("mixed", "docs", "chat-single", "shared-docs", "azure-conv", "hh-rlhf", "code-burst")
 QUICK_WORKLOADS = ("mixed", "chat-single", "shared-docs")
-RUN_TO_MAX_TOKENS = frozenset({"chat-single"})
-"""Workloads whose replies run to ``max_tokens`` (``ignore_eos``): the issue's short-heavy mix has 256-token replies."""
 PD_WORKLOADS = ("mixed", "docs")
 # Our policy names -> policy_compare's (scheduling.policy over engines of one SGLang role).
 BASELINES = {"least_load": "least_load", "least_load+spf": "sglang-spf", "cache_aware": "cache_aware",
@@ -115,7 +117,7 @@ POLICIES = ("laps", *BASELINES, CONTROL)
 LOADS = (0.2, 0.5, 0.8, 1.0, 1.2, 1.5)
 QUICK_LOADS = (0.5, 1.0, 1.2, 1.5)
 # First guess of least_load's saturation load (conversations/s, or replay speed-up) per workload.
-FIRST_GUESS = {"hh-rlhf": 200.0, "mixed": 200.0, "docs": 60.0, "chat-single": 3000.0, "shared-docs": 8.0, "azure-conv": 60.0,
+FIRST_GUESS = {"hh-rlhf": 200.0, "mixed": 200.0, "docs": 60.0, "chat-single": 400.0, "shared-docs": 8.0, "azure-conv": 60.0,
                "code-burst": 15.0}
 
 
@@ -183,23 +185,17 @@ def point_config(policy: str, pd: bool) -> Config:
 
 
 REQUESTS_PER_POINT = 3000
-LONG_REPLIES_MIN_DURATION_S = 4.0
-"""Fewest simulated seconds of arrivals for a workload in :data:`RUN_TO_MAX_TOKENS`: a 256-token reply lives 256
-decode passes, 3-5 s at these loads, and the decode batch (and the KV cache it holds) fills only over that long: 1.5 s
-of arrivals would judge every policy on engines whose decode batches were still filling."""
 
 
 def point_duration_s(workload: str, load: float, max_duration_s: float) -> float:
-    """Simulated seconds of arrivals for a point: enough for ~3,000 first turns, between 1.5 s
-    (:data:`LONG_REPLIES_MIN_DURATION_S` where replies run to 256 tokens) and ``max_duration_s`` (high-rate chat
-    points would otherwise simulate tens of thousands of requests each). A replayed workload
+    """Simulated seconds of arrivals for a point: enough for ~3,000 first turns, between 1.5 s and ``max_duration_s``
+    (high-rate chat points would otherwise simulate tens of thousands of requests each). A replayed workload
     (``load`` its speed-up) replays the same stretch of its trace at every load, its first ~3,000 requests, whatever
     ``max_duration_s``: a shorter one would hold only the trace's first seconds at low loads and its bursts only at
     high ones."""
     if workload in TRACE_RATE_RPS:
         return REQUESTS_PER_POINT / TRACE_RATE_RPS[workload] / load
-    shortest_s = LONG_REPLIES_MIN_DURATION_S if workload in RUN_TO_MAX_TOKENS else 1.5
-    return min(max_duration_s, max(shortest_s, REQUESTS_PER_POINT / load))
+    return min(max_duration_s, max(1.5, REQUESTS_PER_POINT / load))
 
 
 def run_point(workload: str, policy: str, load: float, max_duration_s: float, seed: int, pd: bool = False) -> dict:
@@ -209,9 +205,11 @@ def run_point(workload: str, policy: str, load: float, max_duration_s: float, se
     duration_s = point_duration_s(workload, load, max_duration_s)
     wl = build_workload(workload, random.Random(f"workload/{seed}"), tokenizer=tokenizer)
     prefills = PrefillWork(tokenizer)
-    timing = {"time_scale": 1.0 / load} if wl.timed else {"rate": load}
-    run = simulate_run(config, wl, duration_s=duration_s, seed=seed, tokenizer=tokenizer, on_prompt=prefills.arrive,
-                       ignore_eos=workload in RUN_TO_MAX_TOKENS, **timing)
+    if wl.timed:
+        run = simulate_run(config, wl, duration_s=duration_s, seed=seed, time_scale=1.0 / load, tokenizer=tokenizer,
+                           on_prompt=prefills.arrive)
+    else:
+        run = simulate_run(config, wl, duration_s=duration_s, seed=seed, rate=load, tokenizer=tokenizer, on_prompt=prefills.arrive)
     records = run.records
     report = build_report(records, slo_ttft_s=SLO_TTFT_S, slo_ttft_per_1k_s=PER_1K_S)
     met = sum(r.ok and r.ttft_s is not None and r.ttft_s <= SLO_TTFT_S for r in records)
@@ -222,8 +220,6 @@ def run_point(workload: str, policy: str, load: float, max_duration_s: float, se
         "length_slo_violation_rate": report["length_slo"]["violation_rate"],
         "ttft_p90_s": report["ttft_s"]["p90"],
         "short_ttft_p90_s": report["by_class"]["short"]["ttft_s"]["p90"],
-        "tpot_p50_s": report["tpot_s"]["p50"],
-        "reply_tokens_p50": float(np.median(replies)) if (replies := [r.completion_tokens for r in records if r.ok]) else None,
         # which class the violations fall on (the gateway's class at arrival, under every policy): where a target is
         # missed, this says whether the short requests or the long ones pay
         "short_slo_violation_rate": report["by_class"]["short"]["slo_violation_rate"],

@@ -9,9 +9,7 @@ it, the baselines of ``bench/dominance.py`` with SGLang's default flags, and its
 with laps' own flags, which says how much of laps' edge is its engine flags) on a trace file, ``FORMAT:PATH`` as
 ``laps simulate --dataset`` takes it. A timed trace (``mooncake:``, ``azure:``) replays its first
 ``--requests`` (2,000) requests at each speed-up in ``--loads``; a ``sharegpt:`` or ``lengths:`` file is Poisson at
-each rate in ``--loads`` (conversations per second) for max(4, ``--requests`` (3,000) / rate) simulated seconds (a
-decode batch of replies that run to their length takes seconds to fill: ``bench/dominance.py``'s
-``LONG_REPLIES_MIN_DURATION_S``).
+each rate in ``--loads`` (conversations per second) for max(1.5, ``--requests`` (3,000) / rate) simulated seconds.
 Every reply runs to the output length the file gives (``ignore_eos``, as SGLang's ``bench_serving`` sends by
 default; 256 tokens where a ShareGPT file records no reply), not to the simulated engine's own end of text (median
 30 tokens). Requests whose prompt plus output pass the engines' 32,768-token context are left out. Per point and
@@ -35,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from dominance import BASELINES, CONTROL, LONG_REPLIES_MIN_DURATION_S, PER_1K_S, SLO_TTFT_S, point_config, simulation_pool  # noqa: E402
+from dominance import BASELINES, CONTROL, PER_1K_S, SLO_TTFT_S, point_config, simulation_pool  # noqa: E402
 from laps.tokenizer import load_tokenizer  # noqa: E402
 from loadgen.cli import positive_float, positive_int  # noqa: E402
 from loadgen.report import build_report  # noqa: E402
@@ -68,8 +66,8 @@ def run(dataset: str, policy: str, load: float, requests: int, seed: int) -> dic
         records = simulate_run(config, workload, duration_s=float("inf"), seed=seed, time_scale=1.0 / load,
                                tokenizer=tokenizer, max_requests=requests, ignore_eos=True).records
     else:
-        records = simulate_run(config, workload, duration_s=max(LONG_REPLIES_MIN_DURATION_S, requests / load), seed=seed,
-                               rate=load, tokenizer=tokenizer, ignore_eos=True).records
+        records = simulate_run(config, workload, duration_s=max(1.5, requests / load), seed=seed, rate=load, tokenizer=tokenizer,
+                               ignore_eos=True).records
     report = build_report(records, slo_ttft_s=SLO_TTFT_S, slo_ttft_per_1k_s=PER_1K_S)
     return {"policy": policy, "load": load, "requests": report["requests"]["sent"],
             "slo_violation_rate": report["slo"]["violation_rate"],
@@ -100,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="speed-ups of a timed trace, or conversations per second of a sharegpt: or lengths: file")
     parser.add_argument("--requests", type=positive_int,
                         help="size of a point: a timed trace's first N requests (default: 2000), or N / rate seconds, "
-                             "at least 4 s, of Poisson arrivals of conversations (default: 3000)")
+                             "at least 1.5 s, of Poisson arrivals of conversations (default: 3000)")
     parser.add_argument("--seed", type=int, default=0, help="workload and arrival seed (default: %(default)s)")
     parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES), metavar="POLICY",
                         help="policies to run (default: all of %(choices)s): laps and one baseline at least; the last is "

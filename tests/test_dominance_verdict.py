@@ -203,15 +203,6 @@ def test_a_replayed_workload_replays_the_same_stretch_of_its_trace_at_every_load
         stretches_s = {round(load * dominance.point_duration_s(workload, load, 10.0), 6) for load in (2.0, 10.0, 40.0)}
         assert stretches_s == {round(dominance.REQUESTS_PER_POINT / dominance.TRACE_RATE_RPS[workload], 6)}
     assert [dominance.point_duration_s("mixed", load, 10.0) for load in (100.0, 1000.0, 3000.0)] == [10.0, 3.0, 1.5]
-    # 256-token replies need seconds of arrivals for the decode batch to fill
-    assert [dominance.point_duration_s("chat-single", load, 10.0) for load in (100.0, 1000.0, 3000.0)] == [10.0, 4.0, 4.0]
-
-
-def test_chat_single_replies_run_to_their_256_tokens_and_the_other_workloads_end_at_the_engines_end_of_text():
-    chat = dominance.run_point("chat-single", "least_load", 40.0, 0.5, 0)
-    mixed = dominance.run_point("mixed", "least_load", 40.0, 0.5, 0)
-    assert chat["reply_tokens_p50"] == 256.0
-    assert mixed["reply_tokens_p50"] < 256.0
 
 
 @pytest.mark.parametrize("text, says", [

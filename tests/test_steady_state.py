@@ -27,5 +27,12 @@ def test_every_policy_gets_the_same_arrivals_and_a_row_of_the_documented_figures
     assert rows[0]["requests"] == rows[1]["requests"] > 0  # the same seed: the same conversations at the same times
     for r in rows:
         assert set(r) == {"workload", "rate", "policy", "duration_s", "requests", "slo_violation_rate", "length_slo_violation_rate",
-                          "short_ttft_p90_s", "ttft_p50_s", "tpot_p50_s", "tpot_p90_s", "cache_hit_rate_pct"}
+                          "short_ttft_p90_s", "ttft_p50_s", "tpot_p50_s", "tpot_p90_s", "reply_tokens_p50", "cache_hit_rate_pct"}
         assert r["slo_violation_rate"] == 0.0 and 0.0 <= r["cache_hit_rate_pct"] < 100.0
+
+
+def test_ignore_eos_runs_every_reply_to_its_max_tokens_and_without_it_replies_end_at_the_engines_end_of_text():
+    natural = steady_state.run("chat-single", 20.0, "least_load", 1.0, 0)
+    to_length = steady_state.run("chat-single", 20.0, "least_load", 1.0, 0, ignore_eos=True)
+    assert natural["requests"] == to_length["requests"] > 0
+    assert natural["reply_tokens_p50"] < 256.0 == to_length["reply_tokens_p50"]
