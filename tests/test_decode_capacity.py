@@ -1,0 +1,50 @@
+"""bench/decode_capacity.py: the steady-state decode capacity on scripted pass costs, and one workload's figures."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+sys.path.insert(0, str(BENCH))  # decode_capacity imports dominance from next to it
+_spec = importlib.util.spec_from_file_location("decode_capacity", BENCH / "decode_capacity.py")
+decode_capacity = sys.modules["decode_capacity"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(decode_capacity)
+
+
+class Passes:
+    """A decode pass of 1 ms plus 10 µs a sequence plus 1 ns a token of context; records what it was asked."""
+
+    def __init__(self) -> None:
+        self.asked: list[tuple[int, int]] = []
+
+    def decode_s(self, seqs: int, context_tokens: int) -> float:
+        self.asked.append((seqs, context_tokens))
+        return 1e-3 + 1e-5 * seqs + 1e-9 * context_tokens
+
+
+def test_the_batch_is_the_slots_or_what_the_kv_pool_holds_whichever_is_fewer():
+    passes = Passes()
+    # 1,000 KV tokens hold 6 requests of 100 + 50 tokens, but only 4 slots: 4 sequences of context 125, a pass of
+    # 1 ms + 40 µs + 500 ns; 4 tokens a pass, 50 a reply, 2 engines
+    assert decode_capacity.decode_capacity_rps(passes, 1000, 4, 100.0, 50.0, 2) == pytest.approx(2 * 4 / 1.0405e-3 / 50)
+    assert passes.asked == [(4, 500)]
+    # with 64 slots the KV pool binds: 6 sequences, context 750 tokens
+    assert decode_capacity.decode_capacity_rps(passes, 1000, 64, 100.0, 50.0, 1) == pytest.approx(6 / 1.06075e-3 / 50)
+    assert passes.asked[-1] == (6, 750)
+
+
+@pytest.mark.parametrize("kv, reply, engines, says", [(100, 50.0, 1, "does not fit"), (1000, 0.0, 1, "must be > 0"),
+                                                      (1000, 50.0, 0, "must be > 0")])
+def test_a_request_that_cannot_decode_is_an_error(kv, reply, engines, says):
+    with pytest.raises(ValueError, match=says):
+        decode_capacity.decode_capacity_rps(Passes(), kv, 4, 100.0, reply, engines)
+
+
+def test_a_workload_gives_its_mean_lengths_and_the_capacity_of_its_decoding_engines():
+    unified = decode_capacity.workload_capacity("chat-single", 100.0, pd=False)
+    pd = decode_capacity.workload_capacity("mixed", 50.0, pd=True)
+    assert unified["decode_engines"] == 8 and pd["decode_engines"] == 2
+    assert 0 < unified["reply_tokens"] <= 256 and unified["prompt_tokens"] > 0
+    assert unified["decode_capacity_rps"] > pd["decode_capacity_rps"] > 0
