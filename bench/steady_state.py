@@ -14,7 +14,8 @@ TTFT P50, TPOT P50 and P90, and the share of prompt tokens the engines found cac
 writes the rows as JSON. Replies end where ``bench/dominance.py``'s do, at the simulated engine's own end of text
 (median 30 tokens) or ``max_tokens``; with ``--ignore-eos`` every reply runs to its ``max_tokens`` (``chat-single``'s
 256, the issue's short-heavy mix). Then the engines are decode-bound: by the engine model's ``decode_s`` 8 engines
-decode at most ~930 conversations/s of 256-token replies, and past that the decode batches grow (TPOT with them)
+decode at most ~930 conversations/s of ``chat-single``'s with 256-token replies (``bench/decode_capacity.py``'s
+bound), and past that the decode batches grow (TPOT with them)
 while TTFT stays low until the request slots fill, so there TPOT, not TTFT, says who serves better.
 """
 
