@@ -285,6 +285,22 @@ def simulation_pool(jobs: int) -> multiprocessing.pool.Pool:
     return multiprocessing.Pool(jobs, _ignore_sigint)
 
 
+def simulate_all(jobs: int, fn, calls: list[tuple], console: Console) -> list:
+    """``fn(*args)`` for every ``args`` in ``calls`` on a :func:`simulation_pool` of ``jobs`` processes; the results in
+    the order of ``calls``, with a status line of how many are done.
+
+    Raises:
+        KeyboardInterrupt: on Ctrl-C, once the workers are stopped.
+    """
+    with simulation_pool(jobs) as pool, console.status("simulating") as status:
+        pending = [pool.apply_async(fn, args) for args in calls]
+        results = []
+        for result in pending:
+            results.append(result.get())
+            status.update(f"simulating: {len(results)} of {len(pending)} runs done")
+    return results
+
+
 def saturation_load(workload: str, duration_s: float, seed: int, pd: bool, pool: multiprocessing.pool.Pool) -> float:
     """least_load's offered load at 5% violations (of :data:`OBJECTIVE`'s objective): a geometric ladder two probes at a
     time (factor 2), then two rounds of two probes at the thirds of the bracket in log space; the bracket's geometric middle."""

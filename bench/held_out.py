@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from dominance import BASELINES, CONTROL, PER_1K_S, SLO_TTFT_S, point_config, simulation_pool  # noqa: E402
+from dominance import BASELINES, CONTROL, PER_1K_S, SLO_TTFT_S, point_config, simulate_all  # noqa: E402
 from laps.tokenizer import load_tokenizer  # noqa: E402
 from loadgen.cli import positive_float, positive_int  # noqa: E402
 from loadgen.report import build_report  # noqa: E402
@@ -131,12 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     for note in workload.notes:
         console.print(f"note: {note}", highlight=False)
     try:
-        with simulation_pool(args.jobs) as pool, console.status("simulating") as status:
-            pending = [pool.apply_async(run, (args.dataset, p, load, requests, args.seed)) for load in loads for p in policies]
-            rows = []
-            for result in pending:
-                rows.append(result.get())
-                status.update(f"simulating: {len(rows)} of {len(pending)} runs done")
+        rows = simulate_all(args.jobs, run, [(args.dataset, p, load, requests, args.seed) for load in loads for p in policies], console)
     except KeyboardInterrupt:
         print(f"{parser.prog}: interrupted; nothing written", file=sys.stderr)
         if created:

@@ -34,7 +34,7 @@ import numpy as np  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from dominance import BASELINES, CONTROL, PER_1K_S, SLO_TTFT_S, WORKLOADS, point_config, simulation_pool  # noqa: E402
+from dominance import BASELINES, CONTROL, PER_1K_S, SLO_TTFT_S, WORKLOADS, point_config, simulate_all  # noqa: E402
 from laps.tokenizer import load_tokenizer  # noqa: E402
 from loadgen.cli import positive_float, positive_int  # noqa: E402
 from loadgen.report import build_report  # noqa: E402
@@ -96,12 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     console = Console(width=170)
     try:
-        with simulation_pool(args.jobs) as pool, console.status("simulating") as status:
-            pending = [pool.apply_async(run, (w, r, p, args.duration, args.seed, args.ignore_eos)) for w, r in args.points for p in args.policies]
-            rows = []
-            for result in pending:
-                rows.append(result.get())
-                status.update(f"simulating: {len(rows)} of {len(pending)} runs done")
+        rows = simulate_all(args.jobs, run, [(w, r, p, args.duration, args.seed, args.ignore_eos)
+                                             for w, r in args.points for p in args.policies], console)
     except KeyboardInterrupt:
         print(f"{parser.prog}: interrupted; nothing written", file=sys.stderr)
         return 130
