@@ -17,7 +17,7 @@ whichever is first (``bench/held_out.py`` runs them to the trace's lengths). The
 most ~930 conversations/s of them) and past that TTFT stays low for every policy while the decode batches grow,
 until the request slots fill, which in a point of finite length happens at a load set by that length: a knee and a
 goodput of the TTFT objective there would measure the point's length, not the scheduler. ``bench/steady_state.py
---ignore-eos`` runs that shape over 20 s of arrivals instead, TPOT beside TTFT.
+--ignore-eos --duration 20`` runs that shape over 20 s of arrivals instead, TPOT beside TTFT.
 
 Policies: ``laps`` as shipped (``examples/sim-h200x8.yaml``, unedited: pools as preferences,
 predicted-TTFT routing, the controller on with instant moves, laps' SGLang plugin in the engines: late requests
@@ -581,9 +581,30 @@ def print_verdicts(verdicts: list[dict], console: Console) -> bool:
 
 
 def write(path: Path, duration_s: float, rows: list[dict], verdicts: list[dict], ok: bool | None) -> None:
-    """The JSON: settings, every row, the verdicts so far and whether all targets are met (``None`` until the end)."""
-    path.write_text(json.dumps({"slo_ttft_s": SLO_TTFT_S, "per_1k_new_tokens_s": PER_1K_S, "max_duration_s": duration_s,
-                                "rows": rows, "verdict": verdicts, "all_targets_met": ok}, indent=1))
+    """The JSON: settings, every row, the verdicts so far and whether all targets are met (``None`` until the end);
+    written beside ``path`` and renamed over it, so an interrupted write leaves the previous file whole."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps({"slo_ttft_s": SLO_TTFT_S, "per_1k_new_tokens_s": PER_1K_S, "max_duration_s": duration_s,
+                                   "rows": rows, "verdict": verdicts, "all_targets_met": ok}, indent=1))
+    partial.replace(path)
+
+
+def claim_out(parser: argparse.ArgumentParser, path: Path) -> bool:
+    """Make sure ``path`` can take a bench's output before any simulation (not after hours of it): its folder made, the
+    file created empty if absent; whether this call created it (remove it if the run ends with nothing to write).
+
+    Raises:
+        SystemExit: through ``parser.error`` (exit 2) if ``path`` is a directory or cannot be created.
+    """
+    if path.is_dir():
+        parser.error(f"--out {path} is a directory; name a JSON file")
+    created = not path.exists()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch()
+    except OSError as err:
+        parser.error(f"--out {path}: {err.strerror or err}")
+    return created
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -633,7 +654,7 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"note: --duration does not bound {', '.join(replayed)}: a replayed workload replays its first "
                       f"~{REQUESTS_PER_POINT:,} requests at every load")
     all_rows, verdicts = [], []
-    args.out.parent.mkdir(parents=True, exist_ok=True)
+    created = claim_out(parser, args.out)
     try:
         with simulation_pool(args.jobs) as pool, Progress(console=console, transient=True) as progress:
             for workload, pd in runs:
@@ -648,6 +669,8 @@ def main(argv: list[str] | None = None) -> int:
         done = ", ".join(v["workload"] for v in verdicts)
         print(f"{parser.prog}: interrupted; " + (f"{args.out} holds {done} (--verdict-of reads it)" if done else "nothing written"),
               file=sys.stderr)
+        if created and not done:
+            args.out.unlink(missing_ok=True)
         return 130
     ok = print_verdicts(verdicts, console)
     write(args.out, duration, all_rows, verdicts, ok)

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from dominance import BASELINES, CONTROL, PER_1K_S, SLO_TTFT_S, point_config, simulate_all  # noqa: E402
+from dominance import BASELINES, CONTROL, PER_1K_S, SLO_TTFT_S, claim_out, point_config, simulate_all  # noqa: E402
 from laps.tokenizer import load_tokenizer  # noqa: E402
 from loadgen.cli import positive_float, positive_int  # noqa: E402
 from loadgen.report import build_report  # noqa: E402
@@ -110,14 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     policies = [p for p in POLICIES if p in args.policies]
     if "laps" not in policies or not any(p in BASELINES for p in policies):
         parser.error("--policies must name laps and at least one baseline: " + ", ".join(BASELINES))
-    if args.out.is_dir():
-        parser.error(f"--out {args.out} is a directory; name a JSON file")
-    created = not args.out.exists()
-    try:  # before hours of simulation, not after
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.touch()
-    except OSError as err:
-        parser.error(f"--out {args.out}: {err.strerror or err}")
+    created = claim_out(parser, args.out)
     console = Console(width=150)
     try:  # the file once here, so a bad one stops the bench before any simulation (each run reads it again)
         workload = build_workload(args.dataset, random.Random(f"workload/{args.seed}"), tokenizer=load_tokenizer(),

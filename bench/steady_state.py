@@ -1,6 +1,6 @@
 """laps and the router baselines at steady state: fixed rates, seconds of arrivals rather than a burst.
 
-    python bench/steady_state.py --out runs/steady_state/steady.json                 # ~20 min on 2 cores
+    python bench/steady_state.py --out runs/steady_state/steady.json                 # ~25 min on 2 cores
     python bench/steady_state.py --points chat-single:2000 mixed:300 --duration 15 --out runs/steady_state/s.json
 
 ``bench/dominance.py`` sizes each point to ~3,000 requests, so at the rates where short-prompt chat
@@ -14,8 +14,8 @@ TTFT P50, TPOT P50 and P90, and the share of prompt tokens the engines found cac
 writes the rows as JSON. Replies end where ``bench/dominance.py``'s do, at the simulated engine's own end of text
 (median 30 tokens) or ``max_tokens``; with ``--ignore-eos`` every reply runs to its ``max_tokens`` (``chat-single``'s
 256, the issue's short-heavy mix). Then the engines are decode-bound: by the engine model's ``decode_s`` 8 engines
-decode at most ~930 conversations/s of ``chat-single``'s with 256-token replies (``bench/decode_capacity.py``'s
-bound), and past that the decode batches grow (TPOT with them)
+decode at most ~930 conversations/s of ``chat-single``'s with 256-token replies (``bench/decode_capacity.py
+--workload chat-single --reply-tokens 256``), and past that the decode batches grow (TPOT with them)
 while TTFT stays low until the request slots fill, so there TPOT, not TTFT, says who serves better.
 """
 
@@ -34,7 +34,7 @@ import numpy as np  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from dominance import BASELINES, CONTROL, PER_1K_S, SLO_TTFT_S, WORKLOADS, point_config, simulate_all  # noqa: E402
+from dominance import BASELINES, CONTROL, PER_1K_S, SLO_TTFT_S, WORKLOADS, claim_out, point_config, simulate_all  # noqa: E402
 from laps.tokenizer import load_tokenizer  # noqa: E402
 from loadgen.cli import positive_float, positive_int  # noqa: E402
 from loadgen.report import build_report  # noqa: E402
@@ -81,6 +81,10 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{1e3 * seconds:.1f}"
 
 
+def _percent(rate: float | None) -> str:  # None: no request in the run
+    return "-" if rate is None else f"{100 * rate:.2f}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -94,12 +98,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES), metavar="POLICY",
                         help="policies to run (default: all of %(choices)s)")
     args = parser.parse_args(argv)
+    policies = [p for p in POLICIES if p in args.policies]
+    created = claim_out(parser, args.out)
     console = Console(width=170)
     try:
         rows = simulate_all(args.jobs, run, [(w, r, p, args.duration, args.seed, args.ignore_eos)
-                                             for w, r in args.points for p in args.policies], console)
+                                             for w, r in args.points for p in policies], console)
     except KeyboardInterrupt:
         print(f"{parser.prog}: interrupted; nothing written", file=sys.stderr)
+        if created:
+            args.out.unlink(missing_ok=True)
         return 130
     replies = "every reply to its max_tokens" if args.ignore_eos else "replies to the engine's end of text or max_tokens"
     table = Table(title=f"steady state: {args.duration:g} s of arrivals per run, seed {args.seed}, {replies}; TTFT objective {SLO_TTFT_S} s")
@@ -107,8 +115,8 @@ def main(argv: list[str] | None = None) -> int:
                    "TTFT P50 ms", "TPOT P50 ms", "TPOT P90 ms", "cached %"):
         table.add_column(column, justify="left" if column in ("workload", "policy") else "right")
     for r in rows:
-        table.add_row(r["workload"], f"{r['rate']:g}", r["policy"], f"{r['requests']:,}", f"{100 * r['slo_violation_rate']:.2f}",
-                      f"{100 * r['length_slo_violation_rate']:.2f}", _ms(r["short_ttft_p90_s"]), _ms(r["ttft_p50_s"]),
+        table.add_row(r["workload"], f"{r['rate']:g}", r["policy"], f"{r['requests']:,}", _percent(r["slo_violation_rate"]),
+                      _percent(r["length_slo_violation_rate"]), _ms(r["short_ttft_p90_s"]), _ms(r["ttft_p50_s"]),
                       _ms(r["tpot_p50_s"]), _ms(r["tpot_p90_s"]), f"{r['cache_hit_rate_pct']:.1f}")
     console.print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,7 @@
 """bench/decode_capacity.py: the steady-state decode capacity on scripted pass costs, and one workload's figures."""
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -43,8 +44,36 @@ def test_a_request_that_cannot_decode_is_an_error(kv, reply, engines, says):
 
 
 def test_a_workload_gives_its_mean_lengths_and_the_capacity_of_its_decoding_engines():
-    unified = decode_capacity.workload_capacity("chat-single", 100.0, pd=False)
-    pd = decode_capacity.workload_capacity("mixed", 50.0, pd=True)
-    assert unified["decode_engines"] == 8 and pd["decode_engines"] == 2
-    assert 0 < unified["reply_tokens"] <= 256 and unified["prompt_tokens"] > 0
-    assert unified["decode_capacity_rps"] > pd["decode_capacity_rps"] > 0
+    unified = decode_capacity.workload_capacity("chat-single", 20.0, pd=False)
+    long_replies = decode_capacity.workload_capacity("chat-single", 20.0, pd=False, reply_tokens=256)
+    pd = decode_capacity.workload_capacity("mixed", 10.0, pd=True)
+    assert unified["decode_engines"] == long_replies["decode_engines"] == 8 and pd["decode_engines"] == 2
+    assert 0 < unified["reply_tokens"] < 256 == long_replies["reply_tokens"]
+    assert unified["prompt_tokens"] == long_replies["prompt_tokens"] > 0  # the same requests
+    assert unified["decode_capacity_rps"] > long_replies["decode_capacity_rps"] > 0 and pd["decode_capacity_rps"] > 0
+
+
+def test_a_dominance_json_gives_each_verdicts_saturation_and_least_loads_arrivals_there(tmp_path):
+    path = tmp_path / "d.json"
+    rows = [{"workload": "mixed", "policy": "least_load", "pd": False, "load": 400.0, "requests": 3000, "duration_s": 7.5},
+            {"workload": "mixed", "policy": "laps", "pd": False, "load": 400.0, "requests": 1, "duration_s": 1.0},
+            {"workload": "mixed", "policy": "least_load", "pd": True, "load": 300.0, "requests": 900, "duration_s": 3.0}]
+    verdicts = [{"workload": "mixed", "saturation_load": 400.0}, {"workload": "mixed (PD 6+2)", "saturation_load": 300.0},
+                {"workload": "docs", "saturation_load": 250.0}]
+    path.write_text(json.dumps({"verdict": verdicts, "rows": rows}))
+    assert decode_capacity.dominance_points(path) == [("mixed", False, 400.0, 400.0), ("mixed (PD 6+2)", True, 300.0, 300.0),
+                                                      ("docs", False, 250.0, None)]
+
+
+@pytest.mark.parametrize("text, says", [("", "Expecting value"), ("[]", "no 'verdict' and 'rows' lists"),
+                                        ('{"verdict": 3, "rows": []}', "no 'verdict' and 'rows' lists"),
+                                        ('{"verdict": [], "rows": []}', "no workload in it"),
+                                        ('{"verdict": ["mixed"], "rows": []}', "a verdict without"),
+                                        ('{"verdict": [{"workload": "nope", "saturation_load": 3}], "rows": []}', "a verdict without"),
+                                        ('{"verdict": [{"workload": "mixed", "saturation_load": 0}], "rows": []}', "a verdict without")])
+def test_a_file_that_is_not_a_dominance_json_is_a_value_error_naming_it(tmp_path, text, says):
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=f"bad.json: .*{says}"):
+        decode_capacity.dominance_points(path)
+    assert decode_capacity.main(["--of", str(path)]) == 2

@@ -36,3 +36,11 @@ def test_ignore_eos_runs_every_reply_to_its_max_tokens_and_without_it_replies_en
     to_length = steady_state.run("chat-single", 20.0, "least_load", 1.0, 0, ignore_eos=True)
     assert natural["requests"] == to_length["requests"] > 0
     assert natural["reply_tokens_p50"] < 256.0 == to_length["reply_tokens_p50"]
+
+
+def test_an_out_that_cannot_be_written_stops_the_bench_before_any_simulation(tmp_path):
+    for out in (tmp_path, tmp_path / "file" / "sub.json"):
+        (tmp_path / "file").touch()
+        with pytest.raises(SystemExit) as stopped:
+            steady_state.main(["--points", "mixed:1", "--out", str(out)])
+        assert stopped.value.code == 2
