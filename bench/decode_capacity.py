@@ -8,7 +8,7 @@ per second a point is a 1.5-s burst. If that rate is past what the engines can d
 could serve it for long: the decode batches grow until the request slots or the KV pool fill, and the point's
 violations (its knee, its goodput) say how the policies share those slots during the burst, set by the point's
 length, not a rate the node could sustain. With ``--of``, this prints per workload of a ``dominance.py`` JSON: the
-mean prompt and reply tokens of its requests (least_load at 0.2× its saturation load, seed 0, points as
+mean prompt and reply tokens of its requests (least_load at 0.2× its saturation load, seed 0, at most 3,000 requests, points as
 ``dominance.py`` sizes them), the engine model's decode capacity for them (:func:`decode_capacity_rps`), the
 arrival rate of least_load's point at the saturation load (requests sent over the point's seconds of arrivals),
 and their ratio (above 1: a burst past what the engines can decode). With ``--workload`` and ``--reply-tokens``,
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import statistics
 import sys
@@ -30,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from dominance import WORKLOADS, point_config, point_duration_s  # noqa: E402
+from dominance import REQUESTS_PER_POINT, WORKLOADS, point_config, point_duration_s  # noqa: E402
 from engines.sim.latency import LatencyModel  # noqa: E402
 from laps.tokenizer import load_tokenizer  # noqa: E402
 from loadgen.cli import positive_float, positive_int  # noqa: E402
@@ -75,7 +76,8 @@ def workload_capacity(workload: str, load: float, pd: bool, seed: int = 0, reply
     config = point_config("least_load", pd)
     wl = build_workload(workload, random.Random(f"workload/{seed}"), tokenizer=tokenizer)
     timing = {"time_scale": 1.0 / load} if wl.timed else {"rate": load}
-    run = simulate_run(config, wl, duration_s=point_duration_s(workload, load, 10.0), seed=seed, tokenizer=tokenizer, **timing)
+    run = simulate_run(config, wl, duration_s=point_duration_s(workload, load, 10.0), seed=seed, tokenizer=tokenizer,
+                       max_requests=REQUESTS_PER_POINT, **timing)
     done = [r for r in run.records if r.ok and r.completion_tokens]
     if not done:
         raise ValueError(f"{workload} at load {load:g}: no request finished to take the mean lengths from")
@@ -84,6 +86,9 @@ def workload_capacity(workload: str, load: float, pd: bool, seed: int = 0, reply
     pools = {e.name: config.roles[e.role].pool for e in config.engines}
     decoding = [slot.core for name, slot in run.engines.items() if not pd or pools.get(name) == "decode"]
     core = decoding[0]
+    if prompt + reply > core.config.context_length:
+        raise ValueError(f"a mean prompt of {prompt:,.0f} tokens and {reply:,.0f}-token replies pass the engines' "
+                         f"{core.config.context_length:,}-token context")
     capacity = decode_capacity_rps(core.latency, core.config.max_total_tokens, core.config.max_running_requests,
                                    prompt, reply, len(decoding))
     return {"prompt_tokens": prompt, "reply_tokens": reply, "decode_engines": len(decoding), "decode_capacity_rps": capacity}
@@ -107,7 +112,7 @@ def dominance_points(path: Path) -> list[tuple[str, bool, float, float | None]]:
         name = v.get("workload") if isinstance(v, dict) else None
         sat = v.get("saturation_load") if isinstance(v, dict) else None
         workload, pd = (name.split(" ")[0], name.endswith("(PD 6+2)")) if isinstance(name, str) else (None, False)
-        if workload not in WORKLOADS or isinstance(sat, bool) or not isinstance(sat, (int, float)) or not sat > 0:
+        if workload not in WORKLOADS or isinstance(sat, bool) or not isinstance(sat, (int, float)) or not 0 < sat < math.inf:
             raise ValueError(f"{path}: a verdict without a workload of bench/dominance.py and a positive saturation_load: {v!r}"[:300])
         row = next((r for r in earlier["rows"] if isinstance(r, dict) and r.get("policy") == "least_load"
                     and r.get("workload") == workload and bool(r.get("pd")) == pd
@@ -136,7 +141,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--workload and --reply-tokens go together")
     console = Console(width=150)
     if args.workload is not None:
-        cap = workload_capacity(args.workload, args.rate, pd=False, reply_tokens=args.reply_tokens)
+        try:
+            cap = workload_capacity(args.workload, args.rate, pd=False, reply_tokens=args.reply_tokens)
+        except ValueError as err:
+            print(f"{parser.prog}: error: {err}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print(f"{parser.prog}: interrupted", file=sys.stderr)
+            return 130
         console.print(f"{args.workload}: mean prompt {cap['prompt_tokens']:,.0f} tokens, replies of {args.reply_tokens}: "
                       f"{cap['decode_engines']} engines decode at most {cap['decode_capacity_rps']:,.0f} requests/s")
         return 0

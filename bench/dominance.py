@@ -581,12 +581,18 @@ def print_verdicts(verdicts: list[dict], console: Console) -> bool:
 
 
 def write(path: Path, duration_s: float, rows: list[dict], verdicts: list[dict], ok: bool | None) -> None:
-    """The JSON: settings, every row, the verdicts so far and whether all targets are met (``None`` until the end);
-    written beside ``path`` and renamed over it, so an interrupted write leaves the previous file whole."""
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps({"slo_ttft_s": SLO_TTFT_S, "per_1k_new_tokens_s": PER_1K_S, "max_duration_s": duration_s,
-                                   "rows": rows, "verdict": verdicts, "all_targets_met": ok}, indent=1))
-    partial.replace(path)
+    """The JSON: settings, every row, the verdicts so far and whether all targets are met (``None`` until the end).
+    A regular file (or one a link names) is written beside itself and renamed over, so an interrupted write leaves
+    the previous file whole; anything else (``/dev/stdout``) is written to directly."""
+    text = json.dumps({"slo_ttft_s": SLO_TTFT_S, "per_1k_new_tokens_s": PER_1K_S, "max_duration_s": duration_s,
+                       "rows": rows, "verdict": verdicts, "all_targets_met": ok}, indent=1)
+    target = path.resolve()
+    if target.exists() and not target.is_file():
+        path.write_text(text)
+        return
+    partial = target.with_name(target.name + ".partial")
+    partial.write_text(text)
+    partial.replace(target)
 
 
 def claim_out(parser: argparse.ArgumentParser, path: Path) -> bool:
@@ -624,6 +630,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     console = Console(width=160)
     if args.verdict_of is not None:
+        if args.out is not None:
+            claim_out(parser, args.out)
         if not args.verdict_of.is_file():
             parser.error(f"--verdict-of {args.verdict_of}: {'a directory' if args.verdict_of.is_dir() else 'no such file'}")
         try:
