@@ -70,7 +70,8 @@ def workload_capacity(workload: str, load: float, pd: bool, seed: int = 0, reply
     of the measured mean if given) and the decode capacity of its decoding engines for them (:func:`decode_capacity_rps`).
 
     Raises:
-        ValueError: no request finished at that load (or ``build_workload``'s, for an unknown workload).
+        ValueError: no request finished at that load, the mean prompt and reply pass the engines' context or do not
+            fit their KV pool (or ``build_workload``'s, for an unknown workload).
     """
     tokenizer = load_tokenizer()
     config = point_config("least_load", pd)

@@ -77,3 +77,8 @@ def test_a_file_that_is_not_a_dominance_json_is_a_value_error_naming_it(tmp_path
     with pytest.raises(ValueError, match=f"bad.json: .*{says}"):
         decode_capacity.dominance_points(path)
     assert decode_capacity.main(["--of", str(path)]) == 2
+
+
+def test_replies_past_the_engines_context_are_refused():
+    with pytest.raises(ValueError, match="pass the engines' 32,768-token context"):
+        decode_capacity.workload_capacity("chat-single", 20.0, pd=False, reply_tokens=100_000)
