@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
 import statistics
 import sys
 from pathlib import Path
@@ -31,12 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from dominance import REQUESTS_PER_POINT, WORKLOADS, point_config, point_duration_s  # noqa: E402
+from dominance import REQUESTS_PER_POINT, WORKLOADS, point_duration_s, simulate_point  # noqa: E402
 from engines.sim.latency import LatencyModel  # noqa: E402
-from laps.tokenizer import load_tokenizer  # noqa: E402
 from loadgen.cli import positive_float, positive_int  # noqa: E402
-from loadgen.simulate import simulate_run  # noqa: E402
-from loadgen.workloads import build_workload  # noqa: E402
 
 MEANS_AT_LOAD = 0.2  # the multiple of the saturation load whose requests give the mean prompt and reply
 
@@ -73,12 +69,8 @@ def workload_capacity(workload: str, load: float, pd: bool, seed: int = 0, reply
         ValueError: no request finished at that load, the mean prompt and reply pass the engines' context or do not
             fit their KV pool (or ``build_workload``'s, for an unknown workload).
     """
-    tokenizer = load_tokenizer()
-    config = point_config("least_load", pd)
-    wl = build_workload(workload, random.Random(f"workload/{seed}"), tokenizer=tokenizer)
-    timing = {"time_scale": 1.0 / load} if wl.timed else {"rate": load}
-    run = simulate_run(config, wl, duration_s=point_duration_s(workload, load, 10.0), seed=seed, tokenizer=tokenizer,
-                       max_requests=REQUESTS_PER_POINT, **timing)
+    config, run = simulate_point(workload, "least_load", load, point_duration_s(workload, load, 10.0), seed, pd,
+                                 max_requests=REQUESTS_PER_POINT)
     done = [r for r in run.records if r.ok and r.completion_tokens]
     if not done:
         raise ValueError(f"{workload} at load {load:g}: no request finished to take the mean lengths from")
@@ -95,8 +87,8 @@ def workload_capacity(workload: str, load: float, pd: bool, seed: int = 0, reply
     return {"prompt_tokens": prompt, "reply_tokens": reply, "decode_engines": len(decoding), "decode_capacity_rps": capacity}
 
 
-def dominance_points(path: Path) -> list[tuple[str, bool, float, float | None]]:
-    """``(workload, pd, saturation_load, arrivals_rps)`` per verdict of a ``bench/dominance.py`` JSON (arrivals: least_load's
+def dominance_points(path: Path) -> list[tuple[str, str, bool, float, float | None]]:
+    """``(verdict name, workload, pd, saturation_load, arrivals_rps)`` per verdict of a ``bench/dominance.py`` JSON (arrivals: least_load's
     point at the saturation load, requests over seconds of arrivals; None where the JSON has no such row).
 
     Raises:
@@ -122,7 +114,7 @@ def dominance_points(path: Path) -> list[tuple[str, bool, float, float | None]]:
             arrivals = None if row is None else float(row["requests"]) / float(row["duration_s"])
         except (KeyError, TypeError, ValueError, ZeroDivisionError):
             arrivals = None
-        points.append((name, pd, float(sat), arrivals))
+        points.append((name, workload, pd, float(sat), arrivals))
     if not points:
         raise ValueError(f"{path}: no workload in it")
     return points
@@ -163,10 +155,10 @@ def main(argv: list[str] | None = None) -> int:
         table.add_column(column, justify="left" if column == "workload" else "right")
     try:
         with console.status("simulating") as status:
-            for name, pd, sat, arrivals in points:
+            for name, workload, pd, sat, arrivals in points:
                 status.update(f"simulating {name}")
                 try:
-                    cap = workload_capacity(name.split(" ")[0], MEANS_AT_LOAD * sat, pd)
+                    cap = workload_capacity(workload, MEANS_AT_LOAD * sat, pd)
                 except ValueError as err:
                     table.add_row(name, "-", "-", "-", "-", "-" if arrivals is None else f"{arrivals:,.0f}", "-")
                     console.print(f"note: {err}")

@@ -93,6 +93,7 @@ from laps.tokenizer import load_tokenizer  # noqa: E402
 from loadgen.cli import positive_float, positive_int  # noqa: E402
 from loadgen.report import build_report  # noqa: E402
 from loadgen.simulate import simulate_run  # noqa: E402
+from loadgen.virtual import VirtualRun  # noqa: E402
 from loadgen.workloads import CODE_BURST_RATE_RPS, TIMED_DATASETS, build_workload, load_azure_trace  # noqa: E402
 from policy_compare import POLICIES as COMPARED, ROLES  # noqa: E402
 from violation_floor import IdealPrefixCache, violation_floor  # noqa: E402
@@ -198,18 +199,23 @@ def point_duration_s(workload: str, load: float, max_duration_s: float) -> float
     return min(max_duration_s, max(1.5, REQUESTS_PER_POINT / load))
 
 
-def run_point(workload: str, policy: str, load: float, max_duration_s: float, seed: int, pd: bool = False) -> dict:
-    """Simulate one (workload, policy, offered load) point; its row."""
+def simulate_point(workload: str, policy: str, load: float, duration_s: float, seed: int, pd: bool = False,
+                   **options) -> tuple[Config, VirtualRun]:
+    """``policy``'s deployment (:func:`point_config`) on ``workload`` (seeded ``workload/{seed}``) at ``load``
+    (conversations per second, or a replayed workload's speed-up) for ``duration_s`` of arrivals; the config and the
+    finished run. ``options`` go to :func:`~loadgen.simulate.simulate_run` (``on_prompt``, ``ignore_eos``, ``max_requests``)."""
     tokenizer = load_tokenizer()
     config = point_config(policy, pd)
-    duration_s = point_duration_s(workload, load, max_duration_s)
     wl = build_workload(workload, random.Random(f"workload/{seed}"), tokenizer=tokenizer)
-    prefills = PrefillWork(tokenizer)
-    if wl.timed:
-        run = simulate_run(config, wl, duration_s=duration_s, seed=seed, time_scale=1.0 / load, tokenizer=tokenizer,
-                           on_prompt=prefills.arrive)
-    else:
-        run = simulate_run(config, wl, duration_s=duration_s, seed=seed, rate=load, tokenizer=tokenizer, on_prompt=prefills.arrive)
+    timing = {"time_scale": 1.0 / load} if wl.timed else {"rate": load}
+    return config, simulate_run(config, wl, duration_s=duration_s, seed=seed, tokenizer=tokenizer, **timing, **options)
+
+
+def run_point(workload: str, policy: str, load: float, max_duration_s: float, seed: int, pd: bool = False) -> dict:
+    """Simulate one (workload, policy, offered load) point; its row."""
+    duration_s = point_duration_s(workload, load, max_duration_s)
+    prefills = PrefillWork(load_tokenizer())
+    config, run = simulate_point(workload, policy, load, duration_s, seed, pd, on_prompt=prefills.arrive)
     records = run.records
     report = build_report(records, slo_ttft_s=SLO_TTFT_S, slo_ttft_per_1k_s=PER_1K_S)
     met = sum(r.ok and r.ttft_s is not None and r.ttft_s <= SLO_TTFT_S for r in records)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 from pathlib import Path
 
@@ -34,12 +33,10 @@ import numpy as np  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from dominance import BASELINES, CONTROL, PER_1K_S, SLO_TTFT_S, WORKLOADS, claim_out, point_config, simulate_all  # noqa: E402
-from laps.tokenizer import load_tokenizer  # noqa: E402
+from dominance import BASELINES, CONTROL, PER_1K_S, SLO_TTFT_S, WORKLOADS, claim_out, simulate_all, simulate_point  # noqa: E402
 from loadgen.cli import positive_float, positive_int  # noqa: E402
 from loadgen.report import build_report  # noqa: E402
-from loadgen.simulate import simulate_run  # noqa: E402
-from loadgen.workloads import TIMED_DATASETS, build_workload  # noqa: E402
+from loadgen.workloads import TIMED_DATASETS  # noqa: E402
 
 POLICIES = ("laps", *BASELINES, CONTROL)
 DEFAULT_POINTS = ("chat-single:2000", "chat-single:4000", "mixed:300")
@@ -61,10 +58,7 @@ def point(text: str) -> tuple[str, float]:
 
 def run(workload: str, rate: float, policy: str, duration_s: float, seed: int, ignore_eos: bool = False) -> dict:
     """One (point, policy) run; its row (``ignore_eos``: every reply runs to its ``max_tokens``)."""
-    tokenizer = load_tokenizer()
-    wl = build_workload(workload, random.Random(f"workload/{seed}"), tokenizer=tokenizer)
-    records = simulate_run(point_config(policy, pd=False), wl, duration_s=duration_s, seed=seed, rate=rate,
-                           tokenizer=tokenizer, ignore_eos=ignore_eos).records
+    records = simulate_point(workload, policy, rate, duration_s, seed, ignore_eos=ignore_eos)[1].records
     report = build_report(records, slo_ttft_s=SLO_TTFT_S, slo_ttft_per_1k_s=PER_1K_S)
     return {
         "workload": workload, "rate": rate, "policy": policy, "duration_s": duration_s, "requests": report["requests"]["sent"],

@@ -61,8 +61,9 @@ def test_a_dominance_json_gives_each_verdicts_saturation_and_least_loads_arrival
     verdicts = [{"workload": "mixed", "saturation_load": 400.0}, {"workload": "mixed (PD 6+2)", "saturation_load": 300.0},
                 {"workload": "docs", "saturation_load": 250.0}]
     path.write_text(json.dumps({"verdict": verdicts, "rows": rows}))
-    assert decode_capacity.dominance_points(path) == [("mixed", False, 400.0, 400.0), ("mixed (PD 6+2)", True, 300.0, 300.0),
-                                                      ("docs", False, 250.0, None)]
+    assert decode_capacity.dominance_points(path) == [("mixed", "mixed", False, 400.0, 400.0),
+                                                      ("mixed (PD 6+2)", "mixed", True, 300.0, 300.0),
+                                                      ("docs", "docs", False, 250.0, None)]
 
 
 @pytest.mark.parametrize("text, says", [("", "Expecting value"), ("[]", "no 'verdict' and 'rows' lists"),
