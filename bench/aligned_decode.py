@@ -33,7 +33,6 @@ The paper's claims next to ours: up to 1.98x decode throughput and up to 7.4x lo
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import heapq
 import itertools
@@ -51,6 +50,7 @@ from rich.console import Console  # noqa: E402
 from rich.progress import Progress  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from bench.doc_help import doc_parser  # noqa: E402
 from engines.sim.args import parse_server_args, resolve_args  # noqa: E402
 from engines.sim.core import EngineCore, StepResult, default_max_running_requests  # noqa: E402
 from engines.sim.latency import GPUS, LLAMA2_7B, MODELS, decode_spread_fraction  # noqa: E402
@@ -230,8 +230,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = doc_parser(__doc__)
     parser.add_argument("--out", type=Path, required=True, help="JSON output; the PNG goes next to it")
     parser.add_argument("--engines", type=int, default=4, help="decode (data-parallel) engines (default: %(default)s)")
     parser.add_argument("--concurrency", type=int, default=48, help="clients per engine (default: %(default)s)")

@@ -42,7 +42,6 @@ table, and a bar plot next to the JSON.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import statistics
@@ -59,6 +58,7 @@ from rich.console import Console  # noqa: E402
 from rich.progress import Progress  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from bench.doc_help import doc_parser  # noqa: E402
 from bench.sorted_f_table import workload as paper_lengths  # noqa: E402
 from laps.config import Config, parse_config  # noqa: E402
 from laps.tokenizer import ChatTokenizer, load_tokenizer  # noqa: E402
@@ -161,7 +161,7 @@ def plot(results: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = doc_parser(__doc__, epilog=None)
     parser.add_argument("--out", type=Path, required=True, help="JSON results path (a PNG plot is written next to it)")
     parser.add_argument("--rho", type=float, nargs="+", default=[1.7, 2.9], help="overload factors λ/μ (default: %(default)s)")
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per run, virtual time (default: %(default)s)")

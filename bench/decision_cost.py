@@ -46,6 +46,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.doc_help import doc_parser  # noqa: E402
 from laps.chat_cache import ChatPrefixCache  # noqa: E402
 from laps.config import load_config  # noqa: E402
 from laps.tokenizer import load_tokenizer  # noqa: E402
@@ -246,7 +247,7 @@ def print_report(result: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = doc_parser(__doc__)
     parser.add_argument("--conversations", type=int, default=100_000, help="conversations tracked before timing (default: %(default)s)")
     parser.add_argument("--turns", type=int, default=3, help="turns of each tracked conversation (default: %(default)s)")
     parser.add_argument("--requests", type=int, default=20_000, help="follow-up turns timed (default: %(default)s)")

@@ -17,7 +17,6 @@ the capacity for that workload's prompts with every reply that long (least_load 
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
@@ -30,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from doc_help import doc_parser  # noqa: E402
 from dominance import REQUESTS_PER_POINT, WORKLOADS, point_duration_s, simulate_point  # noqa: E402
 from engines.sim.latency import LatencyModel  # noqa: E402
 from loadgen.cli import positive_float, positive_int  # noqa: E402
@@ -121,8 +121,7 @@ def dominance_points(path: Path) -> list[tuple[str, str, bool, float, float | No
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = doc_parser(__doc__)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--of", type=Path, metavar="JSON", help="a bench/dominance.py --out JSON")
     source.add_argument("--workload", choices=WORKLOADS, help="one workload, with --reply-tokens")

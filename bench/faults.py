@@ -54,6 +54,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.doc_help import doc_parser  # noqa: E402
 from engines.manager import free_port  # noqa: E402
 from laps.config import DEFAULT_CONFIG_PATH, parse_config  # noqa: E402
 
@@ -295,8 +296,7 @@ def table(results: list[dict]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bench/faults.py", description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = doc_parser(__doc__, prog="bench/faults.py")
     p.add_argument("--out", type=Path, required=True, help="where the JSON results go")
     p.add_argument("--faults", nargs="+", choices=FAULTS, default=list(FAULTS), help="faults to run (default: all)")
     p.add_argument("--quick", action="store_true", help="smaller loads: 60 requests, 300 connections, 3 s SIGSTOP")

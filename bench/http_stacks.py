@@ -70,6 +70,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.doc_help import doc_parser  # noqa: E402
 from bench.relay_stacks import CLIENTS, LOOPS, SERVERS  # noqa: E402
 from bench.router_overhead import READY_TIMEOUT_S, Phase, chat_bodies, run_phase, streaming, zero_time_config  # noqa: E402
 from engines.client import EngineClient  # noqa: E402
@@ -298,7 +299,7 @@ def print_table(result: dict) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = doc_parser(__doc__, split=False)
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG_PATH,
                         help="deployment YAML whose short-prefill / long-prefill roles give the engines (default: %(default)s)")
     parser.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS), help="servers to measure (default: all)")

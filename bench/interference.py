@@ -17,7 +17,6 @@ they were measured on.
 
 from __future__ import annotations
 
-import argparse
 import random
 import sys
 from pathlib import Path
@@ -71,7 +70,8 @@ def run(concurrencies: list[int], long_share: float, requests: int, seed: int, m
 
 def main() -> int:
     """Parse the flags, run, print the table (and write the JSON)."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from doc_help import doc_parser  # here: bench/ is on sys.path only when run as a script
+    parser = doc_parser(__doc__, split=False)
     parser.add_argument("--model", choices=sorted(MODELS), default=ANCHOR_MODEL,
                         help=f"simulated model (default: {ANCHOR_MODEL}, the published figures' model)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[8, 16, 32], help="clients (default: 8 16 32)")

@@ -20,7 +20,6 @@ id, which seeds the engine's reply), so outputs run to max_tokens
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import sys
 from pathlib import Path
@@ -61,7 +60,8 @@ def run(config_path: Path, dataset: str, rate: float, duration: float, seed: int
 
 def main() -> int:
     """Run live and virtual, print the comparison and write the JSON."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from doc_help import doc_parser  # here: bench/ is on sys.path only when run as a script
+    parser = doc_parser(__doc__, split=False)
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG_PATH, help="deployment YAML (default: %(default)s)")
     parser.add_argument("--dataset", default="mixed", help="workload (default: mixed)")
     parser.add_argument("--rate", type=float, default=2.0, help="conversations per second (default: 2)")

@@ -20,7 +20,6 @@ mean signed error (bias), on all turns and on turns with history (k >= 1).
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -31,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from bench.doc_help import doc_parser  # noqa: E402
 from laps.tokenizer import load_tokenizer  # noqa: E402
 from loadgen.workloads import Conversation, load_hh_rlhf  # noqa: E402
 from policies.output_predictor import OutputPredictor  # noqa: E402
@@ -69,7 +69,7 @@ def fit(train: list[list[int]]) -> OutputPredictor:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = doc_parser(__doc__, epilog=None)
     parser.add_argument("--out", type=Path, required=True, help="JSON results path")
     args = parser.parse_args(argv)
     chats = replies(load_hh_rlhf(load_tokenizer(None)))

@@ -43,7 +43,6 @@ against the offered conversation rate per setup next to the JSON.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import statistics
@@ -58,6 +57,7 @@ from rich.console import Console  # noqa: E402
 from rich.progress import Progress  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from bench.doc_help import doc_parser  # noqa: E402
 from bench.policy_compare import POLICIES, ROLES, SLO_TTFT_S, deployment, plot_rate_panels  # noqa: E402
 from engines.sim.kv_transfer import LINKS  # noqa: E402
 from laps.config import Config, parse_config  # noqa: E402
@@ -238,8 +238,7 @@ def headline(rows: list[dict]) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = doc_parser(__doc__)
     parser.add_argument("--out", type=Path, required=True, help="JSON output; the PNG goes next to it")
     parser.add_argument("--rates", type=float, nargs="+", default=[120.0, 200.0],
                         help="conversation arrivals per second on the 8 engines (default: %(default)s)")

@@ -44,6 +44,7 @@ import yaml  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from bench.doc_help import doc_parser  # noqa: E402
 from laps.config import parse_config  # noqa: E402
 from laps.tokenizer import load_tokenizer  # noqa: E402
 from loadgen.report import build_report  # noqa: E402
@@ -90,7 +91,7 @@ def point(workload_name: str, split: str, controller: str, duration_s: float, se
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = doc_parser(__doc__, epilog=None, formatter_class=argparse.HelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="rows as JSON")
     parser.add_argument("--duration", type=float, default=30.0, help="simulated seconds per run (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0)

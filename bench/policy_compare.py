@@ -24,7 +24,6 @@ P90 TTFT against rate next to the JSON.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import sys
@@ -36,6 +35,7 @@ from rich.console import Console  # noqa: E402
 from rich.progress import Progress  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from bench.doc_help import doc_parser  # noqa: E402
 from laps.config import Config, load_config, parse_config  # noqa: E402
 from laps.tokenizer import load_tokenizer  # noqa: E402
 from loadgen.report import build_report  # noqa: E402
@@ -141,7 +141,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = doc_parser(__doc__)
     parser.add_argument("--engines", type=int, default=1, help="engines in the deployment (default: %(default)s)")
     parser.add_argument("--dataset", default="mixed", help="workload, as for laps simulate (default: %(default)s)")
     parser.add_argument("--duration", type=float, default=30.0, help="simulated seconds per point (default: %(default)s)")

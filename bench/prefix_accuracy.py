@@ -39,6 +39,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.doc_help import doc_parser  # noqa: E402
 from laps.config import DEFAULT_CONFIG_PATH, load_config, parse_config  # noqa: E402
 from laps.demo import serving  # noqa: E402
 from laps.tokenizer import load_tokenizer  # noqa: E402
@@ -90,7 +91,7 @@ def run_mode(data: dict, work: Path, name: str, args: argparse.Namespace) -> lis
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = doc_parser(__doc__, split=False)
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG_PATH, help="base deployment YAML (default: %(default)s)")
     parser.add_argument("--dataset", default="hh-rlhf", help="multi-turn workload (default: hh-rlhf)")
     parser.add_argument("--rate", type=float, default=4.0, help="conversations per second (default: 4)")

@@ -27,7 +27,6 @@ controller and the best static split.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import sys
@@ -40,6 +39,7 @@ from rich.console import Console  # noqa: E402
 from rich.progress import Progress  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from bench.doc_help import doc_parser  # noqa: E402
 from bench.policy_compare import SLO_TTFT_S, deployment  # noqa: E402
 from laps.config import Config, parse_config  # noqa: E402
 from laps.tokenizer import load_tokenizer  # noqa: E402
@@ -145,7 +145,7 @@ def plot(controller: dict, best: dict, path: Path, phase_s: float, title: str) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = doc_parser(__doc__)
     parser.add_argument("--out", type=Path, required=True, help="JSON output; the PNG goes next to it")
     parser.add_argument("--rate", type=float, default=150.0, help="conversations per second, all phases (default: %(default)s)")
     parser.add_argument("--phase-s", type=float, default=120.0, help="simulated seconds per phase (default: %(default)s)")

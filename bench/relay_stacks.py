@@ -26,7 +26,6 @@ Prints ``relay ready on PORT`` once it listens, and serves until SIGINT/SIGTERM.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import itertools
 import os
@@ -284,7 +283,8 @@ def serve_granian(engines: str, client: str, loop: str, port: int) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from doc_help import doc_parser  # here: bench/ is on sys.path only when run as a script
+    parser = doc_parser(__doc__, split=False)
     parser.add_argument("--server", choices=SERVERS, required=True)
     parser.add_argument("--client", choices=CLIENTS, required=True)
     parser.add_argument("--loop", choices=LOOPS, required=True)

@@ -308,7 +308,8 @@ def print_table(result: dict) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from doc_help import doc_parser  # here: bench/ is on sys.path only when run as a script
+    parser = doc_parser(__doc__, split=False)
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG_PATH,
                         help="deployment YAML whose roles, model name, sim, slo and scheduling are used (default: %(default)s)")
     parser.add_argument("--engines", type=int, default=2, help="simulated engine processes (default: %(default)s)")

@@ -87,6 +87,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.doc_help import doc_parser  # noqa: E402
 from bench.router_compare import ROUTER_PACKAGE, ROUTER_VERSION, engine_config, flush_caches, laps_config, sglang_router  # noqa: E402
 from engines.client import EngineClient  # noqa: E402
 from engines.manager import EngineManager  # noqa: E402
@@ -498,7 +499,7 @@ def plot(result: dict, path: Path) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = doc_parser(__doc__, split=False)
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG_PATH,
                         help="deployment YAML whose short-prefill / long-prefill roles and scheduling are used (default: %(default)s)")
     parser.add_argument("--targets", nargs="+", choices=TARGETS, default=list(TARGETS), help="what to measure, in order (default: all)")

@@ -65,6 +65,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.doc_help import doc_parser  # noqa: E402
 from bench.router_overhead import process_cpu_s  # noqa: E402
 from gateway.sched_channel import ChannelClient, ChannelServer, Peer  # noqa: E402
 
@@ -223,7 +224,7 @@ def print_result(result: dict) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = doc_parser(__doc__, split=False)
     parser.add_argument("--keys", type=int, default=64, help="prefix block keys per decision request (default: %(default)s)")
     parser.add_argument("--calls", type=int, default=20000, help="calls of the c1 phase (default: %(default)s)")
     parser.add_argument("--phase-s", type=float, default=3.0, help="seconds of the c32, c256 and notes phases (default: %(default)s)")

@@ -16,7 +16,6 @@ probability and then a length log-uniform within it, from a seeded generator.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import math
 import random
@@ -25,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.doc_help import doc_parser  # noqa: E402
 from loadgen.cli import positive_int  # noqa: E402
 
 INPUT_FIELDS = ("input_tokens", "input_text_tokens")  # mm-image lists only its text tokens
@@ -81,8 +81,7 @@ def draw(bins: list[tuple[int, int, float]], rng: random.Random) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=Path(__file__).name, description=__doc__.split("\n\n")[0],
-                                     epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = doc_parser(__doc__, prog=Path(__file__).name)
     parser.add_argument("--pmf", type=Path, required=True, help="ServeGen length pmf CSV")
     parser.add_argument("--workload", required=True, help="its workload, e.g. language/m-large")
     parser.add_argument("--rows", type=positive_int, default=6000, help="requests to write (default: %(default)s)")

@@ -55,7 +55,6 @@ padded keys; padded keys are null where padding changes nothing).
 
 from __future__ import annotations
 
-import argparse
 import random
 import sys
 from pathlib import Path
@@ -101,7 +100,8 @@ def interference_slowdown(rows: list[dict]) -> dict[str, dict[str, float]]:
 
 def main() -> int:
     """Fit, price every anchor on its own model, print the table and write the JSON."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from doc_help import doc_parser  # here: bench/ is on sys.path only when run as a script
+    parser = doc_parser(__doc__, split=False)
     parser.add_argument("--out", type=Path, required=True, help="JSON file to write")
     parser.add_argument("--seed", type=int, default=0, help="seed of the TTFT runs (default: 0)")
     args = parser.parse_args()

@@ -14,7 +14,6 @@ prefix index, classifier, scheduler, engine models, records. Target: ≥ 10.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import sys
@@ -36,7 +35,8 @@ ROLES = {
 
 def main() -> int:
     """Build the 8-engine deployment, simulate it and print the speed."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from doc_help import doc_parser  # here: bench/ is on sys.path only when run as a script
+    parser = doc_parser(__doc__, split=False)
     parser.add_argument("--duration", type=float, default=600.0, help="simulated seconds of arrivals (default: 600)")
     parser.add_argument("--rate", type=float, default=20.0, help="conversations per second (default: 20, ~50 req/s)")
     parser.add_argument("--engines", type=int, default=8, help="engines, a quarter of them long-prefill (default: 8)")

@@ -7,7 +7,6 @@ from the linear batch-time model ``policies.backlog_executor.IterationTime``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from collections.abc import Callable
@@ -125,11 +124,9 @@ def small_lp_gaps(seeds: range, memory_limit: int) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="example: python bench/sorted_f_table.py --out /tmp/sorted_f.json --seeds 5",
-    )
+    from doc_help import doc_parser  # here: bench/ is on sys.path only when run as a script
+    parser = doc_parser(__doc__, split=False,
+                        epilog="example: python bench/sorted_f_table.py --out /tmp/sorted_f.json --seeds 5")
     parser.add_argument("--out", type=Path, required=True, help="where to write the JSON results")
     parser.add_argument("--n", type=int, default=2000, help="requests per instance (default: %(default)s, the paper's)")
     parser.add_argument("--memory", type=int, default=16492, help="KV budget M in tokens (default: %(default)s, the paper's)")

@@ -33,6 +33,7 @@ import numpy as np  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from doc_help import doc_parser  # noqa: E402
 from dominance import BASELINES, CONTROL, PER_1K_S, SLO_TTFT_S, WORKLOADS, claim_out, simulate_all, simulate_point  # noqa: E402
 from loadgen.cli import positive_float, positive_int  # noqa: E402
 from loadgen.report import build_report  # noqa: E402
@@ -80,8 +81,7 @@ def _percent(rate: float | None) -> str:  # None: no request in the run
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = doc_parser(__doc__)
     parser.add_argument("--out", type=Path, required=True, help="JSON output")
     parser.add_argument("--points", nargs="+", type=point, default=[point(p) for p in DEFAULT_POINTS], metavar="WORKLOAD:RATE",
                         help="workload and conversation rate of each point (default: %s)" % " ".join(DEFAULT_POINTS))

@@ -28,6 +28,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.doc_help import doc_parser  # noqa: E402
 from laps.chat_cache import INLINE_ENCODE_CHARS, ChatPrefixCache, EncodePool  # noqa: E402
 from laps.config import GatewayConfig  # noqa: E402
 from laps.tokenizer import load_tokenizer  # noqa: E402
@@ -98,7 +99,7 @@ async def main_async(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = doc_parser(__doc__, split=False)
     parser.add_argument("--big", type=int, default=30, help="large prompts tokenized at once (default: %(default)s)")
     parser.add_argument("--big-kb", type=int, default=220, help="size of each in KB (default: %(default)s)")
     parser.add_argument("--processes", type=int, default=2, help="worker processes of the processes mode (default: %(default)s)")
