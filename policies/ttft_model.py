@@ -8,7 +8,12 @@ its first token after
     TTFT_e ≈ A_e(request) + P_e(request)
 
 * ``P_e``: the request's own prefill on e, with e's own cached prefix H_e, in
-  passes of at most ``chunk_tokens`` new tokens (chunked prefill);
+  passes of at most ``chunk_tokens`` new tokens (chunked prefill); where it
+  fits one chunk together with the prefills waiting on e that have not started,
+  it joins their pass (SGLang's next extend pass takes every waiting request
+  up to a chunk), so ``P_e`` is what its tokens add to that pass: their compute
+  share of a full chunk pass, at least its pass less the fixed cost of a pass
+  (:meth:`EngineQueueModel.own_prefill_s`; measured below);
 * ``A_e``: the prefill work e does before it. The model keeps, per engine, the
   prefills the scheduler sent there that have no first token yet, each with its
   predicted work left, and runs them forward in time the way the engine orders
@@ -46,6 +51,31 @@ wait behind every longer one sent before it, which the engine does only while
 it keeps up, and it cost more than it bought (README, Late requests last; seed
 1: ``mixed`` at 1.2× least_load's saturation load 4.22% violations against
 3.52% without it, ``chat-single`` at 2.35× 4.06% against 3.41%).
+
+Joining a pass. SGLang's next extend pass takes every waiting request that fits a
+chunk, so a short request sent where others wait unstarted costs that pass only its
+tokens. Priced as a pass of its own (as before), an engine with a prefill waiting
+looked a pass's fixed cost (~5 ms) dearer than it is, and laps sent short requests
+to engines that were decoding, each of them starting one more prefill pass that held
+up the whole decode batch. Measured (single runs of ``bench/dominance.py``'s point
+configuration, seed 0, loads in conversations per second or a replay's speed-up;
+before → after): short-class P90 TTFT on ``hh-rlhf`` 12.4 → 10.4 ms at 18,246 (0.8×
+least_load's saturation load) and 21.5 → 19.7 ms at 22,807, on ``mixed`` 12.3 → 10.5
+ms at 360, ``code-burst`` at 10× 31.1 → 28.8 ms; at steady state
+(``bench/steady_state.py --points chat-single:2000 --duration 6``) short P90 13.2 →
+10.5 ms and TPOT P50 29.9 → 22.5 ms (least_load: 17.2 and 15.7 ms); violations in
+overload within one run's noise: ``hh-rlhf`` at 27,368 11.67 → 12.11%, ``docs`` at
+299.307 4.66 → 4.89%, ``mixed`` at 540 2.14 → 2.27%, ``azure-conv`` at 69.28× 4.38 →
+3.95%, ``code-burst`` at 14× 1.13 → 1.23%, ``mixed`` PD (6 + 2) at 336.739 / 404.086
+0.19 / 2.19 → 0.12 / 2.06%. Seed 1: short P90 ``hh-rlhf`` at 18,246 11.6 → 11.2 ms,
+``mixed`` at 360 10.6 → 10.4 ms; violations ``hh-rlhf`` at 27,368 12.96 → 12.24%,
+``docs`` at 299.307 4.36 → 4.57%, ``mixed`` at 540 1.72 → 1.97%, ``azure-conv`` at
+69.28× 3.99 → 3.64%: over both seeds' overload points a mean change of about 0.0
+points. The backlog itself keeps each group's whole pass: with what it adds to a
+pass there too, the backlog looked shorter than it runs on engines that alternate it
+with decode passes of thousands of sequences, and short requests piled up where a
+group waited (``hh-rlhf`` short P90 at 18,246 46 ms, though 9.46% violations at
+27,368).
 
 On ``shortest-prefill-first`` engines a request delays the longer prefills it
 overtakes by what its new tokens add to their passes (``token_in_pass_s`` each, the
@@ -130,6 +160,7 @@ class _Prefill:
     deadline_s: float = math.inf  # its first-token deadline
     done_s: float | None = None  # when the model saw it done (it has no first token yet)
     behind_all: bool = False  # keyed behind everything (``dispatched``'s ``behind_all``), not where the engine runs it
+    tokens: int = 0  # its group's new tokens (carried, like work_s, by the group's first request)
 
 
 @dataclass(frozen=True)
@@ -215,7 +246,20 @@ class EngineQueueModel:
         longest = None if behind_all else max((new for new, _ in batch), default=1)
         start = max(self.start_s(engine_id, now, decoding_context_tokens, longest),
                     now + self.slot_wait_s(engine_id, waiting_for_slot, now))
-        return start - now + batch_prefill_s(self.cost, batch, self.chunk_tokens)
+        return start - now + self.own_prefill_s(engine_id, batch, now)
+
+    def own_prefill_s(self, engine_id: str, batch: Sequence[SeqShape], now: float) -> float:
+        """Seconds of ``batch``'s own prefill on ``engine_id`` sent at ``now`` (``P_e``, module doc): what its tokens add to
+        the pass of the prefills waiting there unstarted (:attr:`token_in_pass_s` each, at least its own pass less
+        :attr:`pass_floor_s`) when it fits one chunk with them; else its prefill alone (:func:`batch_prefill_s`)."""
+        alone_s = batch_prefill_s(self.cost, batch, self.chunk_tokens)
+        tokens = sum(max(1, new) for new, _ in batch)
+        current = self._current.get(engine_id)
+        waiting = [p.tokens for p in self._advance(engine_id, now).values()
+                   if p.work_s > 0 and p.remaining_s >= p.work_s and p is not current]
+        if not waiting or sum(waiting) + tokens > self.chunk_tokens:
+            return alone_s
+        return max(alone_s - self.pass_floor_s, tokens * self.token_in_pass_s)
 
     def displaced(self, engine_id: str, batch: Sequence[SeqShape], now: float, behind_all: bool = False) -> int:
         """Prefills on ``engine_id`` that ``batch`` sent now would go ahead of (so delay by its tokens) and that can
@@ -244,14 +288,16 @@ class EngineQueueModel:
         prefill they displace), as they would the prefill it waits for.
         """
         finish = now + self.predict_ttft_s(engine_id, batch, now, decoding_context_tokens, behind_all)
+        # the backlog keeps the group's whole pass, not what it adds to one (module doc, Joining a pass)
         work_s = batch_prefill_s(self.cost, batch, self.chunk_tokens)
+        tokens = sum(max(1, new) for new, _ in batch)
         key = self._key(None if behind_all else max((new for new, _ in batch), default=1))
         chunk_s = work_s if sum(max(1, new) for new, _ in batch) <= self.chunk_tokens else self.chunk_pass_s
         entries = self._by_engine.setdefault(engine_id, {})
         deadline_s = min(deadlines_s, default=math.inf)
         for i, rid in enumerate(rids):  # the group's work is carried by its first request
             p = _Prefill(engine_id, key, work_s if i == 0 else 0.0, work_s if i == 0 else 0.0, stream, chunk_s, deadline_s=deadline_s,
-                         behind_all=behind_all)
+                         behind_all=behind_all, tokens=tokens if i == 0 else 0)
             self._pending[rid] = p
             entries[rid] = p
         return finish

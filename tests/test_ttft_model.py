@@ -7,6 +7,8 @@ import pytest
 from policies.ttft_model import EngineQueueModel, EngineTraits, isolated_prefill_s
 from tests.test_laps_scheduler import TRAITS, LinearCost
 
+IN_PASS_S = (0.005 + 0.04096 - 0.00501) / 4096  # what one more new token adds to a full 4,096-token pass
+
 
 def test_isolated_prefill_runs_in_chunks_on_a_growing_context():
     # 5,000 new tokens in 4,096-token chunks: (5 ms + 40.96 ms) + (5 ms + 9.04 ms + 4.096 ms of cached context).
@@ -17,8 +19,11 @@ def test_a_request_queues_behind_the_backlog_and_the_backlog_follows_late_first_
     m = EngineQueueModel(TRAITS)
     assert m.predict_ttft_s("e", [(100, 0)], 0.0) == pytest.approx(0.006)  # idle: its own pass only
     assert m.dispatched("e", ["a"], [(1000, 0)], 0.0) == pytest.approx(0.015)
-    assert m.dispatched("e", ["b"], [(100, 0)], 0.0) == pytest.approx(0.021)  # behind a
-    assert m.predict_ttft_s("e", [(100, 0)], 0.01) == pytest.approx(0.017)
+    # b joins a's pass, which has not started: its 100 tokens add 100 × IN_PASS_S (~1 ms) to it
+    assert m.dispatched("e", ["b"], [(100, 0)], 0.0) == pytest.approx(0.015 + 100 * IN_PASS_S)
+    # 10 ms on, a is 5 ms from done and b waits whole behind it (the backlog keeps a group's whole pass); a third
+    # request joins b's pass
+    assert m.predict_ttft_s("e", [(100, 0)], 0.01) == pytest.approx(0.005 + 0.006 + 100 * IN_PASS_S)
     m.first_token("a", 0.025)  # 10 ms late: b is pushed back as much
     assert m.backlog_end_s("e", 0.025) == pytest.approx(0.031)
     assert (m.prefilling("e", 0.025), m.decoding("e")) == (1, 1)
@@ -63,9 +68,10 @@ def test_overtaking_a_prefill_that_fits_one_pass_waits_at_most_for_that_pass_not
     # The longest there is a 500-token prompt, which runs in one pass (10 ms): that pass is the most it can find in
     # progress, not a 4,096-token chunk pass (46 ms). Priced at a chunk, a cache hit looked 36 ms dearer on every
     # engine with a prompt waiting, and laps sent it to prefill its 3,000 tokens again on another engine.
+    # a has not started, so the re-prefill runs in its pass: 10 ms, and its own 8.01 ms pass less a pass's fixed cost.
     m = EngineQueueModel(SPF)
     m.dispatched("e", ["a"], [(500, 0)], 0.0)
-    assert m.predict_ttft_s("e", [(1, 3000)], 0.0) == pytest.approx(0.010 + 0.00801)
+    assert m.predict_ttft_s("e", [(1, 3000)], 0.0) == pytest.approx(0.010 + 0.00801 - 0.00501)
     m.dispatched("e", ["long"], [(20000, 0)], 0.0)  # with a prefill longer than a chunk there, a chunk pass again
     assert m.predict_ttft_s("e", [(1, 3000)], 0.0) == pytest.approx(CHUNK_S + 0.00801)
 
@@ -73,14 +79,15 @@ def test_overtaking_a_prefill_that_fits_one_pass_waits_at_most_for_that_pass_not
 def test_prefills_that_fit_one_pass_together_count_as_the_one_pass_they_can_be_in():
     # Eight 500-token prompts sent one by one: the engine runs all of them in one pass (4,000 tokens: 5 + 40 ms),
     # as it would had they come as one group; a request overtaking them waits for that pass at most, priced as
-    # their eight 10 ms passes less seven shortest passes (5.01 ms each). Ten of them fill a chunk pass at most.
+    # their eight 10 ms passes less seven shortest passes (5.01 ms each), and it joins that pass (its 8.01 ms less a
+    # pass's fixed cost). Ten of them fill a chunk pass at most, and with them it no longer fits: its own pass then.
     m = EngineQueueModel(SPF)
     for i in range(8):
         m.dispatched("e", [f"p{i}"], [(500, 0)], 0.0)
-    assert m.predict_ttft_s("e", [(1, 3000)], 0.0) == pytest.approx(8 * 0.010 - 7 * 0.00501 + 0.00801)
+    assert m.predict_ttft_s("e", [(1, 3000)], 0.0) == pytest.approx(8 * 0.010 - 7 * 0.00501 + 0.00801 - 0.00501)
     grouped = EngineQueueModel(SPF)
     grouped.dispatched("e", [f"p{i}" for i in range(8)], [(500, 0)] * 8, 0.0)
-    assert grouped.predict_ttft_s("e", [(1, 3000)], 0.0) == pytest.approx(0.045 + 0.00801)
+    assert grouped.predict_ttft_s("e", [(1, 3000)], 0.0) == pytest.approx(0.045 + 0.00801 - 0.00501)
     for i in range(8, 10):
         m.dispatched("e", [f"p{i}"], [(500, 0)], 0.0)
     assert m.predict_ttft_s("e", [(1, 3000)], 0.0) == pytest.approx(CHUNK_S + 0.00801)
