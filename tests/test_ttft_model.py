@@ -195,3 +195,22 @@ def test_a_request_without_a_free_slot_waits_for_as_many_finishes_at_the_engines
 def test_bad_chunk_size_is_refused():
     with pytest.raises(ValueError, match="chunk_tokens"):
         EngineQueueModel(EngineTraits(LinearCost(), chunk_tokens=0))
+
+
+def test_a_short_request_joins_a_pass_about_to_start_rather_than_interrupt_a_decoding_engine():
+    # Engine "dec" decodes 300 requests (an 8 ms decode pass: half of one in progress, 4 ms) and has nothing to prefill;
+    # on engine "pre" a 100-token prefill was just sent and has not started. A second 100-token request runs in that
+    # pass: 6 ms for the first, then what its 100 tokens add to a full pass (~1 ms), 7 ms in all, against 4 + 6 ms on
+    # "dec", where it would also start a prefill pass that holds up the 300 decoding requests. Priced as a pass of its
+    # own, "pre" cost 12 ms and the request went to "dec".
+    m = EngineQueueModel(TRAITS)
+    rids = [f"d{i}" for i in range(300)]
+    m.dispatched("dec", rids, [(1, 0)] * 300, 0.0)
+    for rid in rids:
+        m.first_token(rid, 0.01)
+    m.dispatched("pre", ["p"], [(100, 0)], 1.0)
+    assert m.predict_ttft_s("dec", [(100, 0)], 1.0) == pytest.approx(0.5 * 0.008 + 0.006)
+    assert m.predict_ttft_s("pre", [(100, 0)], 1.0) == pytest.approx(0.006 + 100 * IN_PASS_S)
+    assert m.own_prefill_s("pre", [(100, 0)], 1.0) == pytest.approx(100 * IN_PASS_S)
+    # Once that pass has started, the request waits for it and runs a pass of its own.
+    assert m.predict_ttft_s("pre", [(100, 0)], 1.001) == pytest.approx(0.005 + 0.006)
