@@ -317,7 +317,7 @@ and ``mixed`` PD at 1.0× 0.92% against 0.55%) or to the fewest in flight (TPOT 
 0.53%, ``mixed`` PD 0.96%). Pricing the join instead (a request that fits the pass of the prefills
 waiting unstarted on an engine costs there what its tokens add to that pass; :mod:`policies.ttft_model`,
 Joining a pass) took TPOT P50 at 2,000 conv/s from 29.9 to 22.5 ms (6 s of arrivals) and left ``hh-rlhf`` at
-1.0× and ``mixed`` PD at 1.0× at 0.00% and 0.12% (today's saturation loads, 22,807 and 336.739): shipped. Tried
+1.0× and ``mixed`` PD at 1.0× at 0.00% and 0.12% (at the saturation loads searched then, 22,807 and 336.739): shipped. Tried
 before it and not kept: the same tie to the fewest new tokens
 (cached share 31.6 → 35.4% over 6 s at 2,000 conv/s: the chunk-pass price was the cause); the model's
 own phase of a chunk in progress instead of the worst case (short P90 5–15 ms lower at 0.8–1.2×, but
