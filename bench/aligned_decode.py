@@ -50,11 +50,11 @@ from rich.console import Console  # noqa: E402
 from rich.progress import Progress  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from bench.doc_help import doc_parser  # noqa: E402
 from engines.sim.args import parse_server_args, resolve_args  # noqa: E402
 from engines.sim.core import EngineCore, StepResult, default_max_running_requests  # noqa: E402
 from engines.sim.latency import GPUS, LLAMA2_7B, MODELS, decode_spread_fraction  # noqa: E402
 from laps.config import SchedulingConfig  # noqa: E402
+from laps.doc_help import doc_parser  # noqa: E402
 from laps.tokenizer import load_tokenizer  # noqa: E402
 from loadgen.workloads import load_azure_trace  # noqa: E402
 from policies.registry import make_scheduler  # noqa: E402

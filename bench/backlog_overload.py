@@ -58,9 +58,9 @@ from rich.console import Console  # noqa: E402
 from rich.progress import Progress  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from bench.doc_help import doc_parser  # noqa: E402
 from bench.sorted_f_table import workload as paper_lengths  # noqa: E402
 from laps.config import Config, parse_config  # noqa: E402
+from laps.doc_help import doc_parser  # noqa: E402
 from laps.tokenizer import ChatTokenizer, load_tokenizer  # noqa: E402
 from loadgen.runner import RequestRecord  # noqa: E402
 from loadgen.simulate import simulate  # noqa: E402

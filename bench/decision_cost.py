@@ -46,9 +46,9 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.doc_help import doc_parser  # noqa: E402
 from laps.chat_cache import ChatPrefixCache  # noqa: E402
 from laps.config import load_config  # noqa: E402
+from laps.doc_help import doc_parser  # noqa: E402
 from laps.tokenizer import load_tokenizer  # noqa: E402
 from policies.admission import classified_view_of_chain  # noqa: E402
 from policies.exact_prefix import PrefixCaches  # noqa: E402

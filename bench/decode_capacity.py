@@ -29,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from doc_help import doc_parser  # noqa: E402
 from dominance import REQUESTS_PER_POINT, WORKLOADS, point_duration_s, simulate_point  # noqa: E402
 from engines.sim.latency import LatencyModel  # noqa: E402
+from laps.doc_help import doc_parser  # noqa: E402
 from loadgen.cli import positive_float, positive_int  # noqa: E402
 
 MEANS_AT_LOAD = 0.2  # the multiple of the saturation load whose requests give the mean prompt and reply

@@ -54,9 +54,9 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.doc_help import doc_parser  # noqa: E402
 from engines.manager import free_port  # noqa: E402
 from laps.config import DEFAULT_CONFIG_PATH, parse_config  # noqa: E402
+from laps.doc_help import doc_parser  # noqa: E402
 
 MODEL = "Qwen2.5-7B-Instruct"
 ADMIN_KEY = "faults-admin-key"

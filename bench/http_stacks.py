@@ -70,13 +70,13 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.doc_help import doc_parser  # noqa: E402
 from bench.relay_stacks import CLIENTS, LOOPS, SERVERS  # noqa: E402
 from bench.router_overhead import READY_TIMEOUT_S, Phase, chat_bodies, run_phase, streaming, zero_time_config  # noqa: E402
 from engines.client import EngineClient  # noqa: E402
 from engines.manager import EngineManager  # noqa: E402
 from engines.tiny_model import write_tiny_qwen2_model  # noqa: E402
 from laps.config import DEFAULT_CONFIG_PATH, load_config  # noqa: E402
+from laps.doc_help import doc_parser  # noqa: E402
 
 RELAY_SCRIPT = Path(__file__).resolve().parent / "relay_stacks.py"
 RELAY_START_TIMEOUT_S = 60.0

@@ -29,7 +29,9 @@ from engines.sim.args import SimServerArgs, resolve_args
 from engines.sim.calibration import TTFT_ANCHORS, ClosedLoopResult, closed_loop
 from engines.sim.core import EngineCore
 from engines.sim.latency import MODELS
+from laps.doc_help import doc_parser
 from laps.tokenizer import load_tokenizer
+from loadgen.cli import positive_int, share
 from loadgen.workloads import short_and_long_prompts
 
 
@@ -70,13 +72,12 @@ def run(concurrencies: list[int], long_share: float, requests: int, seed: int, m
 
 def main() -> int:
     """Parse the flags, run, print the table (and write the JSON)."""
-    from doc_help import doc_parser  # here: bench/ is on sys.path only when run as a script
     parser = doc_parser(__doc__, split=False)
     parser.add_argument("--model", choices=sorted(MODELS), default=ANCHOR_MODEL,
                         help=f"simulated model (default: {ANCHOR_MODEL}, the published figures' model)")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[8, 16, 32], help="clients (default: 8 16 32)")
-    parser.add_argument("--long-share", type=float, default=0.2, help="mixed: chance a request is long (default: 0.2)")
-    parser.add_argument("--requests", type=int, default=3000, help="requests per run (default: 3000)")
+    parser.add_argument("--concurrency", type=positive_int, nargs="+", default=[8, 16, 32], help="clients (default: 8 16 32)")
+    parser.add_argument("--long-share", type=share, default=0.2, help="mixed: chance a request is long (default: 0.2)")
+    parser.add_argument("--requests", type=positive_int, default=3000, help="requests per run (default: 3000)")
     parser.add_argument("--seed", type=int, default=0, help="seed of prompts and draws (default: 0)")
     parser.add_argument("--out", type=Path, help="also write the rows as JSON")
     args = parser.parse_args()

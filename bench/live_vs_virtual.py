@@ -31,6 +31,7 @@ from rich.table import Table
 from laps.cli import build_parser
 from laps.config import DEFAULT_CONFIG_PATH, load_config
 from laps.demo import serving
+from laps.doc_help import doc_parser
 from laps.tokenizer import load_tokenizer
 from loadgen.agreement import compare, serving_latency
 
@@ -60,7 +61,6 @@ def run(config_path: Path, dataset: str, rate: float, duration: float, seed: int
 
 def main() -> int:
     """Run live and virtual, print the comparison and write the JSON."""
-    from doc_help import doc_parser  # here: bench/ is on sys.path only when run as a script
     parser = doc_parser(__doc__, split=False)
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG_PATH, help="deployment YAML (default: %(default)s)")
     parser.add_argument("--dataset", default="mixed", help="workload (default: mixed)")

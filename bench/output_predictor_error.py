@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from bench.doc_help import doc_parser  # noqa: E402
+from laps.doc_help import doc_parser  # noqa: E402
 from laps.tokenizer import load_tokenizer  # noqa: E402
 from loadgen.workloads import Conversation, load_hh_rlhf  # noqa: E402
 from policies.output_predictor import OutputPredictor  # noqa: E402

@@ -57,10 +57,10 @@ from rich.console import Console  # noqa: E402
 from rich.progress import Progress  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from bench.doc_help import doc_parser  # noqa: E402
 from bench.policy_compare import POLICIES, ROLES, SLO_TTFT_S, deployment, plot_rate_panels  # noqa: E402
 from engines.sim.kv_transfer import LINKS  # noqa: E402
 from laps.config import Config, parse_config  # noqa: E402
+from laps.doc_help import doc_parser  # noqa: E402
 from laps.tokenizer import load_tokenizer  # noqa: E402
 from loadgen.report import build_report  # noqa: E402
 from loadgen.runner import Arrival, plan_arrivals  # noqa: E402

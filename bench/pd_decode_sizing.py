@@ -44,9 +44,10 @@ import yaml  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from bench.doc_help import doc_parser  # noqa: E402
 from laps.config import parse_config  # noqa: E402
+from laps.doc_help import doc_parser  # noqa: E402
 from laps.tokenizer import load_tokenizer  # noqa: E402
+from loadgen.cli import positive_float, positive_int  # noqa: E402
 from loadgen.report import build_report  # noqa: E402
 from loadgen.simulate import simulate_run  # noqa: E402
 from loadgen.workloads import build_workload  # noqa: E402
@@ -93,9 +94,9 @@ def point(workload_name: str, split: str, controller: str, duration_s: float, se
 def main() -> None:
     parser = doc_parser(__doc__, epilog=None, formatter_class=argparse.HelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="rows as JSON")
-    parser.add_argument("--duration", type=float, default=30.0, help="simulated seconds per run (default: %(default)s)")
+    parser.add_argument("--duration", type=positive_float, default=30.0, help="simulated seconds per run (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--workers", type=int, default=2, help="runs in parallel (default: %(default)s)")
+    parser.add_argument("--workers", type=positive_int, default=2, help="runs in parallel (default: %(default)s)")
     parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     args = parser.parse_args()
     jobs = [(w, split, c, args.duration, args.seed) for w in args.workloads for split in SPLITS for c in CONTROLLERS]

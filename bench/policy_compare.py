@@ -35,8 +35,8 @@ from rich.console import Console  # noqa: E402
 from rich.progress import Progress  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from bench.doc_help import doc_parser  # noqa: E402
 from laps.config import Config, load_config, parse_config  # noqa: E402
+from laps.doc_help import doc_parser  # noqa: E402
 from laps.tokenizer import load_tokenizer  # noqa: E402
 from loadgen.report import build_report  # noqa: E402
 from loadgen.simulate import simulate  # noqa: E402

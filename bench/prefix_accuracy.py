@@ -39,9 +39,9 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.doc_help import doc_parser  # noqa: E402
 from laps.config import DEFAULT_CONFIG_PATH, load_config, parse_config  # noqa: E402
 from laps.demo import serving  # noqa: E402
+from laps.doc_help import doc_parser  # noqa: E402
 from laps.tokenizer import load_tokenizer  # noqa: E402
 from loadgen.runner import RequestRecord, run_loadgen  # noqa: E402
 from loadgen.simulate import simulate  # noqa: E402

@@ -39,10 +39,11 @@ from rich.console import Console  # noqa: E402
 from rich.progress import Progress  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from bench.doc_help import doc_parser  # noqa: E402
 from bench.policy_compare import SLO_TTFT_S, deployment  # noqa: E402
 from laps.config import Config, parse_config  # noqa: E402
+from laps.doc_help import doc_parser  # noqa: E402
 from laps.tokenizer import load_tokenizer  # noqa: E402
+from loadgen.cli import share  # noqa: E402
 from loadgen.report import build_report  # noqa: E402
 from loadgen.runner import RequestRecord, plan_arrivals  # noqa: E402
 from loadgen.virtual import VirtualRun  # noqa: E402
@@ -149,8 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="JSON output; the PNG goes next to it")
     parser.add_argument("--rate", type=float, default=150.0, help="conversations per second, all phases (default: %(default)s)")
     parser.add_argument("--phase-s", type=float, default=120.0, help="simulated seconds per phase (default: %(default)s)")
-    parser.add_argument("--chat-long-share", type=float, default=0.05, help="long share of requests in the chat phases (default: %(default)s)")
-    parser.add_argument("--docs-long-share", type=float, default=0.5, help="long share of requests in the document phase (default: %(default)s)")
+    parser.add_argument("--chat-long-share", type=share, default=0.05, help="long share of requests in the chat phases (default: %(default)s)")
+    parser.add_argument("--docs-long-share", type=share, default=0.5, help="long share of requests in the document phase (default: %(default)s)")
     parser.add_argument("--splits", default="1,2,4,6,7", help="static splits: short engines, comma-separated (default: %(default)s)")
     parser.add_argument("--start-short", type=int, default=4, help="the controller's initial short engines (default: %(default)s)")
     parser.add_argument("--interval-s", type=float, default=2.0, help="controller decision interval (default: %(default)s)")

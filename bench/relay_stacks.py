@@ -283,7 +283,7 @@ def serve_granian(engines: str, client: str, loop: str, port: int) -> None:
 
 
 def main() -> int:
-    from doc_help import doc_parser  # here: bench/ is on sys.path only when run as a script
+    from laps.doc_help import doc_parser
     parser = doc_parser(__doc__, split=False)
     parser.add_argument("--server", choices=SERVERS, required=True)
     parser.add_argument("--client", choices=CLIENTS, required=True)

@@ -66,7 +66,9 @@ from engines.manager import EngineManager, die_with_parent, free_port
 from engines.tiny_model import write_tiny_qwen2_model
 from laps.config import DEFAULT_CONFIG_PATH, Config, load_config, parse_config
 from laps.demo import serving
+from laps.doc_help import doc_parser
 from laps.tokenizer import ChatTokenizer, load_tokenizer
+from loadgen.cli import share
 from loadgen.report import build_report
 from loadgen.runner import RequestRecord, run_loadgen
 from loadgen.workloads import DATASETS, DEFAULT_MAX_TOKENS, TIMED_DATASETS, build_workload
@@ -308,7 +310,6 @@ def print_table(result: dict) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from doc_help import doc_parser  # here: bench/ is on sys.path only when run as a script
     parser = doc_parser(__doc__, split=False)
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG_PATH,
                         help="deployment YAML whose roles, model name, sim, slo and scheduling are used (default: %(default)s)")
@@ -324,7 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rate", type=float, default=2.0, help="conversation arrivals per second (default: %(default)s)")
     parser.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per run (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="workload and arrival seed (default: %(default)s)")
-    parser.add_argument("--long-share", type=float, default=0.2, help="mixed: share of long requests (default: %(default)s)")
+    parser.add_argument("--long-share", type=share, default=0.2, help="mixed: share of long requests (default: %(default)s)")
     parser.add_argument("--think-time-s", type=float, default=1.0, help="mean pause between turns (default: %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                         help="output tokens where the data has no length (default: %(default)s)")

@@ -87,13 +87,13 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.doc_help import doc_parser  # noqa: E402
 from bench.router_compare import ROUTER_PACKAGE, ROUTER_VERSION, engine_config, flush_caches, laps_config, sglang_router  # noqa: E402
 from engines.client import EngineClient  # noqa: E402
 from engines.manager import EngineManager  # noqa: E402
 from engines.tiny_model import write_tiny_qwen2_model  # noqa: E402
 from laps.config import DEFAULT_CONFIG_PATH, Config, load_config, parse_config  # noqa: E402
 from laps.demo import serving  # noqa: E402
+from laps.doc_help import doc_parser  # noqa: E402
 from laps.tokenizer import load_tokenizer  # noqa: E402
 from loadgen.workloads import load_hh_rlhf, load_sharegpt, real_text_corpus  # noqa: E402
 

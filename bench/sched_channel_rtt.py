@@ -65,9 +65,9 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.doc_help import doc_parser  # noqa: E402
 from bench.router_overhead import process_cpu_s  # noqa: E402
 from gateway.sched_channel import ChannelClient, ChannelServer, Peer  # noqa: E402
+from laps.doc_help import doc_parser  # noqa: E402
 
 DECISION = {"engine": "sp0", "class": "short", "cached_tokens": 1024, "wait_s": 0.0}
 SERVER_READY_TIMEOUT_S = 30.0

@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.doc_help import doc_parser  # noqa: E402
+from laps.doc_help import doc_parser  # noqa: E402
 from loadgen.cli import positive_int  # noqa: E402
 
 INPUT_FIELDS = ("input_tokens", "input_text_tokens")  # mm-image lists only its text tokens

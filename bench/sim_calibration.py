@@ -75,6 +75,7 @@ from engines.sim.calibration import (
 )
 from engines.sim.core import EngineCore
 from engines.sim.latency import MODELS
+from laps.doc_help import doc_parser
 from laps.tokenizer import load_tokenizer
 from loadgen.workloads import short_and_long_prompts
 
@@ -100,7 +101,6 @@ def interference_slowdown(rows: list[dict]) -> dict[str, dict[str, float]]:
 
 def main() -> int:
     """Fit, price every anchor on its own model, print the table and write the JSON."""
-    from doc_help import doc_parser  # here: bench/ is on sys.path only when run as a script
     parser = doc_parser(__doc__, split=False)
     parser.add_argument("--out", type=Path, required=True, help="JSON file to write")
     parser.add_argument("--seed", type=int, default=0, help="seed of the TTFT runs (default: 0)")

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from laps.config import parse_config
+from laps.doc_help import doc_parser
 from laps.tokenizer import load_tokenizer
 from loadgen.report import build_report
 from loadgen.simulate import simulate
@@ -35,7 +36,6 @@ ROLES = {
 
 def main() -> int:
     """Build the 8-engine deployment, simulate it and print the speed."""
-    from doc_help import doc_parser  # here: bench/ is on sys.path only when run as a script
     parser = doc_parser(__doc__, split=False)
     parser.add_argument("--duration", type=float, default=600.0, help="simulated seconds of arrivals (default: 600)")
     parser.add_argument("--rate", type=float, default=20.0, help="conversations per second (default: 20, ~50 req/s)")

@@ -18,6 +18,8 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from laps.doc_help import doc_parser
+from loadgen.cli import positive_int
 from policies.backlog_baselines import (
     LPRelaxation,
     fcfs_order,
@@ -124,14 +126,13 @@ def small_lp_gaps(seeds: range, memory_limit: int) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from doc_help import doc_parser  # here: bench/ is on sys.path only when run as a script
     parser = doc_parser(__doc__, split=False,
                         epilog="example: python bench/sorted_f_table.py --out /tmp/sorted_f.json --seeds 5")
     parser.add_argument("--out", type=Path, required=True, help="where to write the JSON results")
-    parser.add_argument("--n", type=int, default=2000, help="requests per instance (default: %(default)s, the paper's)")
-    parser.add_argument("--memory", type=int, default=16492, help="KV budget M in tokens (default: %(default)s, the paper's)")
-    parser.add_argument("--seeds", type=int, default=5, help="workload seeds per cell (default: %(default)s, the paper's)")
-    parser.add_argument("--lp-slots", type=int, default=80, help="start windows in the large-n LP (default: %(default)s)")
+    parser.add_argument("--n", type=positive_int, default=2000, help="requests per instance (default: %(default)s, the paper's)")
+    parser.add_argument("--memory", type=positive_int, default=16492, help="KV budget M in tokens (default: %(default)s, the paper's)")
+    parser.add_argument("--seeds", type=positive_int, default=5, help="workload seeds per cell (default: %(default)s, the paper's)")
+    parser.add_argument("--lp-slots", type=positive_int, default=80, help="start windows in the large-n LP (default: %(default)s)")
     args = parser.parse_args(argv)
 
     timing = IterationTime()

@@ -28,9 +28,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.doc_help import doc_parser  # noqa: E402
 from laps.chat_cache import INLINE_ENCODE_CHARS, ChatPrefixCache, EncodePool  # noqa: E402
 from laps.config import GatewayConfig  # noqa: E402
+from laps.doc_help import doc_parser  # noqa: E402
 from laps.tokenizer import load_tokenizer  # noqa: E402
 from loadgen.workloads import real_text_corpus  # noqa: E402
 

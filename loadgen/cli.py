@@ -87,6 +87,14 @@ def positive_int(text: str) -> int:
     return value
 
 
+def share(text: str) -> float:
+    """argparse ``type``: a share, a number in [0, 1] (else :class:`argparse.ArgumentTypeError`, so exit status 2)."""
+    value = _number(text, float)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return value
+
+
 def add_workload_arguments(parser: argparse.ArgumentParser, default_out: Path, context_default: str) -> None:
     """The flags ``laps loadgen`` and ``laps simulate`` share: what load to send and where the report goes.
 
@@ -109,7 +117,7 @@ def add_workload_arguments(parser: argparse.ArgumentParser, default_out: Path, c
     parser.add_argument("--max-context-tokens", type=positive_int, metavar="TOKENS",
                         help="leave out trace requests whose prompt plus output tokens pass this context, counted in the report "
                              f"(default: {context_default})")
-    parser.add_argument("--long-share", type=float, default=0.2, help="mixed: expected share of requests that are long (default: %(default)s)")
+    parser.add_argument("--long-share", type=share, default=0.2, help="mixed: expected share of requests that are long (default: %(default)s)")
     parser.add_argument(
         "--max-tokens", type=positive_int, default=DEFAULT_MAX_TOKENS, help="output tokens to request where the data has no length (default: %(default)s)"
     )

@@ -314,17 +314,18 @@ never worse everywhere. Tried with it and not kept (seed 0; ``dominance14``'s po
 engines within one pass of the cheapest, a short batch to the one where a prefill already waits (it
 joins that pass; TPOT P50 at 2,000 conv/s 30 → 20 ms, but ``hh-rlhf`` at 1.0× 2.14% against 0.25%
 and ``mixed`` PD at 1.0× 0.92% against 0.55%) or to the fewest in flight (TPOT 27 ms; ``hh-rlhf``
-0.53%, ``mixed`` PD 0.96%). Pricing the join instead (a request that fits the pass of the prefills
-waiting unstarted on an engine costs there what its tokens add to that pass; :mod:`policies.ttft_model`,
-Joining a pass) took TPOT P50 at 2,000 conv/s from 29.9 to 22.5 ms (6 s of arrivals) and left ``hh-rlhf`` at
-1.0× and ``mixed`` PD at 1.0× at 0.00% and 0.12% (at the saturation loads searched then, 22,807 and 336.739): shipped. Tried
-before it and not kept: the same tie to the fewest new tokens
+0.53%, ``mixed`` PD 0.96%). Tried before it and not kept: the same tie to the fewest new tokens
 (cached share 31.6 → 35.4% over 6 s at 2,000 conv/s: the chunk-pass price was the cause); the model's
 own phase of a chunk in progress instead of the worst case (short P90 5–15 ms lower at 0.8–1.2×, but
 ``code-burst`` 1.2× 4.30% against 3.70%, ``docs`` 6.97% against 6.34%); holding long requests late on
 every engine in the gateway while no engine is clean (within ±0.3 points everywhere); and
 ``--enable-mixed-chunk`` on laps' engines (decodes ride in every prefill pass, which then takes the
 decode batch's time too: ``chat-single`` at 1.0× 0.61 → 2.19%, ``hh-rlhf`` 0.25 → 29.3%).
+What shipped instead of the tie to an engine where a prefill already waits: the queue model prices that join (a
+request that fits the pass of the prefills waiting unstarted on an engine costs there what its tokens add to that
+pass; :mod:`policies.ttft_model`, Joining a pass): TPOT P50 at 2,000 conv/s 29.9 → 21.6 ms (6 s of arrivals), and
+``hh-rlhf`` and ``mixed`` PD at 1.0× (at the saturation loads searched then, 22,807 and 336.739) at 0.00% and
+0.12% violations.
 
 Request slots. An engine admits a prefill only into one of its ``max_running_requests`` slots, and on
 decode-heavy chat near saturation all 4,096 slots of every engine fill (``hh-rlhf`` at 1.0× least_load's saturation

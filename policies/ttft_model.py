@@ -13,7 +13,8 @@ its first token after
   it joins their pass (SGLang's next extend pass takes every waiting request
   up to a chunk), so ``P_e`` is what its tokens add to that pass: their compute
   share of a full chunk pass, at least its pass less the fixed cost of a pass
-  (:meth:`EngineQueueModel.own_prefill_s`; measured below);
+  (:meth:`EngineQueueModel.own_prefill_s`; measured below), unless it must
+  wait for a request slot (it is admitted when one frees: a pass of its own);
 * ``A_e``: the prefill work e does before it. The model keeps, per engine, the
   prefills the scheduler sent there that have no first token yet, each with its
   predicted work left, and runs them forward in time the way the engine orders
@@ -54,28 +55,31 @@ it keeps up, and it cost more than it bought (README, Late requests last; seed
 
 Joining a pass. SGLang's next extend pass takes every waiting request that fits a
 chunk, so a short request sent where others wait unstarted costs that pass only its
-tokens. Priced as a pass of its own (as before), an engine with a prefill waiting
-looked a pass's fixed cost (~5 ms) dearer than it is, and laps sent short requests
-to engines that were decoding, each of them starting one more prefill pass that held
-up the whole decode batch. Measured (single runs of ``bench/dominance.py``'s point
-configuration, seed 0, loads in conversations per second or a replay's speed-up;
-before → after): short-class P90 TTFT on ``hh-rlhf`` 12.4 → 10.4 ms at 18,246 (0.8×
-least_load's saturation load) and 21.5 → 19.7 ms at 22,807, on ``mixed`` 12.3 → 10.5
-ms at 360, ``code-burst`` at 10× 31.1 → 28.8 ms; at steady state
-(``bench/steady_state.py --points chat-single:2000 --duration 6``) short P90 13.2 →
-10.5 ms and TPOT P50 29.9 → 22.5 ms (least_load: 17.2 and 15.7 ms); violations in
-overload within one run's noise: ``hh-rlhf`` at 27,368 11.67 → 12.11%, ``docs`` at
-299.307 4.66 → 4.89%, ``mixed`` at 540 2.14 → 2.27%, ``azure-conv`` at 69.28× 4.38 →
-3.95%, ``code-burst`` at 14× 1.13 → 1.23%, ``mixed`` PD (6 + 2) at 336.739 / 404.086
-0.19 / 2.19 → 0.12 / 2.06%. Seed 1: short P90 ``hh-rlhf`` at 18,246 11.6 → 11.2 ms,
-``mixed`` at 360 10.6 → 10.4 ms; violations ``hh-rlhf`` at 27,368 12.96 → 12.24%,
-``docs`` at 299.307 4.36 → 4.57%, ``mixed`` at 540 1.72 → 1.97%, ``azure-conv`` at
-69.28× 3.99 → 3.64%: over both seeds' overload points a mean change of about 0.0
-points. The backlog itself keeps each group's whole pass: with what it adds to a
-pass there too, the backlog looked shorter than it runs on engines that alternate it
-with decode passes of thousands of sequences, and short requests piled up where a
-group waited (``hh-rlhf`` short P90 at 18,246 46 ms, though 9.46% violations at
-27,368).
+tokens; one that must first wait for a request slot is admitted when a slot frees,
+and runs a pass of its own. Priced as a pass of its own (as before), an engine with
+a prefill waiting looked a pass's fixed cost (~5 ms) dearer than it is, and laps
+sent short requests to engines that were decoding, each of them starting one more
+prefill pass that held up the whole decode batch. Measured (single runs of
+``bench/dominance.py``'s point configuration, loads in conversations per second or a
+replay's speed-up; before → after): at steady state (``bench/steady_state.py
+--points chat-single:2000 --duration 6 --out …``) short-class P90 TTFT 13.2 → 10.5
+ms, TPOT P50 29.9 → 21.6 ms and P90 36.4 → 28.7 ms (least_load: 17.2, 15.7 and 23.0
+ms); short P90 on ``hh-rlhf`` at 18,246 (0.8× least_load's saturation load) 12.4 →
+10.4 ms and at 22,807 (1.0×) 21.5 → 22.5 ms; ``hh-rlhf`` at 27,368 (1.2×) 11.67 →
+11.87% violations, seed 1 12.96 → 11.99%; ``chat-single`` at 7,700 0.03 → 0.03%.
+Measured before the slot rule (which changes predictions only on engines whose
+request slots are full), seed 0: short P90 on ``mixed`` at 360 12.3 → 10.5 ms,
+``code-burst`` at 10× 31.1 → 28.8 ms, ``docs`` at 200 28.0 → 28.0 ms, ``azure-conv``
+at 46.186× 28.7 → 29.8 ms; violations ``docs`` at 299.307 4.66 → 4.89%, ``mixed`` at
+540 2.14 → 2.27%, ``azure-conv`` at 69.28× 4.38 → 3.95%, ``code-burst`` at 14× 1.13
+→ 1.23%, ``mixed`` PD (6 + 2) at 336.739 / 404.086 0.19 / 2.19 → 0.12 / 2.06%; seed
+1: short P90 ``mixed`` at 360 10.6 → 10.4 ms, violations ``docs`` at 299.307 4.36 →
+4.57%, ``mixed`` at 540 1.72 → 1.97%, ``azure-conv`` at 69.28× 3.99 → 3.64%. Every
+violation change is within one run's noise (~1 point in overload), their mean about
+0.0. The backlog itself keeps each group's whole pass: with what it adds to a pass
+there too, the backlog looked shorter than it runs on engines that alternate it with
+decode passes of thousands of sequences, and short requests piled up where a group
+waited (``hh-rlhf`` short P90 at 18,246 46 ms, though 9.46% violations at 27,368).
 
 On ``shortest-prefill-first`` engines a request delays the longer prefills it
 overtakes by what its new tokens add to their passes (``token_in_pass_s`` each, the
@@ -244,9 +248,11 @@ class EngineQueueModel:
         engine's ``max_running_requests``; 0: a slot is free for each): it starts no earlier than
         :meth:`slot_wait_s`."""
         longest = None if behind_all else max((new for new, _ in batch), default=1)
-        start = max(self.start_s(engine_id, now, decoding_context_tokens, longest),
-                    now + self.slot_wait_s(engine_id, waiting_for_slot, now))
-        return start - now + self.own_prefill_s(engine_id, batch, now)
+        slot_s = self.slot_wait_s(engine_id, waiting_for_slot, now)
+        start = max(self.start_s(engine_id, now, decoding_context_tokens, longest), now + slot_s)
+        # a request that waits for a slot is admitted when one frees, not into the pass that waits now
+        own_s = batch_prefill_s(self.cost, batch, self.chunk_tokens) if slot_s > 0 else self.own_prefill_s(engine_id, batch, now)
+        return start - now + own_s
 
     def own_prefill_s(self, engine_id: str, batch: Sequence[SeqShape], now: float) -> float:
         """Seconds of ``batch``'s own prefill on ``engine_id`` sent at ``now`` (``P_e``, module doc): what its tokens add to
@@ -254,9 +260,11 @@ class EngineQueueModel:
         :attr:`pass_floor_s`) when it fits one chunk with them; else its prefill alone (:func:`batch_prefill_s`)."""
         alone_s = batch_prefill_s(self.cost, batch, self.chunk_tokens)
         tokens = sum(max(1, new) for new, _ in batch)
+        entries = self._advance(engine_id, now) if tokens < self.chunk_tokens else None
+        if not entries:
+            return alone_s
         current = self._current.get(engine_id)
-        waiting = [p.tokens for p in self._advance(engine_id, now).values()
-                   if p.work_s > 0 and p.remaining_s >= p.work_s and p is not current]
+        waiting = [p.tokens for p in entries.values() if p.work_s > 0 and p.remaining_s >= p.work_s and p is not current]
         if not waiting or sum(waiting) + tokens > self.chunk_tokens:
             return alone_s
         return max(alone_s - self.pass_floor_s, tokens * self.token_in_pass_s)
@@ -277,7 +285,9 @@ class EngineQueueModel:
                    decoding_context_tokens: int = 0, stream: bool = True, deadlines_s: Sequence[float] = (),
                    behind_all: bool = False) -> float:
         """``rids`` (shapes ``batch``) went to ``engine_id`` at ``now`` as one group; their predicted first-token time
-        from the prefill work alone (no wait for a request slot: the caller knows the slots, :meth:`predict_ttft_s`).
+        from the prefill work alone (no wait for a request slot: the caller knows the slots, :meth:`predict_ttft_s`),
+        in the pass of the prefills waiting there where it fits one (:meth:`own_prefill_s`), though the backlog keeps
+        the group's whole pass (module doc, Joining a pass).
 
         ``deadlines_s``: the first-token deadlines of ``rids`` (clock seconds; none given: no deadline); the group
         counts by the earliest.
@@ -292,7 +302,7 @@ class EngineQueueModel:
         work_s = batch_prefill_s(self.cost, batch, self.chunk_tokens)
         tokens = sum(max(1, new) for new, _ in batch)
         key = self._key(None if behind_all else max((new for new, _ in batch), default=1))
-        chunk_s = work_s if sum(max(1, new) for new, _ in batch) <= self.chunk_tokens else self.chunk_pass_s
+        chunk_s = work_s if tokens <= self.chunk_tokens else self.chunk_pass_s
         entries = self._by_engine.setdefault(engine_id, {})
         deadline_s = min(deadlines_s, default=math.inf)
         for i, rid in enumerate(rids):  # the group's work is carried by its first request

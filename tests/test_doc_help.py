@@ -1,4 +1,4 @@
-"""bench/doc_help.py: the bench scripts' docstring markup shown as plain text in ``--help``, exact outputs."""
+"""laps/doc_help.py: the bench scripts' docstring markup shown as plain text in ``--help``, exact outputs."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.doc_help import doc_parser, plain_text
+from laps.doc_help import doc_parser, plain_text
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -78,3 +78,21 @@ def test_dominance_help_shows_no_markup():
     for markup in ("``", ":func:`", ":meth:`", ":mod:`", ":class:`", ":data:`", ":attr:`"):
         assert markup not in result.stdout
     assert "`laps simulate`" in result.stdout  # a literal of its docstring, now in single backticks
+
+
+def test_every_bench_script_that_uses_doc_parser_imports_it_from_the_installed_package():
+    # `python bench/NAME.py`, `python -m bench.NAME` and `import bench.NAME` put different folders on sys.path; only an
+    # installed package resolves the same in all three (bench/gpu_check.py is copied alone to the GPU machine and
+    # keeps its own parser).
+    users = [p for p in sorted((ROOT / "bench").glob("*.py")) if "doc_parser(" in p.read_text()]
+    assert len(users) == 26
+    for path in users:
+        imports = [line.strip() for line in path.read_text().splitlines() if "import doc_parser" in line]
+        assert imports and all(line.startswith("from laps.doc_help import doc_parser") for line in imports), path.name
+
+
+def test_a_bench_script_runs_as_a_module_too():
+    result = subprocess.run([sys.executable, "-m", "bench.sorted_f_table", "--help"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "``" not in result.stdout and ":func:`" not in result.stdout

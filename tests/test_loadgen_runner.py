@@ -286,6 +286,8 @@ def test_plan_refuses_a_non_positive_duration_and_a_negative_think_time(keys, me
     ("--think-time-s", "-1", "argument --think-time-s: must be >= 0, got -1"),
     ("--max-tokens", "0", "argument --max-tokens: must be >= 1, got 0"),
     ("--max-tokens", "1.5", "argument --max-tokens: not an integer: '1.5'"),
+    ("--long-share", "1.5", "argument --long-share: must be in [0, 1], got 1.5"),
+    ("--long-share", "-0.1", "argument --long-share: must be in [0, 1], got -0.1"),
 ])
 def test_cli_refuses_bad_durations_think_times_and_max_tokens(flag, value, message, capsys):
     with pytest.raises(SystemExit) as info:
