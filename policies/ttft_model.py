@@ -246,7 +246,7 @@ class EngineQueueModel:
         with ``behind_all``: its H counts on one of them being done first). ``waiting_for_slot``: requests that would
         wait for a request slot there up to the batch's last, itself included (in flight plus the batch, less the
         engine's ``max_running_requests``; 0: a slot is free for each): it starts no earlier than
-        :meth:`slot_wait_s`."""
+        :meth:`slot_wait_s`. Its own prefill is :meth:`own_prefill_s`, or a pass of its own where it waits for a slot."""
         longest = None if behind_all else max((new for new, _ in batch), default=1)
         slot_s = self.slot_wait_s(engine_id, waiting_for_slot, now)
         start = max(self.start_s(engine_id, now, decoding_context_tokens, longest), now + slot_s)
