@@ -62,7 +62,7 @@ sent short requests to engines that were decoding, each of them starting one mor
 prefill pass that held up the whole decode batch. Measured (single runs of
 ``bench/dominance.py``'s point configuration, loads in conversations per second or a
 replay's speed-up; before → after): at steady state (``bench/steady_state.py
---points chat-single:2000 --duration 6 --out …``) short-class P90 TTFT 13.2 → 10.5
+--points chat-single:2000 --duration 6 --out runs/ss.json``) short-class P90 TTFT 13.2 → 10.5
 ms, TPOT P50 29.9 → 21.6 ms and P90 36.4 → 28.7 ms (least_load: 17.2, 15.7 and 23.0
 ms); short P90 on ``hh-rlhf`` at 18,246 (0.8× least_load's saturation load) 12.4 →
 10.4 ms and at 22,807 (1.0×) 21.5 → 22.5 ms; ``hh-rlhf`` at 27,368 (1.2×) 11.67 →
