@@ -43,7 +43,7 @@ from bench.policy_compare import SLO_TTFT_S, deployment  # noqa: E402
 from laps.config import Config, parse_config  # noqa: E402
 from laps.doc_help import doc_parser  # noqa: E402
 from laps.tokenizer import load_tokenizer  # noqa: E402
-from loadgen.cli import share  # noqa: E402
+from loadgen.cli import non_negative_float, positive_float, positive_int, share  # noqa: E402
 from loadgen.report import build_report  # noqa: E402
 from loadgen.runner import RequestRecord, plan_arrivals  # noqa: E402
 from loadgen.virtual import VirtualRun  # noqa: E402
@@ -148,16 +148,16 @@ def plot(controller: dict, best: dict, path: Path, phase_s: float, title: str) -
 def main(argv: list[str] | None = None) -> int:
     parser = doc_parser(__doc__)
     parser.add_argument("--out", type=Path, required=True, help="JSON output; the PNG goes next to it")
-    parser.add_argument("--rate", type=float, default=150.0, help="conversations per second, all phases (default: %(default)s)")
-    parser.add_argument("--phase-s", type=float, default=120.0, help="simulated seconds per phase (default: %(default)s)")
+    parser.add_argument("--rate", type=positive_float, default=150.0, help="conversations per second, all phases (default: %(default)s)")
+    parser.add_argument("--phase-s", type=positive_float, default=120.0, help="simulated seconds per phase (default: %(default)s)")
     parser.add_argument("--chat-long-share", type=share, default=0.05, help="long share of requests in the chat phases (default: %(default)s)")
     parser.add_argument("--docs-long-share", type=share, default=0.5, help="long share of requests in the document phase (default: %(default)s)")
     parser.add_argument("--splits", default="1,2,4,6,7", help="static splits: short engines, comma-separated (default: %(default)s)")
-    parser.add_argument("--start-short", type=int, default=4, help="the controller's initial short engines (default: %(default)s)")
-    parser.add_argument("--interval-s", type=float, default=2.0, help="controller decision interval (default: %(default)s)")
-    parser.add_argument("--cooldown-s", type=float, default=20.0, help="controller cooldown after a move (default: %(default)s)")
+    parser.add_argument("--start-short", type=positive_int, default=4, help="the controller's initial short engines (default: %(default)s)")
+    parser.add_argument("--interval-s", type=positive_float, default=2.0, help="controller decision interval (default: %(default)s)")
+    parser.add_argument("--cooldown-s", type=non_negative_float, default=20.0, help="controller cooldown after a move (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="workload and arrival seed (default: %(default)s)")
-    parser.add_argument("--jobs", type=int, default=2, help="simulations run in parallel (default: %(default)s)")
+    parser.add_argument("--jobs", type=positive_int, default=2, help="simulations run in parallel (default: %(default)s)")
     parser.add_argument("--quick", action="store_true", help="60 s phases and static splits 2, 4, 6 only")
     args = parser.parse_args(argv)
     phase_s = 60.0 if args.quick else args.phase_s

@@ -23,6 +23,7 @@ from pathlib import Path
 from laps.config import parse_config
 from laps.doc_help import doc_parser
 from laps.tokenizer import load_tokenizer
+from loadgen.cli import positive_float, positive_int
 from loadgen.report import build_report
 from loadgen.simulate import simulate
 from loadgen.workloads import build_workload
@@ -37,9 +38,9 @@ ROLES = {
 def main() -> int:
     """Build the 8-engine deployment, simulate it and print the speed."""
     parser = doc_parser(__doc__, split=False)
-    parser.add_argument("--duration", type=float, default=600.0, help="simulated seconds of arrivals (default: 600)")
-    parser.add_argument("--rate", type=float, default=20.0, help="conversations per second (default: 20, ~50 req/s)")
-    parser.add_argument("--engines", type=int, default=8, help="engines, a quarter of them long-prefill (default: 8)")
+    parser.add_argument("--duration", type=positive_float, default=600.0, help="simulated seconds of arrivals (default: 600)")
+    parser.add_argument("--rate", type=positive_float, default=20.0, help="conversations per second (default: 20, ~50 req/s)")
+    parser.add_argument("--engines", type=positive_int, default=8, help="engines, a quarter of them long-prefill (default: 8)")
     parser.add_argument("--policy", choices=sorted(POLICIES), default="laps", help="scheduling policy (default: laps)")
     parser.add_argument("--seed", type=int, default=0, help="seed (default: 0)")
     parser.add_argument("--out", type=Path, help="also write the figures as JSON here")

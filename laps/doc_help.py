@@ -2,7 +2,8 @@
 
 The bench scripts' docstrings are written for Sphinx-style readers (``code``, :func:`~pkg.mod.name`);
 :func:`doc_parser` builds a script's parser from its docstring the way they all do, and :func:`plain_text`
-turns that markup into what a terminal reader expects.
+turns that markup into what a terminal reader expects. It lives in the installed package (not in ``bench/``) so that
+``python bench/NAME.py``, ``python -m bench.NAME`` and ``import bench.NAME`` all find it.
 """
 
 from __future__ import annotations

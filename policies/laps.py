@@ -324,8 +324,9 @@ decode batch's time too: ``chat-single`` at 1.0× 0.61 → 2.19%, ``hh-rlhf`` 0.
 What shipped instead of the tie to an engine where a prefill already waits: the queue model prices that join (a
 request that fits the pass of the prefills waiting unstarted on an engine costs there what its tokens add to that
 pass; :mod:`policies.ttft_model`, Joining a pass): TPOT P50 at 2,000 conv/s 29.9 → 21.6 ms (6 s of arrivals), and
-``hh-rlhf`` and ``mixed`` PD at 1.0× (at the saturation loads searched then, 22,807 and 336.739) at 0.00% and
-0.12% violations.
+``hh-rlhf`` and ``mixed`` PD at 1.0× (saturation loads searched in that sitting, 22,807 and 336.739; single
+runs of the benchmark's point configuration, seed 0) at 0.00% and 0.12% violations (0.00% and 0.19% before; the
+PD point measured before the rule that a request waiting for a request slot joins no pass).
 
 Request slots. An engine admits a prefill only into one of its ``max_running_requests`` slots, and on
 decode-heavy chat near saturation all 4,096 slots of every engine fill (``hh-rlhf`` at 1.0× least_load's saturation

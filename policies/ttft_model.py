@@ -14,7 +14,8 @@ its first token after
   up to a chunk), so ``P_e`` is what its tokens add to that pass: their compute
   share of a full chunk pass, at least its pass less the fixed cost of a pass
   (:meth:`EngineQueueModel.own_prefill_s`; measured below), unless it must
-  wait for a request slot (it is admitted when one frees: a pass of its own);
+  wait for a request slot (it is admitted when one frees) or runs behind a
+  prefill in flight it counts on: a pass of its own then;
 * ``A_e``: the prefill work e does before it. The model keeps, per engine, the
   prefills the scheduler sent there that have no first token yet, each with its
   predicted work left, and runs them forward in time the way the engine orders
@@ -65,7 +66,7 @@ replay's speed-up; before → after): at steady state (``bench/steady_state.py
 --points chat-single:2000 --duration 6 --out runs/ss.json``) short-class P90 TTFT 13.2 → 10.5
 ms, TPOT P50 29.9 → 21.6 ms and P90 36.4 → 28.7 ms (least_load: 17.2, 15.7 and 23.0
 ms); short P90 on ``hh-rlhf`` at 18,246 (0.8× least_load's saturation load) 12.4 →
-10.4 ms and at 22,807 (1.0×) 21.5 → 22.5 ms; ``hh-rlhf`` at 27,368 (1.2×) 11.67 →
+10.4 ms and at 22,807 (1.0×) 21.5 → 22.5 ms (violations 0.00 → 0.00%); ``hh-rlhf`` at 27,368 (1.2×) 11.67 →
 11.87% violations, seed 1 12.96 → 11.99%; ``chat-single`` at 7,700 0.03 → 0.03%.
 Measured before the slot rule (which changes predictions only on engines whose
 request slots are full), seed 0: short P90 on ``mixed`` at 360 12.3 → 10.5 ms,
@@ -79,7 +80,8 @@ violation change is within one run's noise (~1 point in overload), their mean ab
 0.0. The backlog itself keeps each group's whole pass: with what it adds to a pass
 there too, the backlog looked shorter than it runs on engines that alternate it with
 decode passes of thousands of sequences, and short requests piled up where a group
-waited (``hh-rlhf`` short P90 at 18,246 46 ms, though 9.46% violations at 27,368).
+waited: ``hh-rlhf`` short P90 at 18,246 was 46 ms (violations at 27,368 fell to 9.46%,
+the one point where that helped).
 
 On ``shortest-prefill-first`` engines a request delays the longer prefills it
 overtakes by what its new tokens add to their passes (``token_in_pass_s`` each, the
@@ -246,12 +248,15 @@ class EngineQueueModel:
         with ``behind_all``: its H counts on one of them being done first). ``waiting_for_slot``: requests that would
         wait for a request slot there up to the batch's last, itself included (in flight plus the batch, less the
         engine's ``max_running_requests``; 0: a slot is free for each): it starts no earlier than
-        :meth:`slot_wait_s`. Its own prefill is :meth:`own_prefill_s`, or a pass of its own where it waits for a slot."""
+        :meth:`slot_wait_s`. Its own prefill is :meth:`own_prefill_s`, or a pass of its own where it waits for a slot
+        or with ``behind_all``."""
         longest = None if behind_all else max((new for new, _ in batch), default=1)
         slot_s = self.slot_wait_s(engine_id, waiting_for_slot, now)
         start = max(self.start_s(engine_id, now, decoding_context_tokens, longest), now + slot_s)
-        # a request that waits for a slot is admitted when one frees, not into the pass that waits now
-        own_s = batch_prefill_s(self.cost, batch, self.chunk_tokens) if slot_s > 0 else self.own_prefill_s(engine_id, batch, now)
+        # a request that waits for a slot is admitted when one frees, and one keyed behind all prefill work (it counts
+        # on a prefill in flight) runs after it: neither goes into the pass that waits now
+        joins = slot_s == 0 and not behind_all
+        own_s = self.own_prefill_s(engine_id, batch, now) if joins else batch_prefill_s(self.cost, batch, self.chunk_tokens)
         return start - now + own_s
 
     def own_prefill_s(self, engine_id: str, batch: Sequence[SeqShape], now: float) -> float:

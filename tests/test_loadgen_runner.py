@@ -289,7 +289,7 @@ def test_plan_refuses_a_non_positive_duration_and_a_negative_think_time(keys, me
     ("--long-share", "1.5", "argument --long-share: must be in [0, 1], got 1.5"),
     ("--long-share", "-0.1", "argument --long-share: must be in [0, 1], got -0.1"),
 ])
-def test_cli_refuses_bad_durations_think_times_and_max_tokens(flag, value, message, capsys):
+def test_cli_refuses_bad_durations_think_times_max_tokens_and_long_shares(flag, value, message, capsys):
     with pytest.raises(SystemExit) as info:
         parse("--url", "http://127.0.0.1:9", flag, value)
     assert info.value.code == 2 and message in capsys.readouterr().err

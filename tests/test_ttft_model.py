@@ -217,10 +217,11 @@ def test_a_short_request_joins_a_pass_about_to_start_rather_than_interrupt_a_dec
 
 
 def test_a_request_that_waits_for_a_request_slot_does_not_join_the_pass_waiting_now():
-    # The engine's slots are full (one request ahead waiting for one, itself), so it is admitted when a request
-    # finishes, at least 1 s from now at the floor rate, and runs a pass of its own then, not the 100-token pass that
-    # waits now.
+    # The engine's slots are full and only it waits for one, so it is admitted when a request finishes, at least 1 s
+    # from now at the floor rate, and runs a pass of its own then, not the 100-token pass that waits now. Nor does a
+    # request keyed behind all prefill work there (it counts on a prefill in flight) join that pass.
     m = EngineQueueModel(TRAITS)
     m.dispatched("e", ["p"], [(100, 0)], 0.0)
     assert m.predict_ttft_s("e", [(100, 0)], 0.0, waiting_for_slot=1) == pytest.approx(1.0 + 0.006)
     assert m.predict_ttft_s("e", [(100, 0)], 0.0) == pytest.approx(0.006 + 100 * IN_PASS_S)
+    assert m.predict_ttft_s("e", [(100, 0)], 0.0, behind_all=True) == pytest.approx(0.006 + 0.006)
