@@ -13,7 +13,7 @@ its first token after
   it joins their pass (SGLang's next extend pass takes every waiting request
   up to a chunk), so ``P_e`` is what its tokens add to that pass: their compute
   share of a full chunk pass, at least its pass less the fixed cost of a pass
-  (:meth:`EngineQueueModel.own_prefill_s`; measured below), unless it must
+  (:meth:`EngineQueueModel.predict_ttft_s`; measured below), unless it must
   wait for a request slot (it is admitted when one frees) or runs behind a
   prefill in flight it counts on: a pass of its own then;
 * ``A_e``: the prefill work e does before it. The model keeps, per engine, the
@@ -147,9 +147,14 @@ def isolated_prefill_s(cost: PassCost, new_tokens: int, cached_tokens: int, chun
     return total
 
 
+def _new_tokens(batch: Sequence[SeqShape]) -> int:
+    """New tokens ``batch`` puts in a pass: each sequence at least one (a full cache hit still runs its last token)."""
+    return sum(max(1, new) for new, _ in batch)
+
+
 def batch_prefill_s(cost: PassCost, batch: Sequence[SeqShape], chunk_tokens: int) -> float:
     """Seconds to prefill ``batch`` together: one pass when it fits a chunk, else each sequence in turn (chunked)."""
-    if sum(max(1, new) for new, _ in batch) <= chunk_tokens:
+    if _new_tokens(batch) <= chunk_tokens:
         return cost.prefill_s([(max(1, new), cached) for new, cached in batch])
     return sum(isolated_prefill_s(cost, new, cached, chunk_tokens) for new, cached in batch)
 
@@ -248,28 +253,26 @@ class EngineQueueModel:
         with ``behind_all``: its H counts on one of them being done first). ``waiting_for_slot``: requests that would
         wait for a request slot there up to the batch's last, itself included (in flight plus the batch, less the
         engine's ``max_running_requests``; 0: a slot is free for each): it starts no earlier than
-        :meth:`slot_wait_s`. Its own prefill is :meth:`own_prefill_s`, or a pass of its own where it waits for a slot
-        or with ``behind_all``."""
+        :meth:`slot_wait_s`. Its own prefill is what it adds to the pass waiting there unstarted where it fits one
+        (module doc, Joining a pass), or a pass of its own where it waits for a slot or with ``behind_all``."""
         longest = None if behind_all else max((new for new, _ in batch), default=1)
         slot_s = self.slot_wait_s(engine_id, waiting_for_slot, now)
         start = max(self.start_s(engine_id, now, decoding_context_tokens, longest), now + slot_s)
+        alone_s = batch_prefill_s(self.cost, batch, self.chunk_tokens)
         # a request that waits for a slot is admitted when one frees, and one keyed behind all prefill work (it counts
         # on a prefill in flight) runs after it: neither goes into the pass that waits now
-        joins = slot_s == 0 and not behind_all
-        own_s = self.own_prefill_s(engine_id, batch, now) if joins else batch_prefill_s(self.cost, batch, self.chunk_tokens)
+        own_s = alone_s if slot_s > 0 or behind_all else self._in_waiting_pass_s(engine_id, batch, alone_s)
         return start - now + own_s
 
-    def own_prefill_s(self, engine_id: str, batch: Sequence[SeqShape], now: float) -> float:
-        """Seconds of ``batch``'s own prefill on ``engine_id`` sent at ``now`` (``P_e``, module doc): what its tokens add to
-        the pass of the prefills waiting there unstarted (:attr:`token_in_pass_s` each, at least its own pass less
-        :attr:`pass_floor_s`) when it fits one chunk with them; else its prefill alone (:func:`batch_prefill_s`)."""
-        alone_s = batch_prefill_s(self.cost, batch, self.chunk_tokens)
-        tokens = sum(max(1, new) for new, _ in batch)
-        entries = self._advance(engine_id, now) if tokens < self.chunk_tokens else None
-        if not entries:
-            return alone_s
+    def _in_waiting_pass_s(self, engine_id: str, batch: Sequence[SeqShape], alone_s: float) -> float:
+        """``batch``'s own prefill on ``engine_id`` (``P_e``, module doc; ``alone_s``: its prefill alone), its entries as of
+        their last advance (:meth:`predict_ttft_s` advances them first): what its tokens add to the pass of the prefills
+        waiting there unstarted (:attr:`token_in_pass_s` each, at least ``alone_s`` less :attr:`pass_floor_s`) when it
+        fits one chunk with them; else ``alone_s``."""
         current = self._current.get(engine_id)
-        waiting = [p.tokens for p in entries.values() if p.work_s > 0 and p.remaining_s >= p.work_s and p is not current]
+        waiting = [p.tokens for p in self._by_engine.get(engine_id, {}).values()
+                   if p.work_s > 0 and p.remaining_s >= p.work_s and p is not current]
+        tokens = _new_tokens(batch)
         if not waiting or sum(waiting) + tokens > self.chunk_tokens:
             return alone_s
         return max(alone_s - self.pass_floor_s, tokens * self.token_in_pass_s)
@@ -291,7 +294,7 @@ class EngineQueueModel:
                    behind_all: bool = False) -> float:
         """``rids`` (shapes ``batch``) went to ``engine_id`` at ``now`` as one group; their predicted first-token time
         from the prefill work alone (no wait for a request slot: the caller knows the slots, :meth:`predict_ttft_s`),
-        in the pass of the prefills waiting there where it fits one (:meth:`own_prefill_s`), though the backlog keeps
+        in the pass of the prefills waiting there where it fits one (:meth:`predict_ttft_s`), though the backlog keeps
         the group's whole pass (module doc, Joining a pass).
 
         ``deadlines_s``: the first-token deadlines of ``rids`` (clock seconds; none given: no deadline); the group
@@ -305,7 +308,7 @@ class EngineQueueModel:
         finish = now + self.predict_ttft_s(engine_id, batch, now, decoding_context_tokens, behind_all)
         # the backlog keeps the group's whole pass, not what it adds to one (module doc, Joining a pass)
         work_s = batch_prefill_s(self.cost, batch, self.chunk_tokens)
-        tokens = sum(max(1, new) for new, _ in batch)
+        tokens = _new_tokens(batch)
         key = self._key(None if behind_all else max((new for new, _ in batch), default=1))
         chunk_s = work_s if tokens <= self.chunk_tokens else self.chunk_pass_s
         entries = self._by_engine.setdefault(engine_id, {})

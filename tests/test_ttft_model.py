@@ -211,7 +211,6 @@ def test_a_short_request_joins_a_pass_about_to_start_rather_than_interrupt_a_dec
     m.dispatched("pre", ["p"], [(100, 0)], 1.0)
     assert m.predict_ttft_s("dec", [(100, 0)], 1.0) == pytest.approx(0.5 * 0.008 + 0.006)
     assert m.predict_ttft_s("pre", [(100, 0)], 1.0) == pytest.approx(0.006 + 100 * IN_PASS_S)
-    assert m.own_prefill_s("pre", [(100, 0)], 1.0) == pytest.approx(100 * IN_PASS_S)
     # Once that pass has started, the request waits for it and runs a pass of its own.
     assert m.predict_ttft_s("pre", [(100, 0)], 1.001) == pytest.approx(0.005 + 0.006)
 
