@@ -21,7 +21,7 @@ goodput of the TTFT objective there would measure the point's length, not the sc
 
 Policies: ``laps`` as shipped (``examples/sim-h200x8.yaml``, unedited: pools as preferences,
 predicted-TTFT routing, the controller on with instant moves, laps' SGLang plugin in the engines: late requests
-last, long prompts by deadline while the engine keeps up) and
+last, long prompts by deadline less the longest where one would end late, Moore's order) and
 the baselines over all 8 engines with SGLang's default flags and order: ``least_load`` (unified
 FCFS), ``least_load+spf`` (least load to engines running ``--schedule-policy
 shortest-prefill-first``), ``cache_aware``, ``bucket``, ``round_robin`` (the rules of SGLang's

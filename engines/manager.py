@@ -270,7 +270,7 @@ def _prefill_s_per_1k(config: Config, engine: EngineConfig, role: str | None) ->
 
 
 def deadline_order_above(config: Config, role: str) -> int | None:
-    """New tokens above which the plugin puts ``role``'s requests in time in deadline order while the engine keeps up:
+    """New tokens above which the plugin puts ``role``'s requests in time in its deadline order (Moore's):
     ``scheduling.short_threshold_tokens`` − 1, so requests of fewer than the threshold keep their shortest-first place
     (the gateway's short class where no ``cost_model`` sets the boundary; the engine counts the tokens it must
     prefill, prompt and reply so far less its own cache, the gateway its estimate); None where the role does not set

@@ -224,15 +224,15 @@ class RoleConfig(_Strict):
     still within theirs, so that in overload the engine spends its passes on
     requests that can still be in time (needs ``schedule-policy:
     shortest-prefill-first``; simulated engines model it).
-    ``deadline_order`` (needs ``late_requests_last``): while no waiting request
-    is late, the plugin also puts those that have
-    ``scheduling.short_threshold_tokens`` new tokens or more in deadline order
-    behind the shorter ones, whenever by its estimate (the chunked prefill in
-    progress, then prefills back to back, at the engine's full-chunk rate in the
-    ``sim`` section's engine model: set ``sim`` to the real engine's model and
-    GPU) every request stays in time so; shortest first otherwise
-    (``engines/sglang_plugin``). The gateway's queue model keeps predicting
-    shortest first there (``policies/ttft_model.py`` says why).
+    ``deadline_order`` (needs ``late_requests_last``): the plugin also puts the
+    requests in time that have ``scheduling.short_threshold_tokens`` new tokens
+    or more behind the shorter ones in Moore's order: by deadline, less the
+    longest ones wherever by its estimate (the chunked prefill in progress, then
+    prefills back to back, at the engine's full-chunk rate in the ``sim``
+    section's engine model: set ``sim`` to the real engine's model and GPU) one
+    would end late; those follow, shortest first (``engines/sglang_plugin``).
+    The gateway's queue model keeps predicting shortest first there
+    (``policies/ttft_model.py`` says why).
     """
 
     pool: Literal["short", "long", "decode"]

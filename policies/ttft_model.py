@@ -46,11 +46,13 @@ its first token after
 laps' deadline order (a role's ``deadline_order``: laps' SGLang plugin,
 ``engines/sglang_plugin``) has the engine serve its long prefills (of at least
 ``scheduling.short_threshold_tokens`` new tokens) by deadline instead of
-shortest first while, by its own estimate, all of them stay in time so. The model keeps
-predicting shortest first there. Modelling the order (those prefills as sent
-while none on the engine was past its deadline) predicted a mid-sized prompt to
-wait behind every longer one sent before it, which the engine does only while
-it keeps up, and it cost more than it bought (README, Late requests last; seed
+shortest first, less the longest ones wherever, by its own estimate, one would
+end late (Moore's order; those follow, shortest first). The model keeps
+predicting shortest first there. Modelling the order before Moore's (by
+deadline only while all stayed in time; those prefills as sent while none on
+the engine was past its deadline) predicted a mid-sized prompt to wait behind
+every longer one sent before it, which the engine did only while it kept up,
+and it cost more than it bought (README, Late requests last; seed
 1: ``mixed`` at 1.2× least_load's saturation load 4.22% violations against
 3.52% without it, ``chat-single`` at 2.35× 4.06% against 3.41%).
 

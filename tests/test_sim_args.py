@@ -95,9 +95,9 @@ def test_the_engine_says_at_start_up_which_plugin_order_it_models():
     assert plugin_lines(late) == ["shortest-prefill-first puts requests that have waited longer than 0.4 s + 0 s per "
                                   "1,000 new tokens behind all others (laps' plugin, modelled)"]
     ordered = dataclasses.replace(late, late_last_deadline_order_tokens=255, late_last_prefill_s_per_1k=0.0224)
-    assert plugin_lines(ordered)[1] == ("requests of more than 255 new tokens go by deadline while none waiting is late "
-                                        "and the engine, at 0.0224 s per 1,000 new tokens after its chunked prefill "
-                                        "in progress, can serve every request in time so")
+    assert plugin_lines(ordered)[1] == ("requests in time of more than 255 new tokens go by deadline, less the longest "
+                                        "ones where, at 0.0224 s per 1,000 new tokens after the chunked prefill in "
+                                        "progress, one would end late (Moore's order)")
 
 
 def test_the_managers_command_line_for_every_shipped_role_parses():

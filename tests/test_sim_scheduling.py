@@ -174,7 +174,8 @@ def test_deadline_order_serves_a_long_prefill_before_later_shorter_ones_while_al
     assert admitted() == spf
     # Deadline order above 100 tokens: short (50 tokens) keeps its place, then long (deadline 0.4 s) before mid
     # (0.5 s). At 0.1 s per 1,000 tokens the three end by 0.15 + 1.25 × 0.1 = 0.275 s, all in time, so that order
-    # stands; at 1 s per 1,000 long would end at 0.15 + 0.95 = 1.1 s, past its deadline: shortest first.
+    # stands; at 1 s per 1,000 long would end at 0.15 + 0.95 = 1.1 s, past its deadline, and moves behind mid, which
+    # then ends at 0.5 s, in time: here the shortest-first order.
     assert admitted(late_last_deadline_order_tokens=100, late_last_prefill_s_per_1k=0.1) == [((50, 0), (900, 0)), ((300, 0),)]
     assert admitted(late_last_deadline_order_tokens=100, late_last_prefill_s_per_1k=1.0) == spf
     # Above 1,000 tokens every request keeps its shortest-first place.
@@ -185,7 +186,7 @@ def test_deadline_order_serves_a_long_prefill_before_later_shorter_ones_while_al
         EngineConfig(100, 8, late_last_ttft_s=0.4, late_last_deadline_order_tokens=100)
 
 
-def test_deadline_order_counts_the_chunked_prefill_in_progress_and_stops_while_a_request_is_late():
+def test_deadline_order_counts_the_chunked_prefill_in_progress_and_puts_a_late_request_behind_those_in_time():
     def passes(rate: float, late: bool = False) -> list[tuple[tuple[int, int], ...]]:
         core = make_core(schedule_policy="shortest-prefill-first", max_prefill_tokens=1000, chunked_prefill_size=1000,
                          late_last_ttft_s=0.4, late_last_deadline_order_tokens=100, late_last_prefill_s_per_1k=rate)
@@ -201,11 +202,11 @@ def test_deadline_order_counts_the_chunked_prefill_in_progress_and_stops_while_a
     # At 0.05 s per 1,000 the document's 2,000 tokens end at 0.25 s, then short, then long at 0.2975 s (its deadline
     # 0.4 s), then mid: all in time, so long goes before mid (the document's chunk shrinks to leave them room).
     assert passes(0.05)[0] == ((50, 1000), (50, 0), (900, 0))
-    # At 0.1 s per 1,000 long would end at 0.15 + 0.2 + 0.005 + 0.09 = 0.445 s: shortest first. Without the
-    # document's tokens it would have ended at 0.245 s, in time.
+    # At 0.1 s per 1,000 long would end at 0.15 + 0.2 + 0.005 + 0.09 = 0.445 s, past its deadline: it moves behind
+    # mid (which ends at 0.385 s, in time). Without the document's tokens it would have ended at 0.245 s, in time.
     assert passes(0.1)[0] == ((650, 1000), (50, 0), (300, 0))
-    # A request already late (it entered at -1 s): the engine has fallen behind, shortest first; the late one last.
-    assert passes(0.05, late=True) == [((650, 1000), (50, 0), (300, 0)), ((80, 1650), (900, 0), (20, 0))]
+    # A request already late (it entered at -1 s) goes behind them all; those in time keep the deadline order.
+    assert passes(0.05, late=True) == [((50, 1000), (50, 0), (900, 0)), ((680, 1050), (300, 0), (20, 0))]
 
 
 def test_priority_scheduling_sorts_by_priority_and_preempts_the_lowest_running_one():

@@ -13,20 +13,24 @@ stay last). A request's objective is ``LAPS_TTFT_S`` seconds plus
 (prompt and reply so far, less its cached prefix), measured from its entry
 into the waiting queue.
 
-Deadline order while the engine keeps up (``LAPS_DEADLINE_ORDER_ABOVE_TOKENS``
-N and ``LAPS_PREFILL_S_PER_1K_TOKENS``, both set): while no waiting request
-(bar those pushed back for a duplicate prefix) is late, the requests go those
-of at most N new tokens first (shortest first), then the longer ones by
-deadline, whenever by an estimate (the rest of the chunked prefill in progress,
-then their prefills back to back, all at ``LAPS_PREFILL_S_PER_1K_TOKENS``, the
-engine's full-chunk rate) every one of them ends within its objective;
-otherwise shortest first as above (one late request, or one that would miss,
-is enough). In overload shortest first tends to keep the most requests in
-time, but it lets a stream of shorter prompts overtake a long one until the
-long one misses; deadline order serves them all while all can be served. A
-late request waiting means the engine has fallen behind, where deadline order
-would spend its passes on the oldest requests while the others then miss too.
-The order is re-decided at every sort, so it follows the load.
+Deadline order (``LAPS_DEADLINE_ORDER_ABOVE_TOKENS`` N and
+``LAPS_PREFILL_S_PER_1K_TOKENS``, both set): the requests still within their
+objective (bar those pushed back for a duplicate prefix) go those of at most N
+new tokens first (shortest first), then the longer ones in Moore's order
+(J. M. Moore, "An n job, one machine sequencing algorithm for minimizing the
+number of tardy jobs", Management Science 15(1):102-109, 1968): by deadline,
+except that wherever, by an estimate (the rest of the chunked prefill in
+progress, then the short ones, then these back to back, all at
+``LAPS_PREFILL_S_PER_1K_TOKENS``, the engine's full-chunk rate), one of them
+would end past its objective, the longest of those kept so far is moved
+behind all that are kept; the moved ones follow them, shortest first. For
+one engine with every request already waiting, no order has fewer requests
+late (Moore's theorem). While the engine keeps up nothing is moved and the
+order is the deadlines': unlike shortest first it does not let a stream of
+shorter prompts overtake a long one until the long one misses. In overload it
+gives up the longest prompts, as shortest first does, but only as many as it
+must to keep the rest in time. Late requests stay behind every request in
+time. The order is re-decided at every sort, so it follows the load.
 
 The simulated engine models both orders (``engines/sim/core.py``, with this
 module's :func:`deadline_order`); what they buy there is in the README ("Late
@@ -64,8 +68,8 @@ SGLang source it hooks (SGLang 0.5.23):
   hook runs; with the overlap scheduler that chunk may still be running, so
   the estimate can count one chunk fewer). The estimate puts all of that rest
   first, though ``shortest_prefill_chunk_limit`` lets waiting requests shorter
-  than it into its passes: a margin that keeps deadline order off longer
-  behind a long prefill in progress.
+  than it into its passes: a margin, so behind a long prefill in progress
+  Moore's order may move a long request that would have made it.
 * ``sglang/srt/observability/req_time_stats.py``: a request's
   ``time_stats.wait_queue_entry_time`` is the ``time.perf_counter()`` value
   (seconds) at which it entered the waiting queue; a retracted request enters
@@ -77,6 +81,7 @@ inside :func:`register`, so this module imports without SGLang.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import math
 import os
@@ -120,8 +125,8 @@ def _read_seconds(name: str, default: float | None, allow_zero: bool) -> float |
 
 
 def deadline_order(in_time: list[tuple[Any, int, float]], now: float, above_tokens: int,
-                   prefill_s_per_1k: float, ahead_tokens: int = 0) -> list[Any] | None:
-    """The waiting requests still within their objective in deadline order, if the engine can serve them all so.
+                   prefill_s_per_1k: float, ahead_tokens: int = 0) -> list[Any]:
+    """The waiting requests still within their objective in the plugin's deadline order (module doc: Moore's order).
 
     Args:
         in_time: ``(request, new tokens, deadline)`` of each, shortest first; deadlines in seconds on ``now``'s clock.
@@ -131,18 +136,27 @@ def deadline_order(in_time: list[tuple[Any, int, float]], now: float, above_toke
         ahead_tokens: new tokens the engine prefills before any of them (the rest of a chunked prefill in progress).
 
     Returns:
-        The requests of at most ``above_tokens`` new tokens as given, then the others by deadline (ties as given),
-        when in that order, prefilled back to back after ``ahead_tokens`` from ``now`` at ``prefill_s_per_1k`` (an
-        estimate), each ends by its deadline; else None.
+        The requests of at most ``above_tokens`` new tokens as given; then the others by deadline (ties as given), less
+        those Moore's algorithm moves: prefilled back to back from ``now`` after ``ahead_tokens`` and the short ones, at
+        ``prefill_s_per_1k`` (an estimate), whenever one would end past its deadline the one of most new tokens so far
+        is taken out (of equals the earliest deadline: the rest then have the most slack); then the ones taken out, as
+        given. O(n log n) in the requests.
     """
     first = [e for e in in_time if e[1] <= above_tokens]
-    order = first + sorted((e for e in in_time if e[1] > above_tokens), key=lambda e: e[2])
-    end_s = now + ahead_tokens * prefill_s_per_1k / 1000
-    for _, work, deadline_s in order:
+    by_deadline = sorted((e for e in in_time if e[1] > above_tokens), key=lambda e: e[2])
+    end_s = now + (ahead_tokens + sum(e[1] for e in first)) * prefill_s_per_1k / 1000
+    kept: list[tuple[int, int]] = []  # heap of (-new tokens, position in by_deadline): the longest on top
+    moved: set[int] = set()
+    for i, (_, work, deadline_s) in enumerate(by_deadline):
+        heapq.heappush(kept, (-work, i))
         end_s += work * prefill_s_per_1k / 1000
         if end_s > deadline_s:
-            return None
-    return [e[0] for e in order]
+            longest, j = heapq.heappop(kept)
+            moved.add(j)
+            end_s += longest * prefill_s_per_1k / 1000
+    out = {id(by_deadline[i]) for i in moved}
+    return [e[0] for e in (*first, *(e for i, e in enumerate(by_deadline) if i not in moved),
+                           *(e for e in in_time if id(e) in out))]
 
 
 class ChunkInProgress:
@@ -175,16 +189,15 @@ def make_late_last_sort(ttft_s: float, per_1k_s: float, policy_module: Any, dead
         per_1k_s: what each 1,000 new (uncached) tokens add to the objective, in seconds.
         policy_module: ``sglang.srt.managers.schedule_policy``; ``SchedulePolicy`` is looked up
             in it at each sort, so a later patch of that class or of ``_shortest_prefill_work`` is seen.
-        deadline_order_above, prefill_s_per_1k: both set: while no request but those pushed back is late, the
-            requests go in :func:`deadline_order` (those of more than ``deadline_order_above`` new tokens by
-            deadline) whenever the engine, at ``prefill_s_per_1k`` seconds per 1,000 new tokens, can serve them
-            all in time so (after the rest of ``chunk``'s prefill in progress, when given).
+        deadline_order_above, prefill_s_per_1k: both set: the requests in time go in :func:`deadline_order` (those of
+            more than ``deadline_order_above`` new tokens in Moore's order, at ``prefill_s_per_1k`` seconds per 1,000
+            new tokens after the rest of ``chunk``'s prefill in progress, when given).
 
     Returns:
         ``sort(waiting_queue, temporary_deprioritized)``, which sorts the list of requests in place by
         (pushed back for a duplicate prefix, late, new tokens, queue entry time); a request is late when
         it has waited longer than ``ttft_s + per_1k_s * new_tokens / 1000`` seconds; then, with deadline
-        order on and no request late but those pushed back, reorders the leading requests not pushed back.
+        order on, reorders the leading requests, those neither late nor pushed back.
     """
 
     def sort_late_last(waiting_queue: list, temporary_deprioritized: set) -> None:
@@ -206,15 +219,11 @@ def make_late_last_sort(ttft_s: float, per_1k_s: float, policy_module: Any, dead
         in_time = []
         for req in waiting_queue:  # in time, then late, then pushed back
             pushed, late, work, _, deadline_s = keys[id(req)]
-            if pushed:
+            if pushed or late:
                 break
-            if late:
-                return  # the engine has fallen behind: shortest first
             in_time.append((req, work, deadline_s))
         ahead = chunk.tokens_left if chunk is not None else 0
-        order = deadline_order(in_time, now, deadline_order_above, prefill_s_per_1k, ahead)
-        if order is not None:
-            waiting_queue[:len(order)] = order
+        waiting_queue[:len(in_time)] = deadline_order(in_time, now, deadline_order_above, prefill_s_per_1k, ahead)
 
     return sort_late_last
 
@@ -225,7 +234,7 @@ def register() -> None:
     Reads ``LAPS_TTFT_S`` (seconds, > 0) and ``LAPS_TTFT_PER_1K_NEW_TOKENS_S`` (seconds per 1,000 new
     tokens, >= 0, default 0). With ``LAPS_TTFT_S`` unset or empty it logs that and registers nothing; with
     a malformed value it logs an error and registers nothing, leaving SGLang's order (it never raises for
-    a bad setting, so the engine starts either way). Deadline order while the engine keeps up (module doc)
+    a bad setting, so the engine starts either way). Deadline order (module doc)
     is on when ``LAPS_DEADLINE_ORDER_ABOVE_TOKENS`` (an integer >= 0) and ``LAPS_PREFILL_S_PER_1K_TOKENS``
     (seconds, > 0) are both set; with one of them missing or malformed it logs why and stays off.
     """
@@ -258,9 +267,9 @@ def register() -> None:
     logger.info("shortest-prefill-first now puts requests that have waited longer than %g s "
                 "+ %g s per 1,000 new tokens behind all others", ttft_s, per_1k_s)
     if above is not None:
-        logger.info("requests of more than %d new tokens go by deadline while none waiting is late and the engine, "
-                    "at %g s per 1,000 new tokens after its chunked prefill in progress, can serve every request in "
-                    "time so", above, rate)
+        logger.info("requests in time of more than %d new tokens go by deadline, less the longest ones where, at %g s "
+                    "per 1,000 new tokens after the chunked prefill in progress, one would end late (Moore's order)",
+                    above, rate)
 
 
 def _deadline_order_settings() -> tuple[int | None, float | None]:

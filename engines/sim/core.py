@@ -52,11 +52,11 @@ models, read from SGLang 0.5.23 (``managers/scheduler.py``
   ``late_last_ttft_s``) a request that has waited in the queue longer than its
   TTFT objective, ``late_last_ttft_s + late_last_per_1k_s`` per 1,000 uncached
   tokens, sorts behind every request still within it (pushed-back ones stay last);
-  with ``late_last_deadline_order_tokens`` N, while none but those pushed back
-  is late, the requests go those of at most N tokens first, the longer ones by
-  deadline, whenever that order, prefilled back to back after the rest of the
-  chunked prefill in progress at ``late_last_prefill_s_per_1k`` (an estimate),
-  ends each within its objective (the plugin's deadline order).
+  with ``late_last_deadline_order_tokens`` N, the requests in time go those of
+  at most N tokens first, the longer ones by deadline less those Moore's
+  algorithm moves behind them where, prefilled back to back after the rest of
+  the chunked prefill in progress at ``late_last_prefill_s_per_1k`` (an
+  estimate), one would end past its objective (the plugin's deadline order).
 * **Priority preemption** (``--enable-priority-scheduling`` without
   ``--disable-priority-preemption``): when the request slots are full, running
   requests whose priority is worse by more than
@@ -773,24 +773,21 @@ class EngineCore:
         return self.config.late_last_ttft_s + self.config.late_last_per_1k_s * work / 1000
 
     def _deadline_order_in_time(self, pushed_back: set[str]) -> None:
-        """After the late-last sort, while none but those pushed back is late: the leading requests not pushed back in
-        the plugin's deadline order (:func:`engines.sglang_plugin.laps_sglang_plugin.deadline_order`) when the
-        engine can serve them all so after the rest of its chunked prefill in progress."""
+        """After the late-last sort: the leading requests, those neither late nor pushed back, in the plugin's deadline
+        order (:func:`engines.sglang_plugin.laps_sglang_plugin.deadline_order`) after the rest of the chunked
+        prefill in progress."""
         cfg, now = self.config, self._now
         in_time = []
         for r in self._waiting:  # in time, then late, then pushed back
-            if r.rid in pushed_back:
-                break
             work = max(1, r.fill_len - r.matched)
             objective_s = self._late_last_objective_s(work)
-            if now - r.entry_time > objective_s:
-                return  # the engine has fallen behind: shortest first
+            if r.rid in pushed_back or now - r.entry_time > objective_s:
+                break
             in_time.append((r, work, r.entry_time + objective_s))
         chunked = self._chunked
         ahead = 0 if chunked is None else chunked.fill_len - chunked.kv_len
-        order = deadline_order(in_time, now, cfg.late_last_deadline_order_tokens, cfg.late_last_prefill_s_per_1k, ahead)
-        if order is not None:
-            self._waiting[:len(order)] = order
+        self._waiting[:len(in_time)] = deadline_order(in_time, now, cfg.late_last_deadline_order_tokens,
+                                                      cfg.late_last_prefill_s_per_1k, ahead)
 
     def _spf_chunk_limit(self, chunked: _Req, budget: int) -> int | None:
         """shortest-prefill-first: cap the continuing chunk so shorter waiting prefills fit (None: no cap)."""

@@ -383,9 +383,9 @@ def plugin_lines(config: EngineConfig) -> list[str]:
     lines = [f"shortest-prefill-first puts requests that have waited longer than {config.late_last_ttft_s:g} s + "
              f"{config.late_last_per_1k_s:g} s per 1,000 new tokens behind all others (laps' plugin, modelled)"]
     if config.late_last_deadline_order_tokens is not None:
-        lines.append(f"requests of more than {config.late_last_deadline_order_tokens} new tokens go by deadline while "
-                     f"none waiting is late and the engine, at {config.late_last_prefill_s_per_1k:g} s per 1,000 new "
-                     "tokens after its chunked prefill in progress, can serve every request in time so")
+        lines.append(f"requests in time of more than {config.late_last_deadline_order_tokens} new tokens go by deadline, "
+                     f"less the longest ones where, at {config.late_last_prefill_s_per_1k:g} s per 1,000 new tokens after "
+                     "the chunked prefill in progress, one would end late (Moore's order)")
     return lines
 
 
