@@ -1,6 +1,6 @@
 """Does laps as shipped beat every router baseline on every workload, at every load? One benchmark, one verdict.
 
-    python bench/dominance.py --pd --out runs/dominance/dominance.json       # about 60 min on 2 cores
+    python bench/dominance.py --pd --out runs/dominance/dominance.json       # about 75 min on 2 cores
     python bench/dominance.py --quick --out runs/dominance/quick.json        # 3 workloads, 4 loads, shorter points
 
 8 simulated H200s with Qwen2.5-7B (the engine model of ``laps simulate``), TTFT SLO 0.4 s, and

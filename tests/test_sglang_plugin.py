@@ -156,6 +156,9 @@ def test_deadline_order_keeps_short_requests_first_and_the_rest_by_deadline_less
     # Of two equally long ones, the one with the earlier deadline moves; those moved follow in the order given.
     assert order([("x", 500, 10.06), ("y", 500, 10.07)], 10.0, 0, 0.1) == ["y", "x"]
     assert order([("p", 200, 10.0), ("q", 300, 10.0)], 10.0, 0, 0.1) == ["p", "q"]
+    # Entries are told apart by position, not identity: the same tuple twice, one copy moved, still gives two.
+    twice = ("a", 500, 10.06)
+    assert order([twice, twice], 10.0, 0, 0.1) == ["a", "a"]
 
 
 def test_deadline_order_is_moores_algorithm_on_pinedos_worked_example():

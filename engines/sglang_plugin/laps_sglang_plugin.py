@@ -142,21 +142,21 @@ def deadline_order(in_time: list[tuple[Any, int, float]], now: float, above_toke
         is taken out (of equals the earliest deadline: the rest then have the most slack); then the ones taken out, as
         given. O(n log n) in the requests.
     """
-    first = [e for e in in_time if e[1] <= above_tokens]
-    by_deadline = sorted((e for e in in_time if e[1] > above_tokens), key=lambda e: e[2])
-    end_s = now + (ahead_tokens + sum(e[1] for e in first)) * prefill_s_per_1k / 1000
-    kept: list[tuple[int, int]] = []  # heap of (-new tokens, position in by_deadline): the longest on top
-    moved: set[int] = set()
-    for i, (_, work, deadline_s) in enumerate(by_deadline):
-        heapq.heappush(kept, (-work, i))
-        end_s += work * prefill_s_per_1k / 1000
-        if end_s > deadline_s:
-            longest, j = heapq.heappop(kept)
-            moved.add(j)
-            end_s += longest * prefill_s_per_1k / 1000
-    out = {id(by_deadline[i]) for i in moved}
-    return [e[0] for e in (*first, *(e for i, e in enumerate(by_deadline) if i not in moved),
-                           *(e for e in in_time if id(e) in out))]
+    short = [i for i, (_, work, _) in enumerate(in_time) if work <= above_tokens]
+    by_deadline = sorted((i for i, (_, work, _) in enumerate(in_time) if work > above_tokens), key=lambda i: in_time[i][2])
+    tokens = ahead_tokens + sum(in_time[i][1] for i in short)  # whole tokens: no rounding builds up over the moves
+    kept: list[tuple[int, int]] = []  # heap of (-new tokens, rank in by_deadline): the longest on top
+    moved: set[int] = set()  # positions in in_time
+    for rank, i in enumerate(by_deadline):
+        _, work, deadline_s = in_time[i]
+        heapq.heappush(kept, (-work, rank))
+        tokens += work
+        if now + tokens * prefill_s_per_1k / 1000 > deadline_s:
+            minus_longest, j = heapq.heappop(kept)
+            moved.add(by_deadline[j])
+            tokens += minus_longest
+    order = short + [i for i in by_deadline if i not in moved] + sorted(moved)
+    return [in_time[i][0] for i in order]
 
 
 class ChunkInProgress:

@@ -376,8 +376,9 @@ def build_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
                         f"must prefill (prompt and reply so far, less its cached prefix; default {d.sim_late_last_per_1k_s:g})")
     p.add_argument("--sim-late-last-deadline-order-above", type=int, metavar="TOKENS",
                    help="with --sim-late-last-ttft-s: the plugin's deadline order: requests in time of more than "
-                        "TOKENS new tokens go by deadline (behind the shorter ones) while, by an estimate at the "
-                        "engine's full-chunk prefill rate, every request in time stays in time so (default: off)")
+                        "TOKENS new tokens go by deadline (behind the shorter ones), less the longest ones wherever, "
+                        "by an estimate at the engine's full-chunk prefill rate, one would end late: Moore's order "
+                        "(default: off)")
     p.add_argument("--disaggregation-mode", choices=("null", "prefill", "decode"),
                    help="PD disaggregation: prefill-only or decode-only engine (default null; see engines.sim.pd_http)")
     p.add_argument("--disaggregation-transfer-backend", choices=PD_TRANSFER_BACKENDS,
