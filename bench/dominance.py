@@ -38,9 +38,12 @@ baseline still has ≤ 5% violations there (up to 3×): otherwise a goodput and 
 1.5× for both sides. The offered load is conversations per second for
 Poisson workloads and the replay speed-up for ``azure-conv`` and ``code-burst``; rows also give the achieved request
 rate. Rows: ``{workload, policy, load, rate_rps, slo_violation_rate, length_slo_violation_rate,
-ttft_p90_s, short_ttft_p90_s, goodput_rps, prefill_busy_fraction, short_slo_violation_rate,
+ttft_p90_s, short_ttft_p90_s, goodput_rps, prefill_busy_fraction, prefill_load, short_slo_violation_rate,
 long_slo_violation_rate}`` (``goodput_rps``: requests per second that met the fixed objective;
-``prefill_busy_fraction``: the mean share of the run the prefill engines spent in prefill passes; the last two:
+``prefill_busy_fraction``: the mean share of the run the prefill engines spent in prefill passes; ``prefill_load``:
+their prefill-pass seconds over the point's seconds of arrivals instead, the prefill the arrivals asked for against
+what the engines can run meanwhile, above 1 past their prefill capacity, where only a backlog served after the
+arrivals end keeps violations down; the last two:
 the fixed objective's violation rate within the short and the long class, None for a class with no request;
 ``violation_floor``: the fewest violations of the fixed objective that any scheduler could have on the row's
 arrivals, as a rate, from ``bench/violation_floor.py``: the prefill compute alone, a perfect prefix cache, all 8
@@ -54,7 +57,8 @@ engines prefilling, in PD too, no decode, each prefill on one engine). One PNG p
 * ``goodput``: laps' goodput (the highest offered load with ≤ 5% violations, interpolated) ≥ 1.2×
   the best baseline's (≥ 1.0× on ``shared-docs``); next to it, the share of its time the best baseline's
   prefill engines spend in prefill passes at the saturation load (``prefill_busy_fraction`` of each row:
-  how much room is left, decode passes taking most of the rest);
+  how much room is left, decode passes taking most of the rest) and its ``prefill_load`` there (near 1, a goodput
+  1.2× as high asks for more prefill than the engines can run while the arrivals last);
 * ``short_p90``: from 0.5× saturation up, laps' short-class P90 TTFT ≤ 0.5× the best baseline's,
   or ≤ 2× the physical floor (the P90 of the short requests' isolated forward passes plus the
   gateway's measured overhead, 0.56 ms) where the baseline is within 2× of that floor.
@@ -234,6 +238,7 @@ def run_point(workload: str, policy: str, load: float, max_duration_s: float, se
         "goodput_rps": met / report["duration_s"] if report["duration_s"] > 0 else 0.0,  # achieved; the verdict's is a load
         "short_floor_s": short_floor_s(records),
         "prefill_busy_fraction": prefill_busy_fraction(run, config, report["duration_s"]),
+        "prefill_load": prefill_busy_fraction(run, config, duration_s),
         "moves": len(run.moves) if hasattr(run, "moves") else 0,
         # the fewest violations of the fixed objective any scheduler could have on this run's arrivals with all
         # the engines prefilling (bench/violation_floor.py): where a target is missed, whether it could be met
@@ -404,6 +409,7 @@ def verdict(rows: list[dict], workload: str, saturation: float) -> dict:
     ratio = g_laps / g_base[best_policy] if g_base[best_policy] > 0 else None
     at_sat = [r for r in rows if r["policy"] == best_policy and abs(r["load"] - saturation) <= 1e-3 * saturation]
     out["prefill_busy_at_saturation"] = at_sat[0].get("prefill_busy_fraction") if at_sat else None
+    out["prefill_load_at_saturation"] = at_sat[0].get("prefill_load") if at_sat else None
     floors = [r for r in rows if r["policy"] == "laps" and _floor(r, key) is not None]
     # the load where the floor itself reaches 5% (the top load run where it never does: a ceiling of at least that)
     g_floor = goodput(floors, "violation_floor") if floors and len(floors) == len(laps) else None
@@ -546,10 +552,16 @@ def _floor_cell(v: dict) -> str:
     return f"{at_knee} / {ceiling}"
 
 
+def _prefill_cell(v: dict) -> str:
+    """The best baseline's prefill busy share and prefill load at the saturation load (n/a: rows of an older run)."""
+    busy, load = v.get("prefill_busy_at_saturation"), v.get("prefill_load_at_saturation")
+    return " / ".join(("n/a" if busy is None else f"{100 * busy:.0f}%", "n/a" if load is None else f"{load:.2f}"))
+
+
 def print_verdicts(verdicts: list[dict], console: Console) -> bool:
     table = Table(title=f"laps (examples/sim-h200x8.yaml) against the best baseline at each load; SLO {SLO_TTFT_S} s")
     for col in ("workload", "sat. load", "never worse (+0.5 pt)", "knee: laps / best", "goodput (× sat.) laps / best",
-                "prefill busy at sat.", "short P90", "floor: at knee / goodput ceiling (est.)"):
+                "prefill busy / load at sat.", "short P90", "floor: at knee / goodput ceiling (est.)"):
         table.add_column(col, justify="right")
     all_ok = True
     for v in verdicts:
@@ -560,7 +572,7 @@ def print_verdicts(verdicts: list[dict], console: Console) -> bool:
         table.add_row(v["workload"], f"{v['saturation_load']:.3g}", "yes" if v["never_worse"] else "NO", knee_s,
                       f"{g['laps_load'] / v['saturation_load']:.2f} / {g['best_load'] / v['saturation_load']:.2f} ({g['best_policy']}) "
                       f"= {_times(g['ratio'])} {'ok' if g['ok'] else 'MISS'}",
-                      "n/a" if v.get("prefill_busy_at_saturation") is None else f"{100 * v['prefill_busy_at_saturation']:.0f}%",
+                      _prefill_cell(v),
                       "ok" if v["short_p90"] else "MISS", _floor_cell(v))
     console.print(table)
     control = Table(title=f"laps against {CONTROL} (least_load to engines with laps' own flags): what the scheduling "

@@ -75,13 +75,16 @@ def test_the_verdict_sets_the_violation_floor_beside_the_knee_and_goodput():
         == "no knee / n/a"
 
 
-def test_the_verdict_gives_the_best_baselines_prefill_busy_share_at_saturation():
-    rows = [{**row("laps", 100, 100, 0.02), "prefill_busy_fraction": 0.7},
-            {**row("least_load+spf", 100, 100, 0.06), "prefill_busy_fraction": 0.74},
-            {**row("least_load+spf", 50, 50, 0.0), "prefill_busy_fraction": 0.4}]
-    assert dominance.verdict(rows, "w", 100.0)["prefill_busy_at_saturation"] == 0.74
-    assert dominance.verdict([row("laps", 100, 100, 0.0), row("least_load+spf", 100, 100, 0.0)], "w", 100.0)[
-        "prefill_busy_at_saturation"] is None  # rows of an older run: no share
+def test_the_verdict_gives_the_best_baselines_prefill_busy_share_and_load_at_saturation():
+    rows = [{**row("laps", 100, 100, 0.02), "prefill_busy_fraction": 0.7, "prefill_load": 0.9},
+            {**row("least_load+spf", 100, 100, 0.06), "prefill_busy_fraction": 0.74, "prefill_load": 0.97},
+            {**row("least_load+spf", 50, 50, 0.0), "prefill_busy_fraction": 0.4, "prefill_load": 0.45}]
+    v = dominance.verdict(rows, "w", 100.0)
+    assert (v["prefill_busy_at_saturation"], v["prefill_load_at_saturation"]) == (0.74, 0.97)
+    assert dominance._prefill_cell(v) == "74% / 0.97"
+    old = dominance.verdict([row("laps", 100, 100, 0.0), row("least_load+spf", 100, 100, 0.0)], "w", 100.0)
+    assert old["prefill_busy_at_saturation"] is None and old["prefill_load_at_saturation"] is None  # an older run's rows
+    assert dominance._prefill_cell(old) == "n/a / n/a"
 
 
 def test_prefill_busy_fraction_averages_the_prefill_engines_over_the_run():
