@@ -271,7 +271,8 @@ class PrefillWork:
 
 
 def prefill_busy_fraction(run, config: Config, duration_s: float) -> float | None:
-    """The mean share of the run's ``duration_s`` that the prefill engines spent in prefill passes (engine model)."""
+    """The prefill engines' mean seconds in prefill passes over ``duration_s`` (the run's: the share of it they were
+    busy prefilling; its seconds of arrivals: the ``prefill_load``, above 1 past their capacity); engine model."""
     pools = {e.name: config.roles[e.role].pool for e in config.engines}
     busy = [slot.core.stats().total_prefill_busy_s for name, slot in run.engines.items() if pools.get(name) != "decode"]
     return sum(busy) / len(busy) / duration_s if busy and duration_s > 0 else None
