@@ -257,10 +257,14 @@ class EngineQueueModel:
         engine's ``max_running_requests``; 0: a slot is free for each): it starts no earlier than
         :meth:`slot_wait_s`. Its own prefill is what it adds to the pass waiting there unstarted where it fits one
         (module doc, Joining a pass), or a pass of its own where it waits for a slot or with ``behind_all``."""
+        return self._ttft_s(engine_id, batch, now, decoding_context_tokens, behind_all,
+                            self.slot_wait_s(engine_id, waiting_for_slot, now), batch_prefill_s(self.cost, batch, self.chunk_tokens))
+
+    def _ttft_s(self, engine_id: str, batch: Sequence[SeqShape], now: float, decoding_context_tokens: int,
+                behind_all: bool, slot_s: float, alone_s: float) -> float:
+        """:meth:`predict_ttft_s` given the wait for a request slot (``slot_s``) and the batch's prefill alone (``alone_s``)."""
         longest = None if behind_all else max((new for new, _ in batch), default=1)
-        slot_s = self.slot_wait_s(engine_id, waiting_for_slot, now)
         start = max(self.start_s(engine_id, now, decoding_context_tokens, longest), now + slot_s)
-        alone_s = batch_prefill_s(self.cost, batch, self.chunk_tokens)
         # a request that waits for a slot is admitted when one frees, and one keyed behind all prefill work (it counts
         # on a prefill in flight) runs after it: neither goes into the pass that waits now
         own_s = alone_s if slot_s > 0 or behind_all else self._in_waiting_pass_s(engine_id, batch, alone_s)
@@ -307,9 +311,9 @@ class EngineQueueModel:
         the requests sent after it see it as longer work they overtake (its pass more in :meth:`_ahead_s`, and a
         prefill they displace), as they would the prefill it waits for.
         """
-        finish = now + self.predict_ttft_s(engine_id, batch, now, decoding_context_tokens, behind_all)
         # the backlog keeps the group's whole pass, not what it adds to one (module doc, Joining a pass)
         work_s = batch_prefill_s(self.cost, batch, self.chunk_tokens)
+        finish = now + self._ttft_s(engine_id, batch, now, decoding_context_tokens, behind_all, 0.0, work_s)
         tokens = _new_tokens(batch)
         key = self._key(None if behind_all else max((new for new, _ in batch), default=1))
         chunk_s = work_s if tokens <= self.chunk_tokens else self.chunk_pass_s
