@@ -220,7 +220,8 @@ def engine_command(config: Config, engine: EngineConfig, port: int, role: str | 
 def sim_flags(config: Config, role: str) -> list[str]:
     """The simulated engine's flags from ``config.sim`` (model, GPU and, when set, the calibration file) and, where
     ``role`` has ``late_requests_last``, the objective the simulated plugin uses (:func:`late_last_objective`), and
-    with ``deadline_order`` its threshold (:func:`deadline_order_above`)."""
+    with ``deadline_order`` its threshold (:func:`deadline_order_above`), with ``short_pass`` too the short pass's
+    budget, ``scheduling.short_threshold_tokens``."""
     flags = ["--sim-model", config.sim.model, "--sim-gpu", config.sim.gpu]
     if config.sim.calibration is not None:
         flags += ["--sim-calibration", str(config.sim.calibration)]
@@ -230,6 +231,8 @@ def sim_flags(config: Config, role: str) -> list[str]:
     above = deadline_order_above(config, role)
     if above is not None:
         flags += ["--sim-late-last-deadline-order-above", str(above)]
+    if above is not None and config.roles[role].short_pass:
+        flags += ["--sim-short-pass-tokens", str(config.scheduling.short_threshold_tokens)]
     return flags
 
 
@@ -240,6 +243,7 @@ PLUGIN_TTFT_ENV = "LAPS_TTFT_S"
 PLUGIN_PER_1K_ENV = "LAPS_TTFT_PER_1K_NEW_TOKENS_S"
 PLUGIN_DEADLINE_ORDER_ENV = "LAPS_DEADLINE_ORDER_ABOVE_TOKENS"
 PLUGIN_PREFILL_RATE_ENV = "LAPS_PREFILL_S_PER_1K_TOKENS"
+PLUGIN_SHORT_PASS_ENV = "LAPS_SHORT_PASS_TOKENS"
 
 
 def late_last_objective(config: Config, role: str) -> tuple[float, float] | None:
@@ -344,7 +348,8 @@ def engine_env(config: Config, engine: EngineConfig, role: str | None = None) ->
     directory ahead of ``PYTHONPATH`` (``sglang.env``'s, else the gateway's) and its objective
     (:func:`late_last_objective`), and where it sets ``deadline_order`` too, that order's token threshold
     (:func:`deadline_order_above`) and the engine's full-chunk prefill rate in the ``sim`` section's engine model
-    (none, with a warning, where that model cannot take the role's flags); then ``CUDA_VISIBLE_DEVICES`` from the
+    (none, with a warning, where that model cannot take the role's flags), and where it sets ``short_pass`` the short
+    pass's budget (``scheduling.short_threshold_tokens``); then ``CUDA_VISIBLE_DEVICES`` from the
     engine's GPUs when it has any (it wins over ``sglang.env``).
     """
     env = dict(config.sglang.env) if engine.kind == "sglang" else {}
@@ -357,6 +362,8 @@ def engine_env(config: Config, engine: EngineConfig, role: str | None = None) ->
         rate = _prefill_s_per_1k(config, engine, role) if above is not None else None
         if rate is not None:
             env[PLUGIN_DEADLINE_ORDER_ENV], env[PLUGIN_PREFILL_RATE_ENV] = str(above), repr(rate)
+            if config.roles[role or engine.role].short_pass:
+                env[PLUGIN_SHORT_PASS_ENV] = str(config.scheduling.short_threshold_tokens)
     if engine.gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in engine.gpus)
     return env

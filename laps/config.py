@@ -233,12 +233,20 @@ class RoleConfig(_Strict):
     would end late; those follow, shortest first (``engines/sglang_plugin``).
     The gateway's queue model keeps predicting shortest first there
     (``policies/ttft_model.py`` says why).
+    ``short_pass`` (needs ``deadline_order``): a prefill pass whose queue, so
+    ordered, starts with requests in time of fewer than
+    ``scheduling.short_threshold_tokens`` new tokens holds at most that many
+    tokens (or theirs, where more) instead of filling the chunk with a long
+    prefill's next tokens, so such a request behind a long prefill waits for
+    the pass in progress and a memory-bound pass of its own, not a whole chunk
+    pass (``engines/sglang_plugin``).
     """
 
     pool: Literal["short", "long", "decode"]
     flags: dict[str, FlagValue] = Field(default_factory=dict)
     late_requests_last: bool = False
     deadline_order: bool = False
+    short_pass: bool = False
 
     @model_validator(mode="after")
     def _check_late_requests_last(self) -> "RoleConfig":
@@ -249,12 +257,15 @@ class RoleConfig(_Strict):
                              f"flags.schedule-policy: shortest-prefill-first ({here})")
         if self.deadline_order and not self.late_requests_last:
             raise ValueError("deadline_order is part of laps' SGLang plugin: it needs late_requests_last: true")
+        if self.short_pass and not self.deadline_order:
+            raise ValueError("short_pass takes its short requests from the plugin's deadline order: it needs "
+                             "deadline_order: true")
         return self
 
     def same_engine(self, other: "RoleConfig") -> bool:
         """Whether an engine runs the same with ``other``: the same flags and the same plugin."""
         return (self.flags == other.flags and self.late_requests_last == other.late_requests_last
-                and self.deadline_order == other.deadline_order)
+                and self.deadline_order == other.deadline_order and self.short_pass == other.short_pass)
 
 
 class SimConfig(_Strict):

@@ -141,6 +141,28 @@ def test_deadline_order_gives_the_plugin_the_short_threshold_and_the_engine_mode
         parse_config(data)
 
 
+def test_short_pass_gives_the_plugin_and_the_simulated_engine_the_short_threshold(monkeypatch):
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    data = late_last_config().model_dump(mode="json")
+    data["roles"]["mixed"].update(deadline_order=True, short_pass=True)
+    data["scheduling"]["short_threshold_tokens"] = 300
+    config = parse_config(data)
+    real, simulated = config.engines
+    assert engine_env(config, real)["LAPS_SHORT_PASS_TOKENS"] == "300"
+    assert engine_command(config, simulated, 30001)[-4:] == ["--sim-late-last-deadline-order-above", "299",
+                                                              "--sim-short-pass-tokens", "300"]
+    assert sim_model(config, simulated).config.late_last_short_pass_tokens == 300
+    data["roles"]["mixed"]["short_pass"] = False
+    assert "LAPS_SHORT_PASS_TOKENS" not in engine_env(parse_config(data), real)  # off unless asked
+    assert "--sim-short-pass-tokens" not in engine_command(parse_config(data), simulated, 30001)
+    # It changes the engine, so a move between roles that differ in it restarts the engine; it needs the order.
+    data["roles"]["other"] = {**data["roles"]["mixed"], "short_pass": True}
+    assert not parse_config(data).instant_move("mixed", "other")
+    data["roles"]["other"] = {**data["roles"]["mixed"], "short_pass": True, "deadline_order": False}
+    with pytest.raises(ValueError, match="short_pass takes its short requests from the plugin's deadline order"):
+        parse_config(data)
+
+
 async def test_a_restart_into_a_role_without_the_plugin_starts_the_engine_without_it(monkeypatch):
     config = late_last_config()
     real = config.engines[0]
@@ -272,7 +294,7 @@ def test_the_8xh200_example_uses_each_gpu_once_with_real_sglang_engines():
     assert config.instant_move("short-prefill", "long-prefill") and config.controller.enabled
     flags = {k: v for k, v in config.roles["short-prefill"].flags.items() if k != "mem-fraction-static"}
     assert flags == sim.roles["short-prefill"].flags == sim.roles["long-prefill"].flags
-    assert all(role.late_requests_last and role.deadline_order
+    assert all(role.late_requests_last and role.deadline_order and role.short_pass
                for c in (config, sim) for role in (c.roles["short-prefill"], c.roles["long-prefill"]))
     # The real engines get the deadline order for prompts of at least the short threshold (256 new tokens), at the
     # sim section's engine model's full-chunk rate (Qwen2.5-7B on an H200), the simulated ones the same threshold.
@@ -280,6 +302,7 @@ def test_the_8xh200_example_uses_each_gpu_once_with_real_sglang_engines():
     rate = sim_model(config, config.engines[0]).config.late_last_prefill_s_per_1k
     assert (env["LAPS_DEADLINE_ORDER_ABOVE_TOKENS"], env["LAPS_PREFILL_S_PER_1K_TOKENS"]) == ("255", repr(rate))
     assert sim_model(sim, sim.engines[0]).config.late_last_deadline_order_tokens == 255
+    assert env["LAPS_SHORT_PASS_TOKENS"] == "256" and sim_model(sim, sim.engines[0]).config.late_last_short_pass_tokens == 256
 
 
 def test_the_8xh200_examples_capture_sglangs_own_prefill_buckets_so_a_pass_pads_little():

@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engines.manager import (PLUGIN_DEADLINE_ORDER_ENV, PLUGIN_PER_1K_ENV, PLUGIN_PREFILL_RATE_ENV, PLUGIN_TTFT_ENV,
-                             SGLANG_PLUGIN_DIR)
+from engines.manager import (PLUGIN_DEADLINE_ORDER_ENV, PLUGIN_PER_1K_ENV, PLUGIN_PREFILL_RATE_ENV,
+                             PLUGIN_SHORT_PASS_ENV, PLUGIN_TTFT_ENV, SGLANG_PLUGIN_DIR)
 
 # Run by SGLang's interpreter (importing SGLang takes ~25 s, so every case runs in this one process): load the
 # plugins as SGLang's scheduler does, with LAPS_TTFT_S=0.4, and sort two queues of fake requests with SGLang's own
@@ -74,6 +74,14 @@ try:  # the hook runs first; SGLang's own method, reached after it, cannot run o
 except Exception:
     out["sglang_method"] = "raised"
 out["batch_hook"] = [hook_type.value, hook.__self__.tokens_left]
+# Short passes (LAPS_SHORT_PASS_TOKENS=64): the sort of queue "c" leaves "short" (50 new tokens, in time) at its head,
+# so the pass budget is 64; the hook after get_prefill_adder_class hands SGLang a PrefillAdder subclass.
+from sglang.srt.managers.schedule_policy import PrefillAdder
+(adder_hook_type, _, _), = HookRegistry._hooks["sglang.srt.managers.scheduler.Scheduler.get_prefill_adder_class"]
+SchedulePolicy._sort_by_shortest_prefill(list(c), set())
+adder_class = Scheduler.get_prefill_adder_class(scheduler)
+out["adder_hook"] = [adder_hook_type.value, adder_class.__name__, issubclass(adder_class, PrefillAdder),
+                     hook.__self__.pass_budget]
 print(json.dumps(out))
 """
 
@@ -81,7 +89,7 @@ print(json.dumps(out))
 @pytest.mark.sglang
 def test_sglang_loads_the_plugin_and_late_requests_go_behind_those_in_time(sglang_python: Path):
     env = {**os.environ, "PYTHONPATH": str(SGLANG_PLUGIN_DIR), "LAPS_TTFT_S": "0.4",
-           "LAPS_DEADLINE_ORDER_ABOVE_TOKENS": "100", "LAPS_PREFILL_S_PER_1K_TOKENS": "0.1"}
+           "LAPS_DEADLINE_ORDER_ABOVE_TOKENS": "100", "LAPS_PREFILL_S_PER_1K_TOKENS": "0.1", "LAPS_SHORT_PASS_TOKENS": "64"}
     env.pop("LAPS_TTFT_PER_1K_NEW_TOKENS_S", None)
     done = subprocess.run([str(sglang_python), "-c", _SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -105,6 +113,9 @@ def test_sglang_loads_the_plugin_and_late_requests_go_behind_those_in_time(sglan
     # The hook before each batch decision is on SGLang's scheduler and sees its chunked request: 3,000 tokens left.
     assert out["batch_hook"] == ["before", 3000] and out["sglang_method"] == "raised"
     assert "requests in time of more than 100 new tokens go by deadline, less the longest ones" in done.stderr
+    # Short passes: the hook is on SGLang's method and returns its PrefillAdder's subclass; the sort set the budget.
+    assert out["adder_hook"] == ["after", "ShortPassPrefillAdder", True, 64]
+    assert "holds at most 64 tokens, or theirs where more (short passes)" in done.stderr
     assert "LAPS_TTFT_S is not set" in done.stderr
     assert "ERROR laps plugin (pid " in done.stderr and "): LAPS_TTFT_S='abc' is not a number" in done.stderr
 
@@ -135,6 +146,7 @@ def test_the_plugin_imports_without_sglang_and_names_the_variables_the_manager_s
         "LAPS_TTFT_S", "LAPS_TTFT_PER_1K_NEW_TOKENS_S")
     assert (plugin.DEADLINE_ORDER_ENV, plugin.PREFILL_RATE_ENV) == (PLUGIN_DEADLINE_ORDER_ENV, PLUGIN_PREFILL_RATE_ENV) == (
         "LAPS_DEADLINE_ORDER_ABOVE_TOKENS", "LAPS_PREFILL_S_PER_1K_TOKENS")
+    assert plugin.SHORT_PASS_ENV == PLUGIN_SHORT_PASS_ENV == "LAPS_SHORT_PASS_TOKENS"
 
 
 def test_deadline_order_keeps_short_requests_first_and_the_rest_by_deadline_less_those_that_would_make_one_late():
@@ -238,6 +250,66 @@ def test_the_sort_puts_the_requests_in_time_in_deadline_order_and_counts_the_chu
     chunk.before_prefill_batch(SimpleNamespace(chunked_req=None))
     assert chunk.tokens_left == 0
     assert sorted_rids(ordered, queue) == ["short", "long", "mid", "dup"]
+
+
+def test_short_pass_budget_is_the_short_pass_or_the_leading_short_requests_tokens_where_more():
+    budget = load_plugin_module().short_pass_budget
+    assert budget([], 256) is None  # the head is not a short request in time: the chunk's budget
+    assert budget([50], 256) == 256
+    # every waiting short request in time goes in the pass, as before, and a chunked prefill in progress still moves
+    assert budget([200, 100], 256) == 301
+
+
+def test_the_sort_sets_the_short_pass_budget_and_the_pass_adder_takes_it_once(monkeypatch):
+    plugin = load_plugin_module()
+    policy = SimpleNamespace(SchedulePolicy=SimpleNamespace(_shortest_prefill_work=lambda r: r.work))
+    now = 1000.0
+    monkeypatch.setattr(plugin.time, "perf_counter", lambda: now)
+
+    def req(rid, work, waited_s):
+        return SimpleNamespace(rid=rid, work=work, time_stats=SimpleNamespace(wait_queue_entry_time=now - waited_s))
+
+    chunk = plugin.ChunkInProgress()
+    sort = plugin.make_late_last_sort(0.4, 0.0, policy, 100, 0.1, chunk, short_pass_tokens=64)
+    sort([req("long", 900, 0.0), req("short", 50, 0.0), req("tiny", 30, 0.1)], set())
+    assert chunk.pass_budget == 81  # short and tiny, in time and of at most 100 new tokens: 80 + 1 > 64
+    sort([req("long", 900, 0.0), req("short", 40, 0.0)], set())
+    assert chunk.pass_budget == 64
+    # Late, pushed back or longer than the threshold: no short pass.
+    for queue, pushed in (([req("long", 900, 0.0), req("late", 20, 0.5)], set()),
+                          ([req("long", 900, 0.0), req("dup", 20, 0.0)], {"dup"}), ([req("long", 900, 0.0)], set())):
+        sort(queue, pushed)
+        assert chunk.pass_budget is None
+
+    class Adder:  # SGLang's PrefillAdder takes the chunk budget as rem_chunk_tokens
+        def __init__(self, page_size, rem_chunk_tokens):
+            self.page_size, self.rem_chunk_tokens = page_size, rem_chunk_tokens
+
+    capped = chunk.capped_adder_class(Adder, "scheduler")
+    assert issubclass(capped, Adder) and chunk.capped_adder_class(Adder, "scheduler") is capped
+    chunk.pass_budget = 81
+    assert capped(1, 1024).rem_chunk_tokens == 81
+    assert chunk.pass_budget is None and capped(1, 1024).rem_chunk_tokens == 1024  # taken once
+    chunk.pass_budget = 81
+    assert capped(64, 1024).rem_chunk_tokens == 128  # up to a whole page
+    chunk.pass_budget = 80
+    assert capped(1, 50).rem_chunk_tokens == 50 and capped(1, None).rem_chunk_tokens is None  # never raised; no chunking
+    # The hook SGLang runs before each batch decision clears a budget no adder took.
+    chunk.pass_budget = 80
+    chunk.before_prefill_batch(SimpleNamespace(chunked_req=None))
+    assert chunk.pass_budget is None
+
+
+@pytest.mark.parametrize(("raw", "expected", "says"), [
+    (None, None, None), ("256", 256, None), ("0", None, "ERROR LAPS_SHORT_PASS_TOKENS='0' is not a number of tokens"),
+    ("x", None, "ERROR LAPS_SHORT_PASS_TOKENS='x' is not a number of tokens"),
+])
+def test_short_pass_setting(monkeypatch, caplog, raw, expected, says):
+    plugin = plugin_with_env(monkeypatch, {PLUGIN_SHORT_PASS_ENV: raw})
+    with caplog.at_level("INFO", logger=plugin.logger.name):
+        assert plugin._short_pass_setting() == expected
+    logged = [f"{r.levelname} {r.getMessage()}" for r in caplog.records]
+    assert logged[0].startswith(says) if says else logged == []
 
 
 def test_a_chunked_request_the_hook_cannot_read_counts_as_none_and_never_stops_the_scheduler(monkeypatch, caplog):

@@ -86,6 +86,12 @@ def test_bad_flags_and_policies_are_refused():
     sim = resolve_args(parse_server_args([*spf, "--sim-late-last-ttft-s", "0.4", "--sim-late-last-deadline-order-above", "0"]))
     assert (sim.config.late_last_deadline_order_tokens, sim.config.late_last_prefill_s_per_1k) == (
         0, sim.latency.predict([(8192, 0)]) / 8192 * 1000)  # an H200's default chunk
+    ordered = [*spf, "--sim-late-last-ttft-s", "0.4", "--sim-late-last-deadline-order-above", "255"]
+    with pytest.raises(ValueError, match="--sim-short-pass-tokens needs --sim-late-last-deadline-order-above"):
+        resolve_args(parse_server_args([*spf, "--sim-late-last-ttft-s", "0.4", "--sim-short-pass-tokens", "256"]))
+    with pytest.raises(ValueError, match="--sim-short-pass-tokens must be a number of tokens >= 1, got 0"):
+        resolve_args(parse_server_args([*ordered, "--sim-short-pass-tokens", "0"]))
+    assert resolve_args(parse_server_args([*ordered, "--sim-short-pass-tokens", "256"])).config.late_last_short_pass_tokens == 256
 
 
 def test_the_engine_says_at_start_up_which_plugin_order_it_models():
@@ -98,6 +104,9 @@ def test_the_engine_says_at_start_up_which_plugin_order_it_models():
     assert plugin_lines(ordered)[1] == ("requests in time of more than 255 new tokens go by deadline, less the longest "
                                         "ones where, at 0.0224 s per 1,000 new tokens after the chunked prefill in "
                                         "progress, one would end late (Moore's order)")
+    short_pass = dataclasses.replace(ordered, late_last_short_pass_tokens=256)
+    assert plugin_lines(short_pass)[2] == ("a prefill pass that carries requests in time of at most 255 new tokens holds "
+                                           "at most 256 tokens, or theirs where more (short passes)")
 
 
 def test_the_managers_command_line_for_every_shipped_role_parses():

@@ -209,6 +209,35 @@ def test_deadline_order_counts_the_chunked_prefill_in_progress_and_puts_a_late_r
     assert passes(0.05, late=True) == [((50, 1000), (50, 0), (900, 0)), ((680, 1050), (300, 0), (20, 0))]
 
 
+def test_short_pass_holds_a_short_request_behind_a_long_prefill_to_the_short_threshold_not_a_whole_chunk():
+    def passes(short_pass: int | None, shorts: tuple[int, ...] = (100,), late: bool = False) -> list[tuple]:
+        core = make_core(schedule_policy="shortest-prefill-first", chunked_prefill_size=1024, late_last_ttft_s=0.4,
+                         late_last_deadline_order_tokens=255, late_last_prefill_s_per_1k=0.02,
+                         late_last_short_pass_tokens=short_pass)
+        clock = Clock(core)
+        core.add_request("long", prompt(3000), 1, ignore_eos=True)
+        clock.step()  # the long prompt's first chunk: 1,976 tokens left
+        for i, n in enumerate(shorts):
+            core.add_request(f"s{i}", prompt(n, 10_000 * (i + 1)), 1, ignore_eos=True, now=clock.now - (1.0 if late else 0))
+        clock.step()
+        clock.step()
+        return [s.prefill for s in clock.steps]
+
+    # shortest-prefill-first fills the short request's pass to the chunk with 924 of the long prompt's tokens.
+    assert passes(None) == [((1024, 0),), ((924, 1024), (100, 0)), ((1024, 1948),)]
+    # Short pass at 256 tokens: the pass holds the short request and 156 of the long prompt's; then whole chunks.
+    assert passes(256) == [((1024, 0),), ((156, 1024), (100, 0)), ((1024, 1180),)]
+    # The short requests waiting in time need more than 256: their 300 tokens and one of the long prompt's.
+    assert passes(256, (100, 200)) == [((1024, 0),), ((1, 1024), (100, 0), (200, 0)), ((1024, 1025),)]
+    # A late short request leaves the pass to the chunk, as without the rule.
+    assert passes(256, late=True) == passes(None)
+    with pytest.raises(ValueError, match="late_last_short_pass_tokens must be >= 1 and needs late_last_deadline_order"):
+        EngineConfig(100, 8, late_last_ttft_s=0.4, late_last_short_pass_tokens=256)
+    with pytest.raises(ValueError, match="late_last_short_pass_tokens must be >= 1"):
+        EngineConfig(100, 8, late_last_ttft_s=0.4, late_last_deadline_order_tokens=255, late_last_prefill_s_per_1k=0.02,
+                     late_last_short_pass_tokens=0)
+
+
 def test_priority_scheduling_sorts_by_priority_and_preempts_the_lowest_running_one():
     core = make_core(enable_priority_scheduling=True, max_running_requests=2)
     clock = Clock(core)

@@ -32,14 +32,29 @@ gives up the longest prompts, as shortest first does, but only as many as it
 must to keep the rest in time. Late requests stay behind every request in
 time. The order is re-decided at every sort, so it follows the load.
 
-The simulated engine models both orders (``engines/sim/core.py``, with this
-module's :func:`deadline_order`); what they buy there is in the README ("Late
-requests last").
+Short passes (``LAPS_SHORT_PASS_TOKENS`` S, with deadline order on): when the
+queue, so ordered, starts with requests in time of at most N new tokens, the
+next prefill pass holds at most max(S, their new tokens + 1) tokens in all. Under
+shortest-prefill-first SGLang fills every pass to the chunk
+(``--chunked-prefill-size``) with the next tokens of a long prefill, so a
+short request that lands behind a long one waits out the chunk pass in
+progress and then a whole chunk pass of its own (~23 ms each at 1,024 tokens
+on an H200 with a 7B model); capped, its own pass holds its tokens and a
+slice of the long prefill, and costs about a pass's fixed cost (~5-7 ms).
+S is meant to be the short threshold, where a pass stops being memory-bound:
+a capped pass then still does nearly a full pass's work per second (the
+engine model: 6.6 ms for 256 tokens on a 4k-token prefix against 25.6 ms for
+1,024, 3.8% more per token), so the long prefill loses little.
+
+The simulated engine models the orders and the short pass (``engines/sim/core.py``,
+with this module's :func:`deadline_order` and :func:`short_pass_budget`); what
+they buy there is in the README ("Late requests last").
 
 How laps enables it: when a role sets ``late_requests_last: true``, the
 gateway's engine manager puts this directory on the engine's ``PYTHONPATH``
-and sets the first two variables (the other two where it also sets
-``deadline_order: true``). SGLang then finds the entry point in
+and sets the first two variables (the next two where it also sets
+``deadline_order: true``, and ``LAPS_SHORT_PASS_TOKENS``, the short
+threshold, where it sets ``short_pass: true`` too). SGLang then finds the entry point in
 ``laps_sglang_plugin-0.1.dist-info/entry_points.txt`` (group
 ``sglang.srt.plugins``, name ``laps_late_last``) and calls :func:`register`
 in every process that loads plugins: the server's, its scheduler's (where the
@@ -70,6 +85,16 @@ SGLang source it hooks (SGLang 0.5.23):
   first, though ``shortest_prefill_chunk_limit`` lets waiting requests shorter
   than it into its passes: a margin, so behind a long prefill in progress
   Moore's order may move a long request that would have made it.
+* ``sglang/srt/managers/scheduler.py``: with short passes on, a hook runs
+  after ``Scheduler.get_prefill_adder_class``, which
+  ``_get_new_batch_prefill_raw`` calls after ``calc_priority`` to build the
+  pass's ``PrefillAdder``; it returns a subclass of the class SGLang returns
+  whose ``__init__`` lowers ``rem_chunk_tokens`` (the pass's token budget,
+  ``sglang/srt/managers/schedule_policy.py``) to the budget the sort just
+  set, rounded up to a whole page; the chunked request's limit
+  (``SchedulePolicy.shortest_prefill_chunk_limit``) is then computed on it.
+  The budget lives from the sort to that ``PrefillAdder``: the hook before
+  ``_get_new_batch_prefill_raw`` clears it.
 * ``sglang/srt/observability/req_time_stats.py``: a request's
   ``time_stats.wait_queue_entry_time`` is the ``time.perf_counter()`` value
   (seconds) at which it entered the waiting queue; a retracted request enters
@@ -105,8 +130,10 @@ TTFT_ENV = "LAPS_TTFT_S"
 PER_1K_ENV = "LAPS_TTFT_PER_1K_NEW_TOKENS_S"
 DEADLINE_ORDER_ENV = "LAPS_DEADLINE_ORDER_ABOVE_TOKENS"
 PREFILL_RATE_ENV = "LAPS_PREFILL_S_PER_1K_TOKENS"
+SHORT_PASS_ENV = "LAPS_SHORT_PASS_TOKENS"
 _TARGET = "sglang.srt.managers.schedule_policy.SchedulePolicy._sort_by_shortest_prefill"
 _BATCH_TARGET = "sglang.srt.managers.scheduler.Scheduler._get_new_batch_prefill_raw"
+_ADDER_TARGET = "sglang.srt.managers.scheduler.Scheduler.get_prefill_adder_class"
 
 
 def _read_seconds(name: str, default: float | None, allow_zero: bool) -> float | None:
@@ -159,16 +186,37 @@ def deadline_order(in_time: list[tuple[Any, int, float]], now: float, above_toke
     return [in_time[i][0] for i in order]
 
 
+def short_pass_budget(short_tokens: list[int], pass_tokens: int) -> int | None:
+    """The token budget of the next prefill pass under the short pass rule (module doc), or None (the chunk's).
+
+    Args:
+        short_tokens: new tokens of the requests at the head of the ordered queue that are in time and of at most
+            the deadline order's threshold, in order (empty when the head is not such a request).
+        pass_tokens: S, the most tokens a pass that carries them holds when they need fewer.
+
+    Returns:
+        max(``pass_tokens``, their sum + 1) when there are any, else None: all of them fit, and a chunked prefill in
+        progress still moves (``shortest_prefill_chunk_limit`` leaves it at least a page of the budget, and a
+        waiting request that does not fit whole beside it waits).
+    """
+    return max(pass_tokens, sum(short_tokens) + 1) if short_tokens else None
+
+
 class ChunkInProgress:
-    """The new tokens left of the scheduler's chunked prefill in progress, as of its last batch decision."""
+    """Per scheduler, what its next prefill batch decision reads: the new tokens left of its chunked prefill in
+    progress, as of that decision, and the short pass's budget (:func:`short_pass_budget`; None: the chunk's), set by
+    the sort and read once by the pass's ``PrefillAdder``."""
 
     def __init__(self) -> None:
         self.tokens_left = 0
+        self.pass_budget: int | None = None
         self._unreadable = False
+        self._capped: dict[type, type] = {}
 
     def before_prefill_batch(self, scheduler: Any, *args: Any, **kwargs: Any) -> None:
         """The hook run before ``Scheduler._get_new_batch_prefill_raw(self, ...)`` (module doc); changes nothing
         of the call and never raises: a chunked request whose fields it cannot read counts as none (logged once)."""
+        self.pass_budget = None
         req = getattr(scheduler, "chunked_req", None)
         try:
             self.tokens_left = 0 if req is None else max(0, len(req.full_untruncated_fill_ids) - int(req.prefix_len))
@@ -178,10 +226,30 @@ class ChunkInProgress:
                 self._unreadable = True
                 logger.warning("cannot read the chunked prefill in progress (%s); deadline order leaves it out", err)
 
+    def capped_adder_class(self, adder_class: type, *args: Any, **kwargs: Any) -> type:
+        """The hook run after ``Scheduler.get_prefill_adder_class(self)``: a subclass of the ``PrefillAdder`` class it
+        returned whose instances take the pass budget (rounded up to a whole page) as their ``rem_chunk_tokens`` when
+        it is lower, and clear it (module doc, Short passes); one subclass per class."""
+        capped = self._capped.get(adder_class)
+        if capped is None:
+            state = self
+
+            def __init__(adder: Any, *a: Any, **kw: Any) -> None:
+                adder_class.__init__(adder, *a, **kw)
+                budget, state.pass_budget = state.pass_budget, None
+                rem = getattr(adder, "rem_chunk_tokens", None)
+                if budget is not None and rem is not None:
+                    page = max(1, int(getattr(adder, "page_size", 1) or 1))
+                    adder.rem_chunk_tokens = min(rem, -(-budget // page) * page)
+
+            capped = self._capped[adder_class] = type(f"ShortPass{adder_class.__name__}", (adder_class,), {"__init__": __init__})
+        return capped
+
 
 def make_late_last_sort(ttft_s: float, per_1k_s: float, policy_module: Any, deadline_order_above: int | None = None,
                         prefill_s_per_1k: float | None = None,
-                        chunk: ChunkInProgress | None = None) -> Callable[[list, set], None]:
+                        chunk: ChunkInProgress | None = None,
+                        short_pass_tokens: int | None = None) -> Callable[[list, set], None]:
     """The replacement for ``SchedulePolicy._sort_by_shortest_prefill``.
 
     Args:
@@ -192,6 +260,9 @@ def make_late_last_sort(ttft_s: float, per_1k_s: float, policy_module: Any, dead
         deadline_order_above, prefill_s_per_1k: both set: the requests in time go in :func:`deadline_order` (those of
             more than ``deadline_order_above`` new tokens in Moore's order, at ``prefill_s_per_1k`` seconds per 1,000
             new tokens after the rest of ``chunk``'s prefill in progress, when given).
+        short_pass_tokens: with deadline order and ``chunk``: S of the short pass (module doc); each sort sets
+            ``chunk.pass_budget`` to :func:`short_pass_budget` of the requests in time of at most
+            ``deadline_order_above`` new tokens, which the sort puts first.
 
     Returns:
         ``sort(waiting_queue, temporary_deprioritized)``, which sorts the list of requests in place by
@@ -224,6 +295,8 @@ def make_late_last_sort(ttft_s: float, per_1k_s: float, policy_module: Any, dead
             in_time.append((req, work, deadline_s))
         ahead = chunk.tokens_left if chunk is not None else 0
         waiting_queue[:len(in_time)] = deadline_order(in_time, now, deadline_order_above, prefill_s_per_1k, ahead)
+        if chunk is not None and short_pass_tokens is not None:
+            chunk.pass_budget = short_pass_budget([w for _, w, _ in in_time if w <= deadline_order_above], short_pass_tokens)
 
     return sort_late_last
 
@@ -236,7 +309,9 @@ def register() -> None:
     a malformed value it logs an error and registers nothing, leaving SGLang's order (it never raises for
     a bad setting, so the engine starts either way). Deadline order (module doc)
     is on when ``LAPS_DEADLINE_ORDER_ABOVE_TOKENS`` (an integer >= 0) and ``LAPS_PREFILL_S_PER_1K_TOKENS``
-    (seconds, > 0) are both set; with one of them missing or malformed it logs why and stays off.
+    (seconds, > 0) are both set; with one of them missing or malformed it logs why and stays off. Short passes
+    (module doc) are on with deadline order and ``LAPS_SHORT_PASS_TOKENS`` (an integer >= 1); malformed, they log
+    why and stay off.
     """
     try:
         ttft_s = _read_seconds(TTFT_ENV, None, allow_zero=False)
@@ -255,21 +330,27 @@ def register() -> None:
         return
 
     above, rate = _deadline_order_settings()
+    short_pass = _short_pass_setting() if above is not None else None
 
     from sglang.srt.managers import schedule_policy
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     chunk = ChunkInProgress() if above is not None else None
-    HookRegistry.register(_TARGET, make_late_last_sort(ttft_s, per_1k_s, schedule_policy, above, rate, chunk),
+    HookRegistry.register(_TARGET, make_late_last_sort(ttft_s, per_1k_s, schedule_policy, above, rate, chunk, short_pass),
                           HookType.REPLACE)
     if chunk is not None:
         HookRegistry.register(_BATCH_TARGET, chunk.before_prefill_batch, HookType.BEFORE)
+    if chunk is not None and short_pass is not None:
+        HookRegistry.register(_ADDER_TARGET, chunk.capped_adder_class, HookType.AFTER)
     logger.info("shortest-prefill-first now puts requests that have waited longer than %g s "
                 "+ %g s per 1,000 new tokens behind all others", ttft_s, per_1k_s)
     if above is not None:
         logger.info("requests in time of more than %d new tokens go by deadline, less the longest ones where, at %g s "
                     "per 1,000 new tokens after the chunked prefill in progress, one would end late (Moore's order)",
                     above, rate)
+    if short_pass is not None:
+        logger.info("a prefill pass that carries requests in time of at most %d new tokens holds at most %d tokens, "
+                    "or theirs where more (short passes)", above, short_pass)
 
 
 def _deadline_order_settings() -> tuple[int | None, float | None]:
@@ -289,3 +370,18 @@ def _deadline_order_settings() -> tuple[int | None, float | None]:
                      DEADLINE_ORDER_ENV, PREFILL_RATE_ENV, raw_above, raw_rate)
         return None, None
     return above, rate
+
+
+def _short_pass_setting() -> int | None:
+    """``LAPS_SHORT_PASS_TOKENS``, or None (unset, or malformed: logged) (module doc, Short passes)."""
+    raw = os.environ.get(SHORT_PASS_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        tokens = int(raw)
+        if tokens < 1:
+            raise ValueError
+    except ValueError:
+        logger.error("%s=%r is not a number of tokens >= 1; short passes stay off", SHORT_PASS_ENV, raw)
+        return None
+    return tokens

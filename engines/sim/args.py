@@ -104,6 +104,7 @@ class SimServerArgs:
     sim_late_last_ttft_s: float | None = None
     sim_late_last_per_1k_s: float = 0.0
     sim_late_last_deadline_order_above: int | None = None
+    sim_short_pass_tokens: int | None = None
     disaggregation_mode: str = "null"
     disaggregation_transfer_backend: str = "mooncake"
     disaggregation_bootstrap_port: int = 8998
@@ -220,6 +221,11 @@ def _check_late_last(args: SimServerArgs) -> None:
         raise ValueError(f"--sim-late-last-deadline-order-above must be a number of tokens >= 0, got {above}")
     if above is not None and ttft_s is None:
         raise ValueError("--sim-late-last-deadline-order-above needs --sim-late-last-ttft-s")
+    short_pass = args.sim_short_pass_tokens
+    if short_pass is not None and short_pass < 1:
+        raise ValueError(f"--sim-short-pass-tokens must be a number of tokens >= 1, got {short_pass}")
+    if short_pass is not None and above is None:
+        raise ValueError("--sim-short-pass-tokens needs --sim-late-last-deadline-order-above")
     if ttft_s is not None and args.schedule_policy != "shortest-prefill-first":
         raise ValueError(f"--sim-late-last-ttft-s reorders the queue of --schedule-policy shortest-prefill-first, "
                          f"not {args.schedule_policy}")
@@ -278,6 +284,7 @@ def resolve_args(args: SimServerArgs) -> ResolvedSim:
         late_last_ttft_s=args.sim_late_last_ttft_s,
         late_last_per_1k_s=args.sim_late_last_per_1k_s,
         late_last_deadline_order_tokens=args.sim_late_last_deadline_order_above,
+        late_last_short_pass_tokens=args.sim_short_pass_tokens,
         late_last_prefill_s_per_1k=None if args.sim_late_last_deadline_order_above is None else
         full_chunk_prefill_s_per_1k(latency, chunk if chunk > 0 else args.max_prefill_tokens),
     )
@@ -379,6 +386,10 @@ def build_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
                         "TOKENS new tokens go by deadline (behind the shorter ones), less the longest ones wherever, "
                         "by an estimate at the engine's full-chunk prefill rate, one would end late: Moore's order "
                         "(default: off)")
+    p.add_argument("--sim-short-pass-tokens", type=int, metavar="TOKENS",
+                   help="with --sim-late-last-deadline-order-above N: the plugin's short pass: a prefill pass whose "
+                        "queue starts with requests in time of at most N new tokens holds at most TOKENS tokens, or "
+                        "theirs where more, instead of filling the chunk with a long prefill (default: off)")
     p.add_argument("--disaggregation-mode", choices=("null", "prefill", "decode"),
                    help="PD disaggregation: prefill-only or decode-only engine (default null; see engines.sim.pd_http)")
     p.add_argument("--disaggregation-transfer-backend", choices=PD_TRANSFER_BACKENDS,

@@ -56,7 +56,10 @@ models, read from SGLang 0.5.23 (``managers/scheduler.py``
   at most N tokens first, the longer ones by deadline less those Moore's
   algorithm moves behind them where, prefilled back to back after the rest of
   the chunked prefill in progress at ``late_last_prefill_s_per_1k`` (an
-  estimate), one would end past its objective (the plugin's deadline order).
+  estimate), one would end past its objective (the plugin's deadline order);
+  with ``late_last_short_pass_tokens`` S too, a pass whose queue so ordered
+  starts with requests in time of at most N tokens holds at most max(S, their
+  tokens + 1) tokens in all (the plugin's short pass: its chunk budget is cut).
 * **Priority preemption** (``--enable-priority-scheduling`` without
   ``--disable-priority-preemption``): when the request slots are full, running
   requests whose priority is worse by more than
@@ -102,7 +105,7 @@ import sys
 from dataclasses import dataclass, replace
 from typing import Callable, NamedTuple, Sequence
 
-from engines.sglang_plugin.laps_sglang_plugin import deadline_order
+from engines.sglang_plugin.laps_sglang_plugin import deadline_order, short_pass_budget
 from engines.sim.latency import LatencyModel, SeqShape
 from engines.sim.radix import RadixCache, RadixNode
 from engines.sim.replies import IncrementalDetokenizer, ReplyPlanner, find_stop
@@ -164,6 +167,7 @@ class EngineConfig:
     late_last_per_1k_s: float = 0.0
     late_last_deadline_order_tokens: int | None = None
     late_last_prefill_s_per_1k: float | None = None
+    late_last_short_pass_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.disaggregation_mode not in DISAGGREGATION_MODES:
@@ -181,6 +185,10 @@ class EngineConfig:
             raise ValueError("late_last_deadline_order_tokens must be >= 0 and needs late_last_ttft_s and "
                              f"late_last_prefill_s_per_1k > 0, got {self.late_last_deadline_order_tokens}, "
                              f"{self.late_last_ttft_s} and {self.late_last_prefill_s_per_1k}")
+        if self.late_last_short_pass_tokens is not None and (
+                self.late_last_deadline_order_tokens is None or self.late_last_short_pass_tokens < 1):
+            raise ValueError("late_last_short_pass_tokens must be >= 1 and needs late_last_deadline_order_tokens, "
+                             f"got {self.late_last_short_pass_tokens} and {self.late_last_deadline_order_tokens}")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size < 1:
             raise ValueError(f"chunked_prefill_size must be >= 1 or None, got {self.chunked_prefill_size}")
         policy = self.schedule_policy
@@ -368,6 +376,7 @@ class EngineCore:
         self._last_hit_rate = 0.0
         self._total_prefill_uncached = 0
         self._total_prefill_busy_s = 0.0
+        self._pass_budget: int | None = None  # the next pass's token budget under the short pass rule (None: the chunk's)
         self._num_retracted = 0
         self._recent: list[tuple[float, float, int]] = []  # (start, duration, decode tokens) of recent passes
 
@@ -643,6 +652,7 @@ class EngineCore:
         if policy in ("lpm", "hrrn") and len(waiting) > WAITING_QUEUE_PREFIX_MATCH_MAX:
             policy = "fcfs"  # the expensive matching is switched off for long queues
         sign = self._priority_sign
+        self._pass_budget = None
         if policy in CACHE_AWARE_POLICIES:
             pushed_back = self._match_waiting()
             if policy == "lpm":
@@ -651,6 +661,8 @@ class EngineCore:
                 waiting.sort(key=self._late_last_key(pushed_back))
                 if cfg.late_last_deadline_order_tokens is not None:
                     self._deadline_order_in_time(pushed_back)
+                if cfg.late_last_short_pass_tokens is not None:
+                    self._pass_budget = self._short_pass_budget(pushed_back)
             elif policy == "shortest-prefill-first":
                 waiting.sort(key=lambda r: (r.rid in pushed_back, max(1, r.fill_len - r.matched), r.entry_time))
             else:
@@ -713,6 +725,8 @@ class EngineCore:
             return []
         self._calc_priority()
         adder = _Adder(self)
+        if self._pass_budget is not None and adder.rem_chunk is not None:
+            adder.rem_chunk = min(adder.rem_chunk, self._pass_budget)
         chunked = self._chunked
         if chunked is not None:
             limit = self._spf_chunk_limit(chunked, adder.rem_chunk or 0)
@@ -788,6 +802,19 @@ class EngineCore:
         ahead = 0 if chunked is None else chunked.fill_len - chunked.kv_len
         self._waiting[:len(in_time)] = deadline_order(in_time, now, cfg.late_last_deadline_order_tokens,
                                                       cfg.late_last_prefill_s_per_1k, ahead)
+
+    def _short_pass_budget(self, pushed_back: set[str]) -> int | None:
+        """After the deadline order: the next pass's token budget under the plugin's short pass rule
+        (:func:`engines.sglang_plugin.laps_sglang_plugin.short_pass_budget` of the leading requests, neither late nor
+        pushed back, of at most ``late_last_deadline_order_tokens`` new tokens)."""
+        cfg, shorts = self.config, []
+        for r in self._waiting:  # in time and short first (the sort's order), then the rest
+            work = max(1, r.fill_len - r.matched)
+            if (r.rid in pushed_back or work > cfg.late_last_deadline_order_tokens
+                    or self._now - r.entry_time > self._late_last_objective_s(work)):
+                break
+            shorts.append(work)
+        return short_pass_budget(shorts, cfg.late_last_short_pass_tokens)
 
     def _spf_chunk_limit(self, chunked: _Req, budget: int) -> int | None:
         """shortest-prefill-first: cap the continuing chunk so shorter waiting prefills fit (None: no cap)."""

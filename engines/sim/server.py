@@ -386,6 +386,10 @@ def plugin_lines(config: EngineConfig) -> list[str]:
         lines.append(f"requests in time of more than {config.late_last_deadline_order_tokens} new tokens go by deadline, "
                      f"less the longest ones where, at {config.late_last_prefill_s_per_1k:g} s per 1,000 new tokens after "
                      "the chunked prefill in progress, one would end late (Moore's order)")
+    if config.late_last_short_pass_tokens is not None:
+        lines.append(f"a prefill pass that carries requests in time of at most {config.late_last_deadline_order_tokens} "
+                     f"new tokens holds at most {config.late_last_short_pass_tokens} tokens, or theirs where more "
+                     "(short passes)")
     return lines
 
 
