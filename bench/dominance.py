@@ -28,7 +28,8 @@ shortest-prefill-first``), ``cache_aware``, ``bucket``, ``round_robin`` (the rul
 router). ``--pd`` adds the PD runs (6 prefill + 2 decode)
 of ``mixed`` and ``docs``. Every sweep also runs a control, ``least_load+spf/laps-flags``: least load to
 engines with laps' own flags (a 1,024-token chunk instead of SGLang's 8,192, prefill CUDA graphs,
-``shortest-prefill-first``) and plugin (``late_requests_last``, ``deadline_order``); it is not in the verdict, but a second
+``shortest-prefill-first``) and plugin (``late_requests_last``, ``deadline_order``, ``short_pass``); it is not in the
+verdict, but a second
 table sets laps against it alone, which separates what laps' scheduling buys from what its engines buy.
 
 Loads: least_load's saturation load is searched first (the offered load at which its violations

@@ -28,7 +28,12 @@ its first token after
   have in progress: all of it in one pass, up to one chunk pass (the engine
   fills a pass with waiting prefills up to a chunk; where it is in that pass
   is not known here; the worst case, as short requests are judged on their
-  tail TTFT);
+  tail TTFT); the request's own pass is then its own prefill, as laps'
+  plugin makes it with short passes (a role's ``short_pass``: the pass that
+  carries a short request in time holds the short threshold's tokens, not a
+  whole chunk of the longer prefill); without them the engine fills that
+  pass to the chunk with the longer prefill's tokens, and the model is early
+  by up to a chunk pass;
 * with no prefill backlog, ``A_e`` is the rest of a decode pass in progress:
   half a decode pass over e's decoding requests (those the scheduler sent there
   that have had their first token);
