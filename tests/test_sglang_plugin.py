@@ -216,15 +216,21 @@ def test_deadline_order_has_the_fewest_late_requests_of_any_order_on_one_engine(
     assert late_jobs(got, jobs) == min(late_jobs(p, jobs) for p in itertools.permutations(range(len(jobs))))
 
 
-def test_the_sort_puts_the_requests_in_time_in_deadline_order_and_counts_the_chunk_in_progress(monkeypatch):
+def sort_setup(monkeypatch, now: float = 1000.0):
+    """The plugin module with its clock stopped at ``now`` (seconds), a fake ``schedule_policy`` whose work of a request
+    is its ``work``, and a maker of fake requests ``req(rid, work, waited_s)``."""
     plugin = load_plugin_module()
-    policy = SimpleNamespace(SchedulePolicy=SimpleNamespace(_shortest_prefill_work=lambda r: r.work))
-    now = 1000.0
     monkeypatch.setattr(plugin.time, "perf_counter", lambda: now)
+    policy = SimpleNamespace(SchedulePolicy=SimpleNamespace(_shortest_prefill_work=lambda r: r.work))
 
     def req(rid, work, waited_s):
         return SimpleNamespace(rid=rid, work=work, time_stats=SimpleNamespace(wait_queue_entry_time=now - waited_s))
 
+    return plugin, policy, req
+
+
+def test_the_sort_puts_the_requests_in_time_in_deadline_order_and_counts_the_chunk_in_progress(monkeypatch):
+    plugin, policy, req = sort_setup(monkeypatch)
     queue = [req("mid", 300, 0.0), req("long", 900, 0.1), req("short", 50, 0.0), req("dup", 10, 0.5)]
     chunk = plugin.ChunkInProgress()
     spf = plugin.make_late_last_sort(0.4, 0.0, policy)
@@ -261,14 +267,7 @@ def test_short_pass_budget_is_the_short_pass_or_the_leading_short_requests_token
 
 
 def test_the_sort_sets_the_short_pass_budget_and_the_pass_adder_takes_it_once(monkeypatch):
-    plugin = load_plugin_module()
-    policy = SimpleNamespace(SchedulePolicy=SimpleNamespace(_shortest_prefill_work=lambda r: r.work))
-    now = 1000.0
-    monkeypatch.setattr(plugin.time, "perf_counter", lambda: now)
-
-    def req(rid, work, waited_s):
-        return SimpleNamespace(rid=rid, work=work, time_stats=SimpleNamespace(wait_queue_entry_time=now - waited_s))
-
+    plugin, policy, req = sort_setup(monkeypatch)
     chunk = plugin.ChunkInProgress()
     sort = plugin.make_late_last_sort(0.4, 0.0, policy, 100, 0.1, chunk, short_pass_tokens=64)
     sort([req("long", 900, 0.0), req("short", 50, 0.0), req("tiny", 30, 0.1)], set())
