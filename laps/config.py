@@ -236,7 +236,7 @@ class RoleConfig(_Strict):
     ``short_pass`` (needs ``deadline_order``): a prefill pass whose queue, so
     ordered, starts with requests in time of fewer than
     ``scheduling.short_threshold_tokens`` new tokens holds at most that many
-    tokens (or theirs, where more) instead of filling the chunk with a long
+    tokens (or what they need, where more) instead of filling the chunk with a long
     prefill's next tokens, so such a request behind a long prefill waits for
     the pass in progress and a memory-bound pass of its own, not a whole chunk
     pass (``engines/sglang_plugin``).
@@ -260,6 +260,9 @@ class RoleConfig(_Strict):
         if self.short_pass and not self.deadline_order:
             raise ValueError("short_pass takes its short requests from the plugin's deadline order: it needs "
                              "deadline_order: true")
+        if self.short_pass and self.flags.get("chunked-prefill-size") == -1:
+            raise ValueError("short_pass cuts a pass's chunk budget: it needs chunked prefill, not "
+                             "flags.chunked-prefill-size: -1")
         return self
 
     def same_engine(self, other: "RoleConfig") -> bool:

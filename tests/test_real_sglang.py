@@ -142,7 +142,7 @@ def test_laps_plugin_runs_in_the_engine(deployment: Deployment):
                           "per 1,000 new tokens behind all others") == 3
         assert sum(line.startswith("requests in time of more than 999999 new tokens go by deadline") for line in said) == 3
         assert said.count("a prefill pass that carries requests in time of at most 999999 new tokens holds at most "
-                          "1000000 tokens, or theirs where more (short passes)") == 3
+                          "1000000 tokens, or what they need where more (short passes)") == 3
     else:
         assert engine.command[-8:] == ["--sim-late-last-ttft-s", "0.4", "--sim-late-last-per-1k-s", "0",
                                        "--sim-late-last-deadline-order-above", "999999", "--sim-short-pass-tokens", "1000000"]

@@ -75,13 +75,13 @@ except Exception:
     out["sglang_method"] = "raised"
 out["batch_hook"] = [hook_type.value, hook.__self__.tokens_left]
 # Short passes (LAPS_SHORT_PASS_TOKENS=64): the sort of queue "c" leaves "short" (50 new tokens, in time) at its head,
-# so the pass budget is 64; the hook after get_prefill_adder_class hands SGLang a PrefillAdder subclass.
+# which the sort leaves for the pass; the hook after get_prefill_adder_class hands SGLang a PrefillAdder subclass.
 from sglang.srt.managers.schedule_policy import PrefillAdder
 (adder_hook_type, _, _), = HookRegistry._hooks["sglang.srt.managers.scheduler.Scheduler.get_prefill_adder_class"]
 SchedulePolicy._sort_by_shortest_prefill(list(c), set())
 adder_class = Scheduler.get_prefill_adder_class(scheduler)
 out["adder_hook"] = [adder_hook_type.value, adder_class.__name__, issubclass(adder_class, PrefillAdder),
-                     hook.__self__.pass_budget]
+                     hook.__self__.short_tokens]
 print(json.dumps(out))
 """
 
@@ -113,9 +113,9 @@ def test_sglang_loads_the_plugin_and_late_requests_go_behind_those_in_time(sglan
     # The hook before each batch decision is on SGLang's scheduler and sees its chunked request: 3,000 tokens left.
     assert out["batch_hook"] == ["before", 3000] and out["sglang_method"] == "raised"
     assert "requests in time of more than 100 new tokens go by deadline, less the longest ones" in done.stderr
-    # Short passes: the hook is on SGLang's method and returns its PrefillAdder's subclass; the sort set the budget.
-    assert out["adder_hook"] == ["after", "ShortPassPrefillAdder", True, 64]
-    assert "holds at most 64 tokens, or theirs where more (short passes)" in done.stderr
+    # Short passes: the hook is on SGLang's method and returns its PrefillAdder's subclass; the sort left the short one.
+    assert out["adder_hook"] == ["after", "ShortPassPrefillAdder", True, [50]]
+    assert "holds at most 64 tokens, or what they need where more (short passes)" in done.stderr
     assert "LAPS_TTFT_S is not set" in done.stderr
     assert "ERROR laps plugin (pid " in done.stderr and "): LAPS_TTFT_S='abc' is not a number" in done.stderr
 
@@ -232,7 +232,7 @@ def sort_setup(monkeypatch, now: float = 1000.0):
 def test_the_sort_puts_the_requests_in_time_in_deadline_order_and_counts_the_chunk_in_progress(monkeypatch):
     plugin, policy, req = sort_setup(monkeypatch)
     queue = [req("mid", 300, 0.0), req("long", 900, 0.1), req("short", 50, 0.0), req("dup", 10, 0.5)]
-    chunk = plugin.ChunkInProgress()
+    chunk = plugin.BatchDecision()
     spf = plugin.make_late_last_sort(0.4, 0.0, policy)
     ordered = plugin.make_late_last_sort(0.4, 0.0, policy, 100, 0.1, chunk)
 
@@ -258,27 +258,31 @@ def test_the_sort_puts_the_requests_in_time_in_deadline_order_and_counts_the_chu
     assert sorted_rids(ordered, queue) == ["short", "long", "mid", "dup"]
 
 
-def test_short_pass_budget_is_the_short_pass_or_the_leading_short_requests_tokens_where_more():
+def test_short_pass_budget_lets_every_short_request_in_whole_as_sglangs_chunk_limit_shares_the_pass():
     budget = load_plugin_module().short_pass_budget
     assert budget([], 256) is None  # the head is not a short request in time: the chunk's budget
     assert budget([50], 256) == 256
-    # every waiting short request in time goes in the pass, as before, and a chunked prefill in progress still moves
-    assert budget([200, 100], 256) == 301
+    # Where they need more: their tokens and one for the chunked prefill in progress (SGLang leaves it a page).
+    assert budget([200, 100], 256, chunk_tokens_left=1976) == 301
+    # The chunk in progress has no more left than the longest short request: SGLang's limit reserves nothing from
+    # that request on, and the chunk takes its 176 tokens, so the budget holds them too.
+    assert budget([200], 256, chunk_tokens_left=176) == 376
+    # Pages of 16 tokens: each short request a whole page or more, the chunk a page: 112 + 208 + 16.
+    assert budget([100, 200], 256, chunk_tokens_left=1976, page_size=16) == 336
+    assert budget([10], 32, page_size=64) == 128  # at least two pages (below that SGLang sets no limit)
 
 
-def test_the_sort_sets_the_short_pass_budget_and_the_pass_adder_takes_it_once(monkeypatch):
+def test_the_sort_leaves_the_short_requests_and_the_pass_adder_takes_them_once(monkeypatch):
     plugin, policy, req = sort_setup(monkeypatch)
-    chunk = plugin.ChunkInProgress()
-    sort = plugin.make_late_last_sort(0.4, 0.0, policy, 100, 0.1, chunk, short_pass_tokens=64)
+    chunk = plugin.BatchDecision(pass_tokens=64)
+    sort = plugin.make_late_last_sort(0.4, 0.0, policy, 100, 0.1, chunk)
     sort([req("long", 900, 0.0), req("short", 50, 0.0), req("tiny", 30, 0.1)], set())
-    assert chunk.pass_budget == 81  # short and tiny, in time and of at most 100 new tokens: 80 + 1 > 64
-    sort([req("long", 900, 0.0), req("short", 40, 0.0)], set())
-    assert chunk.pass_budget == 64
+    assert chunk.short_tokens == [30, 50]  # in time and of at most 100 new tokens, shortest first
     # Late, pushed back or longer than the threshold: no short pass.
     for queue, pushed in (([req("long", 900, 0.0), req("late", 20, 0.5)], set()),
                           ([req("long", 900, 0.0), req("dup", 20, 0.0)], {"dup"}), ([req("long", 900, 0.0)], set())):
         sort(queue, pushed)
-        assert chunk.pass_budget is None
+        assert chunk.short_tokens == []
 
     class Adder:  # SGLang's PrefillAdder takes the chunk budget as rem_chunk_tokens
         def __init__(self, page_size, rem_chunk_tokens):
@@ -286,34 +290,38 @@ def test_the_sort_sets_the_short_pass_budget_and_the_pass_adder_takes_it_once(mo
 
     capped = chunk.capped_adder_class(Adder, "scheduler")
     assert issubclass(capped, Adder) and chunk.capped_adder_class(Adder, "scheduler") is capped
-    chunk.pass_budget = 81
-    assert capped(1, 1024).rem_chunk_tokens == 81
-    assert chunk.pass_budget is None and capped(1, 1024).rem_chunk_tokens == 1024  # taken once
-    chunk.pass_budget = 81
-    assert capped(64, 1024).rem_chunk_tokens == 128  # up to a whole page
-    chunk.pass_budget = 80
+    chunk.short_tokens, chunk.tokens_left = [30, 50], 2000
+    assert capped(1, 1024).rem_chunk_tokens == 81  # 80 + 1 > 64
+    assert chunk.short_tokens is None and capped(1, 1024).rem_chunk_tokens == 1024  # taken once
+    chunk.short_tokens = [30]
+    assert capped(1, 1024).rem_chunk_tokens == 64
+    chunk.short_tokens = [30, 50]
+    assert capped(64, 1024).rem_chunk_tokens == 192  # a page each, and one for the chunk
+    chunk.short_tokens = [30, 50]
     assert capped(1, 50).rem_chunk_tokens == 50 and capped(1, None).rem_chunk_tokens is None  # never raised; no chunking
-    # The hook SGLang runs before each batch decision clears a budget no adder took.
-    chunk.pass_budget = 80
+    # The hook SGLang runs before each batch decision clears what no adder took.
+    chunk.short_tokens = [30]
     chunk.before_prefill_batch(SimpleNamespace(chunked_req=None))
-    assert chunk.pass_budget is None
+    assert chunk.short_tokens is None
 
 
-@pytest.mark.parametrize(("raw", "expected", "says"), [
-    (None, None, None), ("256", 256, None), ("0", None, "ERROR LAPS_SHORT_PASS_TOKENS='0' is not a number of tokens"),
-    ("x", None, "ERROR LAPS_SHORT_PASS_TOKENS='x' is not a number of tokens"),
+@pytest.mark.parametrize(("raw", "deadline_order", "expected", "says"), [
+    (None, True, None, None), ("256", True, 256, None), (" 256 ", True, 256, None),
+    ("0", True, None, "ERROR LAPS_SHORT_PASS_TOKENS='0' is not an integer >= 1"),
+    ("1e3", True, None, "ERROR LAPS_SHORT_PASS_TOKENS='1e3' is not an integer >= 1"),
+    ("256", False, None, "ERROR LAPS_SHORT_PASS_TOKENS is set, but deadline order is off; short passes stay off"),
 ])
-def test_short_pass_setting(monkeypatch, caplog, raw, expected, says):
+def test_short_pass_setting(monkeypatch, caplog, raw, deadline_order, expected, says):
     plugin = plugin_with_env(monkeypatch, {PLUGIN_SHORT_PASS_ENV: raw})
     with caplog.at_level("INFO", logger=plugin.logger.name):
-        assert plugin._short_pass_setting() == expected
+        assert plugin._short_pass_setting(deadline_order) == expected
     logged = [f"{r.levelname} {r.getMessage()}" for r in caplog.records]
     assert logged[0].startswith(says) if says else logged == []
 
 
 def test_a_chunked_request_the_hook_cannot_read_counts_as_none_and_never_stops_the_scheduler(monkeypatch, caplog):
     plugin = plugin_with_env(monkeypatch, {})
-    chunk = plugin.ChunkInProgress()
+    chunk = plugin.BatchDecision()
     chunk.tokens_left = 500
     unreadable = SimpleNamespace(chunked_req=SimpleNamespace(prefix_len=3))  # no full_untruncated_fill_ids
     with caplog.at_level("WARNING"):

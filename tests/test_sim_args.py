@@ -92,6 +92,9 @@ def test_bad_flags_and_policies_are_refused():
     with pytest.raises(ValueError, match="--sim-short-pass-tokens must be a number of tokens >= 1, got 0"):
         resolve_args(parse_server_args([*ordered, "--sim-short-pass-tokens", "0"]))
     assert resolve_args(parse_server_args([*ordered, "--sim-short-pass-tokens", "256"])).config.late_last_short_pass_tokens == 256
+    with pytest.raises(ValueError, match="--sim-short-pass-tokens cuts a pass's chunk budget: it needs chunked prefill, not "
+                                         "--chunked-prefill-size -1"):
+        resolve_args(parse_server_args([*ordered, "--sim-short-pass-tokens", "256", "--chunked-prefill-size", "-1"]))
 
 
 def test_the_engine_says_at_start_up_which_plugin_order_it_models():
@@ -106,7 +109,7 @@ def test_the_engine_says_at_start_up_which_plugin_order_it_models():
                                         "progress, one would end late (Moore's order)")
     short_pass = dataclasses.replace(ordered, late_last_short_pass_tokens=256)
     assert plugin_lines(short_pass)[2] == ("a prefill pass that carries requests in time of at most 255 new tokens holds "
-                                           "at most 256 tokens, or theirs where more (short passes)")
+                                           "at most 256 tokens, or what they need where more (short passes)")
 
 
 def test_the_managers_command_line_for_every_shipped_role_parses():

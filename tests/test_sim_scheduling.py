@@ -229,6 +229,15 @@ def test_short_pass_holds_a_short_request_behind_a_long_prefill_to_the_short_thr
     assert passes(256) == [((1024, 0),), ((156, 1024), (100, 0)), ((1024, 1180),)]
     # The short requests waiting in time need more than 256: their 300 tokens and one of the long prompt's.
     assert passes(256, (100, 200)) == [((1024, 0),), ((1, 1024), (100, 0), (200, 0)), ((1024, 1025),)]
+    # 176 tokens left of a 1,200-token prompt, fewer than the 200-token short request's: SGLang's limit reserves nothing
+    # then and the chunk takes its 176, so the pass holds 176 + 200 and the short request goes in whole (not cut at 80).
+    core = make_core(schedule_policy="shortest-prefill-first", chunked_prefill_size=1024, late_last_ttft_s=0.4,
+                     late_last_deadline_order_tokens=255, late_last_prefill_s_per_1k=0.02, late_last_short_pass_tokens=256)
+    clock = Clock(core)
+    core.add_request("long", prompt(1200), 1, ignore_eos=True)
+    clock.step()
+    core.add_request("s0", prompt(200, 10_000), 1, ignore_eos=True, now=clock.now)
+    assert clock.step().prefill == ((176, 1024), (200, 0))
     # A late short request leaves the pass to the chunk, as without the rule.
     assert passes(256, late=True) == passes(None)
     with pytest.raises(ValueError, match="late_last_short_pass_tokens must be >= 1 and needs late_last_deadline_order"):

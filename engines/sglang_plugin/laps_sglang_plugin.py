@@ -34,17 +34,18 @@ time. The order is re-decided at every sort, so it follows the load.
 
 Short passes (``LAPS_SHORT_PASS_TOKENS`` S, with deadline order on): when the
 queue, so ordered, starts with requests in time of at most N new tokens, the
-next prefill pass holds at most max(S, their new tokens + 1) tokens in all. Under
-shortest-prefill-first SGLang fills every pass to the chunk
-(``--chunked-prefill-size``) with the next tokens of a long prefill, so a
-short request that lands behind a long one waits out the chunk pass in
-progress and then a whole chunk pass of its own (~23 ms each at 1,024 tokens
-on an H200 with a 7B model); capped, its own pass holds its tokens and a
-slice of the long prefill, and costs about a pass's fixed cost (~5-7 ms).
-S is meant to be the short threshold, where a pass stops being memory-bound:
-a capped pass then still does nearly a full pass's work per second (the
-engine model: 6.6 ms for 256 tokens on a 4k-token prefix against 25.6 ms for
-1,024, 3.8% more per token), so the long prefill loses little.
+next prefill pass holds at most S tokens, or what those requests need where
+that is more (:func:`short_pass_budget`). Under shortest-prefill-first SGLang
+fills every pass to the chunk (``--chunked-prefill-size``) with the next
+tokens of a long prefill, so a short request that lands behind a long one
+waits out the chunk pass in progress and then a whole chunk pass of its own
+(~23 ms each at 1,024 tokens on an H200 with a 7B model); capped, its own
+pass holds its tokens and a slice of the long prefill and takes ~6 ms (the
+pass's weight reads, ~4.5 ms, and its tokens). S is meant to be the short
+threshold, where a pass stops being memory-bound: a capped pass then still
+does nearly a full pass's work per second (the engine model: 6.6 ms for 256
+tokens on a 4k-token prefix against 25.6 ms for 1,024, 3.8% more per token),
+so the long prefill loses little.
 
 The simulated engine models the orders and the short pass (``engines/sim/core.py``,
 with this module's :func:`deadline_order` and :func:`short_pass_budget`); what
@@ -90,11 +91,12 @@ SGLang source it hooks (SGLang 0.5.23):
   ``_get_new_batch_prefill_raw`` calls after ``calc_priority`` to build the
   pass's ``PrefillAdder``; it returns a subclass of the class SGLang returns
   whose ``__init__`` lowers ``rem_chunk_tokens`` (the pass's token budget,
-  ``sglang/srt/managers/schedule_policy.py``) to the budget the sort just
-  set, rounded up to a whole page; the chunked request's limit
-  (``SchedulePolicy.shortest_prefill_chunk_limit``) is then computed on it.
-  The budget lives from the sort to that ``PrefillAdder``: the hook before
-  ``_get_new_batch_prefill_raw`` clears it.
+  ``sglang/srt/managers/schedule_policy.py``) to :func:`short_pass_budget` of
+  the short requests the sort just left, with the adder's ``page_size``; the
+  chunked request's limit (``SchedulePolicy.shortest_prefill_chunk_limit``)
+  is then computed on it. What the sort leaves lives until that
+  ``PrefillAdder`` takes it: the hook before ``_get_new_batch_prefill_raw``
+  clears it.
 * ``sglang/srt/observability/req_time_stats.py``: a request's
   ``time_stats.wait_queue_entry_time`` is the ``time.perf_counter()`` value
   (seconds) at which it entered the waiting queue; a retracted request enters
@@ -186,37 +188,52 @@ def deadline_order(in_time: list[tuple[Any, int, float]], now: float, above_toke
     return [in_time[i][0] for i in order]
 
 
-def short_pass_budget(short_tokens: list[int], pass_tokens: int) -> int | None:
+def short_pass_budget(short_tokens: list[int], pass_tokens: int, chunk_tokens_left: int = 0,
+                      page_size: int = 1) -> int | None:
     """The token budget of the next prefill pass under the short pass rule (module doc), or None (the chunk's).
 
     Args:
         short_tokens: new tokens of the requests at the head of the ordered queue that are in time and of at most
             the deadline order's threshold, in order (empty when the head is not such a request).
         pass_tokens: S, the most tokens a pass that carries them holds when they need fewer.
+        chunk_tokens_left: new tokens left of the chunked prefill in progress (0: none).
+        page_size: the engine's KV page, in tokens.
 
     Returns:
-        max(``pass_tokens``, their sum + 1) when there are any, else None: all of them fit, and a chunked prefill in
-        progress still moves (``shortest_prefill_chunk_limit`` leaves it at least a page of the budget, and a
-        waiting request that does not fit whole beside it waits).
+        None without short requests; else the most of S and what lets every short request into the pass whole, as
+        SGLang's ``SchedulePolicy.shortest_prefill_chunk_limit`` shares the budget: each short request its tokens
+        rounded up to a page, and the chunked prefill in progress a page, or all its tokens left where that is no
+        more than the longest short request's (the limit then reserves nothing for the short requests from it on,
+        and the chunk takes all it has left); at least two pages (below that SGLang sets no limit); all rounded up
+        to a page.
     """
-    return max(pass_tokens, sum(short_tokens) + 1) if short_tokens else None
+    if not short_tokens:
+        return None
+    page = max(1, page_size)
+
+    def up(tokens: int) -> int:
+        return -(-tokens // page) * page
+
+    chunk = up(chunk_tokens_left) if 0 < chunk_tokens_left <= max(short_tokens) else page
+    return max(up(pass_tokens), sum(up(t) for t in short_tokens) + chunk, 2 * page)
 
 
-class ChunkInProgress:
+class BatchDecision:
     """Per scheduler, what its next prefill batch decision reads: the new tokens left of its chunked prefill in
-    progress, as of that decision, and the short pass's budget (:func:`short_pass_budget`; None: the chunk's), set by
-    the sort and read once by the pass's ``PrefillAdder``."""
+    progress, as of that decision, and with short passes on (``pass_tokens``, S) the new tokens of the short requests
+    in time that the sort put at the queue's head (None: none), read once by the pass's ``PrefillAdder``."""
 
-    def __init__(self) -> None:
+    def __init__(self, pass_tokens: int | None = None) -> None:
         self.tokens_left = 0
-        self.pass_budget: int | None = None
+        self.pass_tokens = pass_tokens
+        self.short_tokens: list[int] | None = None
         self._unreadable = False
         self._capped: dict[type, type] = {}
 
     def before_prefill_batch(self, scheduler: Any, *args: Any, **kwargs: Any) -> None:
         """The hook run before ``Scheduler._get_new_batch_prefill_raw(self, ...)`` (module doc); changes nothing
         of the call and never raises: a chunked request whose fields it cannot read counts as none (logged once)."""
-        self.pass_budget = None
+        self.short_tokens = None
         req = getattr(scheduler, "chunked_req", None)
         try:
             self.tokens_left = 0 if req is None else max(0, len(req.full_untruncated_fill_ids) - int(req.prefix_len))
@@ -228,19 +245,20 @@ class ChunkInProgress:
 
     def capped_adder_class(self, adder_class: type, *args: Any, **kwargs: Any) -> type:
         """The hook run after ``Scheduler.get_prefill_adder_class(self)``: a subclass of the ``PrefillAdder`` class it
-        returned whose instances take the pass budget (rounded up to a whole page) as their ``rem_chunk_tokens`` when
-        it is lower, and clear it (module doc, Short passes); one subclass per class."""
+        returned whose instances lower their ``rem_chunk_tokens`` (the pass's token budget) to :func:`short_pass_budget`
+        of the short requests the sort left, with their own ``page_size``, and clear those (module doc, Short passes);
+        one subclass per class. A pass without chunking (``rem_chunk_tokens`` None) is left as it is."""
         capped = self._capped.get(adder_class)
         if capped is None:
             state = self
 
             def __init__(adder: Any, *a: Any, **kw: Any) -> None:
                 adder_class.__init__(adder, *a, **kw)
-                budget, state.pass_budget = state.pass_budget, None
+                shorts, state.short_tokens = state.short_tokens, None
                 rem = getattr(adder, "rem_chunk_tokens", None)
-                if budget is not None and rem is not None:
-                    page = max(1, int(getattr(adder, "page_size", 1) or 1))
-                    adder.rem_chunk_tokens = min(rem, -(-budget // page) * page)
+                if shorts and rem is not None and state.pass_tokens is not None:
+                    page = int(getattr(adder, "page_size", 1) or 1)
+                    adder.rem_chunk_tokens = min(rem, short_pass_budget(shorts, state.pass_tokens, state.tokens_left, page))
 
             capped = self._capped[adder_class] = type(f"ShortPass{adder_class.__name__}", (adder_class,), {"__init__": __init__})
         return capped
@@ -248,8 +266,7 @@ class ChunkInProgress:
 
 def make_late_last_sort(ttft_s: float, per_1k_s: float, policy_module: Any, deadline_order_above: int | None = None,
                         prefill_s_per_1k: float | None = None,
-                        chunk: ChunkInProgress | None = None,
-                        short_pass_tokens: int | None = None) -> Callable[[list, set], None]:
+                        chunk: BatchDecision | None = None) -> Callable[[list, set], None]:
     """The replacement for ``SchedulePolicy._sort_by_shortest_prefill``.
 
     Args:
@@ -260,9 +277,8 @@ def make_late_last_sort(ttft_s: float, per_1k_s: float, policy_module: Any, dead
         deadline_order_above, prefill_s_per_1k: both set: the requests in time go in :func:`deadline_order` (those of
             more than ``deadline_order_above`` new tokens in Moore's order, at ``prefill_s_per_1k`` seconds per 1,000
             new tokens after the rest of ``chunk``'s prefill in progress, when given).
-        short_pass_tokens: with deadline order and ``chunk``: S of the short pass (module doc); each sort sets
-            ``chunk.pass_budget`` to :func:`short_pass_budget` of the requests in time of at most
-            ``deadline_order_above`` new tokens, which the sort puts first.
+            With short passes on in ``chunk`` (its ``pass_tokens``), each sort also leaves there the new tokens of the
+            requests in time of at most ``deadline_order_above`` new tokens, which it puts first.
 
     Returns:
         ``sort(waiting_queue, temporary_deprioritized)``, which sorts the list of requests in place by
@@ -295,8 +311,8 @@ def make_late_last_sort(ttft_s: float, per_1k_s: float, policy_module: Any, dead
             in_time.append((req, work, deadline_s))
         ahead = chunk.tokens_left if chunk is not None else 0
         waiting_queue[:len(in_time)] = deadline_order(in_time, now, deadline_order_above, prefill_s_per_1k, ahead)
-        if chunk is not None and short_pass_tokens is not None:
-            chunk.pass_budget = short_pass_budget([w for _, w, _ in in_time if w <= deadline_order_above], short_pass_tokens)
+        if chunk is not None and chunk.pass_tokens is not None:
+            chunk.short_tokens = [work for _, work, _ in in_time if work <= deadline_order_above]
 
     return sort_late_last
 
@@ -330,13 +346,13 @@ def register() -> None:
         return
 
     above, rate = _deadline_order_settings()
-    short_pass = _short_pass_setting() if above is not None else None
+    short_pass = _short_pass_setting(above is not None)
 
     from sglang.srt.managers import schedule_policy
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    chunk = ChunkInProgress() if above is not None else None
-    HookRegistry.register(_TARGET, make_late_last_sort(ttft_s, per_1k_s, schedule_policy, above, rate, chunk, short_pass),
+    chunk = BatchDecision(short_pass) if above is not None else None
+    HookRegistry.register(_TARGET, make_late_last_sort(ttft_s, per_1k_s, schedule_policy, above, rate, chunk),
                           HookType.REPLACE)
     if chunk is not None:
         HookRegistry.register(_BATCH_TARGET, chunk.before_prefill_batch, HookType.BEFORE)
@@ -350,7 +366,7 @@ def register() -> None:
                     above, rate)
     if short_pass is not None:
         logger.info("a prefill pass that carries requests in time of at most %d new tokens holds at most %d tokens, "
-                    "or theirs where more (short passes)", above, short_pass)
+                    "or what they need where more (short passes)", above, short_pass)
 
 
 def _deadline_order_settings() -> tuple[int | None, float | None]:
@@ -372,8 +388,9 @@ def _deadline_order_settings() -> tuple[int | None, float | None]:
     return above, rate
 
 
-def _short_pass_setting() -> int | None:
-    """``LAPS_SHORT_PASS_TOKENS``, or None (unset, or malformed: logged) (module doc, Short passes)."""
+def _short_pass_setting(deadline_order: bool) -> int | None:
+    """``LAPS_SHORT_PASS_TOKENS``, or None: unset, or malformed, or set while deadline order is off (both logged)
+    (module doc, Short passes)."""
     raw = os.environ.get(SHORT_PASS_ENV, "").strip()
     if not raw:
         return None
@@ -382,6 +399,9 @@ def _short_pass_setting() -> int | None:
         if tokens < 1:
             raise ValueError
     except ValueError:
-        logger.error("%s=%r is not a number of tokens >= 1; short passes stay off", SHORT_PASS_ENV, raw)
+        logger.error("%s=%r is not an integer >= 1; short passes stay off", SHORT_PASS_ENV, raw)
+        return None
+    if not deadline_order:
+        logger.error("%s is set, but deadline order is off; short passes stay off", SHORT_PASS_ENV)
         return None
     return tokens

@@ -226,6 +226,9 @@ def _check_late_last(args: SimServerArgs) -> None:
         raise ValueError(f"--sim-short-pass-tokens must be a number of tokens >= 1, got {short_pass}")
     if short_pass is not None and above is None:
         raise ValueError("--sim-short-pass-tokens needs --sim-late-last-deadline-order-above")
+    if short_pass is not None and args.chunked_prefill_size is not None and args.chunked_prefill_size <= 0:
+        raise ValueError("--sim-short-pass-tokens cuts a pass's chunk budget: it needs chunked prefill, not "
+                         f"--chunked-prefill-size {args.chunked_prefill_size}")
     if ttft_s is not None and args.schedule_policy != "shortest-prefill-first":
         raise ValueError(f"--sim-late-last-ttft-s reorders the queue of --schedule-policy shortest-prefill-first, "
                          f"not {args.schedule_policy}")
@@ -389,7 +392,7 @@ def build_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--sim-short-pass-tokens", type=int, metavar="TOKENS",
                    help="with --sim-late-last-deadline-order-above N: the plugin's short pass: a prefill pass whose "
                         "queue starts with requests in time of at most N new tokens holds at most TOKENS tokens, or "
-                        "theirs where more, instead of filling the chunk with a long prefill (default: off)")
+                        "what they need where more, instead of filling the chunk with a long prefill (default: off)")
     p.add_argument("--disaggregation-mode", choices=("null", "prefill", "decode"),
                    help="PD disaggregation: prefill-only or decode-only engine (default null; see engines.sim.pd_http)")
     p.add_argument("--disaggregation-transfer-backend", choices=PD_TRANSFER_BACKENDS,

@@ -58,8 +58,9 @@ models, read from SGLang 0.5.23 (``managers/scheduler.py``
   the chunked prefill in progress at ``late_last_prefill_s_per_1k`` (an
   estimate), one would end past its objective (the plugin's deadline order);
   with ``late_last_short_pass_tokens`` S too, a pass whose queue so ordered
-  starts with requests in time of at most N tokens holds at most max(S, their
-  tokens + 1) tokens in all (the plugin's short pass: its chunk budget is cut).
+  starts with requests in time of at most N tokens holds at most S tokens, or
+  what they need where more (the plugin's short pass, its
+  ``short_pass_budget`` at page size 1: the pass's chunk budget is cut).
 * **Priority preemption** (``--enable-priority-scheduling`` without
   ``--disable-priority-preemption``): when the request slots are full, running
   requests whose priority is worse by more than
@@ -376,7 +377,7 @@ class EngineCore:
         self._last_hit_rate = 0.0
         self._total_prefill_uncached = 0
         self._total_prefill_busy_s = 0.0
-        self._pass_budget: int | None = None  # the next pass's token budget under the short pass rule (None: the chunk's)
+        self._pass_budget_tokens: int | None = None  # the next pass's token budget under the short pass rule (None: the chunk's)
         self._num_retracted = 0
         self._recent: list[tuple[float, float, int]] = []  # (start, duration, decode tokens) of recent passes
 
@@ -652,7 +653,7 @@ class EngineCore:
         if policy in ("lpm", "hrrn") and len(waiting) > WAITING_QUEUE_PREFIX_MATCH_MAX:
             policy = "fcfs"  # the expensive matching is switched off for long queues
         sign = self._priority_sign
-        self._pass_budget = None
+        self._pass_budget_tokens = None
         if policy in CACHE_AWARE_POLICIES:
             pushed_back = self._match_waiting()
             if policy == "lpm":
@@ -662,7 +663,7 @@ class EngineCore:
                 if cfg.late_last_deadline_order_tokens is not None:
                     self._deadline_order_in_time(pushed_back)
                 if cfg.late_last_short_pass_tokens is not None:
-                    self._pass_budget = self._short_pass_budget(pushed_back)
+                    self._pass_budget_tokens = self._short_pass_budget(pushed_back)
             elif policy == "shortest-prefill-first":
                 waiting.sort(key=lambda r: (r.rid in pushed_back, max(1, r.fill_len - r.matched), r.entry_time))
             else:
@@ -725,8 +726,8 @@ class EngineCore:
             return []
         self._calc_priority()
         adder = _Adder(self)
-        if self._pass_budget is not None and adder.rem_chunk is not None:
-            adder.rem_chunk = min(adder.rem_chunk, self._pass_budget)
+        if self._pass_budget_tokens is not None and adder.rem_chunk is not None:
+            adder.rem_chunk = min(adder.rem_chunk, self._pass_budget_tokens)
         chunked = self._chunked
         if chunked is not None:
             limit = self._spf_chunk_limit(chunked, adder.rem_chunk or 0)
@@ -814,7 +815,8 @@ class EngineCore:
                     or self._now - r.entry_time > self._late_last_objective_s(work)):
                 break
             shorts.append(work)
-        return short_pass_budget(shorts, cfg.late_last_short_pass_tokens)
+        left = 0 if self._chunked is None else self._chunked.fill_len - self._chunked.kv_len
+        return short_pass_budget(shorts, cfg.late_last_short_pass_tokens, left)
 
     def _spf_chunk_limit(self, chunked: _Req, budget: int) -> int | None:
         """shortest-prefill-first: cap the continuing chunk so shorter waiting prefills fit (None: no cap)."""

@@ -388,8 +388,8 @@ def plugin_lines(config: EngineConfig) -> list[str]:
                      "the chunked prefill in progress, one would end late (Moore's order)")
     if config.late_last_short_pass_tokens is not None:
         lines.append(f"a prefill pass that carries requests in time of at most {config.late_last_deadline_order_tokens} "
-                     f"new tokens holds at most {config.late_last_short_pass_tokens} tokens, or theirs where more "
-                     "(short passes)")
+                     f"new tokens holds at most {config.late_last_short_pass_tokens} tokens, or what they need where "
+                     "more (short passes)")
     return lines
 
 
