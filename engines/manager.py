@@ -268,8 +268,9 @@ def _prefill_s_per_1k(config: Config, engine: EngineConfig, role: str | None) ->
     try:
         return sim_model(config, engine, role).config.late_last_prefill_s_per_1k
     except ValueError as err:
-        log.warning("engine %s: deadline_order (and short_pass) is off: its prefill rate comes from the sim section's "
-                    "engine model, which cannot model this engine (%s)", engine.name, err)
+        keys = "deadline_order (and short_pass)" if config.roles[role or engine.role].short_pass else "deadline_order"
+        log.warning("engine %s: %s is off: its prefill rate comes from the sim section's engine model, which cannot "
+                    "model this engine (%s)", engine.name, keys, err)
         return None
 
 

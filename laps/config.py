@@ -211,6 +211,14 @@ class SchedulingConfig(_Strict):
     kv_events: bool = True
 
 
+def _int_or_none(value: object) -> int | None:
+    """``value`` (a flag's value as YAML gave it; None: unset) as an integer, or None where it is not one."""
+    try:
+        return int(str(value).strip())
+    except ValueError:
+        return None
+
+
 class RoleConfig(_Strict):
     """A named set of engine flags, spelled as SGLang spells them without ``--``.
 
@@ -260,9 +268,10 @@ class RoleConfig(_Strict):
         if self.short_pass and not self.deadline_order:
             raise ValueError("short_pass takes its short requests from the plugin's deadline order: it needs "
                              "deadline_order: true")
-        if self.short_pass and self.flags.get("chunked-prefill-size") == -1:
+        chunk = _int_or_none(self.flags.get("chunked-prefill-size"))
+        if self.short_pass and chunk is not None and chunk <= 0:
             raise ValueError("short_pass cuts a pass's chunk budget: it needs chunked prefill, not "
-                             "flags.chunked-prefill-size: -1")
+                             f"flags.chunked-prefill-size: {chunk} (SGLang turns chunking off at 0 or less)")
         return self
 
     def same_engine(self, other: "RoleConfig") -> bool:

@@ -132,7 +132,7 @@ def test_deadline_order_gives_the_plugin_the_short_threshold_and_the_engine_mode
     with caplog.at_level("WARNING", "laps.engines"):
         env = engine_env(parse_config(odd), real)
     assert env["LAPS_TTFT_S"] == "0.5" and "LAPS_DEADLINE_ORDER_ABOVE_TOKENS" not in env
-    assert "engine real: deadline_order (and short_pass) is off" in caplog.text and "--attention-backend fa3" in caplog.text
+    assert "engine real: deadline_order is off" in caplog.text and "--attention-backend fa3" in caplog.text
     # It changes the engine, so a move between roles that differ in it restarts the engine.
     data["roles"]["other"] = {**data["roles"]["mixed"], "deadline_order": False}
     assert not parse_config(data).instant_move("mixed", "other")
@@ -161,10 +161,12 @@ def test_short_pass_gives_the_plugin_and_the_simulated_engine_the_short_threshol
     data["roles"]["other"] = {**data["roles"]["mixed"], "short_pass": True, "deadline_order": False}
     with pytest.raises(ValueError, match="short_pass takes its short requests from the plugin's deadline order"):
         parse_config(data)
-    data["roles"]["other"] = {**data["roles"]["mixed"], "short_pass": True,
-                              "flags": {**data["roles"]["mixed"]["flags"], "chunked-prefill-size": -1}}
-    with pytest.raises(ValueError, match="short_pass cuts a pass's chunk budget: it needs chunked prefill"):
-        parse_config(data)
+    for off in (-1, 0, "-2"):
+        data["roles"]["other"] = {**data["roles"]["mixed"], "short_pass": True,
+                                  "flags": {**data["roles"]["mixed"]["flags"], "chunked-prefill-size": off}}
+        with pytest.raises(ValueError, match=f"short_pass cuts a pass's chunk budget: it needs chunked prefill, not "
+                                             f"flags.chunked-prefill-size: {int(off)} "):
+            parse_config(data)
 
 
 async def test_a_restart_into_a_role_without_the_plugin_starts_the_engine_without_it(monkeypatch):

@@ -272,8 +272,9 @@ def test_short_pass_budget_lets_every_short_request_in_whole_as_sglangs_chunk_li
     assert budget([10], 32, page_size=64) == 128  # at least two pages (below that SGLang sets no limit)
 
 
-def test_the_sort_leaves_the_short_requests_and_the_pass_adder_takes_them_once(monkeypatch):
+def test_the_sort_leaves_the_short_requests_and_the_pass_adder_takes_them_once(monkeypatch, caplog):
     plugin, policy, req = sort_setup(monkeypatch)
+    monkeypatch.setattr(plugin.logger, "propagate", True)
     chunk = plugin.BatchDecision(pass_tokens=64)
     sort = plugin.make_late_last_sort(0.4, 0.0, policy, 100, 0.1, chunk)
     sort([req("long", 900, 0.0), req("short", 50, 0.0), req("tiny", 30, 0.1)], set())
@@ -298,7 +299,17 @@ def test_the_sort_leaves_the_short_requests_and_the_pass_adder_takes_them_once(m
     chunk.short_tokens = [30, 50]
     assert capped(64, 1024).rem_chunk_tokens == 192  # a page each, and one for the chunk
     chunk.short_tokens = [30, 50]
-    assert capped(1, 50).rem_chunk_tokens == 50 and capped(1, None).rem_chunk_tokens is None  # never raised; no chunking
+    assert capped(1, 50).rem_chunk_tokens == 50  # never raised
+    chunk.short_tokens = [30, 50]
+    with caplog.at_level("WARNING", logger=plugin.logger.name):
+        assert capped(1, None).rem_chunk_tokens is None  # no chunking: nothing to cut, and it says so once
+        said = len(caplog.records)
+        chunk.short_tokens = [30]
+        capped(1, None)
+        assert said and len(caplog.records) == said
+    assert {r.getMessage() for r in caplog.records} == {
+        "the engine runs without chunked prefill (--chunked-prefill-size -1, set or chosen by SGLang for this model): "
+        "short passes cannot cut a pass and do nothing"}
     # The hook SGLang runs before each batch decision clears what no adder took.
     chunk.short_tokens = [30]
     chunk.before_prefill_batch(SimpleNamespace(chunked_req=None))
@@ -309,7 +320,8 @@ def test_the_sort_leaves_the_short_requests_and_the_pass_adder_takes_them_once(m
     (None, True, None, None), ("256", True, 256, None), (" 256 ", True, 256, None),
     ("0", True, None, "ERROR LAPS_SHORT_PASS_TOKENS='0' is not an integer >= 1"),
     ("1e3", True, None, "ERROR LAPS_SHORT_PASS_TOKENS='1e3' is not an integer >= 1"),
-    ("256", False, None, "ERROR LAPS_SHORT_PASS_TOKENS is set, but deadline order is off; short passes stay off"),
+    ("256", False, None, "ERROR LAPS_SHORT_PASS_TOKENS='256' is set, but deadline order is off (it needs "
+                         "LAPS_DEADLINE_ORDER_ABOVE_TOKENS and LAPS_PREFILL_S_PER_1K_TOKENS); short passes stay off"),
 ])
 def test_short_pass_setting(monkeypatch, caplog, raw, deadline_order, expected, says):
     plugin = plugin_with_env(monkeypatch, {PLUGIN_SHORT_PASS_ENV: raw})

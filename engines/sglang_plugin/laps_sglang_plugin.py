@@ -221,13 +221,15 @@ def short_pass_budget(short_tokens: list[int], pass_tokens: int, chunk_tokens_le
 class BatchDecision:
     """Per scheduler, what its next prefill batch decision reads: the new tokens left of its chunked prefill in
     progress, as of that decision, and with short passes on (``pass_tokens``, S) the new tokens of the short requests
-    in time that the sort put at the queue's head (None: none), read once by the pass's ``PrefillAdder``."""
+    in time that the sort put at the queue's head (empty: none; None: no sort since the decision began), read once by
+    the pass's ``PrefillAdder``."""
 
     def __init__(self, pass_tokens: int | None = None) -> None:
         self.tokens_left = 0
         self.pass_tokens = pass_tokens
         self.short_tokens: list[int] | None = None
         self._unreadable = False
+        self._unchunked = False  # said that short passes do nothing without chunked prefill
         self._capped: dict[type, type] = {}
 
     def before_prefill_batch(self, scheduler: Any, *args: Any, **kwargs: Any) -> None:
@@ -247,7 +249,7 @@ class BatchDecision:
         """The hook run after ``Scheduler.get_prefill_adder_class(self)``: a subclass of the ``PrefillAdder`` class it
         returned whose instances lower their ``rem_chunk_tokens`` (the pass's token budget) to :func:`short_pass_budget`
         of the short requests the sort left, with their own ``page_size``, and clear those (module doc, Short passes);
-        one subclass per class. A pass without chunking (``rem_chunk_tokens`` None) is left as it is."""
+        one subclass per class. A pass without chunking (``rem_chunk_tokens`` None) is left as it is (logged once)."""
         capped = self._capped.get(adder_class)
         if capped is None:
             state = self
@@ -256,6 +258,10 @@ class BatchDecision:
                 adder_class.__init__(adder, *a, **kw)
                 shorts, state.short_tokens = state.short_tokens, None
                 rem = getattr(adder, "rem_chunk_tokens", None)
+                if shorts and rem is None and not state._unchunked:
+                    state._unchunked = True
+                    logger.warning("the engine runs without chunked prefill (--chunked-prefill-size -1, set or chosen "
+                                   "by SGLang for this model): short passes cannot cut a pass and do nothing")
                 if shorts and rem is not None and state.pass_tokens is not None:
                     page = int(getattr(adder, "page_size", 1) or 1)
                     adder.rem_chunk_tokens = min(rem, short_pass_budget(shorts, state.pass_tokens, state.tokens_left, page))
@@ -326,8 +332,8 @@ def register() -> None:
     a bad setting, so the engine starts either way). Deadline order (module doc)
     is on when ``LAPS_DEADLINE_ORDER_ABOVE_TOKENS`` (an integer >= 0) and ``LAPS_PREFILL_S_PER_1K_TOKENS``
     (seconds, > 0) are both set; with one of them missing or malformed it logs why and stays off. Short passes
-    (module doc) are on with deadline order and ``LAPS_SHORT_PASS_TOKENS`` (an integer >= 1); malformed, they log
-    why and stay off.
+    (module doc) are on with deadline order and ``LAPS_SHORT_PASS_TOKENS`` (an integer >= 1); malformed, or set
+    while deadline order is off, they log why and stay off.
     """
     try:
         ttft_s = _read_seconds(TTFT_ENV, None, allow_zero=False)
@@ -402,6 +408,7 @@ def _short_pass_setting(deadline_order: bool) -> int | None:
         logger.error("%s=%r is not an integer >= 1; short passes stay off", SHORT_PASS_ENV, raw)
         return None
     if not deadline_order:
-        logger.error("%s is set, but deadline order is off; short passes stay off", SHORT_PASS_ENV)
+        logger.error("%s=%r is set, but deadline order is off (it needs %s and %s); short passes stay off",
+                     SHORT_PASS_ENV, raw, DEADLINE_ORDER_ENV, PREFILL_RATE_ENV)
         return None
     return tokens
