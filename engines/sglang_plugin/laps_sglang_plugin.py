@@ -272,7 +272,7 @@ class BatchDecision:
 
 def make_late_last_sort(ttft_s: float, per_1k_s: float, policy_module: Any, deadline_order_above: int | None = None,
                         prefill_s_per_1k: float | None = None,
-                        chunk: BatchDecision | None = None) -> Callable[[list, set], None]:
+                        decision: BatchDecision | None = None) -> Callable[[list, set], None]:
     """The replacement for ``SchedulePolicy._sort_by_shortest_prefill``.
 
     Args:
@@ -282,8 +282,8 @@ def make_late_last_sort(ttft_s: float, per_1k_s: float, policy_module: Any, dead
             in it at each sort, so a later patch of that class or of ``_shortest_prefill_work`` is seen.
         deadline_order_above, prefill_s_per_1k: both set: the requests in time go in :func:`deadline_order` (those of
             more than ``deadline_order_above`` new tokens in Moore's order, at ``prefill_s_per_1k`` seconds per 1,000
-            new tokens after the rest of ``chunk``'s prefill in progress, when given).
-            With short passes on in ``chunk`` (its ``pass_tokens``), each sort also leaves there the new tokens of the
+            new tokens after the rest of the chunked prefill in progress that ``decision`` holds, when given).
+            With short passes on in ``decision`` (its ``pass_tokens``), each sort also leaves there the new tokens of the
             requests in time of at most ``deadline_order_above`` new tokens, which it puts first.
 
     Returns:
@@ -315,10 +315,10 @@ def make_late_last_sort(ttft_s: float, per_1k_s: float, policy_module: Any, dead
             if pushed or late:
                 break
             in_time.append((req, work, deadline_s))
-        ahead = chunk.tokens_left if chunk is not None else 0
+        ahead = decision.tokens_left if decision is not None else 0
         waiting_queue[:len(in_time)] = deadline_order(in_time, now, deadline_order_above, prefill_s_per_1k, ahead)
-        if chunk is not None and chunk.pass_tokens is not None:
-            chunk.short_tokens = [work for _, work, _ in in_time if work <= deadline_order_above]
+        if decision is not None and decision.pass_tokens is not None:
+            decision.short_tokens = [work for _, work, _ in in_time if work <= deadline_order_above]
 
     return sort_late_last
 
@@ -357,13 +357,13 @@ def register() -> None:
     from sglang.srt.managers import schedule_policy
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    chunk = BatchDecision(short_pass) if above is not None else None
-    HookRegistry.register(_TARGET, make_late_last_sort(ttft_s, per_1k_s, schedule_policy, above, rate, chunk),
+    decision = BatchDecision(short_pass) if above is not None else None
+    HookRegistry.register(_TARGET, make_late_last_sort(ttft_s, per_1k_s, schedule_policy, above, rate, decision),
                           HookType.REPLACE)
-    if chunk is not None:
-        HookRegistry.register(_BATCH_TARGET, chunk.before_prefill_batch, HookType.BEFORE)
-    if chunk is not None and short_pass is not None:
-        HookRegistry.register(_ADDER_TARGET, chunk.capped_adder_class, HookType.AFTER)
+    if decision is not None:
+        HookRegistry.register(_BATCH_TARGET, decision.before_prefill_batch, HookType.BEFORE)
+    if decision is not None and short_pass is not None:
+        HookRegistry.register(_ADDER_TARGET, decision.capped_adder_class, HookType.AFTER)
     logger.info("shortest-prefill-first now puts requests that have waited longer than %g s "
                 "+ %g s per 1,000 new tokens behind all others", ttft_s, per_1k_s)
     if above is not None:
