@@ -662,8 +662,6 @@ class EngineCore:
                 waiting.sort(key=self._late_last_key(pushed_back))
                 if cfg.late_last_deadline_order_tokens is not None:
                     self._deadline_order_in_time(pushed_back)
-                if cfg.late_last_short_pass_tokens is not None:
-                    self._pass_budget_tokens = self._short_pass_budget(pushed_back)
             elif policy == "shortest-prefill-first":
                 waiting.sort(key=lambda r: (r.rid in pushed_back, max(1, r.fill_len - r.matched), r.entry_time))
             else:
@@ -790,7 +788,8 @@ class EngineCore:
     def _deadline_order_in_time(self, pushed_back: set[str]) -> None:
         """After the late-last sort: the leading requests, those neither late nor pushed back, in the plugin's deadline
         order (:func:`engines.sglang_plugin.laps_sglang_plugin.deadline_order`) after the rest of the chunked
-        prefill in progress."""
+        prefill in progress; with ``late_last_short_pass_tokens``, the next pass's token budget under the plugin's
+        short pass rule (:func:`~engines.sglang_plugin.laps_sglang_plugin.short_pass_budget`)."""
         cfg, now = self.config, self._now
         in_time = []
         for r in self._waiting:  # in time, then late, then pushed back
@@ -803,20 +802,9 @@ class EngineCore:
         ahead = 0 if chunked is None else chunked.fill_len - chunked.kv_len
         self._waiting[:len(in_time)] = deadline_order(in_time, now, cfg.late_last_deadline_order_tokens,
                                                       cfg.late_last_prefill_s_per_1k, ahead)
-
-    def _short_pass_budget(self, pushed_back: set[str]) -> int | None:
-        """After the deadline order: the next pass's token budget under the plugin's short pass rule
-        (:func:`engines.sglang_plugin.laps_sglang_plugin.short_pass_budget` of the leading requests, neither late nor
-        pushed back, of at most ``late_last_deadline_order_tokens`` new tokens)."""
-        cfg, shorts = self.config, []
-        for r in self._waiting:  # in time and short first (the sort's order), then the rest
-            work = max(1, r.fill_len - r.matched)
-            if (r.rid in pushed_back or work > cfg.late_last_deadline_order_tokens
-                    or self._now - r.entry_time > self._late_last_objective_s(work)):
-                break
-            shorts.append(work)
-        left = 0 if self._chunked is None else self._chunked.fill_len - self._chunked.kv_len
-        return short_pass_budget(shorts, cfg.late_last_short_pass_tokens, left)
+        if cfg.late_last_short_pass_tokens is not None:  # the plugin's short pass, from the same requests in time
+            shorts = [work for _, work, _ in in_time if work <= cfg.late_last_deadline_order_tokens]
+            self._pass_budget_tokens = short_pass_budget(shorts, cfg.late_last_short_pass_tokens, ahead)
 
     def _spf_chunk_limit(self, chunked: _Req, budget: int) -> int | None:
         """shortest-prefill-first: cap the continuing chunk so shorter waiting prefills fit (None: no cap)."""
