@@ -460,8 +460,9 @@ class EngineProcess:
         if process.returncode is None:
             _signal_group(process.pid, signal.SIGTERM)
             try:
-                await asyncio.wait_for(process.wait(), timeout_s)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(timeout_s):
+                    await process.wait()
+            except TimeoutError:
                 log.warning("engine %s: no exit %.0f s after SIGTERM, killing", self.config.name, timeout_s)
                 _signal_group(process.pid, signal.SIGKILL)
                 await process.wait()

@@ -276,11 +276,14 @@ class EventFollower:
         try:
             await dealer.send_multipart((b"", encode_seq(first)))
             while True:
-                frames = await asyncio.wait_for(dealer.recv_multipart(), self.replay_timeout_s)
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for drops a cancel that lands as the answer
+                # comes, and the follower then outlived Following.close (the gateway's shutdown hung)
+                async with asyncio.timeout(self.replay_timeout_s):
+                    frames = await dealer.recv_multipart()
                 if len(frames) == 4 and frames[2] == encode_seq(-1):
                     return batches
                 batches.append(parse_frames(frames[1:]))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.warning("engine %s: no KV event replay from %s within %.0f s", self.engine_id, self.source.replay_endpoint, self.replay_timeout_s)
         except BadFrame as err:
             self._bad_frames.inc()

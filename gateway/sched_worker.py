@@ -257,8 +257,11 @@ class StatePoller:
 
     async def _run(self) -> None:
         while True:
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for drops a cancel that lands as the event is set,
+            # and close would then wait for this loop forever
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._poll_now.wait(), STATE_POLL_S)
+                async with asyncio.timeout(STATE_POLL_S):
+                    await self._poll_now.wait()
             self._poll_now.clear()
             try:
                 state = await self._channel.call({"op": "state"})

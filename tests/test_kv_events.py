@@ -178,6 +178,42 @@ async def test_bad_frames_are_counted_and_the_engine_is_estimated_until_it_is_fo
         await publisher.close()
 
 
+class HeldAnswer:
+    """A replay DEALER whose answer comes when the test says (``answer``, a future), for the follower's ``_replay``."""
+
+    def __init__(self) -> None:
+        self.answer = asyncio.get_running_loop().create_future()
+        self.linger = None
+
+    def connect(self, endpoint: str) -> None:
+        pass
+
+    async def send_multipart(self, frames) -> None:
+        pass
+
+    def recv_multipart(self):
+        return self.answer
+
+    def close(self, linger=None) -> None:
+        pass
+
+
+async def test_a_replay_cancelled_as_its_answer_comes_ends_cancelled():
+    """The gateway's shutdown cancels every follower; one that an engine's replay answers in the same loop turn still
+    stops. (With ``asyncio.wait_for`` around the receive, Python 3.11 returned the answer and dropped the cancel: the
+    follower joined and ran on, and the scheduler process's shutdown hung.)"""
+    follower = EventFollower("e", KVEventSource("tcp://127.0.0.1:1", "tcp://127.0.0.1:2"), PrefixCaches(PrefixIndex(block_tokens=4)),
+                             GatewayMetrics())
+    dealer = HeldAnswer()
+    follower._ctx = type("Ctx", (), {"socket": staticmethod(lambda kind: dealer)})()
+    task = asyncio.create_task(follower._replay(0))
+    await asyncio.sleep(0)  # the replay is asked for and waits for its answer
+    dealer.answer.set_result([b"", b"", encode_seq(-1), b""])  # the end of an empty history ...
+    task.cancel()  # ... and the shutdown's cancel, before the follower runs again
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
 async def test_the_gateway_serves_on_the_estimate_while_an_engines_stream_is_down_and_is_exact_again_when_it_is_back():
     """An engine publishing on its own (``external``, named endpoints): its stream stops and comes back as a fresh
     publisher (as a restarted SGLang scheduler's does: seq from 0, its first batch clearing the cache)."""
