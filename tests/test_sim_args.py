@@ -39,6 +39,9 @@ def test_role_flags_change_the_derived_defaults():
     assert no_chunk.prefill_graph.sizes == ()
     # reserve = 512 + 1.5·16384 (max_prefill_tokens) + 128 + 512 = 25,728 MiB: 0.82105 -> 0.821
     assert no_chunk.mem_fraction_static == 0.821
+    interval = resolve_args(parse_server_args(["--prefill-decode-interval", "1", "--prefill-decode-interval-min-bs", "1024"]))
+    assert (interval.config.prefill_decode_interval, interval.config.prefill_decode_interval_min_bs) == (1, 1024)
+    assert (sim.config.prefill_decode_interval, sim.config.prefill_decode_interval_min_bs) == (0, 0)  # SGLang's default: off
 
 
 @pytest.mark.parametrize(

@@ -210,6 +210,29 @@ def test_default_policy_does_not_mix_prefill_and_decode_but_mixed_chunk_does():
         assert (step.num_prefill_seqs, step.num_decode_seqs) == ((1, 1) if mixed else (1, 0))
 
 
+@pytest.mark.parametrize(("min_bs", "passes"), [(2, [(0, 2), (0, 2), (1, 0)]), (3, [(1, 0), (0, 3), (0, 3)])])
+def test_prefill_decode_interval_owes_decode_passes_after_a_prefill_while_enough_requests_run(min_bs, passes):
+    """SGLang's ``--prefill-decode-interval 2``: after a prefill pass, two decode passes before the next prefill while
+    at least ``--prefill-decode-interval-min-bs`` requests run (two here); with fewer, prefill at once."""
+    core = make_core(prefill_decode_interval=2, prefill_decode_interval_min_bs=min_bs)
+    core.add_request("a", prompt(50), 20, ignore_eos=True)
+    core.add_request("b", prompt(50, 5000), 20, ignore_eos=True)
+    now = core.step(0.0).duration_s  # one prefill pass for both
+    core.add_request("c", prompt(50, 9000), 20, ignore_eos=True, now=now)
+    seen = []
+    for _ in range(3):
+        step = core.step(now)
+        seen.append((step.num_prefill_seqs, step.num_decode_seqs))
+        now += step.duration_s
+    assert seen == passes
+
+
+@pytest.mark.parametrize("flag", ["prefill_decode_interval", "prefill_decode_interval_min_bs"])
+def test_a_negative_prefill_decode_interval_is_refused_as_sglang_does(flag):
+    with pytest.raises(ValueError, match="must be non-negative"):
+        make_core(**{flag: -1})
+
+
 def test_max_new_tokens_zero_is_prefill_only():
     core = make_core()
     core.add_request("p", prompt(300), 0)

@@ -92,6 +92,8 @@ class SimServerArgs:
     disable_decode_cuda_graph: bool = False
     disable_prefill_cuda_graph: bool = False
     enable_mixed_chunk: bool = False
+    prefill_decode_interval: int | None = None
+    prefill_decode_interval_min_bs: int = 0
     enable_metrics: bool = False
     enable_cache_report: bool = False
     kv_events_config: str | None = None
@@ -276,6 +278,8 @@ def resolve_args(args: SimServerArgs) -> ResolvedSim:
         max_prefill_tokens=args.max_prefill_tokens,
         context_length=context,
         enable_mixed_chunk=args.enable_mixed_chunk,
+        prefill_decode_interval=args.prefill_decode_interval or 0,
+        prefill_decode_interval_min_bs=args.prefill_decode_interval_min_bs,
         schedule_policy=args.schedule_policy,
         enable_priority_scheduling=args.enable_priority_scheduling,
         schedule_low_priority_values_first=args.schedule_low_priority_values_first,
@@ -356,6 +360,10 @@ def build_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--disable-decode-cuda-graph", action="store_true", help="decode passes run eagerly")
     p.add_argument("--disable-prefill-cuda-graph", action="store_true", help="prefill passes run eagerly")
     p.add_argument("--enable-mixed-chunk", action="store_true", help="run decodes in the same pass as prefill chunks")
+    p.add_argument("--prefill-decode-interval", type=int, metavar="N",
+                   help="decode passes after each prefill pass before the next prefill (default: 0, off)")
+    p.add_argument("--prefill-decode-interval-min-bs", type=int, metavar="REQUESTS",
+                   help="apply --prefill-decode-interval only while at least this many requests run (default 0)")
     p.add_argument("--enable-metrics", action="store_true", help="serve Prometheus metrics at /metrics")
     p.add_argument("--enable-cache-report", action="store_true",
                    help="put usage.prompt_tokens_details.cached_tokens in OpenAI responses")

@@ -13,7 +13,12 @@ models, read from SGLang 0.5.23 (``managers/scheduler.py``
 * **One pass per step.** A prefill (extend) batch runs whenever one can be
   formed; otherwise every running request decodes one token. With
   ``enable_mixed_chunk`` the running decodes ride along in the prefill pass when
-  their next tokens fit.
+  their next tokens fit. With ``prefill_decode_interval`` N > 0 (SGLang's
+  ``_should_defer_prefill`` / ``_arm_prefill_decode_interval``) a prefill pass
+  is followed by N decode passes before the next prefill, while at least
+  ``prefill_decode_interval_min_bs`` requests run (fewer: prefill at once, the
+  interval dropped). SGLang spends a deferred round with nothing running as an
+  empty loop turn; the model skips it (it takes no time).
 * **Waiting-queue order** (``--schedule-policy``), re-sorted in place (stable)
   every pass: ``fcfs`` keeps arrival order, or with
   ``--enable-priority-scheduling`` sorts by (priority, queue-entry time);
@@ -156,6 +161,8 @@ class EngineConfig:
     max_prefill_tokens: int = 16384
     context_length: int = 32768
     enable_mixed_chunk: bool = False
+    prefill_decode_interval: int = 0
+    prefill_decode_interval_min_bs: int = 0
     schedule_policy: str = "fcfs"
     enable_priority_scheduling: bool = False
     schedule_low_priority_values_first: bool = False
@@ -190,6 +197,9 @@ class EngineConfig:
                 self.late_last_deadline_order_tokens is None or self.late_last_short_pass_tokens < 1):
             raise ValueError("late_last_short_pass_tokens must be >= 1 and needs late_last_deadline_order_tokens, "
                              f"got {self.late_last_short_pass_tokens} and {self.late_last_deadline_order_tokens}")
+        if self.prefill_decode_interval < 0 or self.prefill_decode_interval_min_bs < 0:  # SGLang's messages
+            raise ValueError("--prefill-decode-interval must be non-negative." if self.prefill_decode_interval < 0
+                             else "--prefill-decode-interval-min-bs must be non-negative.")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size < 1:
             raise ValueError(f"chunked_prefill_size must be >= 1 or None, got {self.chunked_prefill_size}")
         policy = self.schedule_policy
@@ -378,6 +388,7 @@ class EngineCore:
         self._total_prefill_uncached = 0
         self._total_prefill_busy_s = 0.0
         self._pass_budget_tokens: int | None = None  # the next pass's token budget under the short pass rule (None: the chunk's)
+        self._decode_rounds_owed = 0  # decode passes still due before the next prefill (prefill_decode_interval)
         self._num_retracted = 0
         self._recent: list[tuple[float, float, int]] = []  # (start, duration, decode tokens) of recent passes
 
@@ -561,10 +572,11 @@ class EngineCore:
             self._ratio = self._init_ratio  # SGLang resets the ratio whenever it idles
         admitted = self._admit_transferred() if self._arrived else ()
         events: list[RequestEvent] = []
-        prefill = self._get_new_batch_prefill()
+        prefill = [] if self._defer_prefill() else self._get_new_batch_prefill()
         decodes: list[_Req] = []
         retracted = False
         if prefill:
+            self._decode_rounds_owed = self.config.prefill_decode_interval
             if self.config.enable_mixed_chunk and self._running and self._decode_fits(len(self._running)):
                 decodes = self._running
         elif self._running:
@@ -711,6 +723,18 @@ class EngineCore:
                 self.tree.touch_prefix(r.fill_ids())
 
     # ---- prefill admission (PrefillAdder) -----------------------------------------------------
+
+    def _defer_prefill(self) -> bool:
+        """Whether this pass decodes though a prefill could run: a decode round still owed after the last prefill
+        (``prefill_decode_interval``) while at least ``prefill_decode_interval_min_bs`` requests run, at least one
+        (fewer: the rounds owed are dropped)."""
+        if not self._decode_rounds_owed:
+            return False
+        if not self._running or len(self._running) < self.config.prefill_decode_interval_min_bs:
+            self._decode_rounds_owed = 0
+            return False
+        self._decode_rounds_owed -= 1
+        return True
 
     def _get_new_batch_prefill(self) -> list[tuple[_Req, int]]:
         cfg = self.config
