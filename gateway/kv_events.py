@@ -39,7 +39,6 @@ Counters per engine: ``laps_kv_event_batches_total`` (applied),
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 import zmq
@@ -56,6 +55,7 @@ REPLAY_TIMEOUT_S = 5.0  # no answer from the replay socket for this long: the re
 RECONNECT_IVL_MS = 200  # ZMQ's reconnect interval (its default is 100 ms, doubling to RECONNECT_IVL_MAX)
 RECONNECT_IVL_MAX_MS = 2000
 APPLY_CHUNK_PAGES = 256  # pages applied between yields to the event loop (~0.1-0.2 ms of work)
+CLOSE_TIMEOUT_S = 5.0  # Following.close waits this long for its cancelled followers
 
 
 class BadFrame(ValueError):
@@ -301,8 +301,15 @@ class Following:
         self._tasks = [asyncio.create_task(f.run(), name=f"kv-events-{name}") for name, f in self.followers.items()]
 
     async def close(self) -> None:
+        """Cancel every follower and wait for them, at most :data:`CLOSE_TIMEOUT_S`: one still running then (its cancel
+        was lost) or that had failed is logged, and the gateway's shutdown goes on without it."""
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        if not self._tasks:
+            return
+        done, pending = await asyncio.wait(self._tasks, timeout=CLOSE_TIMEOUT_S)
+        for task in pending:
+            log.error("%s did not stop within %.0f s of its cancel; shutting down without it", task.get_name(), CLOSE_TIMEOUT_S)
+        for task in done:
+            if not task.cancelled() and task.exception() is not None:
+                log.error("%s had failed: %r", task.get_name(), task.exception())

@@ -18,6 +18,7 @@ from engines.sim.kv_publisher import KVEventPublisher
 from engines.sim.realtime import ENGINE
 from engines.sim.server import create_app as sim_app
 from gateway.app import create_app as gateway_app
+from gateway import kv_events
 from gateway.kv_events import EventFollower, chunked
 from gateway.metrics import GatewayMetrics
 from gateway.state import GATEWAY
@@ -212,6 +213,33 @@ async def test_a_replay_cancelled_as_its_answer_comes_ends_cancelled():
     task.cancel()  # ... and the shutdown's cancel, before the follower runs again
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+async def test_close_goes_on_without_a_follower_that_outlives_its_cancel(monkeypatch, caplog):
+    """A follower task that does not stop when cancelled (a lost cancel) is logged and left after CLOSE_TIMEOUT_S: the
+    gateway's shutdown goes on; one that had failed is logged too."""
+    monkeypatch.setattr(kv_events, "CLOSE_TIMEOUT_S", 0.05)
+    lost = 0
+
+    async def deaf() -> None:
+        nonlocal lost
+        while lost < 2:  # the first cancel is lost; the test's second one ends it
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                lost += 1
+
+    async def failed() -> None:
+        raise RuntimeError("bad socket")
+
+    following = kv_events.Following({}, PrefixCaches(PrefixIndex(block_tokens=4)), GatewayMetrics())
+    following._tasks = [asyncio.create_task(deaf(), name="kv-events-e0"), asyncio.create_task(failed(), name="kv-events-e1")]
+    await asyncio.sleep(0)
+    await asyncio.wait_for(following.close(), 5)
+    assert "kv-events-e0 did not stop within 0 s of its cancel" in caplog.text
+    assert "kv-events-e1 had failed: RuntimeError('bad socket')" in caplog.text
+    following._tasks[0].cancel()
+    await following._tasks[0]
 
 
 async def test_the_gateway_serves_on_the_estimate_while_an_engines_stream_is_down_and_is_exact_again_when_it_is_back():
