@@ -731,8 +731,9 @@ def build_workload(
         long_rows = [r for r in load_azure_trace() if r.context_tokens > LONG_MIN_CONTEXT_TOKENS]
         stream = _mixed_stream(chats, long_rows, ExactLengthPrompts(tok, rng), itertools.repeat(p_long), rng)
         notes = [
-            f"{name}: {p_long:.3f} of arrivals are long single-turn requests (long_share {long_share} of requests); "
-            f"their ContextTokens come from the {len(long_rows)} Azure rows above {LONG_MIN_CONTEXT_TOKENS}"
+            f"{name}: {p_long:.3f} of arriving conversations are one long request each, the others multi-turn chats, "
+            f"so that {long_share:.0%} of requests are long (long_share); their ContextTokens come from the "
+            f"{len(long_rows)} Azure rows above {LONG_MIN_CONTEXT_TOKENS}"
         ]
         return Workload(name, stream, timed=False, notes=notes)
     raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}, replay:PATH or "

@@ -229,7 +229,7 @@ def test_shared_docs_asks_each_long_document_several_times_interleaved(tok):
 
 def test_docs_is_the_mixed_stream_with_half_the_requests_long(tok):
     w = build_workload("docs", random.Random(0), tokenizer=tok)
-    assert w.notes[0].startswith("docs: ") and "(long_share 0.5 of requests)" in w.notes[0]
+    assert w.notes[0].startswith("docs: ") and "so that 50% of requests are long (long_share)" in w.notes[0]
 
 
 def test_code_burst_is_bursty_code_completion_of_splitwise_coding_medians(tok):
