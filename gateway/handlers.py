@@ -165,6 +165,17 @@ def _check_model(gw: Gateway, model: str) -> None:
         raise APIError(404, f"The model `{model}` does not exist; this gateway serves `{gw.config.model.name}`.", param="model", code="model_not_found")
 
 
+def _check_logit_bias(gw: Gateway, logit_bias: dict[str, float] | None) -> None:
+    """Refuse a ``logit_bias`` token id past the vocabulary, as SGLang's ``SamplingParams.verify`` would.
+
+    Raises:
+        APIError: 400, param ``logit_bias``.
+    """
+    bad = next((k for k in logit_bias or () if int(k) >= gw.tokenizer.vocab_size), None)
+    if bad is not None:
+        raise APIError(400, f"logit_bias: token id {bad} is outside the vocabulary (0 .. {gw.tokenizer.vocab_size - 1})", param="logit_bias")
+
+
 def _check_context(gw: Gateway, req: ChatCompletionRequest | CompletionRequest, prompt_tokens: int) -> None:
     """Refuse a request the engine could not serve: its prompt plus ``max_tokens`` (at least one token to generate,
     as SGLang counts) past the model's context length (``gw.context_tokens``; unchecked when unknown).
@@ -201,6 +212,7 @@ async def _serve(request: web.Request, schema: type[ChatCompletionRequest] | typ
         body = _nulls_dropped(await _json_body(request, gw.config.gateway.body_timeout_s), schema)
         req = _validate(schema, body)
         _check_model(gw, req.model)
+        _check_logit_bias(gw, req.logit_bias)
     with child_span(gw.tracer, "tokenization") as span:
         prompt = await _prompt_chain(gw, req, body)
         if span is not None:

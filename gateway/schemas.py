@@ -106,12 +106,21 @@ class _SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     priority: int | None = Field(None, ge=-(1 << 63), lt=1 << 63)  # SGLang's; see gateway/priority.py
     stream_options: dict | None = None  # OpenAI's: only with "stream": true
+    logit_bias: dict[str, float] | None = None  # token id (a decimal string) -> bias; ids past the vocabulary: handlers
 
     @field_validator("top_k")
     @classmethod
     def _top_k_off_or_positive(cls, v):
         if v is not None and v != -1 and v < 1:
             raise ValueError("must be -1 (no limit) or at least 1")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, v):
+        bad = next((k for k in v or () if not (k.isascii() and k.isdigit() and len(k) <= 10)), None)
+        if bad is not None:  # SGLang's verify calls int() on each key: a ValueError there, not a clear 400
+            raise ValueError(f"keys must be token ids (non-negative integers as strings), got {bad!r}")
         return v
 
     @field_validator("min_tokens")

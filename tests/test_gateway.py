@@ -390,6 +390,12 @@ async def test_a_stream_read_to_the_end_then_closed_is_ok_and_not_aborted(stack)
         # Qwen2.5's last added token, <|file_sep|> (151664), is inside; <tool_call> (151657) too.
         ("/v1/completions", {"model": MODEL, "prompt": [151657, 151665]}, "prompt", "token id 151665 is outside the vocabulary (0 .. 151664)"),
         ("/v1/completions", {"model": MODEL, "prompt": [[1, 2]]}, "prompt", "a list of token ids"),
+        ("/v1/chat/completions", chat("x", logit_bias={"abc": 1}), "logit_bias",
+         "logit_bias: keys must be token ids (non-negative integers as strings), got 'abc'"),
+        ("/v1/chat/completions", chat("x", logit_bias={"-5": 1}), "logit_bias", "got '-5'"),
+        ("/v1/chat/completions", chat("x", logit_bias={"5": "up"}), "logit_bias.5", "valid number"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"151665": -100}}, "logit_bias",
+         "logit_bias: token id 151665 is outside the vocabulary (0 .. 151664)"),
         ("/v1/completions", {"model": MODEL, "prompt": ""}, "prompt", "prompt is empty"),
         ("/v1/chat/completions", chat("x", tools=[{"type": "function", "function": {"name": "get_weather"}}],
                                       tool_choice={"type": "function", "function": {"name": "get_time"}}),
