@@ -180,23 +180,27 @@ async def test_bad_frames_are_counted_and_the_engine_is_estimated_until_it_is_fo
 
 
 class HeldAnswer:
-    """A replay DEALER whose answer comes when the test says (``answer``, a future), for the follower's ``_replay``."""
+    """A replay DEALER whose answer comes when the test says (``answer``, a future), for the follower's ``_replay``;
+    it records where it was connected, what was sent and whether it was closed."""
 
     def __init__(self) -> None:
         self.answer = asyncio.get_running_loop().create_future()
         self.linger = None
+        self.endpoint: str | None = None
+        self.sent: list[tuple[bytes, ...]] = []
+        self.closed = False
 
     def connect(self, endpoint: str) -> None:
-        pass
+        self.endpoint = endpoint
 
     async def send_multipart(self, frames) -> None:
-        pass
+        self.sent.append(tuple(frames))
 
     def recv_multipart(self):
         return self.answer
 
     def close(self, linger=None) -> None:
-        pass
+        self.closed = True
 
 
 async def test_a_replay_cancelled_as_its_answer_comes_ends_cancelled():
@@ -213,6 +217,8 @@ async def test_a_replay_cancelled_as_its_answer_comes_ends_cancelled():
     task.cancel()  # ... and the shutdown's cancel, before the follower runs again
     with pytest.raises(asyncio.CancelledError):
         await task
+    assert dealer.endpoint == "tcp://127.0.0.1:2" and dealer.sent == [(b"", encode_seq(0))]  # the history from seq 0
+    assert dealer.closed  # the replay socket is closed on the way out
 
 
 async def test_close_goes_on_without_a_follower_that_outlives_its_cancel(monkeypatch, caplog):
