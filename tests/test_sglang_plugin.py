@@ -232,9 +232,9 @@ def sort_setup(monkeypatch, now: float = 1000.0):
 def test_the_sort_puts_the_requests_in_time_in_deadline_order_and_counts_the_chunk_in_progress(monkeypatch):
     plugin, policy, req = sort_setup(monkeypatch)
     queue = [req("mid", 300, 0.0), req("long", 900, 0.1), req("short", 50, 0.0), req("dup", 10, 0.5)]
-    chunk = plugin.BatchDecision()
+    decision = plugin.BatchDecision()
     spf = plugin.make_late_last_sort(0.4, 0.0, policy)
-    ordered = plugin.make_late_last_sort(0.4, 0.0, policy, 100, 0.1, chunk)
+    ordered = plugin.make_late_last_sort(0.4, 0.0, policy, 100, 0.1, decision)
 
     def sorted_rids(sort, q):
         q = list(q)
@@ -250,11 +250,11 @@ def test_the_sort_puts_the_requests_in_time_in_deadline_order_and_counts_the_chu
     # batch decision reads it): long would end at 1000 + 0.3 + 0.005 + 0.09 s, past its deadline (1000.3 s), so it
     # moves behind mid.
     scheduler = SimpleNamespace(chunked_req=SimpleNamespace(full_untruncated_fill_ids=[7] * 3500, prefix_len=500))
-    assert chunk.before_prefill_batch(scheduler, "running batch") is None
-    assert chunk.tokens_left == 3000
+    assert decision.before_prefill_batch(scheduler, "running batch") is None
+    assert decision.tokens_left == 3000
     assert sorted_rids(ordered, queue) == ["short", "mid", "long", "dup"]
-    chunk.before_prefill_batch(SimpleNamespace(chunked_req=None))
-    assert chunk.tokens_left == 0
+    decision.before_prefill_batch(SimpleNamespace(chunked_req=None))
+    assert decision.tokens_left == 0
     assert sorted_rids(ordered, queue) == ["short", "long", "mid", "dup"]
 
 
@@ -275,45 +275,45 @@ def test_short_pass_budget_lets_every_short_request_in_whole_as_sglangs_chunk_li
 def test_the_sort_leaves_the_short_requests_and_the_pass_adder_takes_them_once(monkeypatch, caplog):
     plugin, policy, req = sort_setup(monkeypatch)
     monkeypatch.setattr(plugin.logger, "propagate", True)
-    chunk = plugin.BatchDecision(pass_tokens=64)
-    sort = plugin.make_late_last_sort(0.4, 0.0, policy, 100, 0.1, chunk)
+    decision = plugin.BatchDecision(pass_tokens=64)
+    sort = plugin.make_late_last_sort(0.4, 0.0, policy, 100, 0.1, decision)
     sort([req("long", 900, 0.0), req("short", 50, 0.0), req("tiny", 30, 0.1)], set())
-    assert chunk.short_tokens == [30, 50]  # in time and of at most 100 new tokens, shortest first
+    assert decision.short_tokens == [30, 50]  # in time and of at most 100 new tokens, shortest first
     # Late, pushed back or longer than the threshold: no short pass.
     for queue, pushed in (([req("long", 900, 0.0), req("late", 20, 0.5)], set()),
                           ([req("long", 900, 0.0), req("dup", 20, 0.0)], {"dup"}), ([req("long", 900, 0.0)], set())):
         sort(queue, pushed)
-        assert chunk.short_tokens == []
+        assert decision.short_tokens == []
 
     class Adder:  # SGLang's PrefillAdder takes the chunk budget as rem_chunk_tokens
         def __init__(self, page_size, rem_chunk_tokens):
             self.page_size, self.rem_chunk_tokens = page_size, rem_chunk_tokens
 
-    capped = chunk.capped_adder_class(Adder, "scheduler")
-    assert issubclass(capped, Adder) and chunk.capped_adder_class(Adder, "scheduler") is capped
-    chunk.short_tokens, chunk.tokens_left = [30, 50], 2000
+    capped = decision.capped_adder_class(Adder, "scheduler")
+    assert issubclass(capped, Adder) and decision.capped_adder_class(Adder, "scheduler") is capped
+    decision.short_tokens, decision.tokens_left = [30, 50], 2000
     assert capped(1, 1024).rem_chunk_tokens == 81  # 80 + 1 > 64
-    assert chunk.short_tokens is None and capped(1, 1024).rem_chunk_tokens == 1024  # taken once
-    chunk.short_tokens = [30]
+    assert decision.short_tokens is None and capped(1, 1024).rem_chunk_tokens == 1024  # taken once
+    decision.short_tokens = [30]
     assert capped(1, 1024).rem_chunk_tokens == 64
-    chunk.short_tokens = [30, 50]
+    decision.short_tokens = [30, 50]
     assert capped(64, 1024).rem_chunk_tokens == 192  # a page each, and one for the chunk
-    chunk.short_tokens = [30, 50]
+    decision.short_tokens = [30, 50]
     assert capped(1, 50).rem_chunk_tokens == 50  # never raised
-    chunk.short_tokens = [30, 50]
+    decision.short_tokens = [30, 50]
     with caplog.at_level("WARNING", logger=plugin.logger.name):
         assert capped(1, None).rem_chunk_tokens is None  # no chunking: nothing to cut, and it says so once
         said = len(caplog.records)
-        chunk.short_tokens = [30]
+        decision.short_tokens = [30]
         capped(1, None)
         assert said and len(caplog.records) == said
     assert {r.getMessage() for r in caplog.records} == {
         "the engine runs without chunked prefill (--chunked-prefill-size -1, set or chosen by SGLang for this model): "
         "short passes cannot cut a pass and do nothing"}
     # The hook SGLang runs before each batch decision clears what no adder took.
-    chunk.short_tokens = [30]
-    chunk.before_prefill_batch(SimpleNamespace(chunked_req=None))
-    assert chunk.short_tokens is None
+    decision.short_tokens = [30]
+    decision.before_prefill_batch(SimpleNamespace(chunked_req=None))
+    assert decision.short_tokens is None
 
 
 @pytest.mark.parametrize(("raw", "deadline_order", "expected", "says"), [
@@ -333,16 +333,16 @@ def test_short_pass_setting(monkeypatch, caplog, raw, deadline_order, expected, 
 
 def test_a_chunked_request_the_hook_cannot_read_counts_as_none_and_never_stops_the_scheduler(monkeypatch, caplog):
     plugin = plugin_with_env(monkeypatch, {})
-    chunk = plugin.BatchDecision()
-    chunk.tokens_left = 500
+    decision = plugin.BatchDecision()
+    decision.tokens_left = 500
     unreadable = SimpleNamespace(chunked_req=SimpleNamespace(prefix_len=3))  # no full_untruncated_fill_ids
     with caplog.at_level("WARNING"):
-        chunk.before_prefill_batch(unreadable)
-        assert chunk.tokens_left == 0
+        decision.before_prefill_batch(unreadable)
+        assert decision.tokens_left == 0
         assert "cannot read the chunked prefill in progress" in caplog.text
         caplog.clear()
-        chunk.before_prefill_batch(unreadable)  # said once
-    assert chunk.tokens_left == 0 and "cannot read" not in caplog.text
+        decision.before_prefill_batch(unreadable)  # said once
+    assert decision.tokens_left == 0 and "cannot read" not in caplog.text
 
 
 @pytest.mark.parametrize(("above", "rate", "expected", "says"), [
