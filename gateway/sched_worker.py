@@ -270,6 +270,8 @@ class StatePoller:
             if self._renew:
                 self._registry.renew(state["engines"])
                 self._renew = False
+                log.info("worker: the new scheduler's engines are in this worker's registry (%d of %d healthy)",
+                         sum(e.healthy for e in self._registry), len(state["engines"]))
             else:
                 apply_state(self._registry, state["engines"])
             self.roles.update(state["roles"])

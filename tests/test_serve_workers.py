@@ -281,12 +281,13 @@ def test_a_killed_scheduler_is_started_again_with_its_engines_and_the_workers_re
         text = log.read_text()
         assert f"the scheduler process (pid {scheduler}) exited with code -9" in text
         assert len(re.findall(r"scheduler process started", text)) == 2
-        while True:  # the workers' channels come back by themselves, within moments of the new scheduler listening
+        # the workers' channels come back by themselves, within moments of the new scheduler listening, and each worker
+        # takes the new engines at once; wait for both (a /health answer is one worker's, whichever took the connection)
+        while log.read_text().count("the new scheduler's engines are in this worker's registry") < 2:
             assert time.monotonic() < deadline, "the workers did not serve again"
-            with httpx.Client(base_url=url, timeout=30) as client:
-                if client.get("/health").status_code == 200:
-                    break
             time.sleep(0.05)
+        with httpx.Client(base_url=url, timeout=30) as client:
+            assert client.get("/health").status_code == 200
         for _ in range(6):  # fresh connections, spread over both workers: they serve through the new scheduler's engines
             with httpx.Client(base_url=url, timeout=30) as client:
                 assert client.post("/v1/chat/completions", json=_chat()).status_code == 200
