@@ -221,7 +221,8 @@ def sim_flags(config: Config, role: str) -> list[str]:
     """The simulated engine's flags from ``config.sim`` (model, GPU and, when set, the calibration file) and, where
     ``role`` has ``late_requests_last``, the objective the simulated plugin uses (:func:`late_last_objective`), and
     with ``deadline_order`` its threshold (:func:`deadline_order_above`), with ``short_pass`` too the short pass's
-    budget, ``scheduling.short_threshold_tokens``."""
+    budget, ``scheduling.short_threshold_tokens``, and with ``decode_turns`` their short requests' most new tokens
+    (:func:`decode_turn_short_tokens`)."""
     flags = ["--sim-model", config.sim.model, "--sim-gpu", config.sim.gpu]
     if config.sim.calibration is not None:
         flags += ["--sim-calibration", str(config.sim.calibration)]
@@ -233,6 +234,9 @@ def sim_flags(config: Config, role: str) -> list[str]:
         flags += ["--sim-late-last-deadline-order-above", str(above)]
     if above is not None and config.roles[role].short_pass:
         flags += ["--sim-short-pass-tokens", str(config.scheduling.short_threshold_tokens)]
+    turns = decode_turn_short_tokens(config, role)
+    if turns is not None:
+        flags += ["--sim-decode-interval-short-tokens", str(turns)]
     return flags
 
 
@@ -244,6 +248,7 @@ PLUGIN_PER_1K_ENV = "LAPS_TTFT_PER_1K_NEW_TOKENS_S"
 PLUGIN_DEADLINE_ORDER_ENV = "LAPS_DEADLINE_ORDER_ABOVE_TOKENS"
 PLUGIN_PREFILL_RATE_ENV = "LAPS_PREFILL_S_PER_1K_TOKENS"
 PLUGIN_SHORT_PASS_ENV = "LAPS_SHORT_PASS_TOKENS"
+PLUGIN_DECODE_TURN_ENV = "LAPS_DECODE_INTERVAL_SHORT_TOKENS"
 
 
 def late_last_objective(config: Config, role: str) -> tuple[float, float] | None:
@@ -281,6 +286,13 @@ def deadline_order_above(config: Config, role: str) -> int | None:
     prefill, prompt and reply so far less its own cache, the gateway its estimate); None where the role does not set
     ``deadline_order``."""
     return config.scheduling.short_threshold_tokens - 1 if config.roles[role].deadline_order else None
+
+
+def decode_turn_short_tokens(config: Config, role: str) -> int | None:
+    """The most new tokens of a request that keeps ``role``'s engines' owed decode passes (the plugin's decode turns):
+    ``scheduling.short_threshold_tokens`` − 1, as in :func:`deadline_order_above`; None where the role does not set
+    ``decode_turns``."""
+    return config.scheduling.short_threshold_tokens - 1 if config.roles[role].decode_turns else None
 
 
 def sim_model(config: Config, engine: EngineConfig, role: str | None = None) -> ResolvedSim:
@@ -350,7 +362,8 @@ def engine_env(config: Config, engine: EngineConfig, role: str | None = None) ->
     (:func:`late_last_objective`), and where it sets ``deadline_order`` too, that order's token threshold
     (:func:`deadline_order_above`) and the engine's full-chunk prefill rate in the ``sim`` section's engine model
     (none, with a warning, where that model cannot take the role's flags), and where it sets ``short_pass`` the short
-    pass's budget (``scheduling.short_threshold_tokens``); then ``CUDA_VISIBLE_DEVICES`` from the
+    pass's budget (``scheduling.short_threshold_tokens``), and where it sets ``decode_turns`` their short requests'
+    most new tokens (:func:`decode_turn_short_tokens`); then ``CUDA_VISIBLE_DEVICES`` from the
     engine's GPUs when it has any (it wins over ``sglang.env``).
     """
     env = dict(config.sglang.env) if engine.kind == "sglang" else {}
@@ -365,6 +378,9 @@ def engine_env(config: Config, engine: EngineConfig, role: str | None = None) ->
             env[PLUGIN_DEADLINE_ORDER_ENV], env[PLUGIN_PREFILL_RATE_ENV] = str(above), repr(rate)
             if config.roles[role or engine.role].short_pass:
                 env[PLUGIN_SHORT_PASS_ENV] = str(config.scheduling.short_threshold_tokens)
+        turns = decode_turn_short_tokens(config, role or engine.role)
+        if turns is not None:
+            env[PLUGIN_DECODE_TURN_ENV] = str(turns)
     if engine.gpus:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in engine.gpus)
     return env

@@ -248,6 +248,15 @@ class RoleConfig(_Strict):
     prefill's next tokens, so such a request behind a long prefill waits for
     the pass in progress and a memory-bound pass of its own, not a whole chunk
     pass (``engines/sglang_plugin``).
+    ``decode_turns`` (needs ``late_requests_last`` and
+    ``flags.prefill-decode-interval``, SGLang's decode passes owed after each
+    prefill pass while ``flags.prefill-decode-interval-min-bs`` requests run):
+    the plugin keeps an owed decode pass only while no chunked prefill is in
+    progress and every waiting request has fewer than
+    ``scheduling.short_threshold_tokens`` new tokens, so a stream of short
+    prompts cannot starve decode (no request would finish, no request slot
+    free) and a long prefill is not stretched by a decode pass per chunk
+    (``engines/sglang_plugin``).
     """
 
     pool: Literal["short", "long", "decode"]
@@ -255,6 +264,7 @@ class RoleConfig(_Strict):
     late_requests_last: bool = False
     deadline_order: bool = False
     short_pass: bool = False
+    decode_turns: bool = False
 
     @model_validator(mode="after")
     def _check_late_requests_last(self) -> "RoleConfig":
@@ -272,12 +282,18 @@ class RoleConfig(_Strict):
         if self.short_pass and chunk is not None and chunk <= 0:
             raise ValueError("short_pass cuts a pass's chunk budget: it needs chunked prefill, not "
                              f"flags.chunked-prefill-size: {chunk} (SGLang turns chunking off at 0 or less)")
+        interval = _int_or_none(self.flags.get("prefill-decode-interval"))
+        if self.decode_turns and not (self.late_requests_last and interval is not None and interval >= 1):
+            raise ValueError("decode_turns keeps or drops the decode passes SGLang's prefill-decode-interval owes, in "
+                             "laps' SGLang plugin: it needs late_requests_last: true and flags.prefill-decode-interval "
+                             f">= 1 (here: {self.late_requests_last} and {self.flags.get('prefill-decode-interval')})")
         return self
 
     def same_engine(self, other: "RoleConfig") -> bool:
         """Whether an engine runs the same with ``other``: the same flags and the same plugin."""
         return (self.flags == other.flags and self.late_requests_last == other.late_requests_last
-                and self.deadline_order == other.deadline_order and self.short_pass == other.short_pass)
+                and self.deadline_order == other.deadline_order and self.short_pass == other.short_pass
+                and self.decode_turns == other.decode_turns)
 
 
 class SimConfig(_Strict):

@@ -34,7 +34,7 @@ def test_default_config_is_the_documented_deployment():
         (lambda d: d["gateway"].update(keepalive_timeout_s=0), ["gateway.keepalive_timeout_s", "greater than 0"]),
         (lambda d: d["gateway"].update(body_timeout_s=-1), ["gateway.body_timeout_s", "greater than 0", "-1"]),
         (lambda d: d["gateway"].update(listen_backlog=0), ["gateway.listen_backlog", "greater than or equal to 1", "0"]),
-        (lambda d: d["roles"]["mixed"].update(flag={}), ["roles.mixed.flag: unknown key; allowed: deadline_order, flags, late_requests_last, pool, short_pass"]),
+        (lambda d: d["roles"]["mixed"].update(flag={}), ["roles.mixed.flag: unknown key; allowed: deadline_order, decode_turns, flags, late_requests_last, pool, short_pass"]),
         (lambda d: d["engines"][0].update(colour="red"), ["engines.0.colour: unknown key; allowed: bootstrap_port, gpus, kind, kv_events_endpoint, kv_events_replay_endpoint, name, port, role, url"]),
         (lambda d: d["engines"][1].update(role="tiny"), ["engines.1.role", "'tiny'", "allowed: long-prefill, mixed, short-prefill"]),
         (lambda d: d["roles"]["short-prefill"].update(pool="medium"), ["roles.short-prefill.pool", "'short', 'long' or 'decode'", "'medium'"]),

@@ -169,6 +169,33 @@ def test_short_pass_gives_the_plugin_and_the_simulated_engine_the_short_threshol
             parse_config(data)
 
 
+def test_decode_turns_give_the_plugin_and_the_simulated_engine_the_short_requests_most_new_tokens(monkeypatch):
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    data = late_last_config().model_dump(mode="json")
+    data["roles"]["mixed"].update(decode_turns=True, flags={**data["roles"]["mixed"]["flags"], "prefill-decode-interval": 1})
+    data["scheduling"]["short_threshold_tokens"] = 300
+    config = parse_config(data)
+    real, simulated = config.engines
+    assert engine_env(config, real)["LAPS_DECODE_INTERVAL_SHORT_TOKENS"] == "299"
+    assert engine_command(config, simulated, 30001)[-2:] == ["--sim-decode-interval-short-tokens", "299"]
+    engine = sim_model(config, simulated).config
+    assert (engine.prefill_decode_interval, engine.prefill_decode_interval_short_tokens) == (1, 299)
+    data["roles"]["mixed"]["decode_turns"] = False
+    assert "LAPS_DECODE_INTERVAL_SHORT_TOKENS" not in engine_env(parse_config(data), real)  # off unless asked
+    assert "--sim-decode-interval-short-tokens" not in engine_command(parse_config(data), simulated, 30001)
+    # It changes the engine, so a move between roles that differ in it restarts the engine.
+    data["roles"]["other"] = {**data["roles"]["mixed"], "decode_turns": True}
+    assert not parse_config(data).instant_move("mixed", "other")
+    # It keeps or drops what SGLang's interval owes, in the plugin: it needs both.
+    for role in ({**data["roles"]["mixed"], "decode_turns": True, "late_requests_last": False},
+                 {**data["roles"]["mixed"], "decode_turns": True, "flags": {**data["roles"]["mixed"]["flags"],
+                                                                             "prefill-decode-interval": 0}}):
+        data["roles"]["other"] = role
+        with pytest.raises(ValueError, match="decode_turns keeps or drops the decode passes SGLang's "
+                                             "prefill-decode-interval owes, in laps' SGLang plugin: it needs"):
+            parse_config(data)
+
+
 async def test_a_restart_into_a_role_without_the_plugin_starts_the_engine_without_it(monkeypatch):
     config = late_last_config()
     real = config.engines[0]
@@ -300,7 +327,7 @@ def test_the_8xh200_example_uses_each_gpu_once_with_real_sglang_engines():
     assert config.instant_move("short-prefill", "long-prefill") and config.controller.enabled
     flags = {k: v for k, v in config.roles["short-prefill"].flags.items() if k != "mem-fraction-static"}
     assert flags == sim.roles["short-prefill"].flags == sim.roles["long-prefill"].flags
-    assert all(role.late_requests_last and role.deadline_order and role.short_pass
+    assert all(role.late_requests_last and role.deadline_order and role.short_pass and role.decode_turns
                for c in (config, sim) for role in (c.roles["short-prefill"], c.roles["long-prefill"]))
     # The real engines get the deadline order for prompts of at least the short threshold (256 new tokens), at the
     # sim section's engine model's full-chunk rate (Qwen2.5-7B on an H200), the simulated ones the same threshold.
@@ -309,6 +336,12 @@ def test_the_8xh200_example_uses_each_gpu_once_with_real_sglang_engines():
     assert (env["LAPS_DEADLINE_ORDER_ABOVE_TOKENS"], env["LAPS_PREFILL_S_PER_1K_TOKENS"]) == ("255", repr(rate))
     assert sim_model(sim, sim.engines[0]).config.late_last_deadline_order_tokens == 255
     assert env["LAPS_SHORT_PASS_TOKENS"] == "256" and sim_model(sim, sim.engines[0]).config.late_last_short_pass_tokens == 256
+    # Decode turns: one decode pass owed after a prefill pass while 1,024 requests run, kept while every waiting request
+    # is short (at most 255 new tokens) and no chunked prefill is in progress.
+    engine = sim_model(sim, sim.engines[0]).config
+    assert env["LAPS_DECODE_INTERVAL_SHORT_TOKENS"] == "255" and (
+        engine.prefill_decode_interval, engine.prefill_decode_interval_min_bs,
+        engine.prefill_decode_interval_short_tokens) == (1, 1024, 255)
 
 
 def test_the_8xh200_examples_capture_sglangs_own_prefill_buckets_so_a_pass_pads_little():

@@ -67,11 +67,13 @@ def deployment(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     roles = {name: role.model_dump() for name, role in load_config().roles.items()}
     for role in roles.values():
         role["flags"]["max-total-tokens"] = KV_POOL_TOKENS
-    # e0 runs shortest-prefill-first with laps' SGLang plugin, its deadline order and short passes, as the engines of
-    # laps' 8xH200 examples do (checked by test_laps_plugin_runs_in_the_engine; the other tests run on it too, so every
-    # prefill pass of real SGLang is built by the plugin's PrefillAdder subclass)
-    roles["short-prefill"].update(late_requests_last=True, deadline_order=True, short_pass=True,
-                                  flags={**roles["short-prefill"]["flags"], "schedule-policy": "shortest-prefill-first"})
+    # e0 runs shortest-prefill-first with laps' SGLang plugin, its deadline order, short passes and decode turns, as
+    # the engines of laps' 8xH200 examples do (checked by test_laps_plugin_runs_in_the_engine; the other tests run on
+    # it too, so every prefill pass of real SGLang is built by the plugin's PrefillAdder subclass, and after each one
+    # the decode pass SGLang's interval owes goes through the plugin's decode turn hook)
+    roles["short-prefill"].update(late_requests_last=True, deadline_order=True, short_pass=True, decode_turns=True,
+                                  flags={**roles["short-prefill"]["flags"], "schedule-policy": "shortest-prefill-first",
+                                         "prefill-decode-interval": 1})
     data = {
         "model": {"name": MODEL, "path": str(tiny_model_dir)},
         "gateway": {"port": free_port()},
@@ -135,17 +137,21 @@ def test_laps_plugin_runs_in_the_engine(deployment: Deployment):
     if deployment.kind == "sglang":
         lines = [line for line in engine.log_path.read_text().splitlines() if "INFO laps plugin (pid " in line]
         # once in each process that loads plugins: the server's, its scheduler's (where the queue is ordered) and its
-        # detokenizer's, each with the deadline order's line and the short passes' (threshold 1,000,000 here)
+        # detokenizer's, each with the deadline order's line, the short passes' and the decode turns' (threshold
+        # 1,000,000 here)
         said = [line.split("): ", 1)[1] for line in lines]
-        assert len(lines) == 9 and len({line.split("(pid ")[1].split(")")[0] for line in lines}) == 3
+        assert len(lines) == 12 and len({line.split("(pid ")[1].split(")")[0] for line in lines}) == 3
         assert said.count("shortest-prefill-first now puts requests that have waited longer than 0.4 s + 0 s "
                           "per 1,000 new tokens behind all others") == 3
         assert sum(line.startswith("requests in time of more than 999999 new tokens go by deadline") for line in said) == 3
         assert said.count("a prefill pass that carries requests in time of at most 999999 new tokens holds at most "
                           "1000000 tokens, or what they need where more (short passes)") == 3
+        assert said.count("a decode pass that --prefill-decode-interval owes is kept only while no chunked prefill is "
+                          "in progress and every waiting request has at most 999999 new tokens (decode turns)") == 3
     else:
-        assert engine.command[-8:] == ["--sim-late-last-ttft-s", "0.4", "--sim-late-last-per-1k-s", "0",
-                                       "--sim-late-last-deadline-order-above", "999999", "--sim-short-pass-tokens", "1000000"]
+        assert engine.command[-10:] == ["--sim-late-last-ttft-s", "0.4", "--sim-late-last-per-1k-s", "0",
+                                        "--sim-late-last-deadline-order-above", "999999", "--sim-short-pass-tokens",
+                                        "1000000", "--sim-decode-interval-short-tokens", "999999"]
 
 
 def test_chat_streaming_and_not(deployment: Deployment):

@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engines.manager import (PLUGIN_DEADLINE_ORDER_ENV, PLUGIN_PER_1K_ENV, PLUGIN_PREFILL_RATE_ENV,
-                             PLUGIN_SHORT_PASS_ENV, PLUGIN_TTFT_ENV, SGLANG_PLUGIN_DIR)
+from engines.manager import (PLUGIN_DEADLINE_ORDER_ENV, PLUGIN_DECODE_TURN_ENV, PLUGIN_PER_1K_ENV,
+                             PLUGIN_PREFILL_RATE_ENV, PLUGIN_SHORT_PASS_ENV, PLUGIN_TTFT_ENV, SGLANG_PLUGIN_DIR)
 
 # Run by SGLang's interpreter (importing SGLang takes ~25 s, so every case runs in this one process): load the
 # plugins as SGLang's scheduler does, with LAPS_TTFT_S=0.4, and sort two queues of fake requests with SGLang's own
@@ -82,6 +82,17 @@ SchedulePolicy._sort_by_shortest_prefill(list(c), set())
 adder_class = Scheduler.get_prefill_adder_class(scheduler)
 out["adder_hook"] = [adder_hook_type.value, adder_class.__name__, issubclass(adder_class, PrefillAdder),
                      hook.__self__.short_tokens]
+# Decode turns (LAPS_DECODE_INTERVAL_SHORT_TOKENS=100): the hook after SGLang's own _should_defer_prefill, which runs
+# on a fake scheduler owing one decode pass with 2 requests running (min-bs 0): kept while only "short" (50 new tokens)
+# waits; dropped (False, nothing owed) once "long" (900) waits too.
+(turn_hook_type, _, _), = HookRegistry._hooks["sglang.srt.managers.scheduler.Scheduler._should_defer_prefill"]
+running = SimpleNamespace(batch_size=lambda: 2)
+turns = []
+for queue in (c[2:], c[1:]):
+    owing = SimpleNamespace(_prefill_decode_interval_remaining=1, prefill_decode_interval_min_bs=0, chunked_req=None,
+                            waiting_queue=queue)
+    turns.append([Scheduler._should_defer_prefill(owing, running), owing._prefill_decode_interval_remaining])
+out["decode_turns"] = [turn_hook_type.value, turns]
 print(json.dumps(out))
 """
 
@@ -89,7 +100,8 @@ print(json.dumps(out))
 @pytest.mark.sglang
 def test_sglang_loads_the_plugin_and_late_requests_go_behind_those_in_time(sglang_python: Path):
     env = {**os.environ, "PYTHONPATH": str(SGLANG_PLUGIN_DIR), "LAPS_TTFT_S": "0.4",
-           "LAPS_DEADLINE_ORDER_ABOVE_TOKENS": "100", "LAPS_PREFILL_S_PER_1K_TOKENS": "0.1", "LAPS_SHORT_PASS_TOKENS": "64"}
+           "LAPS_DEADLINE_ORDER_ABOVE_TOKENS": "100", "LAPS_PREFILL_S_PER_1K_TOKENS": "0.1", "LAPS_SHORT_PASS_TOKENS": "64",
+           "LAPS_DECODE_INTERVAL_SHORT_TOKENS": "100"}
     env.pop("LAPS_TTFT_PER_1K_NEW_TOKENS_S", None)
     done = subprocess.run([str(sglang_python), "-c", _SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -116,6 +128,10 @@ def test_sglang_loads_the_plugin_and_late_requests_go_behind_those_in_time(sglan
     # Short passes: the hook is on SGLang's method and returns its PrefillAdder's subclass; the sort left the short one.
     assert out["adder_hook"] == ["after", "ShortPassPrefillAdder", True, [50]]
     assert "holds at most 64 tokens, or what they need where more (short passes)" in done.stderr
+    # Decode turns: the hook is after SGLang's method; the owed pass stands (True, 0 left) while only a short prompt
+    # waits, and is dropped (False, 0 left) with a 900-token one waiting.
+    assert out["decode_turns"] == ["after", [[True, 0], [False, 0]]]
+    assert "kept only while no chunked prefill is in progress and every waiting request has at most 100" in done.stderr
     assert "LAPS_TTFT_S is not set" in done.stderr
     assert "ERROR laps plugin (pid " in done.stderr and "): LAPS_TTFT_S='abc' is not a number" in done.stderr
 
@@ -147,6 +163,7 @@ def test_the_plugin_imports_without_sglang_and_names_the_variables_the_manager_s
     assert (plugin.DEADLINE_ORDER_ENV, plugin.PREFILL_RATE_ENV) == (PLUGIN_DEADLINE_ORDER_ENV, PLUGIN_PREFILL_RATE_ENV) == (
         "LAPS_DEADLINE_ORDER_ABOVE_TOKENS", "LAPS_PREFILL_S_PER_1K_TOKENS")
     assert plugin.SHORT_PASS_ENV == PLUGIN_SHORT_PASS_ENV == "LAPS_SHORT_PASS_TOKENS"
+    assert plugin.DECODE_TURN_ENV == PLUGIN_DECODE_TURN_ENV == "LAPS_DECODE_INTERVAL_SHORT_TOKENS"
 
 
 def test_deadline_order_keeps_short_requests_first_and_the_rest_by_deadline_less_those_that_would_make_one_late():
@@ -343,6 +360,68 @@ def test_a_chunked_request_the_hook_cannot_read_counts_as_none_and_never_stops_t
         caplog.clear()
         decision.before_prefill_batch(unreadable)  # said once
     assert decision.tokens_left == 0 and "cannot read" not in caplog.text
+
+
+@pytest.mark.parametrize(("chunk", "waiting", "due"), [
+    (False, [], True), (False, [1, 100], True), (False, [1, 101], False), (True, [5], False), (True, [], False),
+])
+def test_a_decode_turn_is_due_only_while_no_chunk_is_in_progress_and_every_waiting_request_is_short(chunk, waiting, due):
+    assert load_plugin_module().decode_turn_due(chunk, waiting, 100) is due
+
+
+def fake_scheduler(prompts: list[int], cached: int = 0, chunked: bool = False) -> SimpleNamespace:
+    """A scheduler as the decode turn hook reads it: its waiting requests (prompt lengths, ``cached`` tokens of each
+    matched), its chunked request, and one decode pass owed."""
+    queue = [SimpleNamespace(origin_input_ids=[7] * n, output_ids=[], num_matched_prefix_tokens=cached) for n in prompts]
+    return SimpleNamespace(waiting_queue=queue, chunked_req=SimpleNamespace() if chunked else None,
+                           _prefill_decode_interval_remaining=1)
+
+
+def shortest_prefill_work(req) -> int:  # SGLang 0.5.23's SchedulePolicy._shortest_prefill_work
+    return max(1, len(req.origin_input_ids) + len(req.output_ids) - req.num_matched_prefix_tokens)
+
+
+POLICY_MODULE = SimpleNamespace(SchedulePolicy=SimpleNamespace(_shortest_prefill_work=shortest_prefill_work))
+
+
+@pytest.mark.parametrize(("deferred", "scheduler", "answer", "owed"), [
+    (True, fake_scheduler([50, 100]), None, 1),  # only short prompts wait: SGLang's decode pass stands
+    (True, fake_scheduler([50, 3000], cached=2950), None, 1),  # 3,000 tokens, 2,950 cached: 50 new, short
+    (True, fake_scheduler([50, 101]), False, 0),  # one of 101 new tokens waits: prefill now, nothing owed
+    (True, fake_scheduler([50], chunked=True), False, 0),  # a chunked prefill in progress: its next chunk now
+    (False, fake_scheduler([5000]), None, 1),  # SGLang owes nothing: its answer stands
+])
+def test_the_decode_turn_hook_drops_an_owed_decode_pass_where_a_long_prefill_waits(deferred, scheduler, answer, owed):
+    hook = load_plugin_module().make_decode_turn_hook(100, POLICY_MODULE)
+    assert hook(deferred, scheduler, SimpleNamespace()) is answer
+    assert scheduler._prefill_decode_interval_remaining == owed
+
+
+def test_a_scheduler_the_decode_turn_hook_cannot_read_keeps_sglangs_answer_and_is_said_once(monkeypatch, caplog):
+    plugin = plugin_with_env(monkeypatch, {})
+    hook = plugin.make_decode_turn_hook(100, POLICY_MODULE)
+    unreadable = SimpleNamespace(chunked_req=None, _prefill_decode_interval_remaining=1)  # no waiting_queue
+    with caplog.at_level("WARNING", logger=plugin.logger.name):
+        assert hook(True, unreadable) is None
+        assert caplog.records[0].getMessage() == (
+            "cannot read the scheduler's queue ('types.SimpleNamespace' object has no attribute 'waiting_queue'); "
+            "decode passes stay owed as SGLang owes them")
+        caplog.clear()
+        assert hook(True, unreadable) is None  # said once
+    assert caplog.records == [] and unreadable._prefill_decode_interval_remaining == 1
+
+
+@pytest.mark.parametrize(("raw", "expected", "says"), [
+    (None, None, None), ("255", 255, None), (" 0 ", 0, None),
+    ("-1", None, "ERROR LAPS_DECODE_INTERVAL_SHORT_TOKENS='-1' is not an integer >= 0; decode turns stay off"),
+    ("2.5", None, "ERROR LAPS_DECODE_INTERVAL_SHORT_TOKENS='2.5' is not an integer >= 0; decode turns stay off"),
+])
+def test_decode_turn_setting(monkeypatch, caplog, raw, expected, says):
+    plugin = plugin_with_env(monkeypatch, {PLUGIN_DECODE_TURN_ENV: raw})
+    with caplog.at_level("INFO", logger=plugin.logger.name):
+        assert plugin._decode_turn_setting() == expected
+    logged = [f"{r.levelname} {r.getMessage()}" for r in caplog.records]
+    assert logged[0] == says if says else logged == []
 
 
 @pytest.mark.parametrize(("above", "rate", "expected", "says"), [

@@ -227,6 +227,38 @@ def test_prefill_decode_interval_owes_decode_passes_after_a_prefill_while_enough
     assert seen == passes
 
 
+@pytest.mark.parametrize(("waiting", "chunk", "passes"), [
+    ([("c", 50)], None, [(0, 2), (1, 0), (0, 3)]),  # only a short prompt waits: the owed decode pass runs first
+    ([("c", 50), ("d", 200)], None, [(2, 0), (0, 4), (0, 4)]),  # one of 200 new tokens waits: prefill at once
+    # chunk 30: b is cut in the first pass, so a chunked prefill is in progress: its rest and c's first 20 tokens at
+    # once, then c's rest (in progress again), then the decode pass (SGLang's interval alone decodes first: (0, 1))
+    ([("c", 50)], 30, [(2, 0), (1, 0), (0, 3)]),
+])
+def test_decode_turns_keep_the_owed_decode_pass_only_while_just_short_prompts_wait_and_no_chunk_is_in_progress(
+        waiting, chunk, passes):
+    """laps' plugin's decode turns (``prefill_decode_interval_short_tokens`` 100): SGLang's interval (1 decode pass
+    after a prefill pass) holds while every waiting request has at most 100 new tokens and no chunked prefill is in
+    progress; else the owed pass is dropped. Passes as (prefill seqs, decode seqs)."""
+    core = make_core(prefill_decode_interval=1, prefill_decode_interval_short_tokens=100,
+                     **({} if chunk is None else {"chunked_prefill_size": chunk}))
+    core.add_request("a", prompt(20), 20, ignore_eos=True)
+    core.add_request("b", prompt(20, 5000), 20, ignore_eos=True)
+    now = core.step(0.0).duration_s  # one prefill pass for both
+    for i, (rid, tokens) in enumerate(waiting):
+        core.add_request(rid, prompt(tokens, 9000 + 1000 * i), 20, ignore_eos=True, now=now)
+    seen = []
+    for _ in range(3):
+        step = core.step(now)
+        seen.append((step.num_prefill_seqs, step.num_decode_seqs))
+        now += step.duration_s
+    assert seen == passes
+
+
+def test_decode_turns_need_a_token_count_of_at_least_zero():
+    with pytest.raises(ValueError, match="prefill_decode_interval_short_tokens must be >= 0"):
+        make_core(prefill_decode_interval=1, prefill_decode_interval_short_tokens=-1)
+
+
 @pytest.mark.parametrize("flag", ["prefill_decode_interval", "prefill_decode_interval_min_bs"])
 def test_a_negative_prefill_decode_interval_is_refused_as_sglang_does(flag):
     with pytest.raises(ValueError, match="must be non-negative"):

@@ -47,15 +47,33 @@ does nearly a full pass's work per second (the engine model: 6.6 ms for 256
 tokens on a 4k-token prefix against 25.6 ms for 1,024, 3.8% more per token),
 so the long prefill loses little.
 
-The simulated engine models the orders and the short pass (``engines/sim/core.py``,
-with this module's :func:`deadline_order` and :func:`short_pass_budget`); what
-they buy there is in the README ("Late requests last").
+Decode turns in short bursts (``LAPS_DECODE_INTERVAL_SHORT_TOKENS`` T, with
+SGLang's ``--prefill-decode-interval N`` and ``--prefill-decode-interval-min-bs
+B``): SGLang runs a prefill pass whenever one can be formed and decodes only
+when none can, so a stream of short prompts arriving faster than their passes
+end starves decode: the running requests get no tokens, none finishes, no
+request slot frees, and once the slots (``--max-running-requests``) are full
+every new request waits for one. SGLang's interval owes N decode passes after
+each prefill pass while at least B requests run; after every chunk of a long
+prompt too, which stretches a long prefill by a decode pass per chunk. With T
+set, the plugin keeps an owed decode pass only while no chunked prefill is in
+progress and every waiting request has at most T new tokens
+(:func:`decode_turn_due`); otherwise the owed passes are dropped and the
+prefill runs, as without the interval. A short request then waits at most N
+decode passes more; decode keeps at least one pass in N + 1 while short prompts
+stream in.
+
+The simulated engine models the orders, the short pass and the decode turns
+(``engines/sim/core.py``, with this module's :func:`deadline_order`,
+:func:`short_pass_budget` and :func:`decode_turn_due`); what they buy there is
+in the README ("Late requests last", "Decode under a burst").
 
 How laps enables it: when a role sets ``late_requests_last: true``, the
 gateway's engine manager puts this directory on the engine's ``PYTHONPATH``
 and sets the first two variables (the next two where it also sets
 ``deadline_order: true``, and ``LAPS_SHORT_PASS_TOKENS``, the short
-threshold, where it sets ``short_pass: true`` too). SGLang then finds the entry point in
+threshold, where it sets ``short_pass: true`` too; ``LAPS_DECODE_INTERVAL_SHORT_TOKENS``,
+one less than the short threshold, where it sets ``decode_turns: true``). SGLang then finds the entry point in
 ``laps_sglang_plugin-0.1.dist-info/entry_points.txt`` (group
 ``sglang.srt.plugins``, name ``laps_late_last``) and calls :func:`register`
 in every process that loads plugins: the server's, its scheduler's (where the
@@ -97,6 +115,16 @@ SGLang source it hooks (SGLang 0.5.23):
   is then computed on it. What the sort leaves lives until that
   ``PrefillAdder`` takes it: the hook before ``_get_new_batch_prefill_raw``
   clears it.
+* ``sglang/srt/managers/scheduler.py``: with decode turns on, a hook runs
+  after ``Scheduler._should_defer_prefill(running_batch)``, which
+  ``get_next_batch_to_run`` calls before it forms a prefill batch and which
+  says True while a decode pass is owed (``_prefill_decode_interval_remaining``,
+  armed by ``_arm_prefill_decode_interval`` after each extend pass). Where it
+  said True and :func:`decode_turn_due` does not hold for the scheduler's
+  ``chunked_req`` and ``waiting_queue`` (new tokens by
+  ``SchedulePolicy._shortest_prefill_work``, with each request's cached prefix
+  as last matched: a request that arrived since the last prefill pass counts
+  its whole prompt), the hook sets the passes owed to 0 and returns False.
 * ``sglang/srt/observability/req_time_stats.py``: a request's
   ``time_stats.wait_queue_entry_time`` is the ``time.perf_counter()`` value
   (seconds) at which it entered the waiting queue; a retracted request enters
@@ -113,7 +141,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -133,9 +161,11 @@ PER_1K_ENV = "LAPS_TTFT_PER_1K_NEW_TOKENS_S"
 DEADLINE_ORDER_ENV = "LAPS_DEADLINE_ORDER_ABOVE_TOKENS"
 PREFILL_RATE_ENV = "LAPS_PREFILL_S_PER_1K_TOKENS"
 SHORT_PASS_ENV = "LAPS_SHORT_PASS_TOKENS"
+DECODE_TURN_ENV = "LAPS_DECODE_INTERVAL_SHORT_TOKENS"
 _TARGET = "sglang.srt.managers.schedule_policy.SchedulePolicy._sort_by_shortest_prefill"
 _BATCH_TARGET = "sglang.srt.managers.scheduler.Scheduler._get_new_batch_prefill_raw"
 _ADDER_TARGET = "sglang.srt.managers.scheduler.Scheduler.get_prefill_adder_class"
+_DEFER_TARGET = "sglang.srt.managers.scheduler.Scheduler._should_defer_prefill"
 
 
 def _read_seconds(name: str, default: float | None, allow_zero: bool) -> float | None:
@@ -216,6 +246,57 @@ def short_pass_budget(short_tokens: list[int], pass_tokens: int, chunk_tokens_le
 
     chunk = up(chunk_tokens_left) if 0 < chunk_tokens_left <= max(short_tokens) else page
     return max(up(pass_tokens), sum(up(t) for t in short_tokens) + chunk, 2 * page)
+
+
+def decode_turn_due(chunk_in_progress: bool, waiting_tokens: Iterable[int], short_tokens: int) -> bool:
+    """Whether an engine keeps a decode pass owed under its prefill-decode interval (module doc, Decode turns).
+
+    Args:
+        chunk_in_progress: a chunked prefill is in progress (its next chunk would run in the prefill pass).
+        waiting_tokens: the new (uncached) tokens of each waiting request.
+        short_tokens: T, the most new tokens of a short request.
+
+    Returns:
+        True when no chunked prefill is in progress and every waiting request has at most T new tokens (True too
+        with none waiting: SGLang then decodes anyway).
+    """
+    return not chunk_in_progress and all(tokens <= short_tokens for tokens in waiting_tokens)
+
+
+def make_decode_turn_hook(short_tokens: int, policy_module: Any) -> Callable[..., bool | None]:
+    """The hook run after ``Scheduler._should_defer_prefill(self, running_batch)`` (module doc, Decode turns).
+
+    Args:
+        short_tokens: T, the most new tokens of a short request.
+        policy_module: ``sglang.srt.managers.schedule_policy``; ``SchedulePolicy._shortest_prefill_work`` is looked
+            up in it at each call.
+
+    Returns:
+        ``hook(deferred, scheduler, *args)``: None (SGLang's answer stands) unless SGLang owes a decode pass
+        (``deferred``) and :func:`decode_turn_due` does not hold for the scheduler's chunked request and waiting
+        queue; then it sets ``scheduler._prefill_decode_interval_remaining`` to 0 and returns False (prefill now).
+        Never raises: a scheduler it cannot read keeps SGLang's answer (logged once).
+    """
+    unreadable = False
+
+    def after_should_defer_prefill(deferred: bool, scheduler: Any, *args: Any, **kwargs: Any) -> bool | None:
+        nonlocal unreadable
+        if not deferred:
+            return None
+        try:
+            work_of = policy_module.SchedulePolicy._shortest_prefill_work
+            due = decode_turn_due(scheduler.chunked_req is not None, map(work_of, scheduler.waiting_queue), short_tokens)
+        except Exception as err:  # inside SGLang's scheduler loop: never raise
+            if not unreadable:
+                unreadable = True
+                logger.warning("cannot read the scheduler's queue (%s); decode passes stay owed as SGLang owes them", err)
+            return None
+        if due:
+            return None
+        scheduler._prefill_decode_interval_remaining = 0
+        return False
+
+    return after_should_defer_prefill
 
 
 class BatchDecision:
@@ -333,7 +414,8 @@ def register() -> None:
     is on when ``LAPS_DEADLINE_ORDER_ABOVE_TOKENS`` (an integer >= 0) and ``LAPS_PREFILL_S_PER_1K_TOKENS``
     (seconds, > 0) are both set; with one of them missing or malformed it logs why and stays off. Short passes
     (module doc) are on with deadline order and ``LAPS_SHORT_PASS_TOKENS`` (an integer >= 1); malformed, or set
-    while deadline order is off, they log why and stay off.
+    while deadline order is off, they log why and stay off. Decode turns (module doc) are on with
+    ``LAPS_DECODE_INTERVAL_SHORT_TOKENS`` (an integer >= 0); malformed, they log why and stay off.
     """
     try:
         ttft_s = _read_seconds(TTFT_ENV, None, allow_zero=False)
@@ -353,6 +435,7 @@ def register() -> None:
 
     above, rate = _deadline_order_settings()
     short_pass = _short_pass_setting(above is not None)
+    decode_turn = _decode_turn_setting()
 
     from sglang.srt.managers import schedule_policy
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -364,6 +447,8 @@ def register() -> None:
         HookRegistry.register(_BATCH_TARGET, decision.before_prefill_batch, HookType.BEFORE)
     if decision is not None and short_pass is not None:
         HookRegistry.register(_ADDER_TARGET, decision.capped_adder_class, HookType.AFTER)
+    if decode_turn is not None:
+        HookRegistry.register(_DEFER_TARGET, make_decode_turn_hook(decode_turn, schedule_policy), HookType.AFTER)
     logger.info("shortest-prefill-first now puts requests that have waited longer than %g s "
                 "+ %g s per 1,000 new tokens behind all others", ttft_s, per_1k_s)
     if above is not None:
@@ -373,6 +458,9 @@ def register() -> None:
     if short_pass is not None:
         logger.info("a prefill pass that carries requests in time of at most %d new tokens holds at most %d tokens, "
                     "or what they need where more (short passes)", above, short_pass)
+    if decode_turn is not None:
+        logger.info("a decode pass that --prefill-decode-interval owes is kept only while no chunked prefill is in "
+                    "progress and every waiting request has at most %d new tokens (decode turns)", decode_turn)
 
 
 def _deadline_order_settings() -> tuple[int | None, float | None]:
@@ -410,5 +498,20 @@ def _short_pass_setting(deadline_order: bool) -> int | None:
     if not deadline_order:
         logger.error("%s=%r is set, but deadline order is off (it needs %s and %s); short passes stay off",
                      SHORT_PASS_ENV, raw, DEADLINE_ORDER_ENV, PREFILL_RATE_ENV)
+        return None
+    return tokens
+
+
+def _decode_turn_setting() -> int | None:
+    """``LAPS_DECODE_INTERVAL_SHORT_TOKENS``, or None: unset, or malformed (logged) (module doc, Decode turns)."""
+    raw = os.environ.get(DECODE_TURN_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        tokens = int(raw)
+        if tokens < 0:
+            raise ValueError
+    except ValueError:
+        logger.error("%s=%r is not an integer >= 0; decode turns stay off", DECODE_TURN_ENV, raw)
         return None
     return tokens
