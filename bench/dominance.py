@@ -21,14 +21,16 @@ goodput of the TTFT objective there would measure the point's length, not the sc
 
 Policies: ``laps`` as shipped (``examples/sim-h200x8.yaml``, unedited: pools as preferences,
 predicted-TTFT routing, the controller on with instant moves, laps' SGLang plugin in the engines: late requests
-last, long prompts by deadline less the longest where one would end late, Moore's order) and
+last, long prompts by deadline less the longest where one would end late, Moore's order, short passes, decode turns
+with SGLang's prefill-decode interval) and
 the baselines over all 8 engines with SGLang's default flags and order: ``least_load`` (unified
 FCFS), ``least_load+spf`` (least load to engines running ``--schedule-policy
 shortest-prefill-first``), ``cache_aware``, ``bucket``, ``round_robin`` (the rules of SGLang's
 router). ``--pd`` adds the PD runs (6 prefill + 2 decode)
 of ``mixed`` and ``docs``. Every sweep also runs a control, ``least_load+spf/laps-flags``: least load to
 engines with laps' own flags (a 1,024-token chunk instead of SGLang's 8,192, prefill CUDA graphs,
-``shortest-prefill-first``) and plugin (``late_requests_last``, ``deadline_order``, ``short_pass``); it is not in the
+``shortest-prefill-first``, the prefill-decode interval) and plugin (``late_requests_last``, ``deadline_order``,
+``short_pass``, ``decode_turns``); it is not in the
 verdict, but a second
 table sets laps against it alone, which separates what laps' scheduling buys from what its engines buy.
 
