@@ -236,7 +236,7 @@ def sim_flags(config: Config, role: str) -> list[str]:
         flags += ["--sim-short-pass-tokens", str(config.scheduling.short_threshold_tokens)]
     turns = decode_turn_short_tokens(config, role)
     if turns is not None:
-        flags += ["--sim-decode-interval-short-tokens", str(turns)]
+        flags += ["--sim-decode-turn-short-tokens", str(turns)]
     return flags
 
 
@@ -248,7 +248,7 @@ PLUGIN_PER_1K_ENV = "LAPS_TTFT_PER_1K_NEW_TOKENS_S"
 PLUGIN_DEADLINE_ORDER_ENV = "LAPS_DEADLINE_ORDER_ABOVE_TOKENS"
 PLUGIN_PREFILL_RATE_ENV = "LAPS_PREFILL_S_PER_1K_TOKENS"
 PLUGIN_SHORT_PASS_ENV = "LAPS_SHORT_PASS_TOKENS"
-PLUGIN_DECODE_TURN_ENV = "LAPS_DECODE_INTERVAL_SHORT_TOKENS"
+PLUGIN_DECODE_TURN_ENV = "LAPS_DECODE_TURN_SHORT_TOKENS"
 
 
 def late_last_objective(config: Config, role: str) -> tuple[float, float] | None:

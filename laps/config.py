@@ -283,10 +283,12 @@ class RoleConfig(_Strict):
             raise ValueError("short_pass cuts a pass's chunk budget: it needs chunked prefill, not "
                              f"flags.chunked-prefill-size: {chunk} (SGLang turns chunking off at 0 or less)")
         interval = _int_or_none(self.flags.get("prefill-decode-interval"))
-        if self.decode_turns and not (self.late_requests_last and interval is not None and interval >= 1):
-            raise ValueError("decode_turns keeps or drops the decode passes SGLang's prefill-decode-interval owes, in "
-                             "laps' SGLang plugin: it needs late_requests_last: true and flags.prefill-decode-interval "
-                             f">= 1 (here: {self.late_requests_last} and {self.flags.get('prefill-decode-interval')})")
+        if self.decode_turns and not self.late_requests_last:
+            raise ValueError("decode_turns is part of laps' SGLang plugin: it needs late_requests_last: true")
+        if self.decode_turns and not (interval is not None and interval >= 1):
+            here = "unset" if "prefill-decode-interval" not in self.flags else self.flags["prefill-decode-interval"]
+            raise ValueError("decode_turns keeps or drops the decode passes SGLang's prefill-decode-interval owes: it "
+                             f"needs flags.prefill-decode-interval >= 1 (here: {here})")
         return self
 
     def same_engine(self, other: "RoleConfig") -> bool:

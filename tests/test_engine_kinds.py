@@ -176,23 +176,27 @@ def test_decode_turns_give_the_plugin_and_the_simulated_engine_the_short_request
     data["scheduling"]["short_threshold_tokens"] = 300
     config = parse_config(data)
     real, simulated = config.engines
-    assert engine_env(config, real)["LAPS_DECODE_INTERVAL_SHORT_TOKENS"] == "299"
-    assert engine_command(config, simulated, 30001)[-2:] == ["--sim-decode-interval-short-tokens", "299"]
+    assert engine_env(config, real)["LAPS_DECODE_TURN_SHORT_TOKENS"] == "299"
+    assert engine_command(config, simulated, 30001)[-2:] == ["--sim-decode-turn-short-tokens", "299"]
     engine = sim_model(config, simulated).config
-    assert (engine.prefill_decode_interval, engine.prefill_decode_interval_short_tokens) == (1, 299)
+    assert (engine.prefill_decode_interval, engine.decode_turn_short_tokens) == (1, 299)
     data["roles"]["mixed"]["decode_turns"] = False
-    assert "LAPS_DECODE_INTERVAL_SHORT_TOKENS" not in engine_env(parse_config(data), real)  # off unless asked
-    assert "--sim-decode-interval-short-tokens" not in engine_command(parse_config(data), simulated, 30001)
+    assert "LAPS_DECODE_TURN_SHORT_TOKENS" not in engine_env(parse_config(data), real)  # off unless asked
+    assert "--sim-decode-turn-short-tokens" not in engine_command(parse_config(data), simulated, 30001)
     # It changes the engine, so a move between roles that differ in it restarts the engine.
     data["roles"]["other"] = {**data["roles"]["mixed"], "decode_turns": True}
     assert not parse_config(data).instant_move("mixed", "other")
     # It keeps or drops what SGLang's interval owes, in the plugin: it needs both.
-    for role in ({**data["roles"]["mixed"], "decode_turns": True, "late_requests_last": False},
-                 {**data["roles"]["mixed"], "decode_turns": True, "flags": {**data["roles"]["mixed"]["flags"],
-                                                                             "prefill-decode-interval": 0}}):
-        data["roles"]["other"] = role
-        with pytest.raises(ValueError, match="decode_turns keeps or drops the decode passes SGLang's "
-                                             "prefill-decode-interval owes, in laps' SGLang plugin: it needs"):
+    data["roles"]["other"] = {**data["roles"]["mixed"], "decode_turns": True, "late_requests_last": False}
+    with pytest.raises(ValueError, match="decode_turns is part of laps' SGLang plugin: it needs late_requests_last: true"):
+        parse_config(data)
+    flags = {k: v for k, v in data["roles"]["mixed"]["flags"].items() if k != "prefill-decode-interval"}
+    for interval, here in ((None, "unset"), (0, "0")):
+        data["roles"]["other"] = {**data["roles"]["mixed"], "decode_turns": True,
+                                  "flags": flags if interval is None else {**flags, "prefill-decode-interval": interval}}
+        with pytest.raises(ValueError, match=rf"decode_turns keeps or drops the decode passes SGLang's "
+                                             rf"prefill-decode-interval owes: it needs flags.prefill-decode-interval >= "
+                                             rf"1 \(here: {here}\)"):
             parse_config(data)
 
 
@@ -339,9 +343,9 @@ def test_the_8xh200_example_uses_each_gpu_once_with_real_sglang_engines():
     # Decode turns: one decode pass owed after a prefill pass while 1,024 requests run, kept while every waiting request
     # is short (at most 255 new tokens) and no chunked prefill is in progress.
     engine = sim_model(sim, sim.engines[0]).config
-    assert env["LAPS_DECODE_INTERVAL_SHORT_TOKENS"] == "255" and (
+    assert env["LAPS_DECODE_TURN_SHORT_TOKENS"] == "255" and (
         engine.prefill_decode_interval, engine.prefill_decode_interval_min_bs,
-        engine.prefill_decode_interval_short_tokens) == (1, 1024, 255)
+        engine.decode_turn_short_tokens) == (1, 1024, 255)
 
 
 def test_the_8xh200_examples_capture_sglangs_own_prefill_buckets_so_a_pass_pads_little():

@@ -151,7 +151,7 @@ def test_laps_plugin_runs_in_the_engine(deployment: Deployment):
     else:
         assert engine.command[-10:] == ["--sim-late-last-ttft-s", "0.4", "--sim-late-last-per-1k-s", "0",
                                         "--sim-late-last-deadline-order-above", "999999", "--sim-short-pass-tokens",
-                                        "1000000", "--sim-decode-interval-short-tokens", "999999"]
+                                        "1000000", "--sim-decode-turn-short-tokens", "999999"]
 
 
 def test_chat_streaming_and_not(deployment: Deployment):

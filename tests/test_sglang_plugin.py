@@ -82,17 +82,19 @@ SchedulePolicy._sort_by_shortest_prefill(list(c), set())
 adder_class = Scheduler.get_prefill_adder_class(scheduler)
 out["adder_hook"] = [adder_hook_type.value, adder_class.__name__, issubclass(adder_class, PrefillAdder),
                      hook.__self__.short_tokens]
-# Decode turns (LAPS_DECODE_INTERVAL_SHORT_TOKENS=100): the hook after SGLang's own _should_defer_prefill, which runs
-# on a fake scheduler owing one decode pass with 2 requests running (min-bs 0): kept while only "short" (50 new tokens)
-# waits; dropped (False, nothing owed) once "long" (900) waits too.
+# Decode turns (LAPS_DECODE_TURN_SHORT_TOKENS=100): the hook after SGLang's own _should_defer_prefill, which runs
+# on a fake scheduler owing two decode passes with 2 requests running (min-bs 0): kept while only "short" (50 new
+# tokens) waits (SGLang leaves one owed); dropped (False, nothing owed) once a 900-token prompt with 1 token matched
+# waits too. The hook matches a request with no match yet through the name match_kv_cache in schedule_policy.
 (turn_hook_type, _, _), = HookRegistry._hooks["sglang.srt.managers.scheduler.Scheduler._should_defer_prefill"]
+from sglang.srt.mem_cache.common import match_kv_cache
 running = SimpleNamespace(batch_size=lambda: 2)
 turns = []
-for queue in (c[2:], c[1:]):
-    owing = SimpleNamespace(_prefill_decode_interval_remaining=1, prefill_decode_interval_min_bs=0, chunked_req=None,
+for queue in ([c[2]], [req("long", 900, 0.0, cached=1), c[2]]):
+    owing = SimpleNamespace(_prefill_decode_interval_remaining=2, prefill_decode_interval_min_bs=0, chunked_req=None,
                             waiting_queue=queue)
     turns.append([Scheduler._should_defer_prefill(owing, running), owing._prefill_decode_interval_remaining])
-out["decode_turns"] = [turn_hook_type.value, turns]
+out["decode_turns"] = [turn_hook_type.value, turns, schedule_policy.match_kv_cache is match_kv_cache]
 print(json.dumps(out))
 """
 
@@ -101,7 +103,7 @@ print(json.dumps(out))
 def test_sglang_loads_the_plugin_and_late_requests_go_behind_those_in_time(sglang_python: Path):
     env = {**os.environ, "PYTHONPATH": str(SGLANG_PLUGIN_DIR), "LAPS_TTFT_S": "0.4",
            "LAPS_DEADLINE_ORDER_ABOVE_TOKENS": "100", "LAPS_PREFILL_S_PER_1K_TOKENS": "0.1", "LAPS_SHORT_PASS_TOKENS": "64",
-           "LAPS_DECODE_INTERVAL_SHORT_TOKENS": "100"}
+           "LAPS_DECODE_TURN_SHORT_TOKENS": "100"}
     env.pop("LAPS_TTFT_PER_1K_NEW_TOKENS_S", None)
     done = subprocess.run([str(sglang_python), "-c", _SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -128,9 +130,9 @@ def test_sglang_loads_the_plugin_and_late_requests_go_behind_those_in_time(sglan
     # Short passes: the hook is on SGLang's method and returns its PrefillAdder's subclass; the sort left the short one.
     assert out["adder_hook"] == ["after", "ShortPassPrefillAdder", True, [50]]
     assert "holds at most 64 tokens, or what they need where more (short passes)" in done.stderr
-    # Decode turns: the hook is after SGLang's method; the owed pass stands (True, 0 left) while only a short prompt
-    # waits, and is dropped (False, 0 left) with a 900-token one waiting.
-    assert out["decode_turns"] == ["after", [[True, 0], [False, 0]]]
+    # Decode turns: the hook is after SGLang's method; the owed pass stands (True, 1 left) while only a short prompt
+    # waits, and what is owed is dropped (False, 0 left) with a 899-new-token one waiting.
+    assert out["decode_turns"] == ["after", [[True, 1], [False, 0]], True]
     assert "kept only while no chunked prefill is in progress and every waiting request has at most 100" in done.stderr
     assert "LAPS_TTFT_S is not set" in done.stderr
     assert "ERROR laps plugin (pid " in done.stderr and "): LAPS_TTFT_S='abc' is not a number" in done.stderr
@@ -163,7 +165,7 @@ def test_the_plugin_imports_without_sglang_and_names_the_variables_the_manager_s
     assert (plugin.DEADLINE_ORDER_ENV, plugin.PREFILL_RATE_ENV) == (PLUGIN_DEADLINE_ORDER_ENV, PLUGIN_PREFILL_RATE_ENV) == (
         "LAPS_DEADLINE_ORDER_ABOVE_TOKENS", "LAPS_PREFILL_S_PER_1K_TOKENS")
     assert plugin.SHORT_PASS_ENV == PLUGIN_SHORT_PASS_ENV == "LAPS_SHORT_PASS_TOKENS"
-    assert plugin.DECODE_TURN_ENV == PLUGIN_DECODE_TURN_ENV == "LAPS_DECODE_INTERVAL_SHORT_TOKENS"
+    assert plugin.DECODE_TURN_ENV == PLUGIN_DECODE_TURN_ENV == "LAPS_DECODE_TURN_SHORT_TOKENS"
 
 
 def test_deadline_order_keeps_short_requests_first_and_the_rest_by_deadline_less_those_that_would_make_one_late():
@@ -369,11 +371,14 @@ def test_a_decode_turn_is_due_only_while_no_chunk_is_in_progress_and_every_waiti
     assert load_plugin_module().decode_turn_due(chunk, waiting, 100) is due
 
 
-def fake_scheduler(prompts: list[int], cached: int = 0, chunked: bool = False) -> SimpleNamespace:
-    """A scheduler as the decode turn hook reads it: its waiting requests (prompt lengths, ``cached`` tokens of each
-    matched), its chunked request, and one decode pass owed."""
-    queue = [SimpleNamespace(origin_input_ids=[7] * n, output_ids=[], num_matched_prefix_tokens=cached) for n in prompts]
-    return SimpleNamespace(waiting_queue=queue, chunked_req=SimpleNamespace() if chunked else None,
+def fake_scheduler(waiting: list[tuple[int, int]], cache: dict[int, int] | None = None,
+                   chunked: bool = False) -> SimpleNamespace:
+    """A scheduler as the decode turn hook reads it: its waiting requests, (prompt tokens, cached tokens matched so
+    far) each; its cache, as the tokens a match finds for a prompt of each length (others: none), and the prompts
+    matched (``cache.matched``); its chunked request; one decode pass owed."""
+    queue = [SimpleNamespace(origin_input_ids=[7] * n, output_ids=[], num_matched_prefix_tokens=m) for n, m in waiting]
+    tree = SimpleNamespace(hits=cache or {}, matched=[])
+    return SimpleNamespace(waiting_queue=queue, tree_cache=tree, chunked_req=SimpleNamespace() if chunked else None,
                            _prefill_decode_interval_remaining=1)
 
 
@@ -381,20 +386,29 @@ def shortest_prefill_work(req) -> int:  # SGLang 0.5.23's SchedulePolicy._shorte
     return max(1, len(req.origin_input_ids) + len(req.output_ids) - req.num_matched_prefix_tokens)
 
 
-POLICY_MODULE = SimpleNamespace(SchedulePolicy=SimpleNamespace(_shortest_prefill_work=shortest_prefill_work))
+def match_kv_cache(req, tree_cache) -> None:  # what SGLang's match_kv_cache leaves on the request
+    tree_cache.matched.append(len(req.origin_input_ids))
+    req.num_matched_prefix_tokens = tree_cache.hits.get(len(req.origin_input_ids), 0)
 
 
-@pytest.mark.parametrize(("deferred", "scheduler", "answer", "owed"), [
-    (True, fake_scheduler([50, 100]), None, 1),  # only short prompts wait: SGLang's decode pass stands
-    (True, fake_scheduler([50, 3000], cached=2950), None, 1),  # 3,000 tokens, 2,950 cached: 50 new, short
-    (True, fake_scheduler([50, 101]), False, 0),  # one of 101 new tokens waits: prefill now, nothing owed
-    (True, fake_scheduler([50], chunked=True), False, 0),  # a chunked prefill in progress: its next chunk now
-    (False, fake_scheduler([5000]), None, 1),  # SGLang owes nothing: its answer stands
+POLICY_MODULE = SimpleNamespace(SchedulePolicy=SimpleNamespace(_shortest_prefill_work=shortest_prefill_work),
+                                match_kv_cache=match_kv_cache)
+
+
+@pytest.mark.parametrize(("deferred", "scheduler", "answer", "owed", "matched"), [
+    (True, fake_scheduler([(50, 0), (100, 0)]), None, 1, []),  # only short prompts wait: SGLang's decode pass stands
+    (True, fake_scheduler([(50, 0), (3000, 2950)]), None, 1, []),  # 3,000 tokens, 2,950 matched: 50 new, short
+    # a follow-up turn that arrived since the last prefill pass: no match yet; matched, 2,950 of its 3,000 are cached
+    (True, fake_scheduler([(50, 0), (3000, 0)], cache={3000: 2950}), None, 1, [3000]),
+    (True, fake_scheduler([(50, 0), (101, 0)]), False, 0, [101]),  # 101 new tokens, none cached: prefill now
+    (True, fake_scheduler([(50, 0)], chunked=True), False, 0, []),  # a chunked prefill in progress: its next chunk now
+    (False, fake_scheduler([(5000, 0)]), None, 1, []),  # SGLang owes nothing: its answer stands
 ])
-def test_the_decode_turn_hook_drops_an_owed_decode_pass_where_a_long_prefill_waits(deferred, scheduler, answer, owed):
+def test_the_decode_turn_hook_drops_an_owed_decode_pass_where_a_long_prefill_waits(deferred, scheduler, answer, owed,
+                                                                                   matched):
     hook = load_plugin_module().make_decode_turn_hook(100, POLICY_MODULE)
     assert hook(deferred, scheduler, SimpleNamespace()) is answer
-    assert scheduler._prefill_decode_interval_remaining == owed
+    assert scheduler._prefill_decode_interval_remaining == owed and scheduler.tree_cache.matched == matched
 
 
 def test_a_scheduler_the_decode_turn_hook_cannot_read_keeps_sglangs_answer_and_is_said_once(monkeypatch, caplog):
@@ -413,8 +427,8 @@ def test_a_scheduler_the_decode_turn_hook_cannot_read_keeps_sglangs_answer_and_i
 
 @pytest.mark.parametrize(("raw", "expected", "says"), [
     (None, None, None), ("255", 255, None), (" 0 ", 0, None),
-    ("-1", None, "ERROR LAPS_DECODE_INTERVAL_SHORT_TOKENS='-1' is not an integer >= 0; decode turns stay off"),
-    ("2.5", None, "ERROR LAPS_DECODE_INTERVAL_SHORT_TOKENS='2.5' is not an integer >= 0; decode turns stay off"),
+    ("-1", None, "ERROR LAPS_DECODE_TURN_SHORT_TOKENS='-1' is not an integer >= 0; decode turns stay off"),
+    ("2.5", None, "ERROR LAPS_DECODE_TURN_SHORT_TOKENS='2.5' is not an integer >= 0; decode turns stay off"),
 ])
 def test_decode_turn_setting(monkeypatch, caplog, raw, expected, says):
     plugin = plugin_with_env(monkeypatch, {PLUGIN_DECODE_TURN_ENV: raw})

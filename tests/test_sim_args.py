@@ -99,15 +99,16 @@ def test_bad_flags_and_policies_are_refused():
                                          "--chunked-prefill-size -1"):
         resolve_args(parse_server_args([*ordered, "--sim-short-pass-tokens", "256", "--chunked-prefill-size", "-1"]))
     late = [*spf, "--sim-late-last-ttft-s", "0.4"]
-    for argv in ([*late, "--sim-decode-interval-short-tokens", "255"],
-                 [*spf, "--prefill-decode-interval", "1", "--sim-decode-interval-short-tokens", "255"]):
-        with pytest.raises(ValueError, match="--sim-decode-interval-short-tokens keeps or drops the decode passes that "
-                                             "--prefill-decode-interval owes, in laps' plugin: it needs"):
-            resolve_args(parse_server_args(argv))
-    turns = [*late, "--prefill-decode-interval", "1", "--sim-decode-interval-short-tokens"]
-    with pytest.raises(ValueError, match="--sim-decode-interval-short-tokens must be a number of tokens >= 0, got -1"):
+    with pytest.raises(ValueError, match="--sim-decode-turn-short-tokens keeps or drops the decode passes that "
+                                         "--prefill-decode-interval owes: it needs --prefill-decode-interval >= 1"):
+        resolve_args(parse_server_args([*late, "--sim-decode-turn-short-tokens", "255"]))
+    with pytest.raises(ValueError, match="--sim-decode-turn-short-tokens models part of laps' plugin: it needs "
+                                         "--sim-late-last-ttft-s"):
+        resolve_args(parse_server_args([*spf, "--prefill-decode-interval", "1", "--sim-decode-turn-short-tokens", "255"]))
+    turns = [*late, "--prefill-decode-interval", "1", "--sim-decode-turn-short-tokens"]
+    with pytest.raises(ValueError, match="--sim-decode-turn-short-tokens must be a number of tokens >= 0, got -1"):
         resolve_args(parse_server_args([*turns, "-1"]))
-    assert resolve_args(parse_server_args([*turns, "255"])).config.prefill_decode_interval_short_tokens == 255
+    assert resolve_args(parse_server_args([*turns, "255"])).config.decode_turn_short_tokens == 255
 
 
 def test_the_engine_says_at_start_up_which_plugin_order_it_models():
@@ -123,7 +124,7 @@ def test_the_engine_says_at_start_up_which_plugin_order_it_models():
     short_pass = dataclasses.replace(ordered, late_last_short_pass_tokens=256)
     assert plugin_lines(short_pass)[2] == ("a prefill pass that carries requests in time of at most 255 new tokens holds "
                                            "at most 256 tokens, or what they need where more (short passes)")
-    turns = dataclasses.replace(short_pass, prefill_decode_interval=1, prefill_decode_interval_short_tokens=255)
+    turns = dataclasses.replace(short_pass, prefill_decode_interval=1, decode_turn_short_tokens=255)
     assert plugin_lines(turns)[3] == ("a decode pass that --prefill-decode-interval owes is kept only while no chunked "
                                       "prefill is in progress and every waiting request has at most 255 new tokens "
                                       "(decode turns)")

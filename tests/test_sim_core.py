@@ -236,10 +236,10 @@ def test_prefill_decode_interval_owes_decode_passes_after_a_prefill_while_enough
 ])
 def test_decode_turns_keep_the_owed_decode_pass_only_while_just_short_prompts_wait_and_no_chunk_is_in_progress(
         waiting, chunk, passes):
-    """laps' plugin's decode turns (``prefill_decode_interval_short_tokens`` 100): SGLang's interval (1 decode pass
+    """laps' plugin's decode turns (``decode_turn_short_tokens`` 100): SGLang's interval (1 decode pass
     after a prefill pass) holds while every waiting request has at most 100 new tokens and no chunked prefill is in
     progress; else the owed pass is dropped. Passes as (prefill seqs, decode seqs)."""
-    core = make_core(prefill_decode_interval=1, prefill_decode_interval_short_tokens=100,
+    core = make_core(prefill_decode_interval=1, decode_turn_short_tokens=100,
                      **({} if chunk is None else {"chunked_prefill_size": chunk}))
     core.add_request("a", prompt(20), 20, ignore_eos=True)
     core.add_request("b", prompt(20, 5000), 20, ignore_eos=True)
@@ -254,9 +254,34 @@ def test_decode_turns_keep_the_owed_decode_pass_only_while_just_short_prompts_wa
     assert seen == passes
 
 
+def test_decode_turns_drop_what_is_still_owed_when_a_long_prompt_arrives_between_owed_passes():
+    """Interval 2, short at most 100 new tokens: after the first owed decode pass a 200-token prompt arrives, and the
+    second owed pass is dropped (both waiting prompts prefill together); below min-bs nothing is owed at all."""
+    core = make_core(prefill_decode_interval=2, decode_turn_short_tokens=100)
+    core.add_request("a", prompt(20), 20, ignore_eos=True)
+    core.add_request("b", prompt(20, 5000), 20, ignore_eos=True)
+    now = core.step(0.0).duration_s
+    core.add_request("c", prompt(50, 9000), 20, ignore_eos=True, now=now)
+    seen = []
+    for arriving in (None, ("d", 200), None, None):
+        if arriving is not None:
+            core.add_request(arriving[0], prompt(arriving[1], 20000), 20, ignore_eos=True, now=now)
+        step = core.step(now)
+        seen.append((step.num_prefill_seqs, step.num_decode_seqs))
+        now += step.duration_s
+    assert seen == [(0, 2), (2, 0), (0, 4), (0, 4)]
+    few = make_core(prefill_decode_interval=2, prefill_decode_interval_min_bs=3, decode_turn_short_tokens=100)
+    few.add_request("a", prompt(20), 20, ignore_eos=True)
+    few.add_request("b", prompt(20, 5000), 20, ignore_eos=True)
+    now = few.step(0.0).duration_s
+    few.add_request("c", prompt(50, 9000), 20, ignore_eos=True, now=now)
+    step = few.step(now)
+    assert (step.num_prefill_seqs, step.num_decode_seqs) == (1, 0)  # 2 running, fewer than 3: prefill at once
+
+
 def test_decode_turns_need_a_token_count_of_at_least_zero():
-    with pytest.raises(ValueError, match="prefill_decode_interval_short_tokens must be >= 0"):
-        make_core(prefill_decode_interval=1, prefill_decode_interval_short_tokens=-1)
+    with pytest.raises(ValueError, match="decode_turn_short_tokens must be >= 0"):
+        make_core(prefill_decode_interval=1, decode_turn_short_tokens=-1)
 
 
 @pytest.mark.parametrize("flag", ["prefill_decode_interval", "prefill_decode_interval_min_bs"])

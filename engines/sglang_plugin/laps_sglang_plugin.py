@@ -47,7 +47,7 @@ does nearly a full pass's work per second (the engine model: 6.6 ms for 256
 tokens on a 4k-token prefix against 25.6 ms for 1,024, 3.8% more per token),
 so the long prefill loses little.
 
-Decode turns in short bursts (``LAPS_DECODE_INTERVAL_SHORT_TOKENS`` T, with
+Decode turns in short bursts (``LAPS_DECODE_TURN_SHORT_TOKENS`` T, with
 SGLang's ``--prefill-decode-interval N`` and ``--prefill-decode-interval-min-bs
 B``): SGLang runs a prefill pass whenever one can be formed and decodes only
 when none can, so a stream of short prompts arriving faster than their passes
@@ -72,7 +72,7 @@ How laps enables it: when a role sets ``late_requests_last: true``, the
 gateway's engine manager puts this directory on the engine's ``PYTHONPATH``
 and sets the first two variables (the next two where it also sets
 ``deadline_order: true``, and ``LAPS_SHORT_PASS_TOKENS``, the short
-threshold, where it sets ``short_pass: true`` too; ``LAPS_DECODE_INTERVAL_SHORT_TOKENS``,
+threshold, where it sets ``short_pass: true`` too; ``LAPS_DECODE_TURN_SHORT_TOKENS``,
 one less than the short threshold, where it sets ``decode_turns: true``). SGLang then finds the entry point in
 ``laps_sglang_plugin-0.1.dist-info/entry_points.txt`` (group
 ``sglang.srt.plugins``, name ``laps_late_last``) and calls :func:`register`
@@ -122,9 +122,12 @@ SGLang source it hooks (SGLang 0.5.23):
   armed by ``_arm_prefill_decode_interval`` after each extend pass). Where it
   said True and :func:`decode_turn_due` does not hold for the scheduler's
   ``chunked_req`` and ``waiting_queue`` (new tokens by
-  ``SchedulePolicy._shortest_prefill_work``, with each request's cached prefix
-  as last matched: a request that arrived since the last prefill pass counts
-  its whole prompt), the hook sets the passes owed to 0 and returns False.
+  ``SchedulePolicy._shortest_prefill_work``; a request of more than T new
+  tokens with no prefix matched yet, as one that arrived since the last prefill
+  pass, is first matched with ``match_kv_cache`` from
+  ``sglang/srt/mem_cache/common.py``, as ``SchedulePolicy.calc_priority`` would
+  match it before the next prefill pass), the hook sets the passes owed to 0
+  and returns False.
 * ``sglang/srt/observability/req_time_stats.py``: a request's
   ``time_stats.wait_queue_entry_time`` is the ``time.perf_counter()`` value
   (seconds) at which it entered the waiting queue; a retracted request enters
@@ -161,7 +164,7 @@ PER_1K_ENV = "LAPS_TTFT_PER_1K_NEW_TOKENS_S"
 DEADLINE_ORDER_ENV = "LAPS_DEADLINE_ORDER_ABOVE_TOKENS"
 PREFILL_RATE_ENV = "LAPS_PREFILL_S_PER_1K_TOKENS"
 SHORT_PASS_ENV = "LAPS_SHORT_PASS_TOKENS"
-DECODE_TURN_ENV = "LAPS_DECODE_INTERVAL_SHORT_TOKENS"
+DECODE_TURN_ENV = "LAPS_DECODE_TURN_SHORT_TOKENS"
 _TARGET = "sglang.srt.managers.schedule_policy.SchedulePolicy._sort_by_shortest_prefill"
 _BATCH_TARGET = "sglang.srt.managers.scheduler.Scheduler._get_new_batch_prefill_raw"
 _ADDER_TARGET = "sglang.srt.managers.scheduler.Scheduler.get_prefill_adder_class"
@@ -268,14 +271,19 @@ def make_decode_turn_hook(short_tokens: int, policy_module: Any) -> Callable[...
 
     Args:
         short_tokens: T, the most new tokens of a short request.
-        policy_module: ``sglang.srt.managers.schedule_policy``; ``SchedulePolicy._shortest_prefill_work`` is looked
-            up in it at each call.
+        policy_module: ``sglang.srt.managers.schedule_policy``; ``SchedulePolicy._shortest_prefill_work`` and
+            ``match_kv_cache`` (SGLang's ``sglang.srt.mem_cache.common.match_kv_cache``, which that module imports)
+            are looked up in it at each call.
 
     Returns:
         ``hook(deferred, scheduler, *args)``: None (SGLang's answer stands) unless SGLang owes a decode pass
         (``deferred``) and :func:`decode_turn_due` does not hold for the scheduler's chunked request and waiting
         queue; then it sets ``scheduler._prefill_decode_interval_remaining`` to 0 and returns False (prefill now).
-        Never raises: a scheduler it cannot read keeps SGLang's answer (logged once).
+        A waiting request of more than T new tokens that has no cached prefix matched (``num_matched_prefix_tokens``
+        0: SGLang matches only as it forms a prefill batch, so a request that arrived since the last one has none) is
+        first matched against ``scheduler.tree_cache`` with ``match_kv_cache``, as SGLang's ``calc_priority`` matches
+        each waiting request before its next prefill pass. Never raises: a scheduler it cannot read keeps SGLang's
+        answer (logged once).
     """
     unreadable = False
 
@@ -285,7 +293,14 @@ def make_decode_turn_hook(short_tokens: int, policy_module: Any) -> Callable[...
             return None
         try:
             work_of = policy_module.SchedulePolicy._shortest_prefill_work
-            due = decode_turn_due(scheduler.chunked_req is not None, map(work_of, scheduler.waiting_queue), short_tokens)
+
+            def new_tokens(req: Any) -> int:
+                if work_of(req) > short_tokens and not req.num_matched_prefix_tokens:
+                    policy_module.match_kv_cache(req, scheduler.tree_cache)
+                return work_of(req)
+
+            due = decode_turn_due(scheduler.chunked_req is not None, map(new_tokens, scheduler.waiting_queue),
+                                  short_tokens)
         except Exception as err:  # inside SGLang's scheduler loop: never raise
             if not unreadable:
                 unreadable = True
@@ -415,7 +430,7 @@ def register() -> None:
     (seconds, > 0) are both set; with one of them missing or malformed it logs why and stays off. Short passes
     (module doc) are on with deadline order and ``LAPS_SHORT_PASS_TOKENS`` (an integer >= 1); malformed, or set
     while deadline order is off, they log why and stay off. Decode turns (module doc) are on with
-    ``LAPS_DECODE_INTERVAL_SHORT_TOKENS`` (an integer >= 0); malformed, they log why and stay off.
+    ``LAPS_DECODE_TURN_SHORT_TOKENS`` (an integer >= 0); malformed, they log why and stay off.
     """
     try:
         ttft_s = _read_seconds(TTFT_ENV, None, allow_zero=False)
@@ -503,7 +518,7 @@ def _short_pass_setting(deadline_order: bool) -> int | None:
 
 
 def _decode_turn_setting() -> int | None:
-    """``LAPS_DECODE_INTERVAL_SHORT_TOKENS``, or None: unset, or malformed (logged) (module doc, Decode turns)."""
+    """``LAPS_DECODE_TURN_SHORT_TOKENS``, or None: unset, or malformed (logged) (module doc, Decode turns)."""
     raw = os.environ.get(DECODE_TURN_ENV, "").strip()
     if not raw:
         return None

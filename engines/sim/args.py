@@ -107,7 +107,7 @@ class SimServerArgs:
     sim_late_last_per_1k_s: float = 0.0
     sim_late_last_deadline_order_above: int | None = None
     sim_short_pass_tokens: int | None = None
-    sim_decode_interval_short_tokens: int | None = None
+    sim_decode_turn_short_tokens: int | None = None
     disaggregation_mode: str = "null"
     disaggregation_transfer_backend: str = "mooncake"
     disaggregation_bootstrap_port: int = 8998
@@ -232,13 +232,14 @@ def _check_late_last(args: SimServerArgs) -> None:
     if short_pass is not None and args.chunked_prefill_size is not None and args.chunked_prefill_size <= 0:
         raise ValueError("--sim-short-pass-tokens cuts a pass's chunk budget: it needs chunked prefill, not "
                          f"--chunked-prefill-size {args.chunked_prefill_size}")
-    turns = args.sim_decode_interval_short_tokens
+    turns = args.sim_decode_turn_short_tokens
     if turns is not None and turns < 0:
-        raise ValueError(f"--sim-decode-interval-short-tokens must be a number of tokens >= 0, got {turns}")
-    if turns is not None and (ttft_s is None or not args.prefill_decode_interval):
-        raise ValueError("--sim-decode-interval-short-tokens keeps or drops the decode passes that "
-                         "--prefill-decode-interval owes, in laps' plugin: it needs --prefill-decode-interval >= 1 "
-                         "and --sim-late-last-ttft-s")
+        raise ValueError(f"--sim-decode-turn-short-tokens must be a number of tokens >= 0, got {turns}")
+    if turns is not None and ttft_s is None:
+        raise ValueError("--sim-decode-turn-short-tokens models part of laps' plugin: it needs --sim-late-last-ttft-s")
+    if turns is not None and not args.prefill_decode_interval:
+        raise ValueError("--sim-decode-turn-short-tokens keeps or drops the decode passes that --prefill-decode-interval "
+                         "owes: it needs --prefill-decode-interval >= 1")
     if ttft_s is not None and args.schedule_policy != "shortest-prefill-first":
         raise ValueError(f"--sim-late-last-ttft-s reorders the queue of --schedule-policy shortest-prefill-first, "
                          f"not {args.schedule_policy}")
@@ -288,7 +289,7 @@ def resolve_args(args: SimServerArgs) -> ResolvedSim:
         enable_mixed_chunk=args.enable_mixed_chunk,
         prefill_decode_interval=args.prefill_decode_interval or 0,
         prefill_decode_interval_min_bs=args.prefill_decode_interval_min_bs,
-        prefill_decode_interval_short_tokens=args.sim_decode_interval_short_tokens,
+        decode_turn_short_tokens=args.sim_decode_turn_short_tokens,
         schedule_policy=args.schedule_policy,
         enable_priority_scheduling=args.enable_priority_scheduling,
         schedule_low_priority_values_first=args.schedule_low_priority_values_first,
@@ -410,7 +411,7 @@ def build_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
                    help="with --sim-late-last-deadline-order-above N: the plugin's short pass: a prefill pass whose "
                         "queue starts with requests in time of at most N new tokens holds at most TOKENS tokens, or "
                         "what they need where more, instead of filling the chunk with a long prefill (default: off)")
-    p.add_argument("--sim-decode-interval-short-tokens", type=int, metavar="TOKENS",
+    p.add_argument("--sim-decode-turn-short-tokens", type=int, metavar="TOKENS",
                    help="with --prefill-decode-interval and --sim-late-last-ttft-s: the plugin's decode turns: a decode "
                         "pass the interval owes is kept only while no chunked prefill is in progress and every waiting "
                         "request has at most TOKENS new tokens, else the prefill runs (default: off)")

@@ -19,13 +19,13 @@ models, read from SGLang 0.5.23 (``managers/scheduler.py``
   ``prefill_decode_interval_min_bs`` requests run (fewer: prefill at once, the
   interval dropped). SGLang spends a deferred round with nothing running as an
   empty loop turn; the model skips it (it takes no time). With laps' plugin's
-  decode turns (``prefill_decode_interval_short_tokens`` T) an owed decode
+  decode turns (``decode_turn_short_tokens`` T) an owed decode
   pass is kept only while no chunked prefill is in progress and every waiting
   request has at most T uncached tokens (``max(1, len(fill) − matched)``, as
   last matched; the plugin's ``decode_turn_due``), else the passes owed are
-  dropped and the prefill runs. The plugin reads SGLang's last match, which a
-  request that arrived since the last prefill pass does not have yet (its
-  whole prompt counts); the model matches a request when it arrives.
+  dropped and the prefill runs. The model matches a request when it arrives;
+  the plugin matches one that has no match yet (it arrived since the last
+  prefill pass) when it first judges it.
 * **Waiting-queue order** (``--schedule-policy``), re-sorted in place (stable)
   every pass: ``fcfs`` keeps arrival order, or with
   ``--enable-priority-scheduling`` sorts by (priority, queue-entry time);
@@ -170,7 +170,7 @@ class EngineConfig:
     enable_mixed_chunk: bool = False
     prefill_decode_interval: int = 0
     prefill_decode_interval_min_bs: int = 0
-    prefill_decode_interval_short_tokens: int | None = None
+    decode_turn_short_tokens: int | None = None
     schedule_policy: str = "fcfs"
     enable_priority_scheduling: bool = False
     schedule_low_priority_values_first: bool = False
@@ -208,9 +208,9 @@ class EngineConfig:
         if self.prefill_decode_interval < 0 or self.prefill_decode_interval_min_bs < 0:  # SGLang's messages
             raise ValueError("--prefill-decode-interval must be non-negative." if self.prefill_decode_interval < 0
                              else "--prefill-decode-interval-min-bs must be non-negative.")
-        if self.prefill_decode_interval_short_tokens is not None and self.prefill_decode_interval_short_tokens < 0:
-            raise ValueError("prefill_decode_interval_short_tokens must be >= 0 or None, got "
-                             f"{self.prefill_decode_interval_short_tokens}")
+        if self.decode_turn_short_tokens is not None and self.decode_turn_short_tokens < 0:
+            raise ValueError("decode_turn_short_tokens must be >= 0 or None, got "
+                             f"{self.decode_turn_short_tokens}")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size < 1:
             raise ValueError(f"chunked_prefill_size must be >= 1 or None, got {self.chunked_prefill_size}")
         policy = self.schedule_policy
@@ -738,11 +738,11 @@ class EngineCore:
     def _defer_prefill(self) -> bool:
         """Whether this pass decodes though a prefill could run: a decode round still owed after the last prefill
         (``prefill_decode_interval``) while at least ``prefill_decode_interval_min_bs`` requests run, at least one
-        (fewer: the rounds owed are dropped); with ``prefill_decode_interval_short_tokens``, only while the plugin's
+        (fewer: the rounds owed are dropped); with ``decode_turn_short_tokens``, only while the plugin's
         ``decode_turn_due`` holds too (else dropped as well)."""
         if not self._decode_rounds_owed:
             return False
-        short = self.config.prefill_decode_interval_short_tokens
+        short = self.config.decode_turn_short_tokens
         if (not self._running or len(self._running) < self.config.prefill_decode_interval_min_bs
                 or short is not None and not decode_turn_due(
                     self._chunked is not None, (max(1, r.fill_len - r.matched) for r in self._waiting), short)):

@@ -390,9 +390,9 @@ def plugin_lines(config: EngineConfig) -> list[str]:
         lines.append(f"a prefill pass that carries requests in time of at most {config.late_last_deadline_order_tokens} "
                      f"new tokens holds at most {config.late_last_short_pass_tokens} tokens, or what they need where "
                      "more (short passes)")
-    if config.prefill_decode_interval_short_tokens is not None:
+    if config.decode_turn_short_tokens is not None:
         lines.append("a decode pass that --prefill-decode-interval owes is kept only while no chunked prefill is in "
-                     f"progress and every waiting request has at most {config.prefill_decode_interval_short_tokens} new "
+                     f"progress and every waiting request has at most {config.decode_turn_short_tokens} new "
                      "tokens (decode turns)")
     return lines
 
