@@ -94,6 +94,24 @@ for queue in ([c[2]], [req("long", 900, 0.0, cached=1), c[2]]):
     owing = SimpleNamespace(_prefill_decode_interval_remaining=2, prefill_decode_interval_min_bs=0, chunked_req=None,
                             waiting_queue=queue)
     turns.append([Scheduler._should_defer_prefill(owing, running), owing._prefill_decode_interval_remaining])
+# A follow-up turn as SGLang holds it (a real Req of 300 prompt tokens, not matched yet) whose first 250 tokens are in
+# the cache (a RadixCache as SGLang builds one without a GPU pool): the hook matches it with SGLang's match_kv_cache,
+# finds 50 new tokens, and the owed decode pass stands.
+from array import array
+import torch
+from sglang.srt.managers.schedule_batch import Req
+from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
+from sglang.srt.sampling.sampling_params import SamplingParams
+tree = RadixCache.create_simulated()
+tree.insert(InsertParams(key=RadixKey(token_ids=array("q", range(100, 350)), extra_key=None),
+                         value=torch.empty(250, dtype=torch.bool)))
+turn = Req("turn", "", array("q", range(100, 400)), SamplingParams(max_new_tokens=4))
+unmatched = turn.num_matched_prefix_tokens
+owing = SimpleNamespace(_prefill_decode_interval_remaining=2, prefill_decode_interval_min_bs=0, chunked_req=None,
+                        waiting_queue=[turn], tree_cache=tree)
+turns.append([Scheduler._should_defer_prefill(owing, running), owing._prefill_decode_interval_remaining,
+              unmatched, turn.num_matched_prefix_tokens])
 out["decode_turns"] = [turn_hook_type.value, turns, schedule_policy.match_kv_cache is match_kv_cache]
 print(json.dumps(out))
 """
@@ -132,7 +150,8 @@ def test_sglang_loads_the_plugin_and_late_requests_go_behind_those_in_time(sglan
     assert "holds at most 64 tokens, or what they need where more (short passes)" in done.stderr
     # Decode turns: the hook is after SGLang's method; the owed pass stands (True, 1 left) while only a short prompt
     # waits, and what is owed is dropped (False, 0 left) with a 899-new-token one waiting.
-    assert out["decode_turns"] == ["after", [[True, 1], [False, 0]], True]
+    # A follow-up turn of 300 tokens not matched yet, 250 of them cached: matched by the hook, 50 new, the pass stands.
+    assert out["decode_turns"] == ["after", [[True, 1], [False, 0], [True, 1, 0, 250]], True]
     assert "kept only while no chunked prefill is in progress and every waiting request has at most 100" in done.stderr
     assert "LAPS_TTFT_S is not set" in done.stderr
     assert "ERROR laps plugin (pid " in done.stderr and "): LAPS_TTFT_S='abc' is not a number" in done.stderr
