@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 import statistics
 
@@ -215,24 +216,33 @@ def test_prefill_decode_interval_owes_decode_passes_after_a_prefill_while_enough
     """SGLang's ``--prefill-decode-interval 2``: after a prefill pass, two decode passes before the next prefill while
     at least ``--prefill-decode-interval-min-bs`` requests run (two here); with fewer, prefill at once."""
     core = make_core(prefill_decode_interval=2, prefill_decode_interval_min_bs=min_bs)
-    core.add_request("a", prompt(50), 20, ignore_eos=True)
-    core.add_request("b", prompt(50, 5000), 20, ignore_eos=True)
-    now = core.step(0.0).duration_s  # one prefill pass for both
-    core.add_request("c", prompt(50, 9000), 20, ignore_eos=True, now=now)
-    seen = []
-    for _ in range(3):
+    assert passes_after_one_prefill(core, 50, [[50], [], []]) == passes
+
+
+def passes_after_one_prefill(core: EngineCore, first_tokens: int, arriving: list[list[int]]) -> list[tuple[int, int]]:
+    """(prefill seqs, decode seqs) of the passes after one prefill pass of two prompts of ``first_tokens`` each (20
+    tokens to generate, as every request here): one pass for each item of ``arriving``, the prompts (their tokens)
+    that arrive just before it."""
+    core.add_request("a", prompt(first_tokens), 20, ignore_eos=True)
+    core.add_request("b", prompt(first_tokens, 5000), 20, ignore_eos=True)
+    now = core.step(0.0).duration_s
+    seen, rids = [], itertools.count()
+    for prompts in arriving:
+        for tokens in prompts:
+            i = next(rids)
+            core.add_request(f"r{i}", prompt(tokens, 9000 + 1000 * i), 20, ignore_eos=True, now=now)
         step = core.step(now)
         seen.append((step.num_prefill_seqs, step.num_decode_seqs))
         now += step.duration_s
-    assert seen == passes
+    return seen
 
 
 @pytest.mark.parametrize(("waiting", "chunk", "passes"), [
-    ([("c", 50)], None, [(0, 2), (1, 0), (0, 3)]),  # only a short prompt waits: the owed decode pass runs first
-    ([("c", 50), ("d", 200)], None, [(2, 0), (0, 4), (0, 4)]),  # one of 200 new tokens waits: prefill at once
-    # chunk 30: b is cut in the first pass, so a chunked prefill is in progress: its rest and c's first 20 tokens at
-    # once, then c's rest (in progress again), then the decode pass (SGLang's interval alone decodes first: (0, 1))
-    ([("c", 50)], 30, [(2, 0), (1, 0), (0, 3)]),
+    ([50], None, [(0, 2), (1, 0), (0, 3)]),  # only a short prompt waits: the owed decode pass runs first
+    ([50, 200], None, [(2, 0), (0, 4), (0, 4)]),  # one of 200 new tokens waits too: prefill at once
+    # chunk 30: b is cut in the first pass, so a chunked prefill is in progress: its rest and the short prompt's first
+    # 20 tokens at once, then its rest (in progress again), then the decode pass (SGLang's interval alone: (0, 1) first)
+    ([50], 30, [(2, 0), (1, 0), (0, 3)]),
 ])
 def test_decode_turns_keep_the_owed_decode_pass_only_while_just_short_prompts_wait_and_no_chunk_is_in_progress(
         waiting, chunk, passes):
@@ -241,42 +251,16 @@ def test_decode_turns_keep_the_owed_decode_pass_only_while_just_short_prompts_wa
     progress; else the owed pass is dropped. Passes as (prefill seqs, decode seqs)."""
     core = make_core(prefill_decode_interval=1, decode_turn_short_tokens=100,
                      **({} if chunk is None else {"chunked_prefill_size": chunk}))
-    core.add_request("a", prompt(20), 20, ignore_eos=True)
-    core.add_request("b", prompt(20, 5000), 20, ignore_eos=True)
-    now = core.step(0.0).duration_s  # one prefill pass for both
-    for i, (rid, tokens) in enumerate(waiting):
-        core.add_request(rid, prompt(tokens, 9000 + 1000 * i), 20, ignore_eos=True, now=now)
-    seen = []
-    for _ in range(3):
-        step = core.step(now)
-        seen.append((step.num_prefill_seqs, step.num_decode_seqs))
-        now += step.duration_s
-    assert seen == passes
+    assert passes_after_one_prefill(core, 20, [waiting, [], []]) == passes
 
 
 def test_decode_turns_drop_what_is_still_owed_when_a_long_prompt_arrives_between_owed_passes():
     """Interval 2, short at most 100 new tokens: after the first owed decode pass a 200-token prompt arrives, and the
     second owed pass is dropped (both waiting prompts prefill together); below min-bs nothing is owed at all."""
     core = make_core(prefill_decode_interval=2, decode_turn_short_tokens=100)
-    core.add_request("a", prompt(20), 20, ignore_eos=True)
-    core.add_request("b", prompt(20, 5000), 20, ignore_eos=True)
-    now = core.step(0.0).duration_s
-    core.add_request("c", prompt(50, 9000), 20, ignore_eos=True, now=now)
-    seen = []
-    for arriving in (None, ("d", 200), None, None):
-        if arriving is not None:
-            core.add_request(arriving[0], prompt(arriving[1], 20000), 20, ignore_eos=True, now=now)
-        step = core.step(now)
-        seen.append((step.num_prefill_seqs, step.num_decode_seqs))
-        now += step.duration_s
-    assert seen == [(0, 2), (2, 0), (0, 4), (0, 4)]
+    assert passes_after_one_prefill(core, 20, [[50], [200], [], []]) == [(0, 2), (2, 0), (0, 4), (0, 4)]
     few = make_core(prefill_decode_interval=2, prefill_decode_interval_min_bs=3, decode_turn_short_tokens=100)
-    few.add_request("a", prompt(20), 20, ignore_eos=True)
-    few.add_request("b", prompt(20, 5000), 20, ignore_eos=True)
-    now = few.step(0.0).duration_s
-    few.add_request("c", prompt(50, 9000), 20, ignore_eos=True, now=now)
-    step = few.step(now)
-    assert (step.num_prefill_seqs, step.num_decode_seqs) == (1, 0)  # 2 running, fewer than 3: prefill at once
+    assert passes_after_one_prefill(few, 20, [[50]]) == [(1, 0)]  # 2 running, fewer than 3: prefill at once
 
 
 def test_decode_turns_need_a_token_count_of_at_least_zero():

@@ -500,33 +500,30 @@ def _deadline_order_settings() -> tuple[int | None, float | None]:
 def _short_pass_setting(deadline_order: bool) -> int | None:
     """``LAPS_SHORT_PASS_TOKENS``, or None: unset, or malformed, or set while deadline order is off (both logged)
     (module doc, Short passes)."""
-    raw = os.environ.get(SHORT_PASS_ENV, "").strip()
-    if not raw:
-        return None
-    try:
-        tokens = int(raw)
-        if tokens < 1:
-            raise ValueError
-    except ValueError:
-        logger.error("%s=%r is not an integer >= 1; short passes stay off", SHORT_PASS_ENV, raw)
-        return None
-    if not deadline_order:
+    tokens = _read_tokens(SHORT_PASS_ENV, 1, "short passes")
+    if tokens is not None and not deadline_order:
         logger.error("%s=%r is set, but deadline order is off (it needs %s and %s); short passes stay off",
-                     SHORT_PASS_ENV, raw, DEADLINE_ORDER_ENV, PREFILL_RATE_ENV)
+                     SHORT_PASS_ENV, os.environ[SHORT_PASS_ENV], DEADLINE_ORDER_ENV, PREFILL_RATE_ENV)
         return None
     return tokens
 
 
 def _decode_turn_setting() -> int | None:
     """``LAPS_DECODE_TURN_SHORT_TOKENS``, or None: unset, or malformed (logged) (module doc, Decode turns)."""
-    raw = os.environ.get(DECODE_TURN_ENV, "").strip()
+    return _read_tokens(DECODE_TURN_ENV, 0, "decode turns")
+
+
+def _read_tokens(name: str, minimum: int, feature: str) -> int | None:
+    """The environment variable ``name`` as a number of tokens, an integer >= ``minimum``; None where it is unset or
+    empty, or malformed (logged: ``feature`` stays off)."""
+    raw = os.environ.get(name, "").strip()
     if not raw:
         return None
     try:
         tokens = int(raw)
-        if tokens < 0:
+        if tokens < minimum:
             raise ValueError
     except ValueError:
-        logger.error("%s=%r is not an integer >= 0; decode turns stay off", DECODE_TURN_ENV, raw)
+        logger.error("%s=%r is not an integer >= %d; %s stay off", name, raw, minimum, feature)
         return None
     return tokens
