@@ -8,7 +8,7 @@ coerced here and refused by the engine.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
@@ -106,7 +106,8 @@ class _SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     priority: int | None = Field(None, ge=-(1 << 63), lt=1 << 63)  # SGLang's; see gateway/priority.py
     stream_options: dict | None = None  # OpenAI's: only with "stream": true
-    logit_bias: dict[str, float] | None = None  # token id (a decimal string) -> bias; ids past the vocabulary: handlers
+    # token id (a decimal string) -> bias in OpenAI's range, -100 to 100; ids past the vocabulary: handlers
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
 
     @field_validator("top_k")
     @classmethod

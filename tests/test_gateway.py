@@ -394,6 +394,8 @@ async def test_a_stream_read_to_the_end_then_closed_is_ok_and_not_aborted(stack)
          "logit_bias: keys must be token ids (non-negative integers as strings), got 'abc'"),
         ("/v1/chat/completions", chat("x", logit_bias={"-5": 1}), "logit_bias", "got '-5'"),
         ("/v1/chat/completions", chat("x", logit_bias={"5": "up"}), "logit_bias.5", "valid number"),
+        ("/v1/chat/completions", chat("x", logit_bias={"5": 1000}), "logit_bias.5", "less than or equal to 100"),
+        ("/v1/chat/completions", chat("x", logit_bias={"5": -100.5}), "logit_bias.5", "greater than or equal to -100"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"151665": -100}}, "logit_bias",
          "logit_bias: token id 151665 is outside the vocabulary (0 .. 151664)"),
         ("/v1/completions", {"model": MODEL, "prompt": ""}, "prompt", "prompt is empty"),
