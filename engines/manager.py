@@ -285,14 +285,20 @@ def deadline_order_above(config: Config, role: str) -> int | None:
     (the gateway's short class where no ``cost_model`` sets the boundary; the engine counts the tokens it must
     prefill, prompt and reply so far less its own cache, the gateway its estimate); None where the role does not set
     ``deadline_order``."""
-    return config.scheduling.short_threshold_tokens - 1 if config.roles[role].deadline_order else None
+    return _short_most_new_tokens(config) if config.roles[role].deadline_order else None
 
 
 def decode_turn_short_tokens(config: Config, role: str) -> int | None:
     """The most new tokens of a request that keeps ``role``'s engines' owed decode passes (the plugin's decode turns):
-    ``scheduling.short_threshold_tokens`` − 1, as in :func:`deadline_order_above`; None where the role does not set
+    ``scheduling.short_threshold_tokens`` − 1, as for :func:`deadline_order_above`; None where the role does not set
     ``decode_turns``."""
-    return config.scheduling.short_threshold_tokens - 1 if config.roles[role].decode_turns else None
+    return _short_most_new_tokens(config) if config.roles[role].decode_turns else None
+
+
+def _short_most_new_tokens(config: Config) -> int:
+    """The most new tokens the plugin counts as short: one less than ``scheduling.short_threshold_tokens``, so requests
+    of fewer than the threshold are short there, as in the gateway's class."""
+    return config.scheduling.short_threshold_tokens - 1
 
 
 def sim_model(config: Config, engine: EngineConfig, role: str | None = None) -> ResolvedSim:

@@ -47,7 +47,7 @@ does nearly a full pass's work per second (the engine model: 6.6 ms for 256
 tokens on a 4k-token prefix against 25.6 ms for 1,024, 3.8% more per token),
 so the long prefill loses little.
 
-Decode turns in short bursts (``LAPS_DECODE_TURN_SHORT_TOKENS`` T, with
+Decode turns (``LAPS_DECODE_TURN_SHORT_TOKENS`` T, with
 SGLang's ``--prefill-decode-interval N`` and ``--prefill-decode-interval-min-bs
 B``): SGLang runs a prefill pass whenever one can be formed and decodes only
 when none can, so a stream of short prompts arriving faster than their passes
@@ -66,7 +66,8 @@ stream in.
 The simulated engine models the orders, the short pass and the decode turns
 (``engines/sim/core.py``, with this module's :func:`deadline_order`,
 :func:`short_pass_budget` and :func:`decode_turn_due`); what they buy there is
-in the README ("Late requests last", "Decode under a burst").
+in the README (sections "Late requests last: laps' SGLang plugin" and "What the
+simulator says so far", its item "Decode under a burst").
 
 How laps enables it: when a role sets ``late_requests_last: true``, the
 gateway's engine manager puts this directory on the engine's ``PYTHONPATH``
@@ -279,11 +280,12 @@ def make_decode_turn_hook(short_tokens: int, policy_module: Any) -> Callable[...
         ``hook(deferred, scheduler, *args)``: None (SGLang's answer stands) unless SGLang owes a decode pass
         (``deferred``) and :func:`decode_turn_due` does not hold for the scheduler's chunked request and waiting
         queue; then it sets ``scheduler._prefill_decode_interval_remaining`` to 0 and returns False (prefill now).
-        A waiting request of more than T new tokens that has no cached prefix matched (``num_matched_prefix_tokens``
-        0: SGLang matches only as it forms a prefill batch, so a request that arrived since the last one has none) is
-        first matched against ``scheduler.tree_cache`` with ``match_kv_cache``, as SGLang's ``calc_priority`` matches
-        each waiting request before its next prefill pass. Never raises: a scheduler it cannot read keeps SGLang's
-        answer (logged once).
+        A waiting request of more than T new tokens with no cached tokens matched (``num_matched_prefix_tokens`` 0:
+        SGLang matches only as it forms a prefill batch, so a request that arrived since the last one has none; one
+        matched with nothing cached is matched again, a cost bounded as the judgement stops at the first long
+        request) is first matched against ``scheduler.tree_cache`` with ``match_kv_cache``, as SGLang's
+        ``calc_priority`` matches each waiting request before its next prefill pass. Never raises: a scheduler it
+        cannot read keeps SGLang's answer (logged once).
     """
     unreadable = False
 
