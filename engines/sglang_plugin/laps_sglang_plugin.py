@@ -297,8 +297,10 @@ def make_decode_turn_hook(short_tokens: int, policy_module: Any) -> Callable[...
             work_of = policy_module.SchedulePolicy._shortest_prefill_work
 
             def new_tokens(req: Any) -> int:
-                if work_of(req) > short_tokens and not req.num_matched_prefix_tokens:
-                    policy_module.match_kv_cache(req, scheduler.tree_cache)
+                work = work_of(req)
+                if work <= short_tokens or req.num_matched_prefix_tokens:
+                    return work
+                policy_module.match_kv_cache(req, scheduler.tree_cache)
                 return work_of(req)
 
             due = decode_turn_due(scheduler.chunked_req is not None, map(new_tokens, scheduler.waiting_queue),

@@ -359,6 +359,11 @@ class _Req:
     def fill_len(self) -> int:
         return len(self.input_ids) + len(self.output_ids)
 
+    @property
+    def prefill_work(self) -> int:
+        """Tokens left to prefill as of the last match, at least 1: SGLang's ``SchedulePolicy._shortest_prefill_work``."""
+        return max(1, self.fill_len - self.matched)
+
 
 class EngineCore:
     """SGLang-like continuous batching over a simulated GPU (see the module doc).
@@ -686,7 +691,7 @@ class EngineCore:
                 if cfg.late_last_deadline_order_tokens is not None:
                     self._deadline_order_in_time(pushed_back)
             elif policy == "shortest-prefill-first":
-                waiting.sort(key=lambda r: (r.rid in pushed_back, max(1, r.fill_len - r.matched), r.entry_time))
+                waiting.sort(key=lambda r: (r.rid in pushed_back, r.prefill_work, r.entry_time))
             else:
                 clock = self._processed_tokens
 
@@ -745,7 +750,7 @@ class EngineCore:
         short = self.config.decode_turn_short_tokens
         if (not self._running or len(self._running) < self.config.prefill_decode_interval_min_bs
                 or short is not None and not decode_turn_due(
-                    self._chunked is not None, (max(1, r.fill_len - r.matched) for r in self._waiting), short)):
+                    self._chunked is not None, (r.prefill_work for r in self._waiting), short)):
             self._decode_rounds_owed = 0
             return False
         self._decode_rounds_owed -= 1
@@ -815,7 +820,7 @@ class EngineCore:
         cfg, now = self.config, self._now
 
         def key(r: _Req) -> tuple:
-            work = max(1, r.fill_len - r.matched)
+            work = r.prefill_work
             return r.rid in pushed_back, now - r.entry_time > self._late_last_objective_s(work), work, r.entry_time
 
         return key
@@ -832,7 +837,7 @@ class EngineCore:
         cfg, now = self.config, self._now
         in_time = []
         for r in self._waiting:  # in time, then late, then pushed back
-            work = max(1, r.fill_len - r.matched)
+            work = r.prefill_work
             objective_s = self._late_last_objective_s(work)
             if r.rid in pushed_back or now - r.entry_time > objective_s:
                 break
@@ -852,7 +857,7 @@ class EngineCore:
         remaining = chunked.fill_len - chunked.kv_len
         reserved = 0
         for req in self._waiting:
-            work = max(1, req.fill_len - req.matched)
+            work = req.prefill_work
             if work >= remaining or reserved + work > budget - 1:
                 break
             reserved += work
