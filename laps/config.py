@@ -282,20 +282,18 @@ class RoleConfig(_Strict):
         if self.short_pass and chunk is not None and chunk <= 0:
             raise ValueError("short_pass cuts a pass's chunk budget: it needs chunked prefill, not "
                              f"flags.chunked-prefill-size: {chunk} (SGLang turns chunking off at 0 or less)")
-        interval = _int_or_none(self.flags.get("prefill-decode-interval"))
         if self.decode_turns and not self.late_requests_last:
             raise ValueError("decode_turns is part of laps' SGLang plugin: it needs late_requests_last: true")
+        interval = _int_or_none(self.flags.get("prefill-decode-interval"))
         if self.decode_turns and not (interval is not None and interval >= 1):
-            here = "unset" if "prefill-decode-interval" not in self.flags else self.flags["prefill-decode-interval"]
+            here = self.flags.get("prefill-decode-interval", "unset")
             raise ValueError("decode_turns keeps or drops the decode passes SGLang's prefill-decode-interval owes: it "
                              f"needs flags.prefill-decode-interval >= 1 (here: {here})")
         return self
 
     def same_engine(self, other: "RoleConfig") -> bool:
-        """Whether an engine runs the same with ``other``: the same flags and the same plugin."""
-        return (self.flags == other.flags and self.late_requests_last == other.late_requests_last
-                and self.deadline_order == other.deadline_order and self.short_pass == other.short_pass
-                and self.decode_turns == other.decode_turns)
+        """Whether an engine runs the same with ``other``: every key but ``pool`` (the flags and the plugin's keys) equal."""
+        return self.model_dump(exclude={"pool"}) == other.model_dump(exclude={"pool"})
 
 
 class SimConfig(_Strict):
