@@ -251,9 +251,9 @@ class RoleConfig(_Strict):
     ``decode_turns`` (needs ``late_requests_last`` and
     ``flags.prefill-decode-interval``, SGLang's decode passes owed after each
     prefill pass while ``flags.prefill-decode-interval-min-bs`` requests run):
-    the plugin keeps an owed decode pass only while the chunked prefill in
-    progress and every waiting request have fewer than
-    ``scheduling.short_threshold_tokens`` new tokens left, so a stream of short
+    the plugin keeps an owed decode pass only while no chunked prefill is in
+    progress and every waiting request has fewer than
+    ``scheduling.short_threshold_tokens`` new tokens, so a stream of short
     prompts cannot starve decode (no request would finish, no request slot
     free) and a long prefill is not stretched by a decode pass per chunk
     (``engines/sglang_plugin``).

@@ -341,7 +341,7 @@ def test_the_8xh200_example_uses_each_gpu_once_with_real_sglang_engines():
     assert sim_model(sim, sim.engines[0]).config.late_last_deadline_order_tokens == 255
     assert env["LAPS_SHORT_PASS_TOKENS"] == "256" and sim_model(sim, sim.engines[0]).config.late_last_short_pass_tokens == 256
     # Decode turns: one decode pass owed after a prefill pass while 1,024 requests run, kept while every waiting request
-    # and the chunked prefill in progress are short (at most 255 new tokens left).
+    # is short (at most 255 new tokens) and no chunked prefill is in progress.
     engine = sim_model(sim, sim.engines[0]).config
     assert env["LAPS_DECODE_TURN_SHORT_TOKENS"] == "255" and (
         engine.prefill_decode_interval, engine.prefill_decode_interval_min_bs,

@@ -146,8 +146,8 @@ def test_laps_plugin_runs_in_the_engine(deployment: Deployment):
         assert sum(line.startswith("requests in time of more than 999999 new tokens go by deadline") for line in said) == 3
         assert said.count("a prefill pass that carries requests in time of at most 999999 new tokens holds at most "
                           "1000000 tokens, or what they need where more (short passes)") == 3
-        assert said.count("a decode pass that --prefill-decode-interval owes is kept only while the chunked prefill "
-                          "in progress and every waiting request have at most 999999 new tokens left (decode turns)") == 3
+        assert said.count("a decode pass that --prefill-decode-interval owes is kept only while no chunked prefill is "
+                          "in progress and every waiting request has at most 999999 new tokens (decode turns)") == 3
     else:
         assert engine.command[-10:] == ["--sim-late-last-ttft-s", "0.4", "--sim-late-last-per-1k-s", "0",
                                         "--sim-late-last-deadline-order-above", "999999", "--sim-short-pass-tokens",

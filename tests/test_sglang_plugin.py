@@ -152,7 +152,7 @@ def test_sglang_loads_the_plugin_and_late_requests_go_behind_those_in_time(sglan
     # waits, and what is owed is dropped (False, 0 left) with a 899-new-token one waiting.
     # A follow-up turn of 300 tokens not matched yet, 250 of them cached: matched by the hook, 50 new, the pass stands.
     assert out["decode_turns"] == ["after", [[True, 1], [False, 0], [True, 1, 0, 250]], True]
-    assert "kept only while the chunked prefill in progress and every waiting request have at most 100 new tokens left" in done.stderr
+    assert "kept only while no chunked prefill is in progress and every waiting request has at most 100" in done.stderr
     assert "LAPS_TTFT_S is not set" in done.stderr
     assert "ERROR laps plugin (pid " in done.stderr and "): LAPS_TTFT_S='abc' is not a number" in done.stderr
 
@@ -383,35 +383,21 @@ def test_a_chunked_request_the_hook_cannot_read_counts_as_none_and_never_stops_t
     assert decision.tokens_left == 0 and "cannot read" not in caplog.text
 
 
-@pytest.mark.parametrize(("chunk_left", "waiting", "due"), [
-    (0, [], True), (0, [1, 100], True), (0, [1, 101], False),
-    (100, [5], True),  # a short prompt cut at a full pass's chunk boundary: its short rest does not stop the turn
-    (101, [5], False), (101, [], False),  # a long prompt's rest does
+@pytest.mark.parametrize(("chunk", "waiting", "due"), [
+    (False, [], True), (False, [1, 100], True), (False, [1, 101], False), (True, [5], False), (True, [], False),
 ])
-def test_a_decode_turn_is_due_only_while_every_prefill_still_to_run_is_short(chunk_left, waiting, due):
-    assert load_plugin_module().decode_turn_due(chunk_left, waiting, 100) is due
-
-
-@pytest.mark.parametrize(("req", "left"), [
-    (None, 0),
-    (SimpleNamespace(full_untruncated_fill_ids=[7] * 3000, prefix_len=1024), 1976),
-    (SimpleNamespace(full_untruncated_fill_ids=[7] * 3000, prefix_len=3000), 0),
-])
-def test_chunk_tokens_left_counts_as_sglangs_shortest_prefill_chunk_limit(req, left):
-    assert load_plugin_module().chunk_tokens_left(req) == left
+def test_a_decode_turn_is_due_only_while_no_chunk_is_in_progress_and_every_waiting_request_is_short(chunk, waiting, due):
+    assert load_plugin_module().decode_turn_due(chunk, waiting, 100) is due
 
 
 def fake_scheduler(waiting: list[tuple[int, int]], cache: dict[int, int] | None = None,
-                   chunked: tuple[int, int] | None = None) -> SimpleNamespace:
+                   chunked: bool = False) -> SimpleNamespace:
     """A scheduler as the decode turn hook reads it: its waiting requests, (prompt tokens, cached tokens matched so
     far) each; its cache, as the tokens a match finds for a prompt of each length (others: none), and the prompts
-    matched (``cache.matched``); its chunked request, (prompt tokens, tokens up to its last chunk's end); one decode
-    pass owed."""
+    matched (``cache.matched``); its chunked request; one decode pass owed."""
     queue = [SimpleNamespace(origin_input_ids=[7] * n, output_ids=[], num_matched_prefix_tokens=m) for n, m in waiting]
     tree = SimpleNamespace(hits=cache or {}, matched=[])
-    chunked_req = None if chunked is None else SimpleNamespace(full_untruncated_fill_ids=[7] * chunked[0],
-                                                               prefix_len=chunked[1])
-    return SimpleNamespace(waiting_queue=queue, tree_cache=tree, chunked_req=chunked_req,
+    return SimpleNamespace(waiting_queue=queue, tree_cache=tree, chunked_req=SimpleNamespace() if chunked else None,
                            _prefill_decode_interval_remaining=1)
 
 
@@ -434,9 +420,7 @@ POLICY_MODULE = SimpleNamespace(SchedulePolicy=SimpleNamespace(_shortest_prefill
     # a follow-up turn that arrived since the last prefill pass: no match yet; matched, 2,950 of its 3,000 are cached
     (True, fake_scheduler([(50, 0), (3000, 0)], cache={3000: 2950}), None, 1, [3000]),
     (True, fake_scheduler([(50, 0), (101, 0)]), False, 0, [101]),  # 101 new tokens, none cached: prefill now
-    # a long prompt's chunked prefill in progress, 1,976 tokens left: its next chunk now
-    (True, fake_scheduler([(50, 0)], chunked=(3000, 1024)), False, 0, []),
-    (True, fake_scheduler([(50, 0)], chunked=(1100, 1024)), None, 1, []),  # 76 left of a chunked prompt: short
+    (True, fake_scheduler([(50, 0)], chunked=True), False, 0, []),  # a chunked prefill in progress: its next chunk now
     (False, fake_scheduler([(5000, 0)]), None, 1, []),  # SGLang owes nothing: its answer stands
 ])
 def test_the_decode_turn_hook_drops_an_owed_decode_pass_where_a_long_prefill_waits(deferred, scheduler, answer, owed,

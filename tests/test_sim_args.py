@@ -125,8 +125,8 @@ def test_the_engine_says_at_start_up_which_plugin_order_it_models():
     assert plugin_lines(short_pass)[2] == ("a prefill pass that carries requests in time of at most 255 new tokens holds "
                                            "at most 256 tokens, or what they need where more (short passes)")
     turns = dataclasses.replace(short_pass, prefill_decode_interval=1, decode_turn_short_tokens=255)
-    assert plugin_lines(turns)[3] == ("a decode pass that --prefill-decode-interval owes is kept only while the chunked "
-                                      "prefill in progress and every waiting request have at most 255 new tokens left "
+    assert plugin_lines(turns)[3] == ("a decode pass that --prefill-decode-interval owes is kept only while no chunked "
+                                      "prefill is in progress and every waiting request has at most 255 new tokens "
                                       "(decode turns)")
 
 

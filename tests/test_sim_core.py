@@ -237,25 +237,21 @@ def passes_after_one_prefill(core: EngineCore, first_tokens: int, arriving: list
     return seen
 
 
-@pytest.mark.parametrize(("first", "waiting", "chunk", "passes"), [
-    (20, [50], None, [(0, 2), (1, 0), (0, 3)]),  # only a short prompt waits: the owed decode pass runs first
-    (20, [50, 200], None, [(2, 0), (0, 4), (0, 4)]),  # one of 200 new tokens waits too: prefill at once
-    # chunk 30: b is cut in the first pass with 10 tokens left, short: the decode pass first; then b's rest and the
-    # short prompt's first 20 tokens (it is cut, 30 left: short again), the decode pass, its rest
-    (20, [50], 30, [(0, 1), (2, 0), (0, 2), (1, 0)]),
-    # chunk 30, a 400-token prompt waits: prefill at once (b's rest and its first 20 tokens); it is cut with 380 left,
-    # a long prompt in progress: its chunks run back to back (SGLang's interval alone: (0, 1), (2, 0), (0, 2), (1, 0),
-    # (0, 2), a decode pass after each)
-    (20, [400], 30, [(2, 0), (1, 0), (1, 0), (1, 0), (1, 0)]),
+@pytest.mark.parametrize(("waiting", "chunk", "passes"), [
+    ([50], None, [(0, 2), (1, 0), (0, 3)]),  # only a short prompt waits: the owed decode pass runs first
+    ([50, 200], None, [(2, 0), (0, 4), (0, 4)]),  # one of 200 new tokens waits too: prefill at once
+    # chunk 30: b is cut in the first pass, so a chunked prefill is in progress: its rest and the short prompt's first
+    # 20 tokens at once, then its rest (in progress again), then the decode pass (SGLang's interval alone: (0, 1) first)
+    ([50], 30, [(2, 0), (1, 0), (0, 3)]),
 ])
-def test_decode_turns_keep_the_owed_decode_pass_only_while_every_prefill_still_to_run_is_short(
-        first, waiting, chunk, passes):
+def test_decode_turns_keep_the_owed_decode_pass_only_while_just_short_prompts_wait_and_no_chunk_is_in_progress(
+        waiting, chunk, passes):
     """laps' plugin's decode turns (``decode_turn_short_tokens`` 100): SGLang's interval (1 decode pass
-    after a prefill pass) holds while every waiting request has at most 100 new tokens and the chunked prefill in
-    progress, if any, has at most 100 left; else the owed pass is dropped. Passes as (prefill seqs, decode seqs)."""
+    after a prefill pass) holds while every waiting request has at most 100 new tokens and no chunked prefill is in
+    progress; else the owed pass is dropped. Passes as (prefill seqs, decode seqs)."""
     core = make_core(prefill_decode_interval=1, decode_turn_short_tokens=100,
                      **({} if chunk is None else {"chunked_prefill_size": chunk}))
-    assert passes_after_one_prefill(core, first, [waiting] + [[]] * (len(passes) - 1)) == passes
+    assert passes_after_one_prefill(core, 20, [waiting, [], []]) == passes
 
 
 def test_decode_turns_drop_what_is_still_owed_when_a_long_prompt_arrives_between_owed_passes():

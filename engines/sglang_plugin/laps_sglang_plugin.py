@@ -56,12 +56,9 @@ request slot frees, and once the slots (``--max-running-requests``) are full
 every new request waits for one. SGLang's interval owes N decode passes after
 each prefill pass while at least B requests run; after every chunk of a long
 prompt too, which stretches a long prefill by a decode pass per chunk. With T
-set, the plugin keeps an owed decode pass only while every prefill still to run
-is short: the chunked prefill in progress, if any, has at most T new tokens
-left, and every waiting request has at most T new tokens
-(:func:`decode_turn_due`; a short prompt cut at a full pass's chunk boundary
-leaves a short rest, which does not stop the turn, a long prompt's rest does);
-otherwise the owed passes are dropped and the
+set, the plugin keeps an owed decode pass only while no chunked prefill is in
+progress and every waiting request has at most T new tokens
+(:func:`decode_turn_due`); otherwise the owed passes are dropped and the
 prefill runs, as without the interval. A short request then waits at most N
 decode passes more; decode keeps at least one pass in N + 1 while short prompts
 stream in.
@@ -255,30 +252,19 @@ def short_pass_budget(short_tokens: list[int], pass_tokens: int, chunk_tokens_le
     return max(up(pass_tokens), sum(up(t) for t in short_tokens) + chunk, 2 * page)
 
 
-def chunk_tokens_left(req: Any) -> int:
-    """New tokens left of SGLang's chunked request ``req`` (None: no chunked prefill, 0):
-    ``len(full_untruncated_fill_ids) - prefix_len``, as ``SchedulePolicy.shortest_prefill_chunk_limit`` counts them
-    (``prefix_len`` is the end of the last chunk scheduled once ``stash_chunked_request`` has run).
-
-    Raises:
-        AttributeError, TypeError: on a request without those fields (the callers' hooks catch it).
-    """
-    return 0 if req is None else max(0, len(req.full_untruncated_fill_ids) - int(req.prefix_len))
-
-
-def decode_turn_due(chunk_tokens_left: int, waiting_tokens: Iterable[int], short_tokens: int) -> bool:
+def decode_turn_due(chunk_in_progress: bool, waiting_tokens: Iterable[int], short_tokens: int) -> bool:
     """Whether an engine keeps a decode pass owed under its prefill-decode interval (module doc, Decode turns).
 
     Args:
-        chunk_tokens_left: new tokens left of the chunked prefill in progress (0: none).
+        chunk_in_progress: a chunked prefill is in progress (its next chunk would run in the prefill pass).
         waiting_tokens: the new (uncached) tokens of each waiting request.
         short_tokens: T, the most new tokens of a short request.
 
     Returns:
-        True when the chunked prefill in progress has at most T new tokens left and every waiting request has at
-        most T new tokens (True too with none waiting: SGLang then decodes anyway).
+        True when no chunked prefill is in progress and every waiting request has at most T new tokens (True too
+        with none waiting: SGLang then decodes anyway).
     """
-    return chunk_tokens_left <= short_tokens and all(tokens <= short_tokens for tokens in waiting_tokens)
+    return not chunk_in_progress and all(tokens <= short_tokens for tokens in waiting_tokens)
 
 
 def make_decode_turn_hook(short_tokens: int, policy_module: Any) -> Callable[..., bool | None]:
@@ -317,7 +303,7 @@ def make_decode_turn_hook(short_tokens: int, policy_module: Any) -> Callable[...
                 policy_module.match_kv_cache(req, scheduler.tree_cache)
                 return work_of(req)
 
-            due = decode_turn_due(chunk_tokens_left(scheduler.chunked_req), map(new_tokens, scheduler.waiting_queue),
+            due = decode_turn_due(scheduler.chunked_req is not None, map(new_tokens, scheduler.waiting_queue),
                                   short_tokens)
         except Exception as err:  # inside SGLang's scheduler loop: never raise
             if not unreadable:
@@ -352,7 +338,7 @@ class BatchDecision:
         self.short_tokens = None
         req = getattr(scheduler, "chunked_req", None)
         try:
-            self.tokens_left = chunk_tokens_left(req)
+            self.tokens_left = 0 if req is None else max(0, len(req.full_untruncated_fill_ids) - int(req.prefix_len))
         except Exception as err:  # inside SGLang's scheduler loop: never raise
             self.tokens_left = 0
             if not self._unreadable:
@@ -492,8 +478,8 @@ def register() -> None:
         logger.info("a prefill pass that carries requests in time of at most %d new tokens holds at most %d tokens, "
                     "or what they need where more (short passes)", above, short_pass)
     if decode_turn is not None:
-        logger.info("a decode pass that --prefill-decode-interval owes is kept only while the chunked prefill in "
-                    "progress and every waiting request have at most %d new tokens left (decode turns)", decode_turn)
+        logger.info("a decode pass that --prefill-decode-interval owes is kept only while no chunked prefill is in "
+                    "progress and every waiting request has at most %d new tokens (decode turns)", decode_turn)
 
 
 def _deadline_order_settings() -> tuple[int | None, float | None]:

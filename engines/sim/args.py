@@ -413,8 +413,8 @@ def build_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
                         "what they need where more, instead of filling the chunk with a long prefill (default: off)")
     p.add_argument("--sim-decode-turn-short-tokens", type=int, metavar="TOKENS",
                    help="with --prefill-decode-interval and --sim-late-last-ttft-s: the plugin's decode turns: a decode "
-                        "pass the interval owes is kept only while the chunked prefill in progress and every waiting "
-                        "request have at most TOKENS new tokens left, else the prefill runs (default: off)")
+                        "pass the interval owes is kept only while no chunked prefill is in progress and every waiting "
+                        "request has at most TOKENS new tokens, else the prefill runs (default: off)")
     p.add_argument("--disaggregation-mode", choices=("null", "prefill", "decode"),
                    help="PD disaggregation: prefill-only or decode-only engine (default null; see engines.sim.pd_http)")
     p.add_argument("--disaggregation-transfer-backend", choices=PD_TRANSFER_BACKENDS,

@@ -20,8 +20,8 @@ models, read from SGLang 0.5.23 (``managers/scheduler.py``
   interval dropped). SGLang spends a deferred round with nothing running as an
   empty loop turn; the model skips it (it takes no time). With laps' plugin's
   decode turns (``decode_turn_short_tokens`` T) an owed decode
-  pass is kept only while the chunked prefill in progress, if any, has at most
-  T tokens left and every waiting request has at most T uncached tokens (``max(1, len(fill) − matched)``, as
+  pass is kept only while no chunked prefill is in progress and every waiting
+  request has at most T uncached tokens (``max(1, len(fill) − matched)``, as
   last matched; the plugin's ``decode_turn_due``), else the passes owed are
   dropped and the prefill runs. The model matches a request when it arrives;
   the plugin matches one that has no match yet (it arrived since the last
@@ -363,11 +363,6 @@ class _Req:
     def prefill_work(self) -> int:
         """Tokens left to prefill as of the last match, at least 1: SGLang's ``SchedulePolicy._shortest_prefill_work``."""
         return max(1, self.fill_len - self.matched)
-
-    @property
-    def tokens_left(self) -> int:
-        """Tokens not yet in its KV (a chunked prefill's rest): the plugin's ``chunk_tokens_left``."""
-        return self.fill_len - self.kv_len
 
 
 class EngineCore:
@@ -755,8 +750,7 @@ class EngineCore:
         short = self.config.decode_turn_short_tokens
         if (not self._running or len(self._running) < self.config.prefill_decode_interval_min_bs
                 or short is not None and not decode_turn_due(
-                    self._chunked.tokens_left if self._chunked is not None else 0,
-                    (r.prefill_work for r in self._waiting), short)):
+                    self._chunked is not None, (r.prefill_work for r in self._waiting), short)):
             self._decode_rounds_owed = 0
             return False
         self._decode_rounds_owed -= 1
@@ -849,7 +843,7 @@ class EngineCore:
                 break
             in_time.append((r, work, r.entry_time + objective_s))
         chunked = self._chunked
-        ahead = 0 if chunked is None else chunked.tokens_left
+        ahead = 0 if chunked is None else chunked.fill_len - chunked.kv_len
         self._waiting[:len(in_time)] = deadline_order(in_time, now, cfg.late_last_deadline_order_tokens,
                                                       cfg.late_last_prefill_s_per_1k, ahead)
         if cfg.late_last_short_pass_tokens is not None:  # the plugin's short pass, from the same requests in time
@@ -860,7 +854,7 @@ class EngineCore:
         """shortest-prefill-first: cap the continuing chunk so shorter waiting prefills fit (None: no cap)."""
         if self.config.schedule_policy != "shortest-prefill-first" or budget < 2:
             return None
-        remaining = chunked.tokens_left
+        remaining = chunked.fill_len - chunked.kv_len
         reserved = 0
         for req in self._waiting:
             work = req.prefill_work

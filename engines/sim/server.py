@@ -391,9 +391,9 @@ def plugin_lines(config: EngineConfig) -> list[str]:
                      f"new tokens holds at most {config.late_last_short_pass_tokens} tokens, or what they need where "
                      "more (short passes)")
     if config.decode_turn_short_tokens is not None:
-        lines.append("a decode pass that --prefill-decode-interval owes is kept only while the chunked prefill in "
-                     f"progress and every waiting request have at most {config.decode_turn_short_tokens} new "
-                     "tokens left (decode turns)")
+        lines.append("a decode pass that --prefill-decode-interval owes is kept only while no chunked prefill is in "
+                     f"progress and every waiting request has at most {config.decode_turn_short_tokens} new "
+                     "tokens (decode turns)")
     return lines
 
 
