@@ -58,8 +58,11 @@ each prefill pass while at least B requests run; after every chunk of a long
 prompt too, which stretches a long prefill by a decode pass per chunk. With T
 set, the plugin keeps an owed decode pass only while no chunked prefill is in
 progress and every waiting request has at most T new tokens
-(:func:`decode_turn_due`); otherwise the owed passes are dropped and the
-prefill runs, as without the interval. A short request then waits at most N
+(:func:`decode_turn_due`; a short prompt cut at a full pass's chunk boundary
+is a chunked prefill in progress too, which happens only when more waits than
+one pass holds, so a backlog of short prompts drops the turn as well);
+otherwise the owed passes are dropped and the prefill runs, as without the
+interval. A short request then waits at most N
 decode passes more; decode keeps at least one pass in N + 1 while short prompts
 stream in.
 
