@@ -420,6 +420,14 @@ async def test_a_stream_read_to_the_end_then_closed_is_ok_and_not_aborted(stack)
         ("/v1/chat/completions", chat("x", stream=False, stream_options={"include_usage": True}), "stream_options", "only allowed when stream is true"),
         ("/v1/chat/completions", chat("x", stream=True, stream_options=True), "stream_options", "valid dictionary"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "only allowed when stream is true"),
+        # fields the engine reads, typed as SGLang 0.5.23's protocol types them
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 50}, "logprobs", "less than or equal to 20"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": "x"}, "echo", "valid boolean"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "best_of": 0}, "best_of", "greater than or equal to 1"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "suffix": 5}, "suffix", "valid string"),
+        ("/v1/chat/completions", chat("x", response_format={"type": "xml"}), "response_format.type",
+         "'text', 'json_object', 'json_schema' or 'structural_tag'"),
+        ("/v1/chat/completions", chat("x", user=5), "user", "valid string"),
     ],
 )
 async def test_wrong_types_are_refused_by_the_gateway_naming_the_field(stack, path, payload, param, fragment):

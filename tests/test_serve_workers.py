@@ -154,6 +154,9 @@ def test_two_workers_serve_chats_errors_and_one_metrics_and_stop_on_ctrl_c(gatew
             assert bad.json() == {"error": {"message": "messages: Field required", "type": "invalid_request_error", "param": "messages", "code": None}}
             unknown = client.post("/v1/chat/completions", json=_chat() | {"model": "nope"})
             assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+            refused = client.post("/v1/chat/completions", json=_chat() | {"n": 3})  # the simulated engine's 400, relayed
+            assert refused.status_code == 400 and refused.json()["error"]["type"] == "invalid_request_error"
+            assert "n must be 1 on the simulated engine (it answers one choice), got 3" in refused.json()["error"]["message"]
     sent += _switch_through_a_worker(url)
     text = log.read_text()
     ok = len(re.findall(r"outcome=ok", text))

@@ -228,6 +228,13 @@ async def test_client_disconnect_aborts_the_request(client):
          "BadRequestError"),
         ("/v1/chat/completions", {"messages": MESSAGES, "min_tokens": 10, "max_tokens": 5},
          "min_new_tokens must be in [0, max_new_tokens(5)], got 10.", "BadRequestError"),
+        # SGLang answers n choices; the simulated engine answers one and says so rather than answer fewer
+        ("/v1/chat/completions", {"messages": MESSAGES, "n": 3}, "n must be 1 on the simulated engine (it answers one "
+         "choice), got 3", "Bad Request"),
+        ("/v1/completions", {"prompt": "x", "n": 2}, "n must be 1 on the simulated engine", "Bad Request"),
+        ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs must be between 0 and 20, got 21", "Bad Request"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "logprobs": True, "top_logprobs": 21},
+         "top_logprobs must be between 0 and 20, got 21", "Bad Request"),
         ("/v1/completions", {"prompt": "x", "min_tokens": 20}, "min_new_tokens must be in [0, max_new_tokens(16)], got 20.",
          "BadRequestError"),
     ],

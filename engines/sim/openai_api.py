@@ -91,9 +91,12 @@ def _options(body: dict[str, Any], max_new: int | None) -> tuple[list[str], bool
     client asked for usage in the stream, the model name and the request id (``max_new``: its reply limit).
 
     Raises:
-        ApiError: a field of the wrong type or a sampling value SGLang refuses (:func:`check_sampling`).
+        ApiError: a field of the wrong type, a sampling value SGLang refuses (:func:`check_sampling`), or ``n`` other
+            than 1 (SGLang answers ``n`` choices; this engine answers one, and says so rather than answer fewer).
     """
     check_sampling(body, openai=True, max_new_tokens=max_new)
+    if field(body, "n", (int,), 1) != 1:
+        raise ApiError(f"n must be 1 on the simulated engine (it answers one choice), got {body['n']}", "Bad Request")
     include_usage = bool((field(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
     return (stop_list(body), bool(field(body, "ignore_eos", (bool,), False)), bool(field(body, "stream", (bool,), False)),
             include_usage, field(body, "model", (str,), "default"), request_id(body))

@@ -187,7 +187,7 @@ def logprob_request(body: dict[str, Any], chat: bool) -> int | None:
         if top is None:
             return None
     if not 0 <= top <= 20:
-        raise ApiError(f"top_logprobs must be between 0 and 20, got {top}", "Bad Request")
+        raise ApiError(f"{'top_logprobs' if chat else 'logprobs'} must be between 0 and 20, got {top}", "Bad Request")
     return top
 
 
