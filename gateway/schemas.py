@@ -186,7 +186,7 @@ class CompletionRequest(_SamplingFields):
     """``POST /v1/completions`` body: one prompt, as text or as token ids."""
 
     prompt: str | list[int]
-    logprobs: int | None = Field(None, ge=0, le=20)  # top alternatives per token; SGLang's range (OpenAI's stops at 5)
+    logprobs: int | None = Field(None, ge=0, le=20)  # top alternatives per token: top_logprobs' range (SGLang sets none)
     echo: bool | None = None
     best_of: int | None = Field(None, ge=1)
     suffix: str | None = None
