@@ -86,6 +86,15 @@ class Tool(BaseModel):
     function: FunctionDefinition
 
 
+class ResponseFormat(BaseModel):
+    """``response_format``: its ``type`` one of SGLang 0.5.23's (``ResponseFormat``, ``StructuralTagResponseFormat``,
+    whose xgrammar ``StructuralTag`` defaults it to ``structural_tag``); the rest (``json_schema``, ``format``, ...)
+    passes through to the engine, which checks it."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: Literal["text", "json_object", "json_schema", "structural_tag"] = "structural_tag"
+
+
 class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
     model: str
@@ -107,6 +116,7 @@ class _SamplingFields(BaseModel):
     priority: int | None = Field(None, ge=-(1 << 63), lt=1 << 63)  # SGLang's; see gateway/priority.py
     stream_options: dict | None = None  # OpenAI's: only with "stream": true
     user: str | None = None
+    response_format: ResponseFormat | None = None  # SGLang types it on both routes
     # token id (a decimal string) -> bias in OpenAI's range, -100 to 100; ids past the vocabulary: handlers
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
 
@@ -141,14 +151,6 @@ class _SamplingFields(BaseModel):
         return v
 
 
-class ResponseFormat(BaseModel):
-    """``response_format``: its ``type`` one of SGLang 0.5.23's (``ResponseFormat``, ``StructuralTagResponseFormat``);
-    the rest (``json_schema``, ``structures``, ...) passes through to the engine, which checks it."""
-
-    model_config = ConfigDict(extra="allow", strict=True)
-    type: Literal["text", "json_object", "json_schema", "structural_tag"]
-
-
 class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions`` body (the fields laps reads; the rest pass through)."""
 
@@ -157,7 +159,6 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | dict | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)  # OpenAI's range
-    response_format: ResponseFormat | None = None
 
     @field_validator("tool_choice")
     @classmethod
@@ -186,7 +187,7 @@ class CompletionRequest(_SamplingFields):
     """``POST /v1/completions`` body: one prompt, as text or as token ids."""
 
     prompt: str | list[int]
-    logprobs: int | None = Field(None, ge=0, le=20)  # top alternatives per token: top_logprobs' range (SGLang sets none)
+    logprobs: int | None = Field(None, ge=0)  # top alternatives per token (SGLang sets no upper bound)
     echo: bool | None = None
     best_of: int | None = Field(None, ge=1)
     suffix: str | None = None

@@ -421,7 +421,9 @@ async def test_a_stream_read_to_the_end_then_closed_is_ok_and_not_aborted(stack)
         ("/v1/chat/completions", chat("x", stream=True, stream_options=True), "stream_options", "valid dictionary"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "only allowed when stream is true"),
         # fields the engine reads, typed as SGLang 0.5.23's protocol types them
-        ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 50}, "logprobs", "less than or equal to 20"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": -1}, "logprobs", "greater than or equal to 0"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "response_format": {"type": "xml"}}, "response_format.type",
+         "'text', 'json_object', 'json_schema' or 'structural_tag'"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": "x"}, "echo", "valid boolean"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "best_of": 0}, "best_of", "greater than or equal to 1"),
         ("/v1/completions", {"model": MODEL, "prompt": "x", "suffix": 5}, "suffix", "valid string"),
@@ -498,6 +500,22 @@ async def test_a_tool_choice_among_the_tools_and_top_logprobs_with_logprobs_pass
     async with session.post("/v1/chat/completions", json=body) as resp:
         assert resp.status == 200
     assert fakes["sp0"].bodies[0]["top_logprobs"] == 20 and fakes["sp0"].bodies[0]["tool_choice"]["function"]["name"] == "get_weather"
+
+
+@pytest.mark.parametrize(("path", "extra"), [
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {}}}}),
+    ("/v1/chat/completions", {"response_format": {"format": {"type": "const_string", "value": "x"}}}),  # structural tag
+    ("/v1/chat/completions", {"user": "u1", "response_format": {"type": "text"}}),
+    ("/v1/completions", {"echo": True, "best_of": 2, "suffix": "!", "logprobs": 0, "user": "u1"}),
+    ("/v1/completions", {"logprobs": 50, "response_format": {"type": "json_object"}}),  # SGLang sets no upper bound
+])
+async def test_fields_typed_as_sglang_types_them_pass_on_unchanged(stack, path, extra):
+    session, fakes, _ = stack
+    base = chat("Hi") if path == "/v1/chat/completions" else {"model": MODEL, "prompt": "Hi"}
+    async with session.post(path, json=base | extra) as resp:
+        assert resp.status == 200
+    sent = next(body for fake in fakes.values() for body in fake.bodies)
+    assert {k: sent[k] for k in extra} == extra
 
 
 async def test_tools_are_counted_with_the_template_and_passed_on(stack):

@@ -232,7 +232,10 @@ async def test_client_disconnect_aborts_the_request(client):
         ("/v1/chat/completions", {"messages": MESSAGES, "n": 3}, "n must be 1 on the simulated engine (it answers one "
          "choice), got 3", "Bad Request"),
         ("/v1/completions", {"prompt": "x", "n": 2}, "n must be 1 on the simulated engine", "Bad Request"),
-        ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs must be between 0 and 20, got 21", "Bad Request"),
+        ("/v1/completions", {"prompt": "x", "logprobs": -1}, "logprobs must be at least 0, got -1", "Bad Request"),
+        ("/v1/completions", {"prompt": "x", "logprobs": 10**9}, "logprobs must be at most the vocabulary size",
+         "Bad Request"),
+        ("/v1/completions", {"prompt": "x", "echo": True}, "echo must be false on the simulated engine", "Bad Request"),
         ("/v1/chat/completions", {"messages": MESSAGES, "logprobs": True, "top_logprobs": 21},
          "top_logprobs must be between 0 and 20, got 21", "Bad Request"),
         ("/v1/completions", {"prompt": "x", "min_tokens": 20}, "min_new_tokens must be in [0, max_new_tokens(16)], got 20.",
@@ -315,7 +318,8 @@ async def test_a_crashed_engine_loop_ends_open_requests_and_turns_unready():
 
 
 async def test_logprobs_have_openai_shapes_streamed_or_not(client):
-    chat_body = {"model": "sim-7b", "messages": MESSAGES, "max_tokens": 4, "ignore_eos": True, "logprobs": True, "top_logprobs": 2}
+    chat_body = {"model": "sim-7b", "messages": MESSAGES, "max_tokens": 4, "ignore_eos": True, "logprobs": True, "top_logprobs": 2,
+                 "n": 1}  # one choice, as asked
     body = await (await client.post("/v1/chat/completions", json={**chat_body, "rid": "lp1"})).json()
     content = body["choices"][0]["logprobs"]["content"]
     assert "".join(t["token"] for t in content) == body["choices"][0]["message"]["content"] == reply_text("lp1", 4)

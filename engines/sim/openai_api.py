@@ -206,6 +206,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
     max_new = _max_new_tokens(max_tokens, engine)
     stop, ignore_eos, stream, include_usage, model, rid = _options(body, max_new)
     top = logprob_request(body, chat=False)
+    if top is not None and top > engine.tokenizer.vocab_size:
+        raise ApiError(f"logprobs must be at most the vocabulary size ({engine.tokenizer.vocab_size}), got {top}",
+                       "Bad Request")
+    if field(body, "echo", (bool,), False):  # SGLang puts the prompt before the reply; this engine answers the reply
+        raise ApiError("echo must be false on the simulated engine (it answers the reply alone)", "Bad Request")
     track = _submit(engine, body, rid, ids, max_new, ignore_eos, stop)
     created = int(time.time())
     cache_report = engine.sim.args.enable_cache_report

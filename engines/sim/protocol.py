@@ -173,7 +173,7 @@ SIM_TOKEN_LOGPROB = -0.25  # the simulated engine's log-probability of every tok
 
 def logprob_request(body: dict[str, Any], chat: bool) -> int | None:
     """How many top alternatives per token the request asks for, or None for no logprobs: chat ``logprobs: true``
-    with ``top_logprobs`` (0..20), completions ``logprobs: N``.
+    with ``top_logprobs`` (0..20), completions ``logprobs: N`` (N >= 0; SGLang sets no upper bound).
 
     Raises:
         ApiError: a value of the wrong type or out of range.
@@ -182,12 +182,12 @@ def logprob_request(body: dict[str, Any], chat: bool) -> int | None:
         if not field(body, "logprobs", (bool,), False):
             return None
         top = field(body, "top_logprobs", (int,), 0)
-    else:
-        top = field(body, "logprobs", (int,))
-        if top is None:
-            return None
-    if not 0 <= top <= 20:
-        raise ApiError(f"{'top_logprobs' if chat else 'logprobs'} must be between 0 and 20, got {top}", "Bad Request")
+        if not 0 <= top <= 20:
+            raise ApiError(f"top_logprobs must be between 0 and 20, got {top}", "Bad Request")
+        return top
+    top = field(body, "logprobs", (int,))
+    if top is not None and top < 0:
+        raise ApiError(f"logprobs must be at least 0, got {top}", "Bad Request")
     return top
 
 
