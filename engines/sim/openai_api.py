@@ -120,7 +120,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     max_new = _max_new_tokens(field(body, "max_completion_tokens", (int,)) or field(body, "max_tokens", (int,)),
                               engine)
     stop, ignore_eos, stream, include_usage, model, rid = _options(body, max_new)
-    top = logprob_request(body, chat=True)
+    top = logprob_request(body, chat=True, vocab_size=engine.tokenizer.vocab_size)
     tools = body.get("tools")
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) and isinstance(t.get("function"), dict) for t in tools)):
         raise ApiError("tools: a list of {\"type\": \"function\", \"function\": {...}}", "Bad Request")
@@ -205,10 +205,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         raise ApiError("max_tokens: Value error, max_tokens must be positive", "Bad Request")
     max_new = _max_new_tokens(max_tokens, engine)
     stop, ignore_eos, stream, include_usage, model, rid = _options(body, max_new)
-    top = logprob_request(body, chat=False)
-    if top is not None and top > engine.tokenizer.vocab_size:
-        raise ApiError(f"logprobs must be at most the vocabulary size ({engine.tokenizer.vocab_size}), got {top}",
-                       "Bad Request")
+    top = logprob_request(body, chat=False, vocab_size=engine.tokenizer.vocab_size)
     if field(body, "echo", (bool,), False):  # SGLang puts the prompt before the reply; this engine answers the reply
         raise ApiError("echo must be false on the simulated engine (it answers the reply alone)", "Bad Request")
     track = _submit(engine, body, rid, ids, max_new, ignore_eos, stop)

@@ -171,9 +171,10 @@ async def open_sse(request: web.Request) -> web.StreamResponse:
 SIM_TOKEN_LOGPROB = -0.25  # the simulated engine's log-probability of every token it picks; alternative k: -(k + 1)
 
 
-def logprob_request(body: dict[str, Any], chat: bool) -> int | None:
+def logprob_request(body: dict[str, Any], chat: bool, vocab_size: int) -> int | None:
     """How many top alternatives per token the request asks for, or None for no logprobs: chat ``logprobs: true``
-    with ``top_logprobs`` (0..20), completions ``logprobs: N`` (N >= 0; SGLang sets no upper bound).
+    with ``top_logprobs`` (0..20), completions ``logprobs: N`` (0..``vocab_size``: SGLang sets no upper bound, and
+    this engine lists that many alternatives of each token).
 
     Raises:
         ApiError: a value of the wrong type or out of range.
@@ -188,6 +189,8 @@ def logprob_request(body: dict[str, Any], chat: bool) -> int | None:
     top = field(body, "logprobs", (int,))
     if top is not None and top < 0:
         raise ApiError(f"logprobs must be at least 0, got {top}", "Bad Request")
+    if top is not None and top > vocab_size:
+        raise ApiError(f"logprobs must be at most the vocabulary size ({vocab_size}), got {top}", "Bad Request")
     return top
 
 
