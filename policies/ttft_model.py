@@ -150,20 +150,13 @@ def isolated_prefill_s(cost: PassCost, new_tokens: int, cached_tokens: int, chun
     Chunk k extends ``min(chunk, rest)`` tokens on ``cached + k·chunk`` (SGLang's chunked prefill).
     A request with nothing new (a full cache hit) still runs one pass over its last token.
     """
-    return sum(chunk_passes_s(cost, new_tokens, cached_tokens, chunk_tokens))
-
-
-def chunk_passes_s(cost: PassCost, new_tokens: int, cached_tokens: int, chunk_tokens: int) -> list[float]:
-    """Seconds of each chunk pass of one request prefilled alone (:func:`isolated_prefill_s`), in order: chunk k
-    extends ``min(chunk, rest)`` tokens on ``cached_tokens + k·chunk``, so on a long prompt each pass is longer than
-    the one before (attention over the growing context)."""
     new_tokens = max(1, new_tokens)
-    passes, done = [], 0
+    total, done = 0.0, 0
     while done < new_tokens:
         step = min(chunk_tokens, new_tokens - done)
-        passes.append(cost.prefill_s(((step, cached_tokens + done),)))
+        total += cost.prefill_s(((step, cached_tokens + done),))
         done += step
-    return passes
+    return total
 
 
 def _new_tokens(batch: Sequence[SeqShape]) -> int:
@@ -186,21 +179,11 @@ class _Prefill:
     remaining_s: float  # of which the model has not yet seen done
     stream: bool
     chunk_s: float  # one chunk pass of it (its whole prefill when it fits one chunk)
-    pass_ends_s: tuple[float, ...] = ()  # where each of its passes ends, in seconds of its work (its group's first)
     chunk_left_s: float = 0.0  # of the chunk in progress, when it is its engine's current entry
     deadline_s: float = math.inf  # its first-token deadline
     done_s: float | None = None  # when the model saw it done (it has no first token yet)
     behind_all: bool = False  # keyed behind everything (``dispatched``'s ``behind_all``), not where the engine runs it
     tokens: int = 0  # its group's new tokens (carried, like work_s, by the group's first request)
-
-
-def _pass_left_s(p: _Prefill) -> float:
-    """What is left of the pass ``p`` is in, as far as the model has run it: to the first of its pass ends past the
-    work it has done (its first chunk pass when none is done; a late first token that gave work back puts it back in an
-    earlier pass), at most its work left."""
-    done = p.work_s - p.remaining_s
-    end = next((e for e in p.pass_ends_s if e > done + 1e-12), p.work_s)
-    return min(p.remaining_s, end - done)
 
 
 @dataclass(frozen=True)
@@ -344,17 +327,11 @@ class EngineQueueModel:
         tokens = _new_tokens(batch)
         key = self._key(None if behind_all else max((new for new, _ in batch), default=1))
         chunk_s = work_s if tokens <= self.chunk_tokens else self.chunk_pass_s
-        if tokens <= self.chunk_tokens:
-            ends: tuple[float, ...] = (work_s,)
-        else:  # each sequence in turn, chunk by chunk (batch_prefill_s); the last end is the work itself
-            ends = tuple(itertools.accumulate(s for new, cached in batch
-                                              for s in chunk_passes_s(self.cost, new, cached, self.chunk_tokens)))
-            ends = (*ends[:-1], work_s)
         entries = self._by_engine.setdefault(engine_id, {})
         deadline_s = min(deadlines_s, default=math.inf)
         for i, rid in enumerate(rids):  # the group's work is carried by its first request
-            p = _Prefill(engine_id, key, work_s if i == 0 else 0.0, work_s if i == 0 else 0.0, stream, chunk_s,
-                         ends if i == 0 else (), deadline_s=deadline_s, behind_all=behind_all, tokens=tokens if i == 0 else 0)
+            p = _Prefill(engine_id, key, work_s if i == 0 else 0.0, work_s if i == 0 else 0.0, stream, chunk_s, deadline_s=deadline_s,
+                         behind_all=behind_all, tokens=tokens if i == 0 else 0)
             self._pending[rid] = p
             entries[rid] = p
         return finish
@@ -459,7 +436,7 @@ class EngineQueueModel:
                     self._current.pop(engine_id, None)
                     break
                 current = min(live, key=lambda p: p.key)
-                current.chunk_left_s = _pass_left_s(current)
+                current.chunk_left_s = min(current.remaining_s, current.chunk_s)
                 self._current[engine_id] = current
             step = min(current.chunk_left_s, now - t)
             current.remaining_s -= step
