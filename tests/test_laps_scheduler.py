@@ -156,21 +156,6 @@ def test_a_re_prefill_with_its_context_cached_stays_there_when_a_prompt_waits_th
     assert s.decide(engines, 0.0).dispatches == (Dispatch("s1", ("r0",)),)
 
 
-def test_a_short_request_goes_where_the_chunk_in_progress_ends_first():
-    # Each engine runs a 20,000-token prompt's chunks (45.96 ms passes): s0's since 0, s1's since 30 ms. At 40 ms a
-    # short prompt that overtakes them waits out 5.96 ms of s0's chunk or 35.96 ms of s1's: it goes to s0, and at
-    # 50 ms, when s0 has just begun its second chunk (4.04 ms in) and s1's first ends in 25.96 ms, to s1.
-    engines = [EngineView("s0", "short"), EngineView("s1", "short")]
-    s = LapsScheduler(config(awd_windows=False), SPF)
-    s.model.dispatched("s0", ["a"], [(20000, 0)], 0.0)
-    s.model.dispatched("s1", ["b"], [(20000, 0)], 0.030)
-    s.submit(short("r0", 50, 0.040), 0.040)
-    assert s.decide(engines, 0.040).dispatches == (Dispatch("s0", ("r0",)),)
-    s.on_first_token("r0", "s0", 0.040 + 0.00596 + 0.0055, None)
-    s.submit(short("r1", 50, 0.050), 0.050)
-    assert s.decide(engines, 0.050).dispatches == (Dispatch("s1", ("r1",)),)
-
-
 def test_an_idle_engine_takes_a_short_request_at_once_and_ties_go_to_the_short_pool():
     s = LapsScheduler(config(), TRAITS)
     s.submit(short("r0", 10, 0.0), 0.0)
