@@ -141,25 +141,6 @@ def test_a_chunk_in_progress_is_never_cut_short():
     assert m.backlog_end_s("e", 0.06) == pytest.approx(0.06 + long_s - CHUNK_S - (0.06 - CHUNK_S - 0.0055))
 
 
-def test_a_request_that_overtakes_a_chunk_in_progress_waits_out_the_rest_the_model_runs_of_it():
-    # A 20,000-token prompt goes to e1 at 0 and to e2 at 30 ms; the model runs each one's chunks (45.96 ms each) from
-    # then. At 40 ms a short prompt that overtakes them waits out 5.96 ms of e1's first chunk but 35.96 ms of e2's,
-    # then runs its own 5.5 ms pass: e1 is the faster choice. Charged a whole chunk pass on both (the worst case),
-    # the two tied, and short requests went to engines that had just begun a chunk.
-    m = EngineQueueModel(SPF)
-    m.dispatched("e1", ["a"], [(20000, 0)], 0.0)
-    m.dispatched("e2", ["b"], [(20000, 0)], 0.030)
-    assert m.predict_ttft_s("e1", [(50, 0)], 0.040) == pytest.approx(CHUNK_S - 0.040 + 0.0055)
-    assert m.predict_ttft_s("e2", [(50, 0)], 0.040) == pytest.approx(0.030 + CHUNK_S - 0.040 + 0.0055)
-    # At 50 ms e1 is 4.04 ms into its second chunk, which the model runs as long as the first.
-    assert m.predict_ttft_s("e1", [(50, 0)], 0.050) == pytest.approx(2 * CHUNK_S - 0.050 + 0.0055)
-    # Where the model has a longer prefill done but the engine has sent no first token for it, the engine is behind
-    # the model and where it is in its pass is not known: the worst case again (a whole pass of that prompt).
-    m.dispatched("e3", ["c"], [(3000, 0)], 0.0)
-    c_s = isolated_prefill_s(LinearCost(), 3000, 0, 4096)
-    assert m.predict_ttft_s("e3", [(50, 0)], c_s + 0.010) == pytest.approx(c_s + 0.0055)
-
-
 def test_an_early_first_token_means_what_the_engine_ordered_before_it_is_done():
     m = EngineQueueModel(SPF)
     m.dispatched("e", ["a"], [(1000, 0)], 0.0)  # 15 ms
