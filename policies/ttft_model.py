@@ -23,17 +23,12 @@ its first token after
   fewest new tokens first, chunk by chunk (a chunk in progress is never cut
   short; laps' deadline order, ``deadline_order`` in the engines' roles, is
   not modelled: see below). ``A_e`` is the work left of the prefills ordered
-  before the request, plus, when it overtakes longer work there, the pass
-  that work has in progress: the rest of it where the model runs a chunk of a
-  longer prefill on e now (its own clock of e's passes, below: a request
-  sent to an engine that has just begun a chunk waits out all of it, one
-  sent where a chunk is about to end little), else the longest pass that
-  work can have in progress, all of it in one pass, up to one chunk pass
-  (the engine fills a pass with waiting prefills up to a chunk; where the
-  model runs none of it, or has it done while the engine has sent no first
-  token, it does not know where the engine is in that pass: the worst
-  case, as short requests are judged on their tail TTFT; measured under
-  "A chunk's phase" below); the request's own pass is then its own prefill, as laps'
+  before the request, plus, when it overtakes longer work there, the longest
+  pass that work can
+  have in progress: all of it in one pass, up to one chunk pass (the engine
+  fills a pass with waiting prefills up to a chunk; where it is in that pass
+  is not known here; the worst case, as short requests are judged on their
+  tail TTFT); the request's own pass is then its own prefill, as laps'
   plugin makes it with short passes (a role's ``short_pass``: the pass that
   carries a short request in time holds the short threshold's tokens, not a
   whole chunk of the longer prefill); without them the engine fills that
@@ -243,7 +238,7 @@ class EngineQueueModel:
         prefill work ahead of it (:meth:`_ahead_s`), or after half a decode pass when the engine only decodes."""
         entries = self._advance(engine_id, now)
         if entries:
-            return now + self._ahead_s(entries, self._key(new_tokens), self._current.get(engine_id))
+            return now + self._ahead_s(entries, self._key(new_tokens))
         decoding = self._decoding.get(engine_id, 0)
         if decoding == 0:
             return now
@@ -399,25 +394,21 @@ class EngineQueueModel:
             return 0, seq
         return (new_tokens if new_tokens is not None else 1 << 62), seq
 
-    def _ahead_s(self, entries: dict[str, _Prefill], key: tuple[int, int], current: _Prefill | None) -> float:
-        """Prefill seconds ahead of a prefill of order ``key`` on an engine whose entries are ``entries`` and whose
-        chunk in progress, as the model runs it, is ``current``'s: the work ordered before it, and when it overtakes
-        longer work, the pass that work has in progress. Where ``current`` is longer work with a chunk left, that is
-        the rest of its chunk (``chunk_left_s``). Else the longest pass that work can have in progress: the engine fills
-        a pass with waiting prefills up to a chunk, so that is all of the longer work in one pass (each group's pass,
-        less the fixed cost of a pass for every group but one), at most one chunk pass, and at least the longest
-        group's pass (where the engine is in that pass is not known here: the worst case, as a short request's tail
-        TTFT is what it is judged on)."""
+    def _ahead_s(self, entries: dict[str, _Prefill], key: tuple[int, int]) -> float:
+        """Prefill seconds ahead of a prefill of order ``key``: the work ordered before it, and when it
+        overtakes longer work, the longest pass that work can have in progress. The engine fills a pass
+        with waiting prefills up to a chunk, so that is all of the longer work in one pass (each group's
+        pass, less the fixed cost of a pass for every group but one), at most one chunk pass, and at least
+        the longest group's pass (where the engine is in that pass is not known here: the worst case,
+        as a short request's tail TTFT is what it is judged on)."""
         ahead = sum(p.remaining_s for p in entries.values() if p.key < key)
         # one past its predicted end may still be running: every longer entry counts, whatever its remaining_s
         longer = [p for p in entries.values() if p.key > key]
-        if not longer:
-            return ahead
-        if current is not None and current.key > key and current.chunk_left_s > 0:
-            return ahead + current.chunk_left_s
-        groups = [p for p in longer if p.work_s > 0]  # a group's work is carried by its first request
-        together = sum(p.chunk_s for p in groups) - max(0, len(groups) - 1) * self.pass_floor_s
-        return ahead + max(max(p.chunk_s for p in longer), min(self.chunk_pass_s, together))
+        if longer:
+            groups = [p for p in longer if p.work_s > 0]  # a group's work is carried by its first request
+            together = sum(p.chunk_s for p in groups) - max(0, len(groups) - 1) * self.pass_floor_s
+            ahead += max(max(p.chunk_s for p in longer), min(self.chunk_pass_s, together))
+        return ahead
 
     def _advance(self, engine_id: str, now: float) -> dict[str, _Prefill]:
         """Bring ``engine_id``'s entries to ``now``: the time since the last look spent on them chunk by chunk,
