@@ -317,7 +317,16 @@ and ``mixed`` PD at 1.0× 0.92% against 0.55%) or to the fewest in flight (TPOT 
 0.53%, ``mixed`` PD 0.96%). Tried before it and not kept: the same tie to the fewest new tokens
 (cached share 31.6 → 35.4% over 6 s at 2,000 conv/s: the chunk-pass price was the cause); the model's
 own phase of a chunk in progress instead of the worst case (short P90 5–15 ms lower at 0.8–1.2×, but
-``code-burst`` 1.2× 4.30% against 3.70%, ``docs`` 6.97% against 6.34%); holding long requests late on
+``code-burst`` 1.2× 4.30% against 3.70%, ``docs`` 6.97% against 6.34%; tried again with 1,024-token
+chunks, short passes and decode turns, laps' rows of ``dominance33`` rerun, seed 0: the slowest short
+requests on ``code-burst`` at 0.8× had gone to the engine that had just begun a chunk while others were
+a few ms from the end of theirs, and with the phase its short P90 fell from 21.0 to 15.3 ms and
+``hh-rlhf``'s violations at 1.2× from 5.89 to 4.59% (goodput 1.12 → 1.15×), but where clean engines
+were free the model's phase, off by the start of each prefill it cannot see, sent short requests onto
+chunks it took for nearly done: short P90 at 0.8× ``mixed`` 10.6 → 20.2 ms, ``shared-docs`` 12.7 → 21.0 ms,
+at 0.5× ``chat-single`` 12.6 → 14.5 ms (a short-P90 target met before, missed then); with each chunk as long
+as its growing context makes it, ``code-burst`` 0.8× 13.4 ms, ``mixed`` 0.8× 20.1 ms, and ``docs``'
+goodput 1.21 → 1.18×; 0de07b4 and 5e0933e, reverted); holding long requests late on
 every engine in the gateway while no engine is clean (within ±0.3 points everywhere); and
 ``--enable-mixed-chunk`` on laps' engines (decodes ride in every prefill pass, which then takes the
 decode batch's time too: ``chat-single`` at 1.0× 0.61 → 2.19%, ``hh-rlhf`` 0.25 → 29.3%).
