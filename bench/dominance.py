@@ -371,6 +371,14 @@ def goodput(rows: list[dict], key: str = "slo_violation_rate") -> float:
     return best
 
 
+def short_p90_target_s(best_short_p90_s: float, floor_s: float | None) -> float:
+    """The most short-class P90 TTFT (s) the ``short_p90`` check allows laps at a load (module doc): twice the physical
+    floor ``floor_s`` where the best baseline's ``best_short_p90_s`` is within twice it, else half the baseline's."""
+    if floor_s is not None and best_short_p90_s <= 2 * floor_s:
+        return 2 * floor_s
+    return 0.5 * best_short_p90_s
+
+
 def verdict(rows: list[dict], workload: str, saturation: float) -> dict:
     """The four checks of the module doc for one workload's rows (laps against the best baseline at each load)."""
     laps = {r["load"]: r for r in rows if r["policy"] == "laps"}
@@ -394,8 +402,7 @@ def verdict(rows: list[dict], workload: str, saturation: float) -> dict:
         floor = mine["short_floor_s"]
         s_ok = None
         if load >= 0.499 * saturation and short_best is not None and mine["short_ttft_p90_s"] is not None:
-            near_floor = floor is not None and short_best <= 2 * floor
-            s_ok = mine["short_ttft_p90_s"] <= (2 * floor if near_floor else 0.5 * short_best)
+            s_ok = mine["short_ttft_p90_s"] <= short_p90_target_s(short_best, floor)
             short_ok &= s_ok
         knee_best = min(others, key=lambda r: r[key])
         if knee is None and knee_best[key] >= VIOLATION_TARGET:

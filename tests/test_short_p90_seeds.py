@@ -1,0 +1,55 @@
+"""bench/short_p90_seeds.py's point syntax and its short-P90 check on scripted rows; dominance.py's target, exact values."""
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench" / "short_p90_seeds.py"
+_spec = importlib.util.spec_from_file_location("short_p90_seeds", BENCH)
+seeds = sys.modules["short_p90_seeds"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(seeds)
+dominance = sys.modules["dominance"]
+
+
+def row(policy, short_s, floor_s=0.006):
+    return {"policy": policy, "short_ttft_p90_s": short_s, "short_floor_s": floor_s}
+
+
+def test_the_target_is_half_the_best_baseline_or_twice_the_floor_where_that_baseline_is_within_twice_it():
+    assert dominance.short_p90_target_s(0.020, 0.006) == pytest.approx(0.010)  # 20 ms is past twice the 6-ms floor
+    assert dominance.short_p90_target_s(0.012, 0.006) == pytest.approx(0.012)  # within twice it: twice the floor
+    assert dominance.short_p90_target_s(0.012, None) == pytest.approx(0.006)  # no floor: half the baseline's
+
+
+def test_the_check_takes_the_lowest_baseline_and_leaves_out_the_control():
+    rows = [row("laps", 0.0127, 0.00596), row("least_load", 0.0106), row("least_load+spf", 0.01035),
+            row("round_robin", None), row("least_load+spf/laps-flags", 0.001)]
+    # shared-docs at 0.8x, seed 0: least_load+spf's 10.35 ms is within twice the 5.96-ms floor, so 11.92 ms is allowed
+    check = seeds.short_check(rows)
+    assert (check["best_policy"], check["best_short_p90_s"]) == ("least_load+spf", 0.01035)
+    assert check["target_s"] == pytest.approx(0.01192) and check["ok"] is False
+    rows[0]["short_ttft_p90_s"] = 0.0119
+    assert seeds.short_check(rows)["ok"] is True
+
+
+def test_a_point_without_short_requests_is_not_judged():
+    check = seeds.short_check([row("laps", None), row("least_load", 0.01)])
+    assert (check["target_s"], check["ok"]) == (None, None)
+    assert seeds.short_check([row("laps", 0.01), row("least_load", None)])["ok"] is None
+
+
+@pytest.mark.parametrize("text, expected", [("shared-docs:15.518", ("shared-docs", 15.518, False)),
+                                            ("docs:101.022:pd", ("docs", 101.022, True))])
+def test_a_point_is_a_workload_a_load_and_pd_or_not(text, expected):
+    assert seeds.point(text) == expected
+
+
+@pytest.mark.parametrize("text, says", [("nope:1", "unknown workload"), ("docs", "expected WORKLOAD:LOAD"),
+                                        ("docs:1:PD", "expected WORKLOAD:LOAD"), ("docs:x", "not a number"),
+                                        ("docs:0", "positive"), ("docs:nan", "positive"), ("docs:inf", "positive")])
+def test_a_bad_point_is_a_usage_error_naming_it(text, says):
+    with pytest.raises(argparse.ArgumentTypeError, match=says):
+        seeds.point(text)
