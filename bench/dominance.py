@@ -194,6 +194,8 @@ def point_config(policy: str, pd: bool) -> Config:
 
 
 REQUESTS_PER_POINT = 3000
+MAX_DURATION_S = 10.0  # the default --duration: most simulated seconds of arrivals per point
+QUICK_MAX_DURATION_S = 6.0  # with --quick
 
 
 def point_duration_s(workload: str, load: float, max_duration_s: float) -> float:
@@ -685,7 +687,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--out is required (unless --verdict-of)")
     workloads = args.workloads or (QUICK_WORKLOADS if args.quick else WORKLOADS)
     loads = QUICK_LOADS if args.quick else LOADS
-    duration = args.duration or (6.0 if args.quick else 10.0)
+    duration = args.duration or (QUICK_MAX_DURATION_S if args.quick else MAX_DURATION_S)
     runs = [(w, False) for w in workloads] + ([(w, True) for w in PD_WORKLOADS] if args.pd else [])
     replayed = [w for w in workloads if w in TRACE_RATE_RPS]
     if args.duration is not None and replayed:

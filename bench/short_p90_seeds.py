@@ -5,12 +5,14 @@
 
 From half the saturation load up, the verdict asks laps' short-class P90 TTFT to be at most half the best baseline's
 (twice the physical floor where that baseline is within twice it: ``dominance.short_p90_target_s``). Where few of a
-point's requests are short (``shared-docs`` ~66, ``code-burst`` ~100 of ~3,000), that P90 is the 7th or 10th slowest of
-them, under laps and under every baseline. This runs laps and the verdict's five baselines at each point
-(``WORKLOAD:LOAD``, ``WORKLOAD:LOAD:pd`` for the PD deployment; loads as ``dominance.py`` prints them) on each seed,
-exactly as ``dominance.py`` runs a point on its ``--seed`` (other arrivals and other draws of the workload), and prints
-per point and seed laps' short P90, the best baseline's, the floor, the target and whether it is met. The verdict is
-``dominance.py``'s on seed 0; a point missed there and met on most other seeds is a miss of the statistic.
+point's requests are short (``shared-docs`` ~70 of ~150 at 0.8x its saturation load, ``code-burst`` ~100 of ~2,900),
+that P90 is the 7th or 10th slowest of them, under laps and under every baseline. This runs laps and the verdict's
+five baselines at each point (``WORKLOAD:LOAD``, ``WORKLOAD:LOAD:pd`` for the PD deployment; loads as ``dominance.py``
+prints them; a point given twice runs once) on each seed, as ``dominance.py --seed`` runs a point with the same
+``--duration`` (other arrivals and other draws of the workload), and prints per point and seed laps' short P90, the
+best baseline's, the floor, the target and whether it is met. The verdict is ``dominance.py``'s on seed 0; a point
+missed there and met on most other seeds is a miss of the statistic, one missed on most seeds a miss of the schedule.
+``--out`` is written at the end (replaced if it exists); nothing is left there when the run stops early.
 """
 
 from __future__ import annotations
@@ -26,11 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from dominance import BASELINES, WORKLOADS, claim_out, run_point, short_p90_target_s, simulate_all  # noqa: E402
+from dominance import BASELINES, MAX_DURATION_S, WORKLOADS, claim_out, run_point, short_p90_target_s, simulate_all  # noqa: E402
 from laps.doc_help import doc_parser  # noqa: E402
-from loadgen.cli import positive_int  # noqa: E402
-
-MAX_DURATION_S = 10.0  # dominance.py's default --duration
+from loadgen.cli import positive_float, positive_int  # noqa: E402
 
 
 def point(text: str) -> tuple[str, float, bool]:
@@ -75,27 +75,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--points", type=point, nargs="+", required=True, metavar="WORKLOAD:LOAD[:pd]",
                         help="points of a dominance.py sweep (its loads, in conv/s or a replay's speed-up)")
     parser.add_argument("--seeds", type=int, nargs="+", required=True, help="workload and arrival seeds")
+    parser.add_argument("--duration", type=positive_float, default=MAX_DURATION_S,
+                        help="most simulated seconds of arrivals per point, as dominance.py's --duration (default: %(default)g)")
     parser.add_argument("--jobs", type=positive_int, default=2, help="simulations in parallel (default: %(default)s)")
-    parser.add_argument("--out", type=Path, required=True, help="JSON output")
+    parser.add_argument("--out", type=Path, required=True, help="JSON output (replaced if it exists)")
     args = parser.parse_args(argv)
+    points = list(dict.fromkeys(args.points))
     seeds = sorted(set(args.seeds))
     policies = ("laps", *BASELINES)
     created = claim_out(parser, args.out)
     console = Console(width=150)
-    calls = [(w, p, load, MAX_DURATION_S, seed, pd) for (w, load, pd) in args.points for seed in seeds for p in policies]
+    calls = [(w, p, load, args.duration, seed, pd) for (w, load, pd) in points for seed in seeds for p in policies]
     try:
         rows = simulate_all(args.jobs, run_point, calls, console)
-    except KeyboardInterrupt:
-        print(f"{parser.prog}: interrupted; nothing written", file=sys.stderr)
+    except BaseException as err:
         if created:
             args.out.unlink(missing_ok=True)
-        return 130
+        if isinstance(err, KeyboardInterrupt):
+            print(f"{parser.prog}: interrupted; nothing written", file=sys.stderr)
+            return 130
+        raise
     table = Table(title="short-class P90 TTFT (ms): laps against the verdict's target (half the best baseline's, or twice "
                         "the floor where that baseline is within twice it)")
     for column in ("point", "seed", "laps", "best baseline", "floor", "target", "met"):
         table.add_column(column, justify="left" if column in ("point", "best baseline", "met") else "right")
     checks = []
-    for w, load, pd in args.points:
+    for w, load, pd in points:
         for seed in seeds:
             at = [r for r, (cw, _, cl, _, cs, cpd) in zip(rows, calls) if (cw, cl, cs, cpd) == (w, load, seed, pd)]
             c = {"workload": w, "load": load, "pd": pd, "seed": seed, **short_check(at)}

@@ -41,6 +41,16 @@ def test_verdict_checks_every_load_the_knee_goodput_and_short_p90():
     assert not dominance.verdict(rows, "w", 100.0)["never_worse"]
 
 
+def test_short_p90_is_judged_from_half_the_saturation_load_against_twice_the_floor_where_the_baseline_is_near_it():
+    def rows_at(load, laps_short, best_short):
+        return [row("laps", load, load, 0.0, short=laps_short), row("least_load", load, load, 0.0, short=best_short)]
+    # at 0.4x saturation nothing is judged; at 0.5x the baseline's 10 ms is within twice the 6-ms floor: 12 ms allowed
+    v = dominance.verdict(rows_at(40, 0.05, 0.010) + rows_at(50, 0.012, 0.010), "w", 100.0)
+    assert [p["short_ok"] for p in v["points"]] == [None, True] and v["short_p90"]
+    v = dominance.verdict(rows_at(50, 0.0121, 0.010), "w", 100.0)
+    assert [p["short_ok"] for p in v["points"]] == [False] and not v["short_p90"]
+
+
 def test_a_goodput_ratio_without_a_baseline_goodput_is_none_not_infinite():
     rows = [row("laps", 50, 100, 0.01), row("laps", 100, 200, 0.2), row("least_load+spf", 50, 100, 0.1),
             row("least_load+spf", 100, 200, 0.3)]

@@ -1,6 +1,7 @@
 """bench/short_p90_seeds.py's point syntax and its short-P90 check on scripted rows; dominance.py's target, exact values."""
 
 import argparse
+import json
 import importlib.util
 import sys
 from pathlib import Path
@@ -53,3 +54,37 @@ def test_a_point_is_a_workload_a_load_and_pd_or_not(text, expected):
 def test_a_bad_point_is_a_usage_error_naming_it(text, says):
     with pytest.raises(argparse.ArgumentTypeError, match=says):
         seeds.point(text)
+
+
+def test_laps_exactly_on_the_target_meets_it():
+    assert seeds.short_check([row("laps", 0.010, 0.001), row("least_load", 0.020)])["ok"] is True
+
+
+def test_main_runs_each_point_and_seed_once_and_matches_the_rows_to_them(tmp_path, monkeypatch, capsys):
+    calls_seen = []
+
+    def fake(jobs, fn, calls, console):  # a row per call: laps 9 ms, least_load 20 ms at seed 1, 16 ms at seed 2
+        calls_seen.extend(calls)
+        return [{"policy": p, "short_ttft_p90_s": 0.009 if p == "laps" else (0.020 if s == 1 else 0.016) + 0.001 * (p != "least_load"),
+                 "short_floor_s": 0.005} for (_, p, _, _, s, _) in calls]
+
+    monkeypatch.setattr(seeds, "simulate_all", fake)
+    out = tmp_path / "s.json"
+    assert seeds.main(["--points", "docs:101.022:pd", "docs:101.022:pd", "--seeds", "2", "1", "--duration", "4",
+                       "--out", str(out)]) == 0
+    assert len(calls_seen) == 2 * (1 + len(seeds.BASELINES)) and {c[3] for c in calls_seen} == {4.0}
+    checks = json.loads(out.read_text())["checks"]
+    # seed 1: half of 20 ms is 10 ms, laps' 9 ms meets it; seed 2: half of 16 ms is 8 ms, a miss
+    assert [(c["seed"], c["best_policy"], c["target_s"], c["ok"]) for c in checks] == [
+        (1, "least_load", pytest.approx(0.010), True), (2, "least_load", pytest.approx(0.008), False)]
+
+
+def test_a_run_that_fails_leaves_no_output_file(tmp_path, monkeypatch):
+    def broken(*_):
+        raise RuntimeError("engine model error")
+
+    monkeypatch.setattr(seeds, "simulate_all", broken)
+    out = tmp_path / "s.json"
+    with pytest.raises(RuntimeError):
+        seeds.main(["--points", "docs:1", "--seeds", "1", "--out", str(out)])
+    assert not out.exists()
