@@ -317,8 +317,8 @@ and ``mixed`` PD at 1.0× 0.92% against 0.55%) or to the fewest in flight (TPOT 
 0.53%, ``mixed`` PD 0.96%). Tried before it and not kept: the same tie to the fewest new tokens
 (cached share 31.6 → 35.4% over 6 s at 2,000 conv/s: the chunk-pass price was the cause); the model's
 own phase of a chunk in progress instead of the worst case (short P90 5–15 ms lower at 0.8–1.2×, but
-``code-burst`` 1.2× 4.30% against 3.70%, ``docs`` 6.97% against 6.34%; tried again since: below); holding long requests late on
-every engine in the gateway while no engine is clean (within ±0.3 points everywhere); and
+``code-burst`` 1.2× 4.30% against 3.70%, ``docs`` 6.97% against 6.34%; tried again since: below); holding long
+requests late on every engine in the gateway while no engine is clean (within ±0.3 points everywhere); and
 ``--enable-mixed-chunk`` on laps' engines (decodes ride in every prefill pass, which then takes the
 decode batch's time too: ``chat-single`` at 1.0× 0.61 → 2.19%, ``hh-rlhf`` 0.25 → 29.3%).
 What shipped instead of the tie to an engine where a prefill already waits: the queue model prices that join (a
