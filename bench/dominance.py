@@ -705,12 +705,14 @@ def main(argv: list[str] | None = None) -> int:
                 plot(rows, png, v["workload"], v["saturation_load"])
                 console.print(f"{v['workload']}: wrote {png}")
                 write(args.out, duration, all_rows, verdicts, None)  # what is done so far survives an interrupted run
-    except KeyboardInterrupt:
+    except BaseException as err:  # what is written survives; an empty file this run made does not
         done = ", ".join(v["workload"] for v in verdicts)
-        print(f"{parser.prog}: interrupted; " + (f"{args.out} holds {done} (--verdict-of reads it)" if done else "nothing written"),
-              file=sys.stderr)
         if created and not done:
             args.out.unlink(missing_ok=True)
+        if not isinstance(err, KeyboardInterrupt):
+            raise
+        print(f"{parser.prog}: interrupted; " + (f"{args.out} holds {done} (--verdict-of reads it)" if done else "nothing written"),
+              file=sys.stderr)
         return 130
     ok = print_verdicts(verdicts, console)
     write(args.out, duration, all_rows, verdicts, ok)
