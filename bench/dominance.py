@@ -645,6 +645,22 @@ def claim_out(parser: argparse.ArgumentParser, path: Path) -> bool:
     return created
 
 
+def stopped(parser: argparse.ArgumentParser, path: Path, created: bool, err: BaseException, kept: str | None = None) -> int:
+    """A bench run stopped by ``err`` before its whole output was written (call it from ``except BaseException``):
+    ``path`` removed if this run created it (:func:`claim_out`) and nothing was written to it (``kept``: what it holds,
+    then). On Ctrl-C a line says so and the exit code is 130.
+
+    Raises:
+        BaseException: ``err`` again, unless it is a ``KeyboardInterrupt``.
+    """
+    if created and kept is None:
+        path.unlink(missing_ok=True)
+    if not isinstance(err, KeyboardInterrupt):
+        raise err
+    print(f"{parser.prog}: interrupted; {kept or 'nothing written'}", file=sys.stderr)
+    return 130
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = doc_parser(__doc__)
     parser.add_argument("--out", type=Path, help="JSON output; one PNG per workload goes next to it (required unless --verdict-of)")
@@ -707,13 +723,7 @@ def main(argv: list[str] | None = None) -> int:
                 write(args.out, duration, all_rows, verdicts, None)  # what is done so far survives an interrupted run
     except BaseException as err:  # what is written survives; an empty file this run made does not
         done = ", ".join(v["workload"] for v in verdicts)
-        if created and not done:
-            args.out.unlink(missing_ok=True)
-        if not isinstance(err, KeyboardInterrupt):
-            raise
-        print(f"{parser.prog}: interrupted; " + (f"{args.out} holds {done} (--verdict-of reads it)" if done else "nothing written"),
-              file=sys.stderr)
-        return 130
+        return stopped(parser, args.out, created, err, f"{args.out} holds {done} (--verdict-of reads it)" if done else None)
     ok = print_verdicts(verdicts, console)
     write(args.out, duration, all_rows, verdicts, ok)
     console.print(f"wrote {args.out}")

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from dominance import BASELINES, CONTROL, PER_1K_S, SLO_TTFT_S, claim_out, point_config, simulate_all  # noqa: E402
+from dominance import BASELINES, CONTROL, PER_1K_S, SLO_TTFT_S, claim_out, point_config, simulate_all, stopped  # noqa: E402
 from laps.doc_help import doc_parser  # noqa: E402
 from laps.tokenizer import load_tokenizer  # noqa: E402
 from loadgen.cli import positive_float, positive_int  # noqa: E402
@@ -124,11 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"note: {note}", highlight=False)
     try:
         rows = simulate_all(args.jobs, run, [(args.dataset, p, load, requests, args.seed) for load in loads for p in policies], console)
-    except KeyboardInterrupt:
-        print(f"{parser.prog}: interrupted; nothing written", file=sys.stderr)
-        if created:
-            args.out.unlink(missing_ok=True)
-        return 130
+    except BaseException as err:
+        return stopped(parser, args.out, created, err)
     load_name = "speed-up" if workload.timed else "conv/s"  # a trace replayed at its times, or Poisson
     table = Table(title=f"{args.dataset}, seed {args.seed}\nviolations (%) of 0.4 s (fixed) and of 0.4 s + {PER_1K_S:g} s per 1k new "
                         "tokens (length-aware); P90 TTFT (ms) of the short class (-: none) and of all; P50 TPOT (ms)")

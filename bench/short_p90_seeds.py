@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from dominance import BASELINES, MAX_DURATION_S, WORKLOADS, claim_out, run_point, short_p90_target_s, simulate_all  # noqa: E402
+from dominance import BASELINES, MAX_DURATION_S, WORKLOADS, claim_out, run_point, short_p90_target_s, simulate_all, stopped  # noqa: E402
 from laps.doc_help import doc_parser  # noqa: E402
 from loadgen.cli import positive_float, positive_int  # noqa: E402
 
@@ -89,12 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rows = simulate_all(args.jobs, run_point, calls, console)
     except BaseException as err:
-        if created:
-            args.out.unlink(missing_ok=True)
-        if isinstance(err, KeyboardInterrupt):
-            print(f"{parser.prog}: interrupted; nothing written", file=sys.stderr)
-            return 130
-        raise
+        return stopped(parser, args.out, created, err)
     table = Table(title="short-class P90 TTFT (ms): laps against the verdict's target (half the best baseline's, or twice "
                         "the floor where that baseline is within twice it)")
     for column in ("point", "seed", "laps", "best baseline", "floor", "target", "met"):

@@ -33,7 +33,7 @@ import numpy as np  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from dominance import BASELINES, CONTROL, PER_1K_S, SLO_TTFT_S, WORKLOADS, claim_out, simulate_all, simulate_point  # noqa: E402
+from dominance import BASELINES, CONTROL, PER_1K_S, SLO_TTFT_S, WORKLOADS, claim_out, simulate_all, simulate_point, stopped  # noqa: E402
 from laps.doc_help import doc_parser  # noqa: E402
 from loadgen.cli import positive_float, positive_int  # noqa: E402
 from loadgen.report import build_report  # noqa: E402
@@ -98,11 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rows = simulate_all(args.jobs, run, [(w, r, p, args.duration, args.seed, args.ignore_eos)
                                              for w, r in args.points for p in policies], console)
-    except KeyboardInterrupt:
-        print(f"{parser.prog}: interrupted; nothing written", file=sys.stderr)
-        if created:
-            args.out.unlink(missing_ok=True)
-        return 130
+    except BaseException as err:
+        return stopped(parser, args.out, created, err)
     replies = "every reply to its max_tokens" if args.ignore_eos else "replies to the engine's end of text or max_tokens"
     table = Table(title=f"steady state: {args.duration:g} s of arrivals per run, seed {args.seed}, {replies}; TTFT objective {SLO_TTFT_S} s")
     for column in ("workload", "conv/s", "policy", "requests", "violations %", "length-aware %", "short P90 ms",

@@ -241,3 +241,18 @@ def test_a_sweep_that_fails_before_any_workload_is_done_leaves_no_output_file(tm
     with pytest.raises(RuntimeError):
         dominance.main(["--workloads", "mixed", "--jobs", "1", "--out", str(out)])
     assert not out.exists()
+
+
+def test_a_stopped_run_keeps_what_it_wrote_and_a_file_it_did_not_make(tmp_path, capsys):
+    parser = dominance.doc_parser(dominance.__doc__, prog="bench")
+    made, theirs, partial = tmp_path / "made.json", tmp_path / "theirs.json", tmp_path / "partial.json"
+    for path in (made, theirs, partial):
+        path.touch()
+    assert dominance.stopped(parser, made, True, KeyboardInterrupt()) == 130
+    assert dominance.stopped(parser, theirs, False, KeyboardInterrupt()) == 130
+    assert dominance.stopped(parser, partial, True, KeyboardInterrupt(), "partial.json holds mixed") == 130
+    assert (made.exists(), theirs.exists(), partial.exists()) == (False, True, True)
+    assert capsys.readouterr().err.splitlines() == ["bench: interrupted; nothing written"] * 2 + [
+        "bench: interrupted; partial.json holds mixed"]
+    with pytest.raises(ValueError, match="bad row"):
+        dominance.stopped(parser, theirs, False, ValueError("bad row"))
