@@ -232,17 +232,6 @@ def test_verdict_of_a_file_that_is_not_a_whole_dominance_json_is_a_usage_error(t
     assert says in capsys.readouterr().err
 
 
-def test_a_sweep_that_fails_before_any_workload_is_done_leaves_no_output_file(tmp_path, monkeypatch):
-    def broken(*_args, **_kwargs):
-        raise RuntimeError("engine model error")
-
-    monkeypatch.setattr(dominance, "sweep", broken)
-    out = tmp_path / "d.json"
-    with pytest.raises(RuntimeError):
-        dominance.main(["--workloads", "mixed", "--jobs", "1", "--out", str(out)])
-    assert not out.exists()
-
-
 def test_a_stopped_run_keeps_what_it_wrote_and_a_file_it_did_not_make(tmp_path, capsys):
     parser = dominance.doc_parser(dominance.__doc__, prog="bench")
     made, theirs, partial = tmp_path / "made.json", tmp_path / "theirs.json", tmp_path / "partial.json"

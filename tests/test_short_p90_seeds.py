@@ -79,12 +79,17 @@ def test_main_runs_each_point_and_seed_once_and_matches_the_rows_to_them(tmp_pat
         (1, "least_load", pytest.approx(0.010), True), (2, "least_load", pytest.approx(0.008), False)]
 
 
-def test_a_run_that_fails_leaves_no_output_file(tmp_path, monkeypatch):
-    def broken(*_):
+@pytest.mark.parametrize("bench, patched, argv", [
+    ("short_p90_seeds", "simulate_all", ["--points", "docs:1", "--seeds", "1"]),
+    ("dominance", "sweep", ["--workloads", "mixed", "--jobs", "1"]),  # it fails before any workload is done
+])
+def test_a_run_that_fails_leaves_no_output_file(tmp_path, monkeypatch, bench, patched, argv):
+    def broken(*_args, **_kwargs):
         raise RuntimeError("engine model error")
 
-    monkeypatch.setattr(seeds, "simulate_all", broken)
-    out = tmp_path / "s.json"
+    module = {"short_p90_seeds": seeds, "dominance": dominance}[bench]
+    monkeypatch.setattr(module, patched, broken)
+    out = tmp_path / "out.json"
     with pytest.raises(RuntimeError):
-        seeds.main(["--points", "docs:1", "--seeds", "1", "--out", str(out)])
+        module.main([*argv, "--out", str(out)])
     assert not out.exists()
