@@ -8,8 +8,9 @@ about traffic we do not have. This bench runs the same deployments (laps as ``ex
 it, the baselines of ``bench/dominance.py`` with SGLang's default flags, and its control: least load to engines
 with laps' own flags, which says how much of laps' edge is its engine flags) on a trace file, ``FORMAT:PATH`` as
 ``laps simulate --dataset`` takes it. A timed trace (``mooncake:``, ``azure:``) replays its first
-``--requests`` (2,000) requests at each speed-up in ``--loads``; a ``sharegpt:`` or ``lengths:`` file is Poisson at
-each rate in ``--loads`` (conversations per second) for max(1.5, ``--requests`` (3,000) / rate) simulated seconds.
+``--requests`` (2,000) requests at each speed-up in ``--loads``; a ``sharegpt:`` or ``lengths:`` file arrives at
+each rate in ``--loads`` (conversations per second) for max(1.5, ``--requests`` (3,000) / rate) simulated seconds, as
+a Poisson process or, with ``--burstiness``, with gamma gaps (bursts below 1).
 Every reply runs to the output length the file gives (``ignore_eos``, as SGLang's ``bench_serving`` sends by
 default; 256 tokens where a ShareGPT file records no reply), not to the simulated engine's own end of text (median
 30 tokens). Requests whose prompt plus output pass the engines' 32,768-token context are left out. Per point and
@@ -58,8 +59,8 @@ def trace(text: str) -> str:
     return text
 
 
-def run(dataset: str, policy: str, load: float, requests: int, seed: int) -> dict:
-    """One (load, policy) point; its row."""
+def run(dataset: str, policy: str, load: float, requests: int, seed: int, burstiness: float = 1.0) -> dict:
+    """One (load, policy) point; its row (``burstiness``: the arrivals' gamma shape, 1 = Poisson; untimed files only)."""
     tokenizer = load_tokenizer()
     workload = build_workload(dataset, random.Random(f"workload/{seed}"), tokenizer=tokenizer, max_context_tokens=CONTEXT_TOKENS)
     config = point_config(policy, pd=False)
@@ -67,8 +68,8 @@ def run(dataset: str, policy: str, load: float, requests: int, seed: int) -> dic
         records = simulate_run(config, workload, duration_s=float("inf"), seed=seed, time_scale=1.0 / load,
                                tokenizer=tokenizer, max_requests=requests, ignore_eos=True).records
     else:
-        records = simulate_run(config, workload, duration_s=max(1.5, requests / load), seed=seed, rate=load, tokenizer=tokenizer,
-                               ignore_eos=True).records
+        records = simulate_run(config, workload, duration_s=max(1.5, requests / load), seed=seed, rate=load,
+                               burstiness=burstiness, tokenizer=tokenizer, ignore_eos=True).records
     report = build_report(records, slo_ttft_s=SLO_TTFT_S, slo_ttft_per_1k_s=PER_1K_S)
     return {"policy": policy, "load": load, "requests": report["requests"]["sent"],
             "slo_violation_rate": report["slo"]["violation_rate"],
@@ -99,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="size of a point: a timed trace's first N requests (default: 2000), or N / rate seconds, "
                              "at least 1.5 s, of Poisson arrivals of conversations (default: 3000)")
     parser.add_argument("--seed", type=int, default=0, help="workload and arrival seed (default: %(default)s)")
+    parser.add_argument("--burstiness", type=positive_float, default=1.0,
+                        help="a sharegpt: or lengths: file's arrivals: gamma gaps of this shape (1: Poisson; 0.25: bursts, "
+                             "coefficient of variation 2), as laps simulate --burstiness (default: %(default)s)")
     parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES), metavar="POLICY",
                         help="policies to run (default: all of %(choices)s): laps and one baseline at least; the last is "
                              "the control, not a baseline")
@@ -111,23 +115,32 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--policies must name laps and at least one baseline: " + ", ".join(BASELINES))
     created = claim_out(parser, args.out)
     console = Console(width=150)
+
+    def refuse(message: str) -> int:
+        """Exit status 2 for an input found wrong only once read, leaving no ``--out`` behind."""
+        print(f"{parser.prog}: error: {message}", file=sys.stderr)
+        if created:
+            args.out.unlink(missing_ok=True)
+        return 2
+
     try:  # the file once here, so a bad one stops the bench before any simulation (each run reads it again)
         workload = build_workload(args.dataset, random.Random(f"workload/{args.seed}"), tokenizer=load_tokenizer(),
                                   max_context_tokens=CONTEXT_TOKENS)
     except ValueError as err:  # the trace's reader refuses the file (its message names the file and line)
-        print(f"{parser.prog}: error: {err}", file=sys.stderr)
-        if created:
-            args.out.unlink(missing_ok=True)
-        return 2
+        return refuse(str(err))
+    if workload.timed and args.burstiness != 1.0:
+        return refuse(f"--burstiness: {args.dataset} is a timed trace, replayed at its own times")
     requests = args.requests or (2000 if workload.timed else 3000)
     for note in workload.notes:
         console.print(f"note: {note}", highlight=False)
     try:
-        rows = simulate_all(args.jobs, run, [(args.dataset, p, load, requests, args.seed) for load in loads for p in policies], console)
+        rows = simulate_all(args.jobs, run, [(args.dataset, p, load, requests, args.seed, args.burstiness)
+                                             for load in loads for p in policies], console)
     except BaseException as err:
         return stopped(parser, args.out, created, err)
-    load_name = "speed-up" if workload.timed else "conv/s"  # a trace replayed at its times, or Poisson
-    table = Table(title=f"{args.dataset}, seed {args.seed}\nviolations (%) of 0.4 s (fixed) and of 0.4 s + {PER_1K_S:g} s per 1k new "
+    load_name = "speed-up" if workload.timed else "conv/s"  # a trace replayed at its times, or at a rate
+    arrivals = "" if workload.timed else f", burstiness {args.burstiness:g}"
+    table = Table(title=f"{args.dataset}, seed {args.seed}{arrivals}\nviolations (%) of 0.4 s (fixed) and of 0.4 s + {PER_1K_S:g} s per 1k new "
                         "tokens (length-aware); P90 TTFT (ms) of the short class (-: none) and of all; P50 TPOT (ms)")
     for column in (load_name, "policy", "requests", "fixed %", "length-aware %", "short P90", "P90", "TPOT P50", "laps worse"):
         table.add_column(column, justify="left" if column in ("policy", "laps worse") else "right")
@@ -139,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
                           _ms(r["tpot_p50_s"], 1),
                           worse if r["policy"] == "laps" else "")
     console.print(table)
-    args.out.write_text(json.dumps({"dataset": args.dataset, "seed": args.seed, "requests": requests, "notes": workload.notes,
+    args.out.write_text(json.dumps({"dataset": args.dataset, "seed": args.seed,
+                                    "burstiness": None if workload.timed else args.burstiness, "requests": requests, "notes": workload.notes,
                                     "rows": rows}, indent=1))
     console.print(f"wrote {args.out}")
     return 0

@@ -26,9 +26,9 @@ from policies.registry import POLICIES
 
 DESCRIPTION = """\
 Open-loop load of real chats against an OpenAI-compatible server (the laps gateway, SGLang, ...).
-Conversations arrive as a Poisson process at --rate per second (or at the trace's own times for
-azure-conv, code-burst, replay:PATH, mooncake:PATH and azure:PATH); each turn is streamed, and the next turn follows the received answer
-after a think time, with the real history. Reports TTFT, TPOT and E2E per class (x-laps-class header)
+Conversations arrive at --rate per second, as a Poisson process or, with --burstiness, in bursts or more
+evenly (or at the trace's own times for azure-conv, code-burst, replay:PATH, mooncake:PATH and azure:PATH);
+each turn is streamed, and the next turn follows the received answer after a think time, with the real history. Reports TTFT, TPOT and E2E per class (x-laps-class header)
 as a table, as JSON at --out and as a TTFT CDF plot next to it (.png)."""
 
 EPILOG = """\
@@ -106,6 +106,10 @@ def add_workload_arguments(parser: argparse.ArgumentParser, default_out: Path, c
         help=f"one of {', '.join(DATASETS)}, replay:PATH or a trace file {traces} (default: %(default)s)"
     )
     parser.add_argument("--rate", type=positive_float, help="conversation arrivals per second (Poisson); required except for trace replay")
+    parser.add_argument("--burstiness", type=positive_float, default=1.0,
+                        help="arrival gaps drawn from a gamma distribution of this shape with mean 1/--rate: 1 is Poisson, "
+                             "below 1 bursts (0.25: coefficient of variation 2), above 1 more even; as vllm bench serve's "
+                             "--burstiness; trace replay keeps its own times (default: %(default)s)")
     parser.add_argument("--duration", type=positive_float, default=60.0, help="seconds during which conversations and turns may start (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the workload and of the arrival process (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=default_out, help="report JSON; the PNG goes next to it (default: %(default)s)")
@@ -161,11 +165,14 @@ def workload_meta(args: argparse.Namespace, workload: Workload) -> dict:
     ignored = []
     if workload.timed and args.rate is not None:
         ignored.append(f"--rate {args.rate:g} ignored: {args.dataset} replays its own arrival times")
+    if workload.timed and args.burstiness != 1.0:
+        ignored.append(f"--burstiness {args.burstiness:g} ignored: {args.dataset} replays its own arrival times")
     if not workload.timed and args.time_scale != 1.0:
-        ignored.append(f"--time-scale {args.time_scale:g} ignored: {args.dataset} arrives as a Poisson process at --rate")
+        ignored.append(f"--time-scale {args.time_scale:g} ignored: {args.dataset} arrives at --rate, not at a trace's times")
     return {
         "dataset": args.dataset,
         "rate": None if workload.timed else args.rate,
+        "burstiness": None if workload.timed else args.burstiness,
         "time_scale": args.time_scale if workload.timed else None,
         "seed": args.seed,
         "configured_duration_s": args.duration,
@@ -264,6 +271,7 @@ async def run(args: argparse.Namespace) -> dict:
                 duration_s=args.duration,
                 seed=args.seed,
                 rate=None if workload.timed else args.rate,
+                burstiness=args.burstiness,
                 model=args.model,
                 time_scale=args.time_scale,
                 think_time_s=args.think_time_s,
@@ -365,6 +373,7 @@ def run_simulation(args: argparse.Namespace) -> dict:
             duration_s=args.duration,
             seed=args.seed,
             rate=None if workload.timed else args.rate,
+            burstiness=args.burstiness,
             time_scale=args.time_scale,
             think_time_s=args.think_time_s,
             think_dist=args.think_dist,

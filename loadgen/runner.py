@@ -29,7 +29,7 @@ import aiohttp
 import orjson
 
 from laps.heap import frozen_heap
-from loadgen.workloads import Conversation, Workload, poisson_times
+from loadgen.workloads import Conversation, Workload, arrival_times
 
 THINK_DISTRIBUTIONS = ("exp", "fixed")
 _ERROR_TEXT_LIMIT = 200
@@ -116,6 +116,7 @@ def plan_arrivals(
     duration_s: float,
     rng: random.Random,
     rate: float | None = None,
+    burstiness: float = 1.0,
     time_scale: float = 1.0,
     think_time_s: float = 1.0,
     think_dist: str = "exp",
@@ -124,14 +125,15 @@ def plan_arrivals(
     """Every conversation start before ``duration_s``, in time order, with its think times.
 
     Timed workloads (trace replay) start at ``conversation.start_s * time_scale``
-    (``time_scale`` 0.5 replays twice as fast) and ignore ``rate``; the others
-    arrive as a Poisson process at ``rate`` conversations per second. Gaps and
+    (``time_scale`` 0.5 replays twice as fast) and ignore ``rate`` and ``burstiness``; the others
+    arrive at ``rate`` conversations per second, as a Poisson process or, with ``burstiness`` other than 1, with gamma
+    gaps (:func:`~loadgen.workloads.arrival_times`). Gaps and
     think times are drawn from ``rng`` in arrival order. With ``max_requests``
     the plan holds at most that many requests (turns): the conversation that
     reaches it keeps only its first turns, and none starts after it.
 
     Raises:
-        ValueError: ``rate`` missing or <= 0 for a Poisson workload, ``time_scale``
+        ValueError: ``rate`` missing or <= 0 for a Poisson workload, ``burstiness``, ``time_scale``
             or ``duration_s`` <= 0, ``think_time_s`` < 0, ``max_requests`` < 1.
     """
     if time_scale <= 0:
@@ -147,7 +149,7 @@ def plan_arrivals(
     else:
         if rate is None:
             raise ValueError(f"dataset {workload.name} needs a rate (conversations/s)")
-        starts = zip(poisson_times(rate, rng), workload.conversations)
+        starts = zip(arrival_times(rate, rng, burstiness), workload.conversations)
     plan = []
     left = max_requests
     for t, conv in itertools.takewhile(lambda tc: tc[0] < duration_s, starts):
@@ -338,6 +340,7 @@ async def run_loadgen(
     duration_s: float,
     seed: int,
     rate: float | None = None,
+    burstiness: float = 1.0,
     model: str | None = None,
     time_scale: float = 1.0,
     think_time_s: float = 1.0,
@@ -351,8 +354,8 @@ async def run_loadgen(
 ) -> list[RequestRecord]:
     """Run ``workload`` against the OpenAI-compatible server at ``url`` and return one record per request sent.
 
-    Arrivals: Poisson at ``rate`` conversations/s, or the trace's own times
-    scaled by ``time_scale`` for timed workloads; think times exponential
+    Arrivals: at ``rate`` conversations/s, Poisson or with gamma gaps of ``burstiness`` (:func:`plan_arrivals`), or the
+    trace's own times scaled by ``time_scale`` for timed workloads; think times exponential
     (``think_dist="exp"``, mean ``think_time_s``) or fixed. Arrival gaps and
     think times come from ``random.Random(f"arrivals/{seed}")`` (the workload
     has its own RNG); ``max_requests`` caps the requests sent (:func:`plan_arrivals`). ``model`` defaults to the first id of ``GET /v1/models``.
@@ -366,7 +369,7 @@ async def run_loadgen(
 
     Raises:
         LoadgenError: no model could be discovered.
-        ValueError: bad ``rate``, ``time_scale`` or ``think_dist``.
+        ValueError: bad ``rate``, ``burstiness``, ``time_scale`` or ``think_dist``.
     """
     url = url.rstrip("/")
     plan = await asyncio.to_thread(
@@ -375,6 +378,7 @@ async def run_loadgen(
         duration_s=duration_s,
         rng=random.Random(f"arrivals/{seed}"),
         rate=rate,
+        burstiness=burstiness,
         time_scale=time_scale,
         think_time_s=think_time_s,
         think_dist=think_dist,

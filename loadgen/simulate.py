@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from typing import Any
 
 from laps.config import Config
 from laps.tokenizer import ChatTokenizer, load_tokenizer
@@ -17,25 +18,17 @@ from loadgen.virtual_pd import VirtualPDRun
 from loadgen.workloads import Workload
 
 
-def simulate(config: Config, workload: Workload, *, duration_s: float, seed: int, rate: float | None = None,
-             time_scale: float = 1.0, think_time_s: float = 1.0, think_dist: str = "exp",
-             request_timeout_s: float = 300.0, ignore_eos: bool = False, serving_latency_s: float = 0.0,
-             serving_latency_per_1k_s: float = 0.0, tokenizer: ChatTokenizer | None = None,
-             on_record: Callable[[RequestRecord], None] | None = None,
-             on_progress: Callable[[float], None] | None = None, max_requests: int | None = None) -> list[RequestRecord]:
+def simulate(config: Config, workload: Workload, **kwargs: Any) -> list[RequestRecord]:
     """Run ``workload`` against ``config``'s deployment in virtual time; one record per request sent.
 
-    As :func:`simulate_run` (which also gives the run's :meth:`~loadgen.virtual.VirtualRun.summary`), returning only the records.
+    As :func:`simulate_run`, whose keyword arguments it takes (and whose run also gives the
+    :meth:`~loadgen.virtual.VirtualRun.summary`), returning only the records.
     """
-    return simulate_run(config, workload, duration_s=duration_s, seed=seed, rate=rate, time_scale=time_scale,
-                        think_time_s=think_time_s, think_dist=think_dist, request_timeout_s=request_timeout_s,
-                        ignore_eos=ignore_eos, serving_latency_s=serving_latency_s,
-                        serving_latency_per_1k_s=serving_latency_per_1k_s, tokenizer=tokenizer,
-                        on_record=on_record, on_progress=on_progress, max_requests=max_requests).records
+    return simulate_run(config, workload, **kwargs).records
 
 
 def simulate_run(config: Config, workload: Workload, *, duration_s: float, seed: int, rate: float | None = None,
-                 time_scale: float = 1.0, think_time_s: float = 1.0, think_dist: str = "exp",
+                 burstiness: float = 1.0, time_scale: float = 1.0, think_time_s: float = 1.0, think_dist: str = "exp",
                  request_timeout_s: float = 300.0, ignore_eos: bool = False, serving_latency_s: float = 0.0,
                  serving_latency_per_1k_s: float = 0.0, tokenizer: ChatTokenizer | None = None,
                  on_record: Callable[[RequestRecord], None] | None = None,
@@ -51,10 +44,10 @@ def simulate_run(config: Config, workload: Workload, *, duration_s: float, seed:
     A prefill–decode deployment (``pd:``) runs as a :class:`~loadgen.virtual_pd.VirtualPDRun`.
 
     Raises:
-        ValueError: bad ``rate``/``time_scale``/``think_dist``, or an engine role the simulator cannot run.
+        ValueError: bad ``rate``/``burstiness``/``time_scale``/``think_dist``, or an engine role the simulator cannot run.
     """
     plan = plan_arrivals(workload, duration_s=duration_s, rng=random.Random(f"arrivals/{seed}"), rate=rate,
-                         time_scale=time_scale, think_time_s=think_time_s, think_dist=think_dist,
+                         burstiness=burstiness, time_scale=time_scale, think_time_s=think_time_s, think_dist=think_dist,
                          max_requests=max_requests)
     run_class = VirtualPDRun if config.pd is not None else VirtualRun
     run = run_class(config, tokenizer or load_tokenizer(config.model.path), request_timeout_s=request_timeout_s,

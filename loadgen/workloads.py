@@ -253,17 +253,30 @@ class ExactLengthPrompts:
         raise RuntimeError(f"could not cut real text to exactly {target_tokens} templated tokens")
 
 
-def poisson_times(rate: float, rng: random.Random) -> Iterator[float]:
-    """Endless Poisson arrival times (seconds from 0) at ``rate`` per second: cumulative ``rng.expovariate`` gaps.
+def arrival_times(rate: float, rng: random.Random, burstiness: float = 1.0) -> Iterator[float]:
+    """Endless arrival times (seconds from 0) at ``rate`` per second on average: cumulative gaps drawn from ``rng``.
+
+    ``burstiness`` 1 is a Poisson process (``rng.expovariate(rate)`` gaps); any other value draws gamma gaps of shape
+    ``burstiness`` and mean ``1 / rate`` (scale ``1 / (rate * burstiness)``), whose coefficient of variation is
+    ``1 / sqrt(burstiness)``: below 1 the arrivals come in bursts (0.25: CV 2), above 1 more evenly than Poisson. The
+    meaning ``--burstiness`` has in ``vllm bench serve`` (docs.vllm.ai, CLI reference); SGLang 0.5.23's
+    ``bench_serving`` draws Poisson gaps only.
 
     Raises:
-        ValueError: ``rate`` <= 0.
+        ValueError: ``rate`` <= 0 or ``burstiness`` <= 0 (or not finite).
     """
     if rate <= 0:
         raise ValueError(f"rate must be > 0 conversations/s, got {rate}")
+    if not 0 < burstiness < math.inf:
+        raise ValueError(f"burstiness must be a finite number > 0 (1 = Poisson), got {burstiness}")
     t = 0.0
+    if burstiness == 1.0:
+        while True:
+            t += rng.expovariate(rate)
+            yield t
+    scale_s = 1.0 / (rate * burstiness)
     while True:
-        t += rng.expovariate(rate)
+        t += rng.gammavariate(burstiness, scale_s)
         yield t
 
 
@@ -614,7 +627,7 @@ def shifting_workload(rng: random.Random, *, rate: float, phases: Sequence[Phase
     mean_turns = sum(len(c.turns) for c in chats) / len(chats)
     p_long = [long_arrival_probability(p.long_share, mean_turns) for p in phases]
     ends = list(itertools.accumulate(p.duration_s for p in phases))
-    times = list(itertools.takewhile(lambda t: t < ends[-1], poisson_times(rate, random.Random(rng.random()))))
+    times = list(itertools.takewhile(lambda t: t < ends[-1], arrival_times(rate, random.Random(rng.random()))))
     long_rows = [r for r in load_azure_trace() if r.context_tokens > LONG_MIN_CONTEXT_TOKENS]
     phase_of = [bisect.bisect_right(ends, t) for t in times]
     stream = _mixed_stream(chats, long_rows, ExactLengthPrompts(tok, rng), (p_long[i] for i in phase_of), rng)

@@ -1,6 +1,7 @@
 """bench/held_out.py's "laps worse" marks on scripted rows, and its refusal of a dataset that is not a trace file."""
 
 import argparse
+import json
 import importlib.util
 import sys
 from pathlib import Path
@@ -48,3 +49,32 @@ def test_a_file_its_reader_refuses_stops_the_bench_before_any_simulation(tmp_pat
                                        "columns num_prefill_tokens,num_decode_tokens or input_tokens,output_tokens "
                                        "(header: a,b)\n")
     assert not out.exists()
+
+
+def test_burstiness_of_a_timed_trace_is_refused_before_any_simulation(tmp_path, capsys):
+    trace_file = Path(__file__).resolve().parent.parent / "loadgen" / "data" / "azure_llm_2023_conv.csv"
+    out = tmp_path / "out.json"
+    assert held_out.main(["--dataset", f"azure:{trace_file}", "--loads", "3", "--burstiness", "0.25", "--out", str(out)]) == 2
+    assert capsys.readouterr().err.endswith(f"held_out.py: error: --burstiness: azure:{trace_file} is a timed trace, "
+                                            "replayed at its own times\n")
+    assert not out.exists()
+
+
+def test_burstiness_reaches_every_point_and_the_json(tmp_path, monkeypatch):
+    """Each simulated point gets the --burstiness given; the JSON records it (a fake simulation stands in)."""
+    trace_file = tmp_path / "lengths.csv"
+    trace_file.write_text("input_tokens,output_tokens\n100,10\n2000,20\n")
+    jobs = []
+
+    def fake_simulate_all(n_jobs, fn, calls, console):
+        jobs.extend(calls)
+        return [{"policy": c[1], "load": c[2], "requests": 1, "slo_violation_rate": 0.0, "length_slo_violation_rate": 0.0,
+                 "short_ttft_p90_s": 0.01, "ttft_p90_s": 0.02, "tpot_p50_s": 0.005} for c in calls]
+
+    monkeypatch.setattr(held_out, "simulate_all", fake_simulate_all)
+    out = tmp_path / "out.json"
+    assert held_out.main(["--dataset", f"lengths:{trace_file}", "--loads", "5", "--burstiness", "0.25",
+                          "--policies", "laps", "least_load", "--out", str(out)]) == 0
+    assert jobs == [(f"lengths:{trace_file}", "laps", 5.0, 3000, 0, 0.25),
+                    (f"lengths:{trace_file}", "least_load", 5.0, 3000, 0, 0.25)]
+    assert json.loads(out.read_text())["burstiness"] == 0.25

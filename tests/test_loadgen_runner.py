@@ -3,6 +3,7 @@
 import argparse
 import asyncio
 import itertools
+import math
 import random
 import statistics
 import threading
@@ -16,7 +17,7 @@ from aiohttp.test_utils import TestServer
 from loadgen import cli
 from loadgen.report import write_trace
 from loadgen.runner import draw_think_time, plan_arrivals, run_loadgen
-from loadgen.workloads import poisson_times
+from loadgen.workloads import arrival_times
 from loadgen.workloads import Conversation, Turn, Workload, load_replay
 
 
@@ -98,16 +99,33 @@ def chat(cid: str, *texts: str, start_s: float = 0.0) -> Conversation:
     return Conversation(cid, "test", tuple(Turn(t, 8) for t in texts), start_s)
 
 
-def test_poisson_times_are_cumulative_seeded_exponential_gaps():
-    times = list(itertools.islice(poisson_times(4.0, random.Random(7)), 20000))
+def test_arrival_times_are_cumulative_seeded_exponential_gaps_by_default():
+    times = list(itertools.islice(arrival_times(4.0, random.Random(7)), 20000))
     ref = random.Random(7)
     expected = list(itertools.accumulate(ref.expovariate(4.0) for _ in range(3)))
     assert times[:3] == expected
     gaps = [b - a for a, b in itertools.pairwise([0.0, *times])]
     assert statistics.fmean(gaps) == pytest.approx(0.25, rel=0.02)
     assert statistics.stdev(gaps) == pytest.approx(0.25, rel=0.03)
-    with pytest.raises(ValueError):
-        next(poisson_times(0.0, random.Random(0)))
+    with pytest.raises(ValueError, match="rate must be > 0"):
+        next(arrival_times(0.0, random.Random(0)))
+
+
+@pytest.mark.parametrize("burstiness", [0.25, 4.0])
+def test_arrival_times_with_burstiness_are_gamma_gaps_of_the_same_mean(burstiness):
+    """Gamma gaps of shape ``burstiness`` and mean 1 / rate: coefficient of variation 1 / sqrt(burstiness)."""
+    times = list(itertools.islice(arrival_times(4.0, random.Random(7), burstiness), 40000))
+    ref = random.Random(7)
+    assert times[:3] == list(itertools.accumulate(ref.gammavariate(burstiness, 0.25 / burstiness) for _ in range(3)))
+    gaps = [b - a for a, b in itertools.pairwise([0.0, *times])]
+    assert statistics.fmean(gaps) == pytest.approx(0.25, rel=0.03)
+    assert statistics.stdev(gaps) / statistics.fmean(gaps) == pytest.approx(burstiness ** -0.5, rel=0.05)
+
+
+@pytest.mark.parametrize("burstiness", [0.0, -1.0, math.inf, math.nan])
+def test_arrival_times_refuse_a_burstiness_that_is_not_a_positive_number(burstiness):
+    with pytest.raises(ValueError, match="burstiness must be a finite number > 0"):
+        next(arrival_times(1.0, random.Random(0), burstiness))
 
 
 def test_think_time_is_exponential_or_fixed():
@@ -130,9 +148,19 @@ def test_poisson_plan_stops_at_duration_and_draws_think_times_per_turn():
     assert [a.conversation.id for a in plan] == [f"c{i}" for i in range(len(plan))]
 
 
-def test_timed_plan_scales_trace_times_and_ignores_rate():
+def test_bursty_plan_draws_gamma_gaps_then_think_times():
+    convs = [chat(f"c{i}", "a", "b", start_s=None) for i in range(10)]
+    plan = plan_arrivals(Workload("p", iter(convs), timed=False), duration_s=50.0, rng=random.Random(1), rate=2.0,
+                         burstiness=0.25)
+    ref = random.Random(1)
+    assert plan[0].start_s == ref.gammavariate(0.25, 2.0)  # scale 1 / (rate * burstiness)
+    assert plan[0].think_s == (ref.expovariate(1.0),)
+
+
+def test_timed_plan_scales_trace_times_and_ignores_rate_and_burstiness():
     w = timed(chat("a", "x", start_s=0.0), chat("b", "x", "y", start_s=10.0), chat("c", "x", start_s=30.0))
-    plan = plan_arrivals(w, duration_s=10.0, rng=random.Random(0), rate=99.0, time_scale=0.5, think_dist="fixed", think_time_s=0.25)
+    plan = plan_arrivals(w, duration_s=10.0, rng=random.Random(0), rate=99.0, burstiness=0.25, time_scale=0.5,
+                         think_dist="fixed", think_time_s=0.25)
     assert [(a.start_s, a.conversation.id, a.think_s) for a in plan] == [(0.0, "a", ()), (5.0, "b", (0.25,))]
 
 

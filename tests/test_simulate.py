@@ -101,20 +101,38 @@ def test_laps_simulate_writes_the_loadgen_report_with_the_policy_override(tmp_pa
     assert laps_main(["simulate", "--dataset", "mtbench", "--duration", "5", "--out", str(out), "--quiet"]) == 2  # no rate
 
 
+def test_laps_simulate_sends_bursty_arrivals_with_burstiness(tmp_path):
+    """The same seed and rate with --burstiness 0.25 plans other arrival times (gamma gaps); the report says so."""
+    starts = {}
+    for burstiness in ("1", "0.25"):
+        out = tmp_path / f"sim{burstiness}.json"
+        trace = tmp_path / f"sim{burstiness}.jsonl"
+        assert laps_main(["simulate", "--config", str(DEFAULT_CONFIG_PATH), "--dataset", "chat-single", "--rate", "20",
+                          "--burstiness", burstiness, "--duration", "2", "--out", str(out), "--trace-out", str(trace),
+                          "--quiet"]) == 0
+        assert orjson.loads(out.read_bytes())["burstiness"] == float(burstiness)
+        starts[burstiness] = sorted(orjson.loads(line)["start_s"] for line in trace.read_bytes().splitlines())
+    assert starts["1"][0] == pytest.approx(random.Random("arrivals/0").expovariate(20.0))
+    assert starts["0.25"][0] == pytest.approx(random.Random("arrivals/0").gammavariate(0.25, 1 / (20 * 0.25)))
+
+
 def test_laps_simulate_prints_the_arguments_its_dataset_ignores(tmp_path, capsys):
     out = tmp_path / "sim.json"
     assert laps_main(["simulate", "--config", str(DEFAULT_CONFIG_PATH), "--dataset", "mtbench", "--rate", "1",
                       "--time-scale", "2", "--duration", "2", "--out", str(out)]) == 0
-    note = "--time-scale 2 ignored: mtbench arrives as a Poisson process at --rate"
+    note = "--time-scale 2 ignored: mtbench arrives at --rate, not at a trace's times"
     assert orjson.loads(out.read_bytes())["notes"] == [note]
     assert f"note: {note}" in capsys.readouterr().err
     assert laps_main(["simulate", "--config", str(DEFAULT_CONFIG_PATH), "--dataset", "code-burst", "--rate", "7",
-                      "--time-scale", "0.05", "--duration", "1", "--out", str(out), "--quiet"]) == 0
-    assert orjson.loads(out.read_bytes())["notes"] == ["--rate 7 ignored: code-burst replays its own arrival times"]
+                      "--burstiness", "0.5", "--time-scale", "0.05", "--duration", "1", "--out", str(out), "--quiet"]) == 0
+    report = orjson.loads(out.read_bytes())
+    assert report["notes"] == ["--rate 7 ignored: code-burst replays its own arrival times",
+                               "--burstiness 0.5 ignored: code-burst replays its own arrival times"]
+    assert report["burstiness"] is None
 
 
 @pytest.mark.parametrize("argument", [("--rate", "0"), ("--rate", "-1"), ("--rate", "inf"), ("--rate", "nan"),
-                                      ("--time-scale", "inf"), ("--duration", "nan"), ("--request-timeout-s", "0"),
+                                      ("--time-scale", "inf"), ("--burstiness", "0"), ("--burstiness", "inf"), ("--duration", "nan"), ("--request-timeout-s", "0"),
                                       ("--serving-latency-ms", "-5")])
 def test_laps_simulate_refuses_numbers_out_of_range(argument, capsys):
     """Rates, time scales, durations and timeouts must be finite and positive; the serving latency finite and >= 0."""
