@@ -40,7 +40,9 @@ reach 5%, geometric steps then bisection), then every policy runs at 0.2, 0.5, 0
 baseline still has ≤ 5% violations there (up to 3×): otherwise a goodput and a knee past 1.5× would read as
 1.5× for both sides. The offered load is conversations per second for
 Poisson workloads and the replay speed-up for ``azure-conv`` and ``code-burst``; rows also give the achieved request
-rate. Rows: ``{workload, policy, load, rate_rps, slo_violation_rate, length_slo_violation_rate,
+rate. ``--burstiness B`` draws the Poisson workloads' arrival gaps from a gamma distribution of shape B with the same
+mean (0.25: bursts, a coefficient of variation of 2), the saturation search's too; rows say which (``burstiness``,
+None for a replayed workload, which keeps its trace's times). Rows: ``{workload, policy, load, rate_rps, slo_violation_rate, length_slo_violation_rate,
 ttft_p90_s, short_ttft_p90_s, goodput_rps, prefill_busy_fraction, prefill_load, short_slo_violation_rate,
 long_slo_violation_rate}`` (``goodput_rps``: requests per second that met the fixed objective;
 ``prefill_busy_fraction``: the mean share of the run the prefill engines spent in prefill passes; ``prefill_load``:
@@ -210,27 +212,31 @@ def point_duration_s(workload: str, load: float, max_duration_s: float) -> float
 
 
 def simulate_point(workload: str, policy: str, load: float, duration_s: float, seed: int, pd: bool = False,
-                   **options) -> tuple[Config, VirtualRun]:
+                   burstiness: float = 1.0, **options) -> tuple[Config, VirtualRun]:
     """``policy``'s deployment (:func:`point_config`) on ``workload`` (seeded ``workload/{seed}``) at ``load``
     (conversations per second, or a replayed workload's speed-up) for ``duration_s`` of arrivals; the config and the
-    finished run. ``options`` go to :func:`~loadgen.simulate.simulate_run` (``on_prompt``, ``ignore_eos``, ``max_requests``)."""
+    finished run. ``burstiness``: the gamma shape of a Poisson workload's arrival gaps (1: Poisson;
+    :func:`~loadgen.workloads.arrival_times`), which a replayed workload ignores. ``options`` go to
+    :func:`~loadgen.simulate.simulate_run` (``on_prompt``, ``ignore_eos``, ``max_requests``)."""
     tokenizer = load_tokenizer()
     config = point_config(policy, pd)
     wl = build_workload(workload, random.Random(f"workload/{seed}"), tokenizer=tokenizer)
-    timing = {"time_scale": 1.0 / load} if wl.timed else {"rate": load}
+    timing = {"time_scale": 1.0 / load} if wl.timed else {"rate": load, "burstiness": burstiness}
     return config, simulate_run(config, wl, duration_s=duration_s, seed=seed, tokenizer=tokenizer, **timing, **options)
 
 
-def run_point(workload: str, policy: str, load: float, max_duration_s: float, seed: int, pd: bool = False) -> dict:
-    """Simulate one (workload, policy, offered load) point; its row."""
+def run_point(workload: str, policy: str, load: float, max_duration_s: float, seed: int, pd: bool = False,
+              burstiness: float = 1.0) -> dict:
+    """Simulate one (workload, policy, offered load) point (``burstiness`` as for :func:`simulate_point`); its row."""
     duration_s = point_duration_s(workload, load, max_duration_s)
     prefills = PrefillWork(load_tokenizer())
-    config, run = simulate_point(workload, policy, load, duration_s, seed, pd, on_prompt=prefills.arrive)
+    config, run = simulate_point(workload, policy, load, duration_s, seed, pd, burstiness, on_prompt=prefills.arrive)
     records = run.records
     report = build_report(records, slo_ttft_s=SLO_TTFT_S, slo_ttft_per_1k_s=PER_1K_S)
     met = sum(r.ok and r.ttft_s is not None and r.ttft_s <= SLO_TTFT_S for r in records)
     return {
         "workload": workload, "policy": policy, "pd": pd, "load": load, "duration_s": duration_s,
+        "burstiness": None if workload in TRACE_RATE_RPS else burstiness,
         "rate_rps": report["throughput_rps"], "requests": report["requests"]["sent"],
         "slo_violation_rate": report["slo"]["violation_rate"],
         "length_slo_violation_rate": report["length_slo"]["violation_rate"],
@@ -319,13 +325,14 @@ def simulate_all(jobs: int, fn, calls: list[tuple], console: Console) -> list:
     return results
 
 
-def saturation_load(workload: str, duration_s: float, seed: int, pd: bool, pool: multiprocessing.pool.Pool) -> float:
+def saturation_load(workload: str, duration_s: float, seed: int, pd: bool, pool: multiprocessing.pool.Pool,
+                    burstiness: float = 1.0) -> float:
     """least_load's offered load at 5% violations (of :data:`OBJECTIVE`'s objective): a geometric ladder two probes at a
     time (factor 2), then two rounds of two probes at the thirds of the bracket in log space; the bracket's geometric middle."""
     key = OBJECTIVE.get(workload, "slo_violation_rate")
 
     def probe(loads: list[float]) -> list[float]:
-        pending = [pool.apply_async(run_point, (workload, "least_load", load, duration_s, seed, pd)) for load in loads]
+        pending = [pool.apply_async(run_point, (workload, "least_load", load, duration_s, seed, pd, burstiness)) for load in loads]
         return [result.get()[key] or 0.0 for result in pending]  # None: no request in the window, nothing violated
 
     passing, failing = [], []
@@ -489,20 +496,21 @@ def plot(rows: list[dict], path: Path, title: str, saturation: float) -> None:
 
 
 def sweep(workload: str, pd: bool, loads: tuple[float, ...], duration_s: float, seed: int, pool: multiprocessing.pool.Pool,
-          progress: Progress, seeds: int = 1) -> tuple[list[dict], dict]:
+          progress: Progress, seeds: int = 1, burstiness: float = 1.0) -> tuple[list[dict], dict]:
     """Saturation search (with ``seed``), then every policy at every load, each point with seeds ``seed`` …
     ``seed + seeds − 1`` averaged (:func:`mean_row`), then more loads while the goodput is still capped
-    (:func:`extra_load`); the rows and the verdict."""
+    (:func:`extra_load`); the rows and the verdict. ``burstiness`` as for :func:`simulate_point`, the search's too."""
     label = f"{workload}{' (PD 6+2)' if pd else ''}"
     task = progress.add_task(f"{label}: saturation", total=len(loads) * len(POLICIES))
-    sat = saturation_load(workload, duration_s, seed, pd, pool)
+    sat = saturation_load(workload, duration_s, seed, pd, pool, burstiness)
     progress.console.print(f"{label}: least_load saturates at load {sat:.3g}")
     progress.update(task, description=f"{label}: {len(POLICIES)} policies × {len(loads)} loads")
     key = OBJECTIVE.get(workload, "slo_violation_rate")
     rows: list[dict] = []
     multiples = list(loads)
     while multiples:
-        pending = [[pool.apply_async(run_point, (workload, p, round(f * sat, 3), duration_s, seed + k, pd)) for k in range(seeds)]
+        pending = [[pool.apply_async(run_point, (workload, p, round(f * sat, 3), duration_s, seed + k, pd, burstiness))
+                    for k in range(seeds)]
                    for p in POLICIES for f in multiples]
         for point in pending:
             r = mean_row([result.get() for result in point])
@@ -674,6 +682,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="workload and arrival seed (default: %(default)s)")
     parser.add_argument("--seeds", type=positive_int, default=1, help="seeds per point, averaged (seed, seed+1, ...): one run's "
                                                              "noise in overload is ~1 point (default: %(default)s)")
+    parser.add_argument("--burstiness", type=positive_float, default=1.0,
+                        help="gamma shape of the Poisson workloads' arrival gaps, the same mean (1: Poisson; 0.25: bursts, "
+                             "coefficient of variation 2; laps simulate --burstiness); replayed workloads keep their times "
+                             "(default: %(default)s)")
     parser.add_argument("--verdict-of", type=Path, metavar="JSON", help="simulate nothing: the verdict of an earlier run's JSON")
     args = parser.parse_args(argv)
     console = Console(width=160)
@@ -714,7 +726,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with simulation_pool(args.jobs) as pool, Progress(console=console, transient=True) as progress:
             for workload, pd in runs:
-                rows, v = sweep(workload, pd, loads, duration, args.seed, pool, progress, args.seeds)
+                rows, v = sweep(workload, pd, loads, duration, args.seed, pool, progress, args.seeds, args.burstiness)
                 all_rows += rows
                 verdicts.append(v)
                 png = args.out.with_name(f"{args.out.stem}_{workload}{'_pd' if pd else ''}.png")

@@ -1,6 +1,7 @@
 """bench/dominance.py's verdict on scripted rows: goodput interpolation and the four checks, exact values."""
 
 import importlib.util
+import random
 import sys
 from pathlib import Path
 
@@ -129,13 +130,21 @@ class Now:
 
 
 def test_the_sweep_averages_every_point_over_its_seeds(monkeypatch):
-    def run_point(workload, policy, load, duration_s, seed, pd):
+    burstiness_seen = set()
+
+    def run_point(workload, policy, load, duration_s, seed, pd, burstiness):
+        burstiness_seen.add(burstiness)
         return {**row(policy, load, 100.0, 0.01 * seed + (0.1 if load > 150 else 0.0)), "pd": pd, "short_floor_s": None}
 
+    def saturation_load(workload, duration_s, seed, pd, pool, burstiness):
+        burstiness_seen.add(burstiness)
+        return 200.0
+
     monkeypatch.setattr(dominance, "run_point", run_point)
-    monkeypatch.setattr(dominance, "saturation_load", lambda *args: 200.0)
+    monkeypatch.setattr(dominance, "saturation_load", saturation_load)
     progress = dominance.Progress(disable=True)
-    rows, _ = dominance.sweep("mixed", False, (0.5, 1.0), 10.0, 3, Now(), progress, seeds=2)
+    rows, _ = dominance.sweep("mixed", False, (0.5, 1.0), 10.0, 3, Now(), progress, seeds=2, burstiness=0.25)
+    assert burstiness_seen == {0.25}  # the search and every point draw the same arrival process
     assert len(rows) == 2 * len(dominance.POLICIES)
     assert {r["load"] for r in rows} == {100.0, 200.0}
     # seeds 3 and 4; every policy fails at the top load, so no load is added
@@ -179,7 +188,7 @@ def test_the_sweep_adds_loads_while_laps_or_a_baseline_still_meets_the_objective
     # least_load+spf passes 5% between 1.5× and 1.88×, laps between 2.34× and 2.93×; the others at 1×.
     knee = {"laps": 2.5, "least_load+spf": 1.7}
 
-    def run_point(workload, policy, load, duration_s, seed, pd):
+    def run_point(workload, policy, load, duration_s, seed, pd, burstiness):
         return {**row(policy, load, load, 0.2 if load / 100.0 > knee.get(policy, 1.0) else 0.0), "pd": pd,
                 "short_floor_s": None}
 
@@ -209,6 +218,13 @@ def test_a_point_says_which_class_its_violations_fall_on():
     short, long = r["short_slo_violation_rate"], r["long_slo_violation_rate"]
     assert 0 < short < 1 and 0 < long < 1
     assert min(short, long) <= r["slo_violation_rate"] <= max(short, long)
+    assert r["burstiness"] == 1.0
+
+
+def test_a_bursty_point_draws_gamma_gaps_of_the_same_seed():
+    _, run = dominance.simulate_point("docs", "least_load", 500.0, 0.2, 0, burstiness=0.25)
+    first_s = min(rec.start_s for rec in run.records)
+    assert first_s == pytest.approx(random.Random("arrivals/0").gammavariate(0.25, 1 / (500.0 * 0.25)))
 
 
 def test_a_replayed_workload_replays_the_same_stretch_of_its_trace_at_every_load_and_a_poisson_one_is_capped():
