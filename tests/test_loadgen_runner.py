@@ -289,6 +289,25 @@ def test_cli_writes_report_png_and_trace_and_exits_0(tmp_path):
     assert len((tmp_path / "trace.jsonl").read_text().splitlines()) == report["requests"]["sent"]
 
 
+def test_cli_sends_bursty_arrivals_with_burstiness(tmp_path, monkeypatch):
+    """--burstiness reaches the arrival plan of a live run (the real run_loadgen, watched) and the report."""
+    seen = []
+    real = cli.run_loadgen
+
+    async def watched(*args, **kwargs):
+        seen.append(kwargs["burstiness"])
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(cli, "run_loadgen", watched)
+    out = tmp_path / "report.json"
+    with fake_in_thread() as (_, url):
+        args = parse("--url", url, "--dataset", "arena", "--rate", "20", "--burstiness", "0.5", "--duration", "0.3",
+                     "--out", str(out), "--quiet")
+        assert cli.main(args) == 0
+    assert seen == [0.5]
+    assert orjson.loads(out.read_bytes())["burstiness"] == 0.5
+
+
 def test_cli_exits_1_on_request_errors_and_2_without_rate(tmp_path):
     trace = tmp_path / "t.jsonl"
     trace.write_text(orjson.dumps({"conversation_id": "f", "source": "x", "turn": 0, "user": "FAIL", "max_tokens": 4, "start_s": 0.0}).decode() + "\n")
