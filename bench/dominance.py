@@ -42,9 +42,9 @@ baseline still has ≤ 5% violations there (up to 3×): otherwise a goodput and 
 Poisson workloads and the replay speed-up for ``azure-conv`` and ``code-burst``; rows also give the achieved request
 rate. ``--burstiness B`` draws the Poisson workloads' arrival gaps from a gamma distribution of shape B with the same
 mean (0.25: bursts, a coefficient of variation of 2), the saturation search's too; rows say which (``burstiness``,
-None for a replayed workload, which keeps its trace's times). Rows: ``{workload, policy, load, rate_rps, slo_violation_rate, length_slo_violation_rate,
-ttft_p90_s, short_ttft_p90_s, goodput_rps, prefill_busy_fraction, prefill_load, short_slo_violation_rate,
-long_slo_violation_rate}`` (``goodput_rps``: requests per second that met the fixed objective;
+None for a replayed workload, which keeps its trace's times). Rows: ``{workload, policy, load, rate_rps,
+slo_violation_rate, length_slo_violation_rate, ttft_p90_s, short_ttft_p90_s, goodput_rps, prefill_busy_fraction,
+prefill_load, short_slo_violation_rate, long_slo_violation_rate, burstiness}`` (``goodput_rps``: requests per second that met the fixed objective;
 ``prefill_busy_fraction``: the mean share of the run the prefill engines spent in prefill passes; ``prefill_load``:
 their prefill-pass seconds over the point's seconds of arrivals instead, the prefill the arrivals asked for against
 what the engines can run meanwhile, above 1 past their prefill capacity, where only a backlog served after the

@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="speed-ups of a timed trace, or conversations per second of a sharegpt: or lengths: file")
     parser.add_argument("--requests", type=positive_int,
                         help="size of a point: a timed trace's first N requests (default: 2000), or N / rate seconds, "
-                             "at least 1.5 s, of Poisson arrivals of conversations (default: 3000)")
+                             "at least 1.5 s, of arrivals of conversations (default: 3000)")
     parser.add_argument("--seed", type=int, default=0, help="workload and arrival seed (default: %(default)s)")
     parser.add_argument("--burstiness", type=positive_float, default=1.0,
                         help="a sharegpt: or lengths: file's arrivals: gamma gaps of this shape (1: Poisson; 0.25: bursts, "
@@ -140,8 +140,9 @@ def main(argv: list[str] | None = None) -> int:
         return stopped(parser, args.out, created, err)
     load_name = "speed-up" if workload.timed else "conv/s"  # a trace replayed at its times, or at a rate
     arrivals = "" if workload.timed else f", burstiness {args.burstiness:g}"
-    table = Table(title=f"{args.dataset}, seed {args.seed}{arrivals}\nviolations (%) of 0.4 s (fixed) and of 0.4 s + {PER_1K_S:g} s per 1k new "
-                        "tokens (length-aware); P90 TTFT (ms) of the short class (-: none) and of all; P50 TPOT (ms)")
+    table = Table(title=f"{args.dataset}, seed {args.seed}{arrivals}\nviolations (%) of 0.4 s (fixed) and of 0.4 s + "
+                        f"{PER_1K_S:g} s per 1k new tokens (length-aware); P90 TTFT (ms) of the short class (-: none) "
+                        "and of all; P50 TPOT (ms)")
     for column in (load_name, "policy", "requests", "fixed %", "length-aware %", "short P90", "P90", "TPOT P50", "laps worse"):
         table.add_column(column, justify="left" if column in ("policy", "laps worse") else "right")
     for load in loads:
@@ -153,8 +154,8 @@ def main(argv: list[str] | None = None) -> int:
                           worse if r["policy"] == "laps" else "")
     console.print(table)
     args.out.write_text(json.dumps({"dataset": args.dataset, "seed": args.seed,
-                                    "burstiness": None if workload.timed else args.burstiness, "requests": requests, "notes": workload.notes,
-                                    "rows": rows}, indent=1))
+                                    "burstiness": None if workload.timed else args.burstiness, "requests": requests,
+                                    "notes": workload.notes, "rows": rows}, indent=1))
     console.print(f"wrote {args.out}")
     return 0
 

@@ -28,8 +28,9 @@ DESCRIPTION = """\
 Open-loop load of real chats against an OpenAI-compatible server (the laps gateway, SGLang, ...).
 Conversations arrive at --rate per second, as a Poisson process or, with --burstiness, in bursts or more
 evenly (or at the trace's own times for azure-conv, code-burst, replay:PATH, mooncake:PATH and azure:PATH);
-each turn is streamed, and the next turn follows the received answer after a think time, with the real history. Reports TTFT, TPOT and E2E per class (x-laps-class header)
-as a table, as JSON at --out and as a TTFT CDF plot next to it (.png)."""
+each turn is streamed, and the next turn follows the received answer after a think time, with the real
+history. Reports TTFT, TPOT and E2E per class (x-laps-class header) as a table, as JSON at --out and as a
+TTFT CDF plot next to it (.png)."""
 
 EPILOG = """\
 examples:
@@ -105,7 +106,7 @@ def add_workload_arguments(parser: argparse.ArgumentParser, default_out: Path, c
         "--dataset", default="mixed", metavar="NAME",
         help=f"one of {', '.join(DATASETS)}, replay:PATH or a trace file {traces} (default: %(default)s)"
     )
-    parser.add_argument("--rate", type=positive_float, help="conversation arrivals per second (Poisson); required except for trace replay")
+    parser.add_argument("--rate", type=positive_float, help="conversation arrivals per second (on average); required except for trace replay")
     parser.add_argument("--burstiness", type=positive_float, default=1.0,
                         help="arrival gaps drawn from a gamma distribution of this shape with mean 1/--rate: 1 is Poisson, "
                              "below 1 bursts (0.25: coefficient of variation 2), above 1 more even; as vllm bench serve's "
