@@ -100,7 +100,7 @@ from engines.sim.latency import make_latency_model  # noqa: E402
 from laps.config import Config, load_config, parse_config  # noqa: E402
 from laps.doc_help import doc_parser  # noqa: E402
 from laps.tokenizer import load_tokenizer  # noqa: E402
-from loadgen.cli import positive_float, positive_int  # noqa: E402
+from loadgen.cli import gamma_shape, positive_float, positive_int  # noqa: E402
 from loadgen.report import build_report  # noqa: E402
 from loadgen.simulate import simulate_run  # noqa: E402
 from loadgen.virtual import VirtualRun  # noqa: E402
@@ -549,7 +549,7 @@ def mean_row(runs: list[dict]) -> dict:
     where none has), the rest from the first; ``seeds`` says how many."""
     row = dict(runs[0], seeds=len(runs))
     for key, value in runs[0].items():
-        if key != "load" and (value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))):
+        if key not in ("load", "burstiness") and (value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))):
             values = [r[key] for r in runs if r.get(key) is not None]
             row[key] = sum(values) / len(values) if values else None
     return row
@@ -682,7 +682,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="workload and arrival seed (default: %(default)s)")
     parser.add_argument("--seeds", type=positive_int, default=1, help="seeds per point, averaged (seed, seed+1, ...): one run's "
                                                              "noise in overload is ~1 point (default: %(default)s)")
-    parser.add_argument("--burstiness", type=positive_float, default=1.0,
+    parser.add_argument("--burstiness", type=gamma_shape, default=1.0,
                         help="gamma shape of the Poisson workloads' arrival gaps, the same mean (1: Poisson; 0.25: bursts, "
                              "coefficient of variation 2; laps simulate --burstiness); replayed workloads keep their times "
                              "(default: %(default)s)")

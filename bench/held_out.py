@@ -37,7 +37,7 @@ from rich.table import Table  # noqa: E402
 from dominance import BASELINES, CONTROL, PER_1K_S, SLO_TTFT_S, claim_out, point_config, simulate_all, stopped  # noqa: E402
 from laps.doc_help import doc_parser  # noqa: E402
 from laps.tokenizer import load_tokenizer  # noqa: E402
-from loadgen.cli import positive_float, positive_int  # noqa: E402
+from loadgen.cli import gamma_shape, positive_float, positive_int  # noqa: E402
 from loadgen.report import build_report  # noqa: E402
 from loadgen.simulate import simulate_run  # noqa: E402
 from loadgen.workloads import TRACE_FORMATS, build_workload  # noqa: E402
@@ -100,9 +100,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="size of a point: a timed trace's first N requests (default: 2000), or N / rate seconds, "
                              "at least 1.5 s, of arrivals of conversations (default: 3000)")
     parser.add_argument("--seed", type=int, default=0, help="workload and arrival seed (default: %(default)s)")
-    parser.add_argument("--burstiness", type=positive_float, default=1.0,
-                        help="a sharegpt: or lengths: file's arrivals: gamma gaps of this shape (1: Poisson; 0.25: bursts, "
-                             "coefficient of variation 2), as laps simulate --burstiness (default: %(default)s)")
+    parser.add_argument("--burstiness", type=gamma_shape, default=1.0,
+                        help="a sharegpt: or lengths: file's arrival gaps: gamma of this shape, mean 1/rate (1: Poisson; "
+                             "0.25: bursts, coefficient of variation 2), as laps simulate --burstiness; a timed trace "
+                             "refuses it (default: %(default)s)")
     parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES), metavar="POLICY",
                         help="policies to run (default: all of %(choices)s): laps and one baseline at least; the last is "
                              "the control, not a baseline")

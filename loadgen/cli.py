@@ -21,7 +21,9 @@ from laps.tokenizer import ChatTokenizer, load_tokenizer
 from loadgen.report import build_report, print_report, write_report, write_trace
 from loadgen.runner import THINK_DISTRIBUTIONS, LoadgenError, RequestRecord, discover_context_tokens, run_loadgen
 from loadgen.simulate import simulate_run
-from loadgen.workloads import DATASETS, DEFAULT_MAX_TOKENS, TIMED_DATASETS, TRACE_FORMATS, Workload, build_workload
+from loadgen.workloads import (
+    BURSTINESS_RANGE, DATASETS, DEFAULT_MAX_TOKENS, TIMED_DATASETS, TRACE_FORMATS, Workload, build_workload,
+)
 from policies.registry import POLICIES
 
 DESCRIPTION = """\
@@ -48,9 +50,9 @@ code completion's lengths on chat text: 1 h at 5.5 req/s mean, prompts ~1,500 to
 timed), replay:PATH (a
 --trace-out file); trace files: mooncake:PATH (Mooncake JSONL: times, exact lengths, equal hash ids as
 equal 512-token blocks), azure:PATH (Azure LLM inference CSV, 2023 or 2024), sharegpt:PATH (ShareGPT JSON
-or JSONL conversations, multi-turn, recorded reply lengths, or first-turn prompts; Poisson at --rate),
+or JSONL conversations, multi-turn, recorded reply lengths, or first-turn prompts; arriving at --rate),
 lengths:PATH (a CSV of prompt and output token counts, num_prefill_tokens,num_decode_tokens or
-input_tokens,output_tokens: single-turn requests of real text cut to those lengths; Poisson at --rate).
+input_tokens,output_tokens: single-turn requests of real text cut to those lengths; arriving at --rate).
 exit status: 0 when every request succeeded, 1 when any failed or the run could not start, 2 for bad arguments."""
 
 
@@ -69,6 +71,16 @@ def positive_float(text: str) -> float:
     value = _number(text, float)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def gamma_shape(text: str) -> float:
+    """argparse ``type``: a gamma shape within :data:`~loadgen.workloads.BURSTINESS_RANGE` (else
+    :class:`argparse.ArgumentTypeError`, so exit status 2)."""
+    value = _number(text, float)
+    low, high = BURSTINESS_RANGE
+    if not low <= value <= high:
+        raise argparse.ArgumentTypeError(f"must be between {low:g} (bursts, CV 10) and {high:g} (nearly even), got {text}")
     return value
 
 
@@ -107,7 +119,7 @@ def add_workload_arguments(parser: argparse.ArgumentParser, default_out: Path, c
         help=f"one of {', '.join(DATASETS)}, replay:PATH or a trace file {traces} (default: %(default)s)"
     )
     parser.add_argument("--rate", type=positive_float, help="conversation arrivals per second (on average); required except for trace replay")
-    parser.add_argument("--burstiness", type=positive_float, default=1.0,
+    parser.add_argument("--burstiness", type=gamma_shape, default=1.0,
                         help="arrival gaps drawn from a gamma distribution of this shape with mean 1/--rate: 1 is Poisson, "
                              "below 1 bursts (0.25: coefficient of variation 2), above 1 more even; as vllm bench serve's "
                              "--burstiness; trace replay keeps its own times (default: %(default)s)")

@@ -1,4 +1,4 @@
-"""Open-loop load: conversations arrive (Poisson or trace times) and run their turns over HTTP.
+"""Open-loop load: conversations arrive (at a rate, Poisson or bursty, or at trace times) and run their turns over HTTP.
 
 The arrival plan is drawn before the clock starts (:func:`plan_arrivals`), so
 the seed alone fixes which conversations start when and every think time; the
@@ -133,7 +133,8 @@ def plan_arrivals(
     reaches it keeps only its first turns, and none starts after it.
 
     Raises:
-        ValueError: ``rate`` missing or <= 0 for a Poisson workload, ``burstiness``, ``time_scale``
+        ValueError: ``rate`` missing or <= 0, or ``burstiness`` out of range
+            (:func:`~loadgen.workloads.arrival_times`), for a workload without times; ``time_scale``
             or ``duration_s`` <= 0, ``think_time_s`` < 0, ``max_requests`` < 1.
     """
     if time_scale <= 0:

@@ -253,6 +253,11 @@ class ExactLengthPrompts:
         raise RuntimeError(f"could not cut real text to exactly {target_tokens} templated tokens")
 
 
+BURSTINESS_RANGE = (0.01, 100.0)
+"""The gamma shapes :func:`arrival_times` takes: coefficients of variation from 10 down to 0.1. Below 0.01 most gaps
+round to 0.0 s in floating point (every arrival at one instant); above 100 the gaps are all but equal."""
+
+
 def arrival_times(rate: float, rng: random.Random, burstiness: float = 1.0) -> Iterator[float]:
     """Endless arrival times (seconds from 0) at ``rate`` per second on average: cumulative gaps drawn from ``rng``.
 
@@ -263,21 +268,19 @@ def arrival_times(rate: float, rng: random.Random, burstiness: float = 1.0) -> I
     ``bench_serving`` draws Poisson gaps only.
 
     Raises:
-        ValueError: ``rate`` <= 0 or ``burstiness`` <= 0 (or not finite).
+        ValueError: at the call, ``rate`` <= 0 or ``burstiness`` outside :data:`BURSTINESS_RANGE`.
     """
     if rate <= 0:
         raise ValueError(f"rate must be > 0 conversations/s, got {rate}")
-    if not 0 < burstiness < math.inf:
-        raise ValueError(f"burstiness must be a finite number > 0 (1 = Poisson), got {burstiness}")
-    t = 0.0
+    low, high = BURSTINESS_RANGE
+    if not low <= burstiness <= high:
+        raise ValueError(f"burstiness must be between {low:g} and {high:g} (1 = Poisson), got {burstiness}")
     if burstiness == 1.0:
-        while True:
-            t += rng.expovariate(rate)
-            yield t
-    scale_s = 1.0 / (rate * burstiness)
-    while True:
-        t += rng.gammavariate(burstiness, scale_s)
-        yield t
+        gaps = (rng.expovariate(rate) for _ in itertools.count())
+    else:
+        scale_s = 1.0 / (rate * burstiness)
+        gaps = (rng.gammavariate(burstiness, scale_s) for _ in itertools.count())
+    return itertools.accumulate(gaps)
 
 
 def _shuffled_passes(items: Sequence[Any], rng: random.Random) -> Iterator[tuple[str, Any]]:

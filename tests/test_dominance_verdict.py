@@ -119,6 +119,8 @@ def test_a_point_run_with_several_seeds_is_their_mean():
     assert (m["policy"], m["load"], m["pd"], m["seeds"]) == ("laps", 100, False, 2)
     assert m["rate_rps"] == pytest.approx(100) and m["slo_violation_rate"] == pytest.approx(0.08)
     assert m["short_ttft_p90_s"] == 0.02 and m["short_floor_s"] == 0.006  # the seeds that have one
+    bursty = dominance.mean_row([{**a, "burstiness": 0.1}] * 3)
+    assert bursty["burstiness"] == 0.1  # taken as it is: three 0.1s average to 0.10000000000000002
 
 
 class Now:

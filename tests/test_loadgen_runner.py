@@ -122,10 +122,18 @@ def test_arrival_times_with_burstiness_are_gamma_gaps_of_the_same_mean(burstines
     assert statistics.stdev(gaps) / statistics.fmean(gaps) == pytest.approx(burstiness ** -0.5, rel=0.05)
 
 
-@pytest.mark.parametrize("burstiness", [0.0, -1.0, math.inf, math.nan])
-def test_arrival_times_refuse_a_burstiness_that_is_not_a_positive_number(burstiness):
-    with pytest.raises(ValueError, match="burstiness must be a finite number > 0"):
-        next(arrival_times(1.0, random.Random(0), burstiness))
+@pytest.mark.parametrize("burstiness", [0.0, -1.0, 1e-300, 0.0099, 100.01, 1e300, math.inf, math.nan])
+def test_arrival_times_refuse_a_burstiness_outside_its_range_at_the_call(burstiness):
+    """Below 0.01 most gamma gaps round to 0.0 s (every arrival at one instant: an endless plan); the range is
+    refused when the generator is made, not when it is first read."""
+    with pytest.raises(ValueError, match="burstiness must be between 0.01 and 100"):
+        arrival_times(1.0, random.Random(0), burstiness)
+
+
+@pytest.mark.parametrize("burstiness", [0.01, 100.0])
+def test_arrival_times_at_the_ends_of_the_range_still_move_forward(burstiness):
+    times = list(itertools.islice(arrival_times(200.0, random.Random(3), burstiness), 2000))
+    assert len(set(times)) > 100 and times[-1] > 0
 
 
 def test_think_time_is_exponential_or_fixed():

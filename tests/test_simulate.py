@@ -132,7 +132,8 @@ def test_laps_simulate_prints_the_arguments_its_dataset_ignores(tmp_path, capsys
 
 
 @pytest.mark.parametrize("argument", [("--rate", "0"), ("--rate", "-1"), ("--rate", "inf"), ("--rate", "nan"),
-                                      ("--time-scale", "inf"), ("--burstiness", "0"), ("--burstiness", "inf"), ("--duration", "nan"), ("--request-timeout-s", "0"),
+                                      ("--time-scale", "inf"), ("--burstiness", "0"), ("--burstiness", "inf"), ("--burstiness", "1e-300"),
+                                      ("--burstiness", "1e300"), ("--duration", "nan"), ("--request-timeout-s", "0"),
                                       ("--serving-latency-ms", "-5")])
 def test_laps_simulate_refuses_numbers_out_of_range(argument, capsys):
     """Rates, time scales, durations and timeouts must be finite and positive; the serving latency finite and >= 0."""
