@@ -114,23 +114,17 @@ def main(argv: list[str] | None = None) -> int:
     policies = [p for p in POLICIES if p in args.policies]
     if "laps" not in policies or not any(p in BASELINES for p in policies):
         parser.error("--policies must name laps and at least one baseline: " + ", ".join(BASELINES))
-    created = claim_out(parser, args.out)
-    console = Console(width=150)
-
-    def refuse(message: str) -> int:
-        """Exit status 2 for an input found wrong only once read, leaving no ``--out`` behind."""
-        print(f"{parser.prog}: error: {message}", file=sys.stderr)
-        if created:
-            args.out.unlink(missing_ok=True)
-        return 2
-
     try:  # the file once here, so a bad one stops the bench before any simulation (each run reads it again)
         workload = build_workload(args.dataset, random.Random(f"workload/{args.seed}"), tokenizer=load_tokenizer(),
                                   max_context_tokens=CONTEXT_TOKENS)
     except ValueError as err:  # the trace's reader refuses the file (its message names the file and line)
-        return refuse(str(err))
+        print(f"{parser.prog}: error: {err}", file=sys.stderr)
+        return 2
     if workload.timed and args.burstiness != 1.0:
-        return refuse(f"--burstiness: {args.dataset} is a timed trace, replayed at its own times")
+        print(f"{parser.prog}: error: --burstiness: {args.dataset} is a timed trace, replayed at its own times", file=sys.stderr)
+        return 2
+    created = claim_out(parser, args.out)
+    console = Console(width=150)
     requests = args.requests or (2000 if workload.timed else 3000)
     for note in workload.notes:
         console.print(f"note: {note}", highlight=False)
