@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from dominance import BASELINES, CONTROL, PER_1K_S, SLO_TTFT_S, claim_out, point_config, simulate_all, stopped  # noqa: E402
+from dominance import BASELINES, CONTROL, PER_1K_S, SLO_TTFT_S, claim_out, ms, point_config, simulate_all, stopped  # noqa: E402
 from laps.doc_help import doc_parser  # noqa: E402
 from laps.tokenizer import load_tokenizer  # noqa: E402
 from loadgen.cli import gamma_shape, positive_float, positive_int  # noqa: E402
@@ -85,10 +85,6 @@ def worse_than_best(rows: list[dict], load: float) -> list[str]:
     laps = next(r for r in at if r["policy"] == "laps")
     return [name for name, key in (("fixed", "slo_violation_rate"), ("length-aware", "length_slo_violation_rate"))
             if laps[key] > min(r[key] for r in at if r["policy"] in BASELINES) + MARGIN]
-
-
-def _ms(seconds: float | None, digits: int = 0) -> str:
-    return "-" if seconds is None else f"{1e3 * seconds:.{digits}f}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,8 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         worse = ", ".join(worse_than_best(rows, load)) or "no"
         for r in (r for r in rows if r["load"] == load):
             table.add_row(f"{load:g}", r["policy"], f"{r['requests']:,}", f"{100 * r['slo_violation_rate']:.2f}",
-                          f"{100 * r['length_slo_violation_rate']:.2f}", _ms(r["short_ttft_p90_s"]), _ms(r["ttft_p90_s"]),
-                          _ms(r["tpot_p50_s"], 1),
+                          f"{100 * r['length_slo_violation_rate']:.2f}", ms(r["short_ttft_p90_s"], 0), ms(r["ttft_p90_s"], 0),
+                          ms(r["tpot_p50_s"]),
                           worse if r["policy"] == "laps" else "")
     console.print(table)
     args.out.write_text(json.dumps({"dataset": args.dataset, "seed": args.seed,

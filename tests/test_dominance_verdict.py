@@ -52,6 +52,23 @@ def test_short_p90_is_judged_from_half_the_saturation_load_against_twice_the_flo
     assert [p["short_ok"] for p in v["points"]] == [False] and not v["short_p90"]
 
 
+def test_a_short_p90_miss_names_the_baseline_with_the_lowest_short_p90_and_what_both_paid_in_decoding():
+    def at(policy, short, tpot, e2e):
+        return {**row(policy, 50, 50, 0.0, short=short, floor=0.005), "tpot_p90_s": tpot, "e2e_p90_s": e2e}
+    rows = [at("laps", 0.067, 0.078, 1.73), at("least_load+spf", 0.0094, 0.134, 2.10), at("round_robin", 0.012, 0.2, 3.0)]
+    v = dominance.verdict(rows, "hh-rlhf", 100.0)
+    p = v["points"][0]
+    # the lowest short P90 is least_load+spf's 9.4 ms, within twice the 5-ms floor: the target is 10 ms, and laps misses
+    assert (p["short_ok"], p["short_target_s"], p["best_short_policy"]) == (False, 0.01, "least_load+spf")
+    assert (p["laps_tpot_p90_s"], p["best_short_tpot_p90_s"], p["laps_e2e_p90_s"], p["best_short_e2e_p90_s"]) == (0.078, 0.134, 1.73, 2.10)
+    assert dominance.short_miss_line(v, p) == ("  hh-rlhf at 0.50× short P90: laps 67.0 / target 10.0 ms (least_load+spf 9.4 ms); "
+                                               "TPOT P90 78.0 / 134.0 ms, end-to-end P90 1730 / 2100 ms")
+    for r in rows:  # rows of a run from before the TPOT was kept
+        del r["tpot_p90_s"], r["e2e_p90_s"]
+    v = dominance.verdict(rows, "hh-rlhf", 100.0)
+    assert dominance.short_miss_line(v, v["points"][0]).endswith("TPOT P90 - / - ms, end-to-end P90 - / - ms")
+
+
 def test_a_goodput_ratio_without_a_baseline_goodput_is_none_not_infinite():
     rows = [row("laps", 50, 100, 0.01), row("laps", 100, 200, 0.2), row("least_load+spf", 50, 100, 0.1),
             row("least_load+spf", 100, 200, 0.3)]
@@ -221,6 +238,7 @@ def test_a_point_says_which_class_its_violations_fall_on():
     assert 0 < short < 1 and 0 < long < 1
     assert min(short, long) <= r["slo_violation_rate"] <= max(short, long)
     assert r["burstiness"] == 1.0
+    assert 0 < r["tpot_p90_s"] < r["e2e_p90_s"]  # a reply's tokens come one pass apart, its end after its first
 
 
 def test_a_bursty_point_draws_gamma_gaps_of_the_same_seed():
