@@ -128,6 +128,15 @@ def _ms(value: float | None) -> str:
     return "—" if value is None else f"{value * 1000:.1f}"
 
 
+def arrivals_text(report: dict) -> str:
+    """How the report's conversations arrived, for its summary line: `` (N conv/s, Poisson)`` or `` (N conv/s, gamma
+    gaps of burstiness B)``; empty for a replayed trace (its own times) or a report without a rate."""
+    rate, burstiness = report.get("rate"), report.get("burstiness")
+    if rate is None:
+        return ""
+    return f" ({rate:g} conv/s, " + ("Poisson)" if burstiness in (None, 1.0) else f"gamma gaps of burstiness {burstiness:g})")
+
+
 def print_report(report: dict, console: Console | None = None) -> None:
     """Print ``report`` (from :func:`build_report`): one column per class, one row per statistic, then the errors."""
     console = console or Console()
@@ -161,7 +170,7 @@ def print_report(report: dict, console: Console | None = None) -> None:
         )
     console.print(table)
     console.print(
-        f"{report['requests']['ok']} ok / {report['requests']['sent']} sent in {report['duration_s']:.1f} s: "
+        f"{report['requests']['ok']} ok / {report['requests']['sent']} sent in {report['duration_s']:.1f} s{arrivals_text(report)}: "
         f"{report['throughput_rps']:.2f} req/s, {report['output_tokens_per_s']:.0f} output tok/s"
     )
     rows = report.get("trace_rows")

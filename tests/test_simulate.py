@@ -101,15 +101,17 @@ def test_laps_simulate_writes_the_loadgen_report_with_the_policy_override(tmp_pa
     assert laps_main(["simulate", "--dataset", "mtbench", "--duration", "5", "--out", str(out), "--quiet"]) == 2  # no rate
 
 
-def test_laps_simulate_sends_bursty_arrivals_with_burstiness(tmp_path):
-    """The same seed and rate with --burstiness 0.25 plans other arrival times (gamma gaps); the report says so."""
+def test_laps_simulate_sends_bursty_arrivals_with_burstiness(tmp_path, capsys, monkeypatch):
+    """The same seed and rate with --burstiness 0.25 plans other arrival times (gamma gaps); the report and its
+    summary line say so."""
+    monkeypatch.setenv("COLUMNS", "200")  # the summary on one line
     starts = {}
-    for burstiness in ("1", "0.25"):
+    for burstiness, said in (("1", "(20 conv/s, Poisson): "), ("0.25", "(20 conv/s, gamma gaps of burstiness 0.25): ")):
         out = tmp_path / f"sim{burstiness}.json"
         trace = tmp_path / f"sim{burstiness}.jsonl"
         assert laps_main(["simulate", "--config", str(DEFAULT_CONFIG_PATH), "--dataset", "chat-single", "--rate", "20",
-                          "--burstiness", burstiness, "--duration", "2", "--out", str(out), "--trace-out", str(trace),
-                          "--quiet"]) == 0
+                          "--burstiness", burstiness, "--duration", "2", "--out", str(out), "--trace-out", str(trace)]) == 0
+        assert said in capsys.readouterr().out
         assert orjson.loads(out.read_bytes())["burstiness"] == float(burstiness)
         starts[burstiness] = sorted(orjson.loads(line)["start_s"] for line in trace.read_bytes().splitlines())
     assert starts["1"][0] == pytest.approx(random.Random("arrivals/0").expovariate(20.0))
