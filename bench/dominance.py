@@ -476,8 +476,16 @@ def against_control(rows: list[dict], key: str) -> dict | None:
             "goodput_ratio": g_laps / g_control if g_control > 0 else None}
 
 
+def arrivals_label(rows: list[dict]) -> str:
+    """``, gamma arrivals (burstiness B)`` for a sweep's rows drawn with gamma gaps; empty for Poisson rows, a replayed
+    trace's (burstiness None) and rows of runs from before the field."""
+    burstiness = rows[0].get("burstiness") if rows else None  # one per sweep
+    return "" if burstiness in (None, 1.0) else f", gamma arrivals (burstiness {burstiness:g})"
+
+
 def plot(rows: list[dict], path: Path, title: str, saturation: float) -> None:
-    """Violations (fixed and length-aware) and short P90 TTFT against offered load (× least_load's saturation load)."""
+    """Violations (fixed and length-aware) and short P90 TTFT against offered load (× least_load's saturation load);
+    the first panel's title names the arrivals' burstiness where the rows are not Poisson."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -494,7 +502,7 @@ def plot(rows: list[dict], path: Path, title: str, saturation: float) -> None:
         axes[0].plot(x, [100 * r["slo_violation_rate"] for r in pts], **style)
         axes[1].plot(x, [100 * r["length_slo_violation_rate"] for r in pts], **style)
         axes[2].plot(x, [1e3 * (r["short_ttft_p90_s"] or math.nan) for r in pts], **style)
-    axes[0].set(ylabel=f"TTFT > {SLO_TTFT_S} s (%)", title=f"{title}: fixed objective")
+    axes[0].set(ylabel=f"TTFT > {SLO_TTFT_S} s (%)", title=f"{title}{arrivals_label(rows)}: fixed objective")
     axes[1].set(ylabel="violations (%)", title=f"length-aware: {SLO_TTFT_S} s + {PER_1K_S} s/1k new tokens")
     axes[2].set(ylabel="short-class P90 TTFT (ms)", yscale="log", title="short requests")
     for ax in axes:

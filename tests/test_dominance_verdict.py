@@ -241,6 +241,13 @@ def test_a_point_says_which_class_its_violations_fall_on():
     assert 0 < r["tpot_p90_s"] < r["e2e_p90_s"]  # a reply's tokens come one pass apart, its end after its first
 
 
+def test_a_plot_names_the_burstiness_of_gamma_arrivals_only():
+    assert dominance.arrivals_label([{**row("laps", 1, 1, 0.0), "burstiness": 0.25}]) == ", gamma arrivals (burstiness 0.25)"
+    for burstiness in (1.0, None):  # Poisson; a replayed trace's own times
+        assert dominance.arrivals_label([{**row("laps", 1, 1, 0.0), "burstiness": burstiness}]) == ""
+    assert dominance.arrivals_label([row("laps", 1, 1, 0.0)]) == ""  # a row from before the field
+
+
 def test_a_bursty_point_draws_gamma_gaps_of_the_same_seed():
     _, run = dominance.simulate_point("docs", "least_load", 500.0, 0.2, 0, burstiness=0.25)
     first_s = min(rec.start_s for rec in run.records)
