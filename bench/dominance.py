@@ -44,7 +44,8 @@ rate. ``--burstiness B`` draws the Poisson workloads' arrival gaps from a gamma 
 mean (0.25: bursts, a coefficient of variation of 2), the saturation search's too; rows say which (``burstiness``,
 None for a replayed workload, which keeps its trace's times). Rows: ``{workload, policy, load, rate_rps,
 slo_violation_rate, length_slo_violation_rate, ttft_p90_s, short_ttft_p90_s, goodput_rps, prefill_busy_fraction,
-prefill_load, short_slo_violation_rate, long_slo_violation_rate, burstiness}`` (``goodput_rps``: requests per second that met the fixed objective;
+prefill_load, short_slo_violation_rate, long_slo_violation_rate, tpot_p90_s, e2e_p90_s, burstiness}`` (``goodput_rps``: requests
+per second that met the fixed objective;
 ``prefill_busy_fraction``: the mean share of the run the prefill engines spent in prefill passes; ``prefill_load``:
 their prefill-pass seconds over the point's seconds of arrivals instead, the prefill the arrivals asked for against
 what the engines can run meanwhile, above 1 past their prefill capacity, where only a backlog served after the
@@ -66,7 +67,10 @@ engines prefilling, in PD too, no decode, each prefill on one engine). One PNG p
   1.2× as high asks for more prefill than the engines can run while the arrivals last);
 * ``short_p90``: from 0.5× saturation up, laps' short-class P90 TTFT ≤ 0.5× the best baseline's,
   or ≤ 2× the physical floor (the P90 of the short requests' isolated forward passes plus the
-  gateway's measured overhead, 0.56 ms) where the baseline is within 2× of that floor.
+  gateway's measured overhead, 0.56 ms) where the baseline is within 2× of that floor. Each miss is printed under
+  the tables with its target, the baseline with the lowest short P90, and both sides' TPOT and end-to-end P90
+  (``tpot_p90_s``, ``e2e_p90_s`` of the rows): where that baseline's TTFT was bought by deferring its decode
+  passes, they say so.
 
 Next to the knee and goodput checks (fixed objective only) the violation floor says whether a miss could be
 avoided at all: laps' floor at the knee (a floor above 0.6× the best baseline's rate there would make that
@@ -480,7 +484,7 @@ def arrivals_label(rows: list[dict]) -> str:
     """``, gamma arrivals (burstiness B)`` for a sweep's rows drawn with gamma gaps; empty for Poisson rows, a replayed
     trace's (burstiness None) and rows of runs from before the field."""
     burstiness = rows[0].get("burstiness") if rows else None  # one per sweep
-    return "" if burstiness in (None, 1.0) else f", gamma arrivals (burstiness {burstiness:g})"
+    return "" if burstiness in (None, 1.0) else f", gamma arrivals (burstiness {burstiness:.10g})"
 
 
 def plot(rows: list[dict], path: Path, title: str, saturation: float) -> None:
@@ -604,12 +608,18 @@ def ms(seconds: float | None, digits: int = 1) -> str:
 
 
 def short_miss_line(v: dict, p: dict) -> str:
-    """A short-P90 miss as printed under the verdict: laps' short P90 and the target, the baseline with the lowest
-    short P90, and what each side's decoding cost (TPOT P90, end-to-end P90): where the baseline's TTFT was bought by
-    deferring its decode passes, these say so."""
-    return (f"  {v['workload']} at {p['load'] / v['saturation_load']:.2f}× short P90: laps {ms(p['laps_short_p90_s'])} / "
-            f"target {ms(p.get('short_target_s'))} ms ({p.get('best_short_policy') or 'best baseline'} {ms(p['best_short_p90_s'])} ms); "
-            f"TPOT P90 {ms(p.get('laps_tpot_p90_s'))} / {ms(p.get('best_short_tpot_p90_s'))} ms, "
+    """A short-P90 miss as printed under the verdict: laps' short P90 and the target (twice the floor, or half the
+    baseline's), the baseline with the lowest short P90, and what each side's decoding cost (TPOT P90, end-to-end
+    P90; left out for rows of runs from before they were kept): where the baseline's TTFT was bought by deferring its
+    decode passes, these say so."""
+    target = p.get("short_target_s")
+    floor = p.get("short_floor_s")
+    basis = "twice the floor" if target is not None and floor is not None and target == 2 * floor else "half the baseline's"
+    line = (f"  {v['workload']} at {p['load'] / v['saturation_load']:.2f}× short P90: laps {ms(p['laps_short_p90_s'])} / "
+            f"target {ms(target)} ms ({basis}; {p.get('best_short_policy') or 'best baseline'} {ms(p['best_short_p90_s'])} ms)")
+    if p.get("laps_tpot_p90_s") is None and p.get("best_short_tpot_p90_s") is None:
+        return line
+    return (f"{line}; TPOT P90 {ms(p.get('laps_tpot_p90_s'))} / {ms(p.get('best_short_tpot_p90_s'))} ms, "
             f"end-to-end P90 {ms(p.get('laps_e2e_p90_s'), 0)} / {ms(p.get('best_short_e2e_p90_s'), 0)} ms")
 
 
@@ -649,7 +659,7 @@ def print_verdicts(verdicts: list[dict], console: Console) -> bool:
             if p["short_ok"] is False:
                 console.print(short_miss_line(v, p))
             if not p["never_worse"]:
-                console.print(f"  {v['workload']} at load {p['load']:g}: laps {100 * p['laps']:.1f}% "
+                console.print(f"  {v['workload']} at {p['load'] / v['saturation_load']:.2f}× (load {p['load']:g}): laps {100 * p['laps']:.1f}% "
                               f"(length-aware {100 * p['laps_length']:.1f}%) vs best {100 * p['best']:.1f}% "
                               f"({p['best_policy']}; length-aware {100 * p['best_length']:.1f}%)")
     console.print("verdict: " + ("laps meets every target" if all_ok else "laps misses at least one target (rows above)"))
@@ -737,9 +747,18 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--verdict-of {args.verdict_of}: not a dominance.py JSON ({type(err).__name__}: {err})")
         verdicts = []
         try:
+            if not earlier["verdict"]:
+                parser.error(f"--verdict-of {args.verdict_of}: no workload's verdict in it (a run writes one as each workload ends)")
             for v in earlier["verdict"]:
+                sat = v["saturation_load"]
+                if isinstance(sat, bool) or not isinstance(sat, (int, float)) or not 0 < sat < math.inf:
+                    parser.error(f"--verdict-of {args.verdict_of}: {v['workload']}: saturation_load must be a positive number, got {sat!r}")
                 rows = [r for r in earlier["rows"] if f"{r['workload']}{' (PD 6+2)' if r['pd'] else ''}" == v["workload"]]
-                verdicts.append(verdict(rows, v["workload"], v["saturation_load"]))
+                policies = {r["policy"] for r in rows}
+                if "laps" not in policies or not policies & set(BASELINES):
+                    parser.error(f"--verdict-of {args.verdict_of}: {v['workload']}: a verdict needs rows of laps and of a baseline, "
+                                 f"found {', '.join(sorted(policies)) or 'no rows'}")
+                verdicts.append(verdict(rows, v["workload"], sat))
         except (KeyError, TypeError, ValueError) as err:
             parser.error(f"--verdict-of {args.verdict_of}: a row or verdict lacks a field ({type(err).__name__}: {err})")
         ok = print_verdicts(verdicts, console)

@@ -222,13 +222,15 @@ def _progress_bar(args: argparse.Namespace, console: Console, unit: str) -> tupl
 
 
 def check_output_paths(args: argparse.Namespace) -> None:
-    """Refuse ``--out`` and ``--trace-out`` before the run, not after it: each must name a file whose folder exists or
-    can be made (it is made here).
+    """Refuse ``--out`` (and the PNG beside it) and ``--trace-out`` before the run, not after it: each must name a file
+    whose folder exists or can be made (it is made here) and that can be opened for writing (a file this check
+    creates is removed again; one that exists is left as it is).
 
     Raises:
-        ValueError: a path is a directory, or its folder cannot be made.
+        ValueError: a path is a directory, its folder cannot be made, or it cannot be written.
     """
-    for flag, path in (("--out", args.out), ("--trace-out", args.trace_out)):
+    paths = [("--out", args.out), ("--out's plot", args.out.with_suffix(".png"))] if args.out is not None else []
+    for flag, path in [*paths, ("--trace-out", args.trace_out)]:
         if path is None:
             continue
         if path.is_dir():
@@ -237,6 +239,14 @@ def check_output_paths(args: argparse.Namespace) -> None:
             path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as err:
             raise ValueError(f"{flag} {path}: cannot make its folder ({err.strerror or err})") from None
+        existed = path.exists()
+        try:
+            with path.open("ab"):
+                pass
+        except OSError as err:
+            raise ValueError(f"{flag} {path}: cannot be written ({err.strerror or err})") from None
+        if not existed:
+            path.unlink()
 
 
 def write_outputs(args: argparse.Namespace, report: dict, records: list[RequestRecord], console: Console) -> None:

@@ -61,12 +61,14 @@ def test_a_short_p90_miss_names_the_baseline_with_the_lowest_short_p90_and_what_
     # the lowest short P90 is least_load+spf's 9.4 ms, within twice the 5-ms floor: the target is 10 ms, and laps misses
     assert (p["short_ok"], p["short_target_s"], p["best_short_policy"]) == (False, 0.01, "least_load+spf")
     assert (p["laps_tpot_p90_s"], p["best_short_tpot_p90_s"], p["laps_e2e_p90_s"], p["best_short_e2e_p90_s"]) == (0.078, 0.134, 1.73, 2.10)
-    assert dominance.short_miss_line(v, p) == ("  hh-rlhf at 0.50× short P90: laps 67.0 / target 10.0 ms (least_load+spf 9.4 ms); "
-                                               "TPOT P90 78.0 / 134.0 ms, end-to-end P90 1730 / 2100 ms")
-    for r in rows:  # rows of a run from before the TPOT was kept
+    assert dominance.short_miss_line(v, p) == ("  hh-rlhf at 0.50× short P90: laps 67.0 / target 10.0 ms (twice the floor; "
+                                               "least_load+spf 9.4 ms); TPOT P90 78.0 / 134.0 ms, end-to-end P90 1730 / 2100 ms")
+    for r in rows:  # rows of a run from before the TPOT was kept; the floor lower: half the baseline's is the target
         del r["tpot_p90_s"], r["e2e_p90_s"]
+        r["short_floor_s"] = 0.002
     v = dominance.verdict(rows, "hh-rlhf", 100.0)
-    assert dominance.short_miss_line(v, v["points"][0]).endswith("TPOT P90 - / - ms, end-to-end P90 - / - ms")
+    assert dominance.short_miss_line(v, v["points"][0]) == ("  hh-rlhf at 0.50× short P90: laps 67.0 / target 4.7 ms "
+                                                            "(half the baseline's; least_load+spf 9.4 ms)")
 
 
 def test_a_goodput_ratio_without_a_baseline_goodput_is_none_not_infinite():
@@ -265,6 +267,13 @@ def test_a_replayed_workload_replays_the_same_stretch_of_its_trace_at_every_load
     ("not json", "not a dominance.py JSON"),
     ('{"rows": []}', "not a dominance.py JSON"),
     ('{"rows": [{}], "verdict": [{"workload": "x"}], "max_duration_s": 1}', "a row or verdict lacks a field"),
+    ('{"rows": [], "verdict": [], "max_duration_s": 1}', "no workload's verdict in it"),
+    ('{"rows": [], "verdict": [{"workload": "x", "saturation_load": 0}], "max_duration_s": 1}',
+     "x: saturation_load must be a positive number, got 0"),
+    ('{"rows": [{"workload": "x", "pd": false, "policy": "laps"}], "verdict": [{"workload": "x", "saturation_load": 5}], '
+     '"max_duration_s": 1}', "x: a verdict needs rows of laps and of a baseline, found laps"),
+    ('{"rows": [], "verdict": [{"workload": "x", "saturation_load": 5}], "max_duration_s": 1}',
+     "x: a verdict needs rows of laps and of a baseline, found no rows"),
 ])
 def test_verdict_of_a_file_that_is_not_a_whole_dominance_json_is_a_usage_error(tmp_path, capsys, text, says):
     path = tmp_path / "earlier.json"

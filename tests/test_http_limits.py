@@ -78,7 +78,7 @@ async def closed_by_the_server(reader: asyncio.StreamReader) -> bool:
     return True
 
 
-@pytest.mark.parametrize("gateway", [HEAD_LIMIT], indirect=True)
+@pytest.mark.parametrize("gateway", [HEAD_LIMIT], indirect=True, ids=["head-limit"])
 async def test_a_client_sending_its_headers_a_byte_at_a_time_is_cut_off(gateway):
     port, fakes = gateway
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -100,7 +100,7 @@ async def test_a_client_sending_its_headers_a_byte_at_a_time_is_cut_off(gateway)
     assert fakes["sp0"].bodies == fakes["lp0"].bodies == []
 
 
-@pytest.mark.parametrize("gateway", [HEAD_LIMIT], indirect=True)
+@pytest.mark.parametrize("gateway", [HEAD_LIMIT], indirect=True, ids=["head-limit"])
 async def test_an_idle_keep_alive_connection_is_closed_after_its_answer(gateway):
     port, _ = gateway
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -111,7 +111,7 @@ async def test_an_idle_keep_alive_connection_is_closed_after_its_answer(gateway)
     writer.close()
 
 
-@pytest.mark.parametrize("gateway", [BODY_LIMIT], indirect=True)
+@pytest.mark.parametrize("gateway", [BODY_LIMIT], indirect=True, ids=["body-limit"])
 async def test_a_body_that_stops_arriving_gets_an_openai_408_and_the_connection_closes(gateway):
     port, fakes = gateway
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -125,7 +125,7 @@ async def test_a_body_that_stops_arriving_gets_an_openai_408_and_the_connection_
     assert fakes["sp0"].bodies == fakes["lp0"].bodies == []
 
 
-@pytest.mark.parametrize("gateway", [HEAD_LIMIT | BODY_LIMIT], indirect=True)
+@pytest.mark.parametrize("gateway", [HEAD_LIMIT | BODY_LIMIT], indirect=True, ids=["both-limits"])
 @pytest.mark.parametrize("stream", [True, False])
 async def test_replies_slower_than_the_limits_are_not_cut(gateway, stream):
     """The engine holds the reply (a stream after its first chunk, an answer before it) for 5 times both limits,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import orjson
 import pytest
@@ -193,13 +194,17 @@ def test_the_run_summary_prints_the_scheduler_counters_and_each_move():
 def test_laps_simulate_refuses_an_output_path_it_cannot_write_before_the_run(tmp_path, capsys):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    for flag, path, says in (("--out", tmp_path, "a directory, not a file name"),
-                             ("--trace-out", tmp_path, "a directory, not a file name"),
-                             ("--out", blocker / "r.json", "cannot make its folder")):
+    (tmp_path / "p.png").mkdir()  # where the plot of --out p.json would go
+    for flag, path, says, err_path in (("--out", tmp_path, "a directory, not a file name", tmp_path),
+                                       ("--trace-out", tmp_path, "a directory, not a file name", tmp_path),
+                                       ("--out", blocker / "r.json", "cannot make its folder", blocker / "r.json"),
+                                       ("--out", Path("/proc/laps-test.json"), "cannot be written", Path("/proc/laps-test.json")),
+                                       ("--out", tmp_path / "p.json", "a directory, not a file name", tmp_path / "p.png")):
         argv = ["simulate", "--dataset", "mtbench", "--rate", "1", "--duration", "1", "--quiet", "--out", str(tmp_path / "r.json"), flag, str(path)]
         assert laps_main(argv) == 2
-        assert capsys.readouterr().err.startswith(f"laps simulate: {flag} {path}: {says}")
-    assert not (tmp_path / "r.json").exists()  # refused before anything ran or was written
+        said = "--out's plot" if err_path.suffix == ".png" else flag
+        assert capsys.readouterr().err.startswith(f"laps simulate: {said} {err_path}: {says}")
+    assert not (tmp_path / "r.json").exists() and not (tmp_path / "p.json").exists()  # refused before anything ran or was written
 
 
 def test_laps_simulate_reports_a_bad_replay_file_and_refuses_bad_numbers(tmp_path, capsys):
