@@ -33,7 +33,7 @@ import numpy as np  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from dominance import BASELINES, CONTROL, PER_1K_S, SLO_TTFT_S, WORKLOADS, claim_out, simulate_all, simulate_point, stopped  # noqa: E402
+from dominance import BASELINES, CONTROL, PER_1K_S, SLO_TTFT_S, WORKLOADS, claim_out, ms, simulate_all, simulate_point, stopped  # noqa: E402
 from laps.doc_help import doc_parser  # noqa: E402
 from loadgen.cli import positive_float, positive_int  # noqa: E402
 from loadgen.report import build_report  # noqa: E402
@@ -72,10 +72,6 @@ def run(workload: str, rate: float, policy: str, duration_s: float, seed: int, i
     }
 
 
-def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{1e3 * seconds:.1f}"
-
-
 def _percent(rate: float | None) -> str:  # None: no request in the run
     return "-" if rate is None else f"{100 * rate:.2f}"
 
@@ -107,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         table.add_column(column, justify="left" if column in ("workload", "policy") else "right")
     for r in rows:
         table.add_row(r["workload"], f"{r['rate']:g}", r["policy"], f"{r['requests']:,}", _percent(r["slo_violation_rate"]),
-                      _percent(r["length_slo_violation_rate"]), _ms(r["short_ttft_p90_s"]), _ms(r["ttft_p50_s"]),
-                      _ms(r["tpot_p50_s"]), _ms(r["tpot_p90_s"]), f"{r['cache_hit_rate_pct']:.1f}")
+                      _percent(r["length_slo_violation_rate"]), ms(r["short_ttft_p90_s"]), ms(r["ttft_p50_s"]),
+                      ms(r["tpot_p50_s"]), ms(r["tpot_p90_s"]), f"{r['cache_hit_rate_pct']:.1f}")
     console.print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"duration_s": args.duration, "seed": args.seed, "ignore_eos": args.ignore_eos, "rows": rows}, indent=1))
