@@ -484,7 +484,7 @@ def arrivals_label(rows: list[dict]) -> str:
     """``, gamma arrivals (burstiness B)`` for a sweep's rows drawn with gamma gaps; empty for Poisson rows, a replayed
     trace's (burstiness None) and rows of runs from before the field."""
     burstiness = rows[0].get("burstiness") if rows else None  # one per sweep
-    return "" if burstiness in (None, 1.0) else f", gamma arrivals (burstiness {burstiness:.10g})"
+    return "" if burstiness in (None, 1.0) else f", gamma arrivals (burstiness {burstiness:.15g})"
 
 
 def plot(rows: list[dict], path: Path, title: str, saturation: float) -> None:
@@ -657,7 +657,7 @@ def print_verdicts(verdicts: list[dict], console: Console) -> bool:
     for v in verdicts:
         for p in v["points"]:
             if p["short_ok"] is False:
-                console.print(short_miss_line(v, p))
+                console.print(short_miss_line(v, p), soft_wrap=True)
             if not p["never_worse"]:
                 console.print(f"  {v['workload']} at {p['load'] / v['saturation_load']:.2f}× (load {p['load']:g}): laps {100 * p['laps']:.1f}% "
                               f"(length-aware {100 * p['laps_length']:.1f}%) vs best {100 * p['best']:.1f}% "
@@ -715,6 +715,49 @@ def stopped(parser: argparse.ArgumentParser, path: Path, created: bool, err: Bas
     return 130
 
 
+ROW_NUMBERS = ("load", "rate_rps", "slo_violation_rate", "length_slo_violation_rate", "short_ttft_p90_s", "short_floor_s",
+               "tpot_p90_s", "e2e_p90_s", "prefill_busy_fraction", "prefill_load", "violation_floor")  # None or a number
+
+
+def earlier_verdicts(parser: argparse.ArgumentParser, path: Path) -> tuple[dict, list[dict]]:
+    """An earlier run's JSON (``--verdict-of``) and its verdicts computed again from its rows.
+
+    Raises:
+        SystemExit: through ``parser.error`` (exit 2): the file cannot be read or is no ``dominance.py`` JSON; it holds
+            no verdict; a verdict's ``saturation_load`` is not a positive number; a workload lacks rows of laps or of
+            every baseline; a row or verdict lacks a field, or a row's number (:data:`ROW_NUMBERS`) is not one.
+    """
+    if not path.is_file():
+        parser.error(f"--verdict-of {path}: {'a directory' if path.is_dir() else 'no such file'}")
+    try:
+        earlier = json.loads(path.read_text())
+        earlier["rows"], earlier["verdict"], earlier["max_duration_s"]  # noqa: B018 (keys checked here)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        parser.error(f"--verdict-of {path}: not a dominance.py JSON ({type(err).__name__}: {err})")
+    verdicts = []
+    try:
+        if not earlier["verdict"]:
+            parser.error(f"--verdict-of {path}: no workload's verdict in it (a run writes one as each workload ends)")
+        for i, r in enumerate(earlier["rows"]):
+            for key in ROW_NUMBERS:
+                value = r.get(key)
+                if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)):
+                    parser.error(f"--verdict-of {path}: row {i} ({r.get('workload')}, {r.get('policy')}): {key} must be a number, got {value!r}")
+        for v in earlier["verdict"]:
+            sat = v["saturation_load"]
+            if isinstance(sat, bool) or not isinstance(sat, (int, float)) or not 0 < float(sat) < math.inf:
+                parser.error(f"--verdict-of {path}: {v['workload']}: saturation_load must be a positive number, got {sat!r}")
+            rows = [r for r in earlier["rows"] if f"{r['workload']}{' (PD 6+2)' if r['pd'] else ''}" == v["workload"]]
+            policies = {r["policy"] for r in rows}
+            if "laps" not in policies or not policies & set(BASELINES):
+                parser.error(f"--verdict-of {path}: {v['workload']}: a verdict needs rows of laps and of a baseline, "
+                             f"found {', '.join(sorted(policies)) or 'no rows'}")
+            verdicts.append(verdict(rows, v["workload"], float(sat)))
+    except (KeyError, TypeError, ValueError, OverflowError) as err:
+        parser.error(f"--verdict-of {path}: a row or verdict lacks a field or holds one of the wrong type ({type(err).__name__}: {err})")
+    return earlier, verdicts
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = doc_parser(__doc__)
     parser.add_argument("--out", type=Path, help="JSON output; one PNG per workload goes next to it (required unless --verdict-of)")
@@ -736,31 +779,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     console = Console(width=160)
     if args.verdict_of is not None:
+        earlier, verdicts = earlier_verdicts(parser, args.verdict_of)
         if args.out is not None:
             claim_out(parser, args.out)
-        if not args.verdict_of.is_file():
-            parser.error(f"--verdict-of {args.verdict_of}: {'a directory' if args.verdict_of.is_dir() else 'no such file'}")
-        try:
-            earlier = json.loads(args.verdict_of.read_text())
-            earlier["rows"], earlier["verdict"], earlier["max_duration_s"]  # noqa: B018 (keys checked here)
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            parser.error(f"--verdict-of {args.verdict_of}: not a dominance.py JSON ({type(err).__name__}: {err})")
-        verdicts = []
-        try:
-            if not earlier["verdict"]:
-                parser.error(f"--verdict-of {args.verdict_of}: no workload's verdict in it (a run writes one as each workload ends)")
-            for v in earlier["verdict"]:
-                sat = v["saturation_load"]
-                if isinstance(sat, bool) or not isinstance(sat, (int, float)) or not 0 < sat < math.inf:
-                    parser.error(f"--verdict-of {args.verdict_of}: {v['workload']}: saturation_load must be a positive number, got {sat!r}")
-                rows = [r for r in earlier["rows"] if f"{r['workload']}{' (PD 6+2)' if r['pd'] else ''}" == v["workload"]]
-                policies = {r["policy"] for r in rows}
-                if "laps" not in policies or not policies & set(BASELINES):
-                    parser.error(f"--verdict-of {args.verdict_of}: {v['workload']}: a verdict needs rows of laps and of a baseline, "
-                                 f"found {', '.join(sorted(policies)) or 'no rows'}")
-                verdicts.append(verdict(rows, v["workload"], sat))
-        except (KeyError, TypeError, ValueError) as err:
-            parser.error(f"--verdict-of {args.verdict_of}: a row or verdict lacks a field ({type(err).__name__}: {err})")
         ok = print_verdicts(verdicts, console)
         if args.out is not None:
             write(args.out, earlier["max_duration_s"], earlier["rows"], verdicts, ok)

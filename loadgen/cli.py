@@ -222,31 +222,38 @@ def _progress_bar(args: argparse.Namespace, console: Console, unit: str) -> tupl
 
 
 def check_output_paths(args: argparse.Namespace) -> None:
-    """Refuse ``--out`` (and the PNG beside it) and ``--trace-out`` before the run, not after it: each must name a file
-    whose folder exists or can be made (it is made here) and that can be opened for writing (a file this check
-    creates is removed again; one that exists is left as it is).
+    """Refuse ``--out`` (and the PNG beside it) and ``--trace-out`` before the run, not after it: each must name a
+    file of its own whose folder exists or can be made (it is made here) and that can be written: an existing one (or
+    the file a link names) writable, a new one creatable (created and removed again here; a FIFO or a device is not
+    opened).
 
     Raises:
-        ValueError: a path is a directory, its folder cannot be made, or it cannot be written.
+        ValueError: a path is a directory, two outputs are one file, a folder cannot be made, or a file cannot be
+            written.
     """
-    paths = [("--out", args.out), ("--out's plot", args.out.with_suffix(".png"))] if args.out is not None else []
-    for flag, path in [*paths, ("--trace-out", args.trace_out)]:
-        if path is None:
-            continue
+    outputs = [("--out", args.out), ("--out's plot", args.out.with_suffix(".png"))] if args.out is not None else []
+    outputs += [("--trace-out", args.trace_out)] if args.trace_out is not None else []
+    seen: dict[Path, str] = {}
+    for flag, path in outputs:
         if path.is_dir():
             raise ValueError(f"{flag} {path}: a directory, not a file name")
+        target = path.resolve()  # where it is written: a link's target, a dangling link's too
+        if target in seen:
+            raise ValueError(f"{flag} {path}: the same file as {seen[target]}; give each output its own name")
+        seen[target] = flag
+        if path.exists():  # a file, or what a link names (a FIFO, /dev/stdout): not opened here
+            if not os.access(path, os.W_OK):
+                raise ValueError(f"{flag} {path}: cannot be written (no write permission)")
+            continue
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            target.parent.mkdir(parents=True, exist_ok=True)
         except OSError as err:
             raise ValueError(f"{flag} {path}: cannot make its folder ({err.strerror or err})") from None
-        existed = path.exists()
         try:
-            with path.open("ab"):
-                pass
+            os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
         except OSError as err:
             raise ValueError(f"{flag} {path}: cannot be written ({err.strerror or err})") from None
-        if not existed:
-            path.unlink()
+        target.unlink()
 
 
 def write_outputs(args: argparse.Namespace, report: dict, records: list[RequestRecord], console: Console) -> None:

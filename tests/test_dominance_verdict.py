@@ -274,14 +274,21 @@ def test_a_replayed_workload_replays_the_same_stretch_of_its_trace_at_every_load
      '"max_duration_s": 1}', "x: a verdict needs rows of laps and of a baseline, found laps"),
     ('{"rows": [], "verdict": [{"workload": "x", "saturation_load": 5}], "max_duration_s": 1}',
      "x: a verdict needs rows of laps and of a baseline, found no rows"),
+    ('{"rows": [], "verdict": [{"workload": "x", "saturation_load": 1' + "0" * 400 + '}], "max_duration_s": 1}',
+     "a row or verdict lacks a field or holds one of the wrong type (OverflowError"),
+    ('{"rows": [{"workload": "x", "policy": "laps", "tpot_p90_s": "x"}], "verdict": [], "max_duration_s": 1}',
+     "no workload's verdict in it"),
+    ('{"rows": [{"workload": "x", "policy": "laps", "tpot_p90_s": "x"}], "verdict": [{"workload": "x", "saturation_load": 5}], '
+     '"max_duration_s": 1}', "row 0 (x, laps): tpot_p90_s must be a number, got 'x'"),
 ])
 def test_verdict_of_a_file_that_is_not_a_whole_dominance_json_is_a_usage_error(tmp_path, capsys, text, says):
     path = tmp_path / "earlier.json"
     path.write_text(text)
     with pytest.raises(SystemExit) as exit_:
-        dominance.main(["--verdict-of", str(path)])
+        dominance.main(["--verdict-of", str(path), "--out", str(tmp_path / "new" / "verdict.json")])
     assert exit_.value.code == 2
     assert says in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()  # the file is read and refused before --out is claimed
 
 
 def test_a_stopped_run_keeps_what_it_wrote_and_a_file_it_did_not_make(tmp_path, capsys):

@@ -199,12 +199,25 @@ def test_laps_simulate_refuses_an_output_path_it_cannot_write_before_the_run(tmp
                                        ("--trace-out", tmp_path, "a directory, not a file name", tmp_path),
                                        ("--out", blocker / "r.json", "cannot make its folder", blocker / "r.json"),
                                        ("--out", Path("/proc/laps-test.json"), "cannot be written", Path("/proc/laps-test.json")),
-                                       ("--out", tmp_path / "p.json", "a directory, not a file name", tmp_path / "p.png")):
+                                       ("--out", tmp_path / "p.json", "a directory, not a file name", tmp_path / "p.png"),
+                                       ("--out", tmp_path / "r.png", "the same file as --out", tmp_path / "r.png"),
+                                       ("--trace-out", tmp_path / "r.json", "the same file as --out", tmp_path / "r.json")):
         argv = ["simulate", "--dataset", "mtbench", "--rate", "1", "--duration", "1", "--quiet", "--out", str(tmp_path / "r.json"), flag, str(path)]
         assert laps_main(argv) == 2
-        said = "--out's plot" if err_path.suffix == ".png" else flag
+        said = "--out's plot" if err_path.suffix == ".png" and flag == "--out" else flag
         assert capsys.readouterr().err.startswith(f"laps simulate: {said} {err_path}: {says}")
     assert not (tmp_path / "r.json").exists() and not (tmp_path / "p.json").exists()  # refused before anything ran or was written
+
+
+def test_the_output_check_of_a_refused_run_leaves_a_dangling_link_and_existing_files_as_they_were(tmp_path, capsys):
+    link, kept = tmp_path / "link.json", tmp_path / "kept.jsonl"
+    link.symlink_to(tmp_path / "later" / "target.json")
+    kept.write_text("earlier trace\n")
+    argv = ["simulate", "--config", str(tmp_path / "missing.yaml"), "--dataset", "mtbench", "--rate", "1", "--duration", "1",
+            "--quiet", "--out", str(link), "--trace-out", str(kept)]
+    assert laps_main(argv) == 2  # refused for the missing configuration, after the outputs were checked
+    assert "missing.yaml" in capsys.readouterr().err
+    assert link.is_symlink() and not (tmp_path / "later" / "target.json").exists() and kept.read_text() == "earlier trace\n"
 
 
 def test_laps_simulate_reports_a_bad_replay_file_and_refuses_bad_numbers(tmp_path, capsys):
