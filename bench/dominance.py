@@ -725,7 +725,8 @@ def earlier_verdicts(parser: argparse.ArgumentParser, path: Path) -> tuple[dict,
     Raises:
         SystemExit: through ``parser.error`` (exit 2): the file cannot be read or is no ``dominance.py`` JSON; it holds
             no verdict; a verdict's ``saturation_load`` is not a positive number; a workload lacks rows of laps or of
-            every baseline; a row or verdict lacks a field, or a row's number (:data:`ROW_NUMBERS`) is not one.
+            every baseline, or has them at no common load; a row or verdict lacks a field, or a row's number
+            (:data:`ROW_NUMBERS`) is not one.
     """
     if not path.is_file():
         parser.error(f"--verdict-of {path}: {'a directory' if path.is_dir() else 'no such file'}")
@@ -753,6 +754,8 @@ def earlier_verdicts(parser: argparse.ArgumentParser, path: Path) -> tuple[dict,
                 parser.error(f"--verdict-of {path}: {v['workload']}: a verdict needs rows of laps and of a baseline, "
                              f"found {', '.join(sorted(policies)) or 'no rows'}")
             verdicts.append(verdict(rows, v["workload"], float(sat)))
+            if not verdicts[-1]["points"]:
+                parser.error(f"--verdict-of {path}: {v['workload']}: no load has rows of both laps and a baseline")
     except (KeyError, TypeError, ValueError, OverflowError) as err:
         parser.error(f"--verdict-of {path}: a row or verdict lacks a field or holds one of the wrong type ({type(err).__name__}: {err})")
     return earlier, verdicts

@@ -280,6 +280,10 @@ def test_a_replayed_workload_replays_the_same_stretch_of_its_trace_at_every_load
      "no workload's verdict in it"),
     ('{"rows": [{"workload": "x", "policy": "laps", "tpot_p90_s": "x"}], "verdict": [{"workload": "x", "saturation_load": 5}], '
      '"max_duration_s": 1}', "row 0 (x, laps): tpot_p90_s must be a number, got 'x'"),
+    ('{"rows": [' + ", ".join(f'{{"workload": "x", "pd": false, "policy": "{p}", "load": {load}, "slo_violation_rate": 0, '
+                              f'"length_slo_violation_rate": 0, "short_ttft_p90_s": 0.01, "short_floor_s": 0.005}}'
+                              for p, load in (("laps", 5.05), ("least_load", 5))) +
+     '], "verdict": [{"workload": "x", "saturation_load": 5}], "max_duration_s": 1}', "x: no load has rows of both laps and a baseline"),
 ])
 def test_verdict_of_a_file_that_is_not_a_whole_dominance_json_is_a_usage_error(tmp_path, capsys, text, says):
     path = tmp_path / "earlier.json"
