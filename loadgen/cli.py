@@ -237,7 +237,10 @@ def check_output_paths(args: argparse.Namespace) -> None:
     for flag, path in outputs:
         if path.is_dir():
             raise ValueError(f"{flag} {path}: a directory, not a file name")
-        target = path.resolve()  # where it is written: a link's target, a dangling link's too
+        try:
+            target = path.resolve()  # where it is written: a link's target, a dangling link's too
+        except (OSError, RuntimeError) as err:  # a loop of links
+            raise ValueError(f"{flag} {path}: cannot be written ({err})") from None
         if target in seen:
             raise ValueError(f"{flag} {path}: the same file as {seen[target]}; give each output its own name")
         seen[target] = flag

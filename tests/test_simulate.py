@@ -218,6 +218,10 @@ def test_the_output_check_of_a_refused_run_leaves_a_dangling_link_and_existing_f
     assert laps_main(argv) == 2  # refused for the missing configuration, after the outputs were checked
     assert "missing.yaml" in capsys.readouterr().err
     assert link.is_symlink() and not (tmp_path / "later" / "target.json").exists() and kept.read_text() == "earlier trace\n"
+    (tmp_path / "loop-a").symlink_to(tmp_path / "loop-b")
+    (tmp_path / "loop-b").symlink_to(tmp_path / "loop-a")
+    assert laps_main([*argv[:-4], "--out", str(tmp_path / "loop-a")]) == 2
+    assert capsys.readouterr().err.startswith(f"laps simulate: --out {tmp_path / 'loop-a'}: cannot be written (Symlink loop")
 
 
 def test_laps_simulate_reports_a_bad_replay_file_and_refuses_bad_numbers(tmp_path, capsys):
