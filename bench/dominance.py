@@ -416,8 +416,8 @@ def verdict(rows: list[dict], workload: str, saturation: float) -> dict:
               and mine["length_slo_violation_rate"] <= best_len + 0.005)
         never_worse &= ok
         timed = [r for r in others if r["short_ttft_p90_s"] is not None]
-        short_of = min(timed, key=lambda r: r["short_ttft_p90_s"]) if timed else None
-        short_best = short_of["short_ttft_p90_s"] if short_of else None
+        short_of = min(timed, key=lambda r: r["short_ttft_p90_s"]) if timed else {}  # the baseline with the lowest short P90
+        short_best = short_of.get("short_ttft_p90_s")
         floor = mine["short_floor_s"]
         s_ok = target = None
         if load >= 0.499 * saturation and short_best is not None and mine["short_ttft_p90_s"] is not None:
@@ -432,10 +432,10 @@ def verdict(rows: list[dict], workload: str, saturation: float) -> dict:
                               "best_policy": best["policy"], "laps_length": mine["length_slo_violation_rate"],
                               "best_length": best_len, "never_worse": ok, "laps_short_p90_s": mine["short_ttft_p90_s"],
                               "best_short_p90_s": short_best, "short_floor_s": floor, "short_target_s": target, "short_ok": s_ok,
-                              # the baseline with the lowest short P90, and both sides' decoding (rows of older runs: None)
-                              "best_short_policy": short_of["policy"] if short_of else None,
-                              "laps_tpot_p90_s": mine.get("tpot_p90_s"), "best_short_tpot_p90_s": short_of.get("tpot_p90_s") if short_of else None,
-                              "laps_e2e_p90_s": mine.get("e2e_p90_s"), "best_short_e2e_p90_s": short_of.get("e2e_p90_s") if short_of else None})
+                              # that baseline, and both sides' decoding (rows of older runs: None)
+                              "best_short_policy": short_of.get("policy"),
+                              "laps_tpot_p90_s": mine.get("tpot_p90_s"), "best_short_tpot_p90_s": short_of.get("tpot_p90_s"),
+                              "laps_e2e_p90_s": mine.get("e2e_p90_s"), "best_short_e2e_p90_s": short_of.get("e2e_p90_s")})
     g_laps = goodput([r for r in rows if r["policy"] == "laps"], key)
     g_base = {p: goodput([r for r in rows if r["policy"] == p], key) for p in BASELINES}
     best_policy = max(g_base, key=g_base.get)
@@ -518,12 +518,17 @@ def plot(rows: list[dict], path: Path, title: str, saturation: float) -> None:
     plt.close(fig)
 
 
+def sweep_label(workload: str, pd: bool) -> str:
+    """A sweep's name in the verdict, the tables and the JSON's ``verdict``: the workload, `` (PD 6+2)`` for PD."""
+    return f"{workload}{' (PD 6+2)' if pd else ''}"
+
+
 def sweep(workload: str, pd: bool, loads: tuple[float, ...], duration_s: float, seed: int, pool: multiprocessing.pool.Pool,
           progress: Progress, seeds: int = 1, burstiness: float = 1.0) -> tuple[list[dict], dict]:
     """Saturation search (with ``seed``), then every policy at every load, each point with seeds ``seed`` …
     ``seed + seeds − 1`` averaged (:func:`mean_row`), then more loads while the goodput is still capped
     (:func:`extra_load`); the rows and the verdict. ``burstiness`` as for :func:`simulate_point`, the search's too."""
-    label = f"{workload}{' (PD 6+2)' if pd else ''}"
+    label = sweep_label(workload, pd)
     task = progress.add_task(f"{label}: saturation", total=len(loads) * len(POLICIES))
     sat = saturation_load(workload, duration_s, seed, pd, pool, burstiness)
     progress.console.print(f"{label}: least_load saturates at load {sat:.3g}")
@@ -719,6 +724,15 @@ ROW_NUMBERS = ("load", "rate_rps", "slo_violation_rate", "length_slo_violation_r
                "tpot_p90_s", "e2e_p90_s", "prefill_busy_fraction", "prefill_load", "violation_floor")  # None or a number
 
 
+def _finite_number(value) -> bool:
+    """Whether a value read from JSON is a finite number (not a bool, a string, NaN or an infinity).
+
+    Raises:
+        OverflowError: an integer too large for a float.
+    """
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+
 def earlier_verdicts(parser: argparse.ArgumentParser, path: Path) -> tuple[dict, list[dict]]:
     """An earlier run's JSON (``--verdict-of``) and its verdicts computed again from its rows.
 
@@ -741,14 +755,13 @@ def earlier_verdicts(parser: argparse.ArgumentParser, path: Path) -> tuple[dict,
             parser.error(f"--verdict-of {path}: no workload's verdict in it (a run writes one as each workload ends)")
         for i, r in enumerate(earlier["rows"]):
             for key in ROW_NUMBERS:
-                value = r.get(key)
-                if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)):
-                    parser.error(f"--verdict-of {path}: row {i} ({r.get('workload')}, {r.get('policy')}): {key} must be a number, got {value!r}")
+                if r.get(key) is not None and not _finite_number(r[key]):
+                    parser.error(f"--verdict-of {path}: row {i} ({r.get('workload')}, {r.get('policy')}): {key} must be a number, got {r[key]!r}")
         for v in earlier["verdict"]:
             sat = v["saturation_load"]
-            if isinstance(sat, bool) or not isinstance(sat, (int, float)) or not 0 < float(sat) < math.inf:
+            if not (_finite_number(sat) and sat > 0):
                 parser.error(f"--verdict-of {path}: {v['workload']}: saturation_load must be a positive number, got {sat!r}")
-            rows = [r for r in earlier["rows"] if f"{r['workload']}{' (PD 6+2)' if r['pd'] else ''}" == v["workload"]]
+            rows = [r for r in earlier["rows"] if sweep_label(r["workload"], r["pd"]) == v["workload"]]
             policies = {r["policy"] for r in rows}
             if "laps" not in policies or not policies & set(BASELINES):
                 parser.error(f"--verdict-of {path}: {v['workload']}: a verdict needs rows of laps and of a baseline, "
