@@ -686,6 +686,19 @@ def write(path: Path, duration_s: float, rows: list[dict], verdicts: list[dict],
     partial.replace(target)
 
 
+def save(parser: argparse.ArgumentParser, console: Console, path: Path, duration_s: float, rows: list[dict],
+         verdicts: list[dict], ok: bool) -> int:
+    """:func:`write` the finished JSON and say so; the exit status: 0, or 1 with one line naming why where it cannot
+    be written (a full disk, ``/dev/full``)."""
+    try:
+        write(path, duration_s, rows, verdicts, ok)
+    except OSError as err:
+        print(f"{parser.prog}: cannot write {path}: {err.strerror or err}", file=sys.stderr)
+        return 1
+    console.print(f"wrote {path}")
+    return 0
+
+
 def claim_out(parser: argparse.ArgumentParser, path: Path) -> bool:
     """Make sure ``path`` can take a bench's output before any simulation (not after hours of it): its folder made, the
     file created empty if absent; whether this call created it (remove it if the run ends with nothing to write).
@@ -799,10 +812,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.out is not None:
             claim_out(parser, args.out)
         ok = print_verdicts(verdicts, console)
-        if args.out is not None:
-            write(args.out, earlier["max_duration_s"], earlier["rows"], verdicts, ok)
-            console.print(f"wrote {args.out}")
-        return 0
+        return 0 if args.out is None else save(parser, console, args.out, earlier["max_duration_s"], earlier["rows"], verdicts, ok)
     if args.out is None:
         parser.error("--out is required (unless --verdict-of)")
     workloads = args.workloads or (QUICK_WORKLOADS if args.quick else WORKLOADS)
@@ -828,10 +838,7 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as err:  # what is written survives; an empty file this run made does not
         done = ", ".join(v["workload"] for v in verdicts)
         return stopped(parser, args.out, created, err, f"{args.out} holds {done} (--verdict-of reads it)" if done else None)
-    ok = print_verdicts(verdicts, console)
-    write(args.out, duration, all_rows, verdicts, ok)
-    console.print(f"wrote {args.out}")
-    return 0
+    return save(parser, console, args.out, duration, all_rows, verdicts, print_verdicts(verdicts, console))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import math
 import os
+import tempfile
 import random
 import sys
 import time
@@ -223,9 +224,10 @@ def _progress_bar(args: argparse.Namespace, console: Console, unit: str) -> tupl
 
 def check_output_paths(args: argparse.Namespace) -> None:
     """Refuse ``--out`` (and the PNG beside it) and ``--trace-out`` before the run, not after it: each must name a
-    file of its own whose folder exists or can be made (it is made here) and that can be written: an existing one (or
-    the file a link names) writable, a new one creatable (created and removed again here; a FIFO or a device is not
-    opened).
+    file of its own that can be written: an existing one (or the file a link names) writable, a new one creatable
+    (created and removed again here, where its folder exists; a FIFO or a device is not opened), a new one in a
+    folder still to be made (made when the outputs are written) under a nearest existing folder that can be written.
+    A refused run leaves no file or folder behind.
 
     Raises:
         ValueError: a path is a directory, two outputs are one file, a folder cannot be made, or a file cannot be
@@ -248,15 +250,30 @@ def check_output_paths(args: argparse.Namespace) -> None:
             if not os.access(path, os.W_OK):
                 raise ValueError(f"{flag} {path}: cannot be written (no write permission)")
             continue
-        try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise ValueError(f"{flag} {path}: cannot make its folder ({err.strerror or err})") from None
+        if not target.parent.is_dir():
+            _check_folder_can_be_made(flag, path, path.parent)  # as the writer makes it: through the links named
+            continue
         try:
             os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
         except OSError as err:
             raise ValueError(f"{flag} {path}: cannot be written ({err.strerror or err})") from None
         target.unlink()
+
+
+def _check_folder_can_be_made(flag: str, path: Path, folder: Path) -> None:
+    """Refuse ``path`` (``flag``'s) where its missing ``folder`` could not be made: its nearest existing ancestor (a
+    link counts, dangling or not) is not a folder, or a folder cannot be made in it (one is made and removed again).
+
+    Raises:
+        ValueError: naming the ancestor and why.
+    """
+    ancestor = next(a for a in (folder, *folder.parents) if a.exists() or a.is_symlink())  # the root always exists
+    if not ancestor.is_dir():
+        raise ValueError(f"{flag} {path}: cannot make its folder ({ancestor} is not a folder)")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".laps-check-", dir=ancestor))
+    except OSError as err:
+        raise ValueError(f"{flag} {path}: cannot make its folder in {ancestor} ({err.strerror or err})") from None
 
 
 def write_outputs(args: argparse.Namespace, report: dict, records: list[RequestRecord], console: Console) -> None:

@@ -134,7 +134,7 @@ def arrivals_text(report: dict) -> str:
     rate, burstiness = report.get("rate"), report.get("burstiness")
     if rate is None:
         return ""
-    return f" ({rate:g} conv/s, " + ("Poisson)" if burstiness in (None, 1.0) else f"gamma gaps of burstiness {burstiness:.15g})")
+    return f" ({rate:.15g} conv/s, " + ("Poisson)" if burstiness in (None, 1.0) else f"gamma gaps of burstiness {burstiness:.15g})")
 
 
 def print_report(report: dict, console: Console | None = None) -> None:

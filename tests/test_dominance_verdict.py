@@ -1,6 +1,7 @@
 """bench/dominance.py's verdict on scripted rows: goodput interpolation and the four checks, exact values."""
 
 import importlib.util
+import json
 import random
 import sys
 from pathlib import Path
@@ -293,6 +294,21 @@ def test_verdict_of_a_file_that_is_not_a_whole_dominance_json_is_a_usage_error(t
     assert exit_.value.code == 2
     assert says in capsys.readouterr().err
     assert not (tmp_path / "new").exists()  # the file is read and refused before --out is claimed
+
+
+def test_verdict_of_an_earlier_run_is_written_to_out_and_an_out_that_cannot_be_written_is_one_error_line(tmp_path, capsys):
+    rows = [{"workload": "x", "pd": False, "policy": policy, "load": load, "slo_violation_rate": rate,
+             "length_slo_violation_rate": rate, "short_ttft_p90_s": 0.01, "short_floor_s": 0.005}
+            for policy, scale in (("laps", 0.5), ("least_load", 1.0)) for load, rate in ((5.0, 0.05 * scale), (7.5, 0.1 * scale))]
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps({"rows": rows, "verdict": [{"workload": "x", "saturation_load": 5.0}], "max_duration_s": 1}))
+    out = tmp_path / "verdict.json"
+    assert dominance.main(["--verdict-of", str(earlier), "--out", str(out)]) == 0
+    written = json.loads(out.read_text())
+    assert (written["rows"], written["max_duration_s"], [v["workload"] for v in written["verdict"]]) == (rows, 1, ["x"])
+    assert f"wrote {out}" in capsys.readouterr().out
+    assert dominance.main(["--verdict-of", str(earlier), "--out", "/dev/full"]) == 1  # the tables print, then the write fails
+    assert capsys.readouterr().err.endswith(": cannot write /dev/full: No space left on device\n")
 
 
 def test_a_stopped_run_keeps_what_it_wrote_and_a_file_it_did_not_make(tmp_path, capsys):

@@ -3,7 +3,7 @@
 import orjson
 import pytest
 
-from loadgen.report import build_report, length_objective_s, summarize, write_report
+from loadgen.report import arrivals_text, build_report, length_objective_s, summarize, write_report
 from loadgen.runner import RequestRecord
 
 
@@ -103,3 +103,10 @@ def test_the_length_aware_objective_counts_the_new_tokens_the_gateway_saw_at_arr
     assert length_objective_s(waited, 0.4, 0.06) == pytest.approx(1.6)
     assert length_objective_s(unknown, 0.4, 0.06) == pytest.approx(0.4006)
     assert build_report([waited, unknown], slo_ttft_s=0.4, slo_ttft_per_1k_s=0.06)["length_slo"]["violations"] == 1
+
+
+def test_the_summary_line_names_the_arrival_rate_and_burstiness_as_given():
+    assert arrivals_text({"rate": 3.0, "burstiness": 1.0}) == " (3 conv/s, Poisson)"
+    assert arrivals_text({"rate": 1.0000001, "burstiness": None}) == " (1.0000001 conv/s, Poisson)"
+    assert arrivals_text({"rate": 11403.5, "burstiness": 0.25}) == " (11403.5 conv/s, gamma gaps of burstiness 0.25)"
+    assert arrivals_text({"rate": None, "burstiness": 1.0}) == ""  # a replayed trace keeps its own times

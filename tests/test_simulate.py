@@ -224,6 +224,20 @@ def test_the_output_check_of_a_refused_run_leaves_a_dangling_link_and_existing_f
     assert capsys.readouterr().err.startswith(f"laps simulate: --out {tmp_path / 'loop-a'}: cannot be written (Symlink loop")
 
 
+def test_a_refused_run_makes_no_folder_and_a_folder_that_cannot_be_made_is_refused_before_the_run(tmp_path, capsys):
+    new = tmp_path / "new"
+    argv = ["simulate", "--config", str(tmp_path / "missing.yaml"), "--dataset", "mtbench", "--rate", "1", "--duration", "1",
+            "--quiet", "--out", str(new / "deeper" / "r.json"), "--trace-out", str(new / "trace.jsonl")]
+    assert laps_main(argv) == 2  # refused for the missing configuration, after the outputs were checked
+    assert "missing.yaml" in capsys.readouterr().err and not new.exists()
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    for out, says in ((Path("/proc/laps-test/r.json"), "cannot make its folder in /proc ("),
+                      (tmp_path / "dangling" / "x" / "r.json", f"cannot make its folder ({tmp_path / 'dangling'} is not a folder)")):
+        assert laps_main(["simulate", *argv[3:-4], "--out", str(out)]) == 2
+        assert capsys.readouterr().err.startswith(f"laps simulate: --out {out}: {says}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling"]  # the check's own folder was removed again
+
+
 def test_laps_simulate_reports_a_bad_replay_file_and_refuses_bad_numbers(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"bad": 1}\n')
