@@ -105,7 +105,7 @@ from laps.config import Config, load_config, parse_config  # noqa: E402
 from laps.doc_help import doc_parser  # noqa: E402
 from laps.tokenizer import load_tokenizer  # noqa: E402
 from loadgen.cli import gamma_shape, positive_float, positive_int  # noqa: E402
-from loadgen.report import build_report  # noqa: E402
+from loadgen.report import build_report, ms  # noqa: E402
 from loadgen.simulate import simulate_run  # noqa: E402
 from loadgen.virtual import VirtualRun  # noqa: E402
 from loadgen.workloads import CODE_BURST_RATE_RPS, TIMED_DATASETS, build_workload, load_azure_trace  # noqa: E402
@@ -605,11 +605,6 @@ def _prefill_cell(v: dict) -> str:
     """The best baseline's prefill busy share and prefill load at the saturation load (n/a: rows of an older run)."""
     busy, load = v.get("prefill_busy_at_saturation"), v.get("prefill_load_at_saturation")
     return " / ".join(("n/a" if busy is None else f"{100 * busy:.0f}%", "n/a" if load is None else f"{load:.2f}"))
-
-
-def ms(seconds: float | None, digits: int = 1) -> str:
-    """Seconds as milliseconds, ``digits`` after the point, no unit; ``None`` (nothing measured): -."""
-    return "-" if seconds is None else f"{1e3 * seconds:.{digits}f}"
 
 
 def short_miss_line(v: dict, p: dict) -> str:

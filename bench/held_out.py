@@ -34,11 +34,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from dominance import BASELINES, CONTROL, PER_1K_S, SLO_TTFT_S, claim_out, ms, point_config, simulate_all, stopped  # noqa: E402
+from dominance import BASELINES, CONTROL, PER_1K_S, SLO_TTFT_S, claim_out, point_config, simulate_all, stopped  # noqa: E402
 from laps.doc_help import doc_parser  # noqa: E402
 from laps.tokenizer import load_tokenizer  # noqa: E402
 from loadgen.cli import gamma_shape, positive_float, positive_int  # noqa: E402
-from loadgen.report import build_report  # noqa: E402
+from loadgen.report import build_report, ms  # noqa: E402
 from loadgen.simulate import simulate_run  # noqa: E402
 from loadgen.workloads import TRACE_FORMATS, build_workload  # noqa: E402
 

@@ -34,6 +34,7 @@ from laps.demo import serving
 from laps.doc_help import doc_parser
 from laps.tokenizer import load_tokenizer
 from loadgen.agreement import compare, serving_latency
+from loadgen.report import ms
 
 
 def run(config_path: Path, dataset: str, rate: float, duration: float, seed: int, natural: bool, work: Path) -> dict:
@@ -73,9 +74,6 @@ def main() -> int:
     work = args.out.with_suffix("")
     work.mkdir(parents=True, exist_ok=True)
     result = run(args.config, args.dataset, args.rate, args.duration, args.seed, args.natural_replies, work)
-
-    def ms(v: float | None) -> str:
-        return "—" if v is None else f"{v * 1e3:.1f}"
 
     def pct(v: float | None) -> str:
         return "—" if v is None else f"{v:+.0f}%"

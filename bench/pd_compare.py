@@ -62,7 +62,7 @@ from engines.sim.kv_transfer import LINKS  # noqa: E402
 from laps.config import Config, parse_config  # noqa: E402
 from laps.doc_help import doc_parser  # noqa: E402
 from laps.tokenizer import load_tokenizer  # noqa: E402
-from loadgen.report import build_report  # noqa: E402
+from loadgen.report import build_report, ms  # noqa: E402
 from loadgen.runner import Arrival, plan_arrivals  # noqa: E402
 from loadgen.virtual import VirtualRun  # noqa: E402
 from loadgen.virtual_pd import VirtualPDRun  # noqa: E402
@@ -211,10 +211,6 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
-def _ms(x: float | None) -> str:
-    return "-" if x is None else f"{1e3 * x:.1f}"
-
-
 def headline(rows: list[dict]) -> list[dict]:
     """Per setup and rate: LAPS's violation rate beside the best router baseline's and DP round robin's, with ratios."""
     out = []
@@ -286,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         table.add_column(col, justify="right")
     for r in rows:
         table.add_row(r["setup"], r["policy"], f"{r['conv_rate']:g}", f"{r['rate_rps']:.1f}", _pct(r["slo_violation_rate"]),
-                      _ms(r["ttft_p50_s"]), _ms(r["ttft_p90_s"]), _ms(r["short_ttft_p90_s"]),
+                      ms(r["ttft_p50_s"]), ms(r["ttft_p90_s"]), ms(r["short_ttft_p90_s"]),
                       f"{r['transfer_ms_mean']:.3f}" if "transfer_ms_mean" in r else "-",
                       f"{r['transfer_inflation_mean']:.2f}" if "transfer_inflation_mean" in r else "-",
                       f"{r['burst_mean']:.2f}" if "burst_mean" in r else "-")
@@ -308,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in burst:
         table.add_row(r["link"], f"{LINKS[r['link']].bandwidth_bytes_per_s / 1e9:g}", "shared" if r["shared_links"] else "unshared",
                       f"{r['transfer_ms_mean']:.3f}", f"{r['transfer_ms_max']:.2f}", f"{r['transfer_inflation_mean']:.2f}",
-                      f"{r['transfer_inflation_p90']:.2f}", f"{r['burst_mean']:.2f}", _ms(r["ttft_p90_s"]), _pct(r["slo_violation_rate"]))
+                      f"{r['transfer_inflation_p90']:.2f}", f"{r['burst_mean']:.2f}", ms(r["ttft_p90_s"]), _pct(r["slo_violation_rate"]))
     console.print(table)
     table = Table(title=f"Offline distillation: {n_offline} ShareGPT prompts at t=0, {OFFLINE_MAX_TOKENS}-token outputs, "
                         "PD 4P+4D (paper: LAPS 7.3-8.3% shorter)")

@@ -69,7 +69,7 @@ from laps.demo import serving
 from laps.doc_help import doc_parser
 from laps.tokenizer import ChatTokenizer, load_tokenizer
 from loadgen.cli import share
-from loadgen.report import build_report
+from loadgen.report import build_report, ms
 from loadgen.runner import RequestRecord, run_loadgen
 from loadgen.workloads import DATASETS, DEFAULT_MAX_TOKENS, TIMED_DATASETS, build_workload
 
@@ -248,7 +248,7 @@ async def compare(args: argparse.Namespace, base: Config, work: Path) -> dict:
                     "dataset": args.dataset, "rate": args.rate, "seed": args.seed, "configured_duration_s": args.duration,
                 })
                 console.print(f"  {report['requests']['ok']} ok, {report['requests']['errors']} errors, "
-                              f"TTFT p90 {_ms(report['ttft_s']['p90'])} ms; {wall_s:.1f} s with start and stop")
+                              f"TTFT p90 {ms(report['ttft_s']['p90'])} ms; {wall_s:.1f} s with start and stop")
                 runs.append(report)
         finally:
             await manager.stop()
@@ -264,10 +264,6 @@ async def compare(args: argparse.Namespace, base: Config, work: Path) -> dict:
         },
         "runs": runs,
     }
-
-
-def _ms(v: float | None) -> str:
-    return "—" if v is None else f"{v * 1e3:.1f}"
 
 
 def _pct(v: float | None) -> str:
@@ -292,13 +288,13 @@ def print_table(result: dict) -> None:
     row("throughput (req/s)", lambda r: f"{r['throughput_rps']:.2f}")
     row("output tok/s", lambda r: f"{r['output_tokens_per_s']:.0f}")
     for stat in ("p50", "p90", "p99"):
-        row(f"TTFT {stat} (ms)", lambda r, stat=stat: _ms(r["ttft_s"][stat]))
+        row(f"TTFT {stat} (ms)", lambda r, stat=stat: ms(r["ttft_s"][stat]))
     for cls in ("short", "long"):
         row(f"{cls}: requests", lambda r, cls=cls: str(r["by_class"][cls]["count"]))
         for stat in ("p50", "p90", "p99"):
-            row(f"{cls}: TTFT {stat} (ms)", lambda r, cls=cls, stat=stat: _ms(r["by_class"][cls]["ttft_s"][stat]))
-    row("TPOT p50 (ms)", lambda r: _ms(r["tpot_s"]["p50"]))
-    row("ITL p99 (ms)", lambda r: _ms(r["itl_s"]["p99"]))
+            row(f"{cls}: TTFT {stat} (ms)", lambda r, cls=cls, stat=stat: ms(r["by_class"][cls]["ttft_s"][stat]))
+    row("TPOT p50 (ms)", lambda r: ms(r["tpot_s"]["p50"]))
+    row("ITL p99 (ms)", lambda r: ms(r["itl_s"]["p99"]))
     row(f"SLO violations (TTFT > {s['slo_ttft_s']:g} s)", lambda r: _pct(r["slo"]["violation_rate"]))
     for cls in ("short", "long"):
         row(f"{cls}: SLO violations", lambda r, cls=cls: _pct(r["by_class"][cls]["slo_violation_rate"]))

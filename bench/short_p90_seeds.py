@@ -28,9 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from dominance import BASELINES, MAX_DURATION_S, WORKLOADS, claim_out, ms, run_point, short_p90_target_s, simulate_all, stopped  # noqa: E402
+from dominance import BASELINES, MAX_DURATION_S, WORKLOADS, claim_out, run_point, short_p90_target_s, simulate_all, stopped  # noqa: E402
 from laps.doc_help import doc_parser  # noqa: E402
 from loadgen.cli import positive_float, positive_int  # noqa: E402
+from loadgen.report import ms  # noqa: E402
 
 
 def point(text: str) -> tuple[str, float, bool]:
@@ -96,9 +97,9 @@ def main(argv: list[str] | None = None) -> int:
             at = [r for r, (cw, _, cl, _, cs, cpd) in zip(rows, calls) if (cw, cl, cs, cpd) == (w, load, seed, pd)]
             c = {"workload": w, "load": load, "pd": pd, "seed": seed, **short_check(at)}
             checks.append(c)
-            best = "-" if c["best_policy"] is None else f"{ms(c['best_short_p90_s'], 2)} ({c['best_policy']})"
+            best = "—" if c["best_policy"] is None else f"{ms(c['best_short_p90_s'], 2)} ({c['best_policy']})"
             table.add_row(f"{w}{' PD' if pd else ''} {load:g}", str(seed), ms(c["laps_short_p90_s"], 2), best,
-                          ms(c["short_floor_s"], 2), ms(c["target_s"], 2), {True: "yes", False: "MISS", None: "-"}[c["ok"]])
+                          ms(c["short_floor_s"], 2), ms(c["target_s"], 2), {True: "yes", False: "MISS", None: "—"}[c["ok"]])
     console.print(table)
     args.out.write_text(json.dumps({"checks": checks, "rows": rows}, indent=1))
     console.print(f"wrote {args.out}")

@@ -33,10 +33,10 @@ import numpy as np  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from dominance import BASELINES, CONTROL, PER_1K_S, SLO_TTFT_S, WORKLOADS, claim_out, ms, simulate_all, simulate_point, stopped  # noqa: E402
+from dominance import BASELINES, CONTROL, PER_1K_S, SLO_TTFT_S, WORKLOADS, claim_out, simulate_all, simulate_point, stopped  # noqa: E402
 from laps.doc_help import doc_parser  # noqa: E402
 from loadgen.cli import positive_float, positive_int  # noqa: E402
-from loadgen.report import build_report  # noqa: E402
+from loadgen.report import build_report, ms  # noqa: E402
 from loadgen.workloads import TIMED_DATASETS  # noqa: E402
 
 POLICIES = ("laps", *BASELINES, CONTROL)

@@ -124,8 +124,9 @@ def build_report(records: Sequence[RequestRecord], *, slo_ttft_s: float, slo_ttf
     }
 
 
-def _ms(value: float | None) -> str:
-    return "—" if value is None else f"{value * 1000:.1f}"
+def ms(seconds: float | None, digits: int = 1) -> str:
+    """Seconds as milliseconds, ``digits`` after the point, no unit; ``None`` (nothing measured): —."""
+    return "—" if seconds is None else f"{1e3 * seconds:.{digits}f}"
 
 
 def arrivals_text(report: dict) -> str:
@@ -157,7 +158,7 @@ def print_report(report: dict, console: Console | None = None) -> None:
     table.add_row("errors", *(str(b["errors"]) for b in blocks.values()))
     for metric, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "E2E")):
         for stat in ("mean", "p50", "p90", "p99"):
-            table.add_row(f"{label} {stat} (ms)", *(_ms(b[metric][stat]) for b in blocks.values()))
+            table.add_row(f"{label} {stat} (ms)", *(ms(b[metric][stat]) for b in blocks.values()))
     table.add_row(
         f"TTFT > {report['slo']['ttft_s']:g} s or failed",
         *("—" if b["slo_violation_rate"] is None else f"{b['slo_violation_rate']:.1%}" for b in blocks.values()),
@@ -203,7 +204,7 @@ def print_run_summary(report: dict, console: Console) -> None:
     if kv is not None:
         line = f"KV transfers: {kv['count']}, {kv['bytes'] / 1e9:.3f} GB"
         if kv["count"]:
-            line += (f"; time mean {_ms(kv['time_s']['mean'])} / p99 {_ms(kv['time_s']['p99'])} ms; link sharing stretched "
+            line += (f"; time mean {ms(kv['time_s']['mean'])} / p99 {ms(kv['time_s']['p99'])} ms; link sharing stretched "
                      f"them {kv['inflation']['mean']:.2f}x on average, {kv['inflation']['p99']:.2f}x at p99")
         console.print(line)
 
