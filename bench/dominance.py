@@ -78,6 +78,9 @@ target unreachable on those arrivals) and the load where laps' floor reaches 5% 
 (a goodput ceiling; "≥" where the floor stays under 5% at every load run; an estimate, not a bound: it is
 interpolated between loads, and on multi-turn workloads taken on laps' own arrivals). The floor leaves out
 decode, KV memory and request slots, so a floor far below a miss does not say the miss is avoidable.
+
+Exit status (a sweep's and ``--verdict-of``'s): 0 when laps meets every target, 1 when it misses one (or the JSON
+cannot be written), 2 on a usage error or a refused ``--verdict-of`` file, 130 on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -683,15 +686,15 @@ def write(path: Path, duration_s: float, rows: list[dict], verdicts: list[dict],
 
 def save(parser: argparse.ArgumentParser, console: Console, path: Path, duration_s: float, rows: list[dict],
          verdicts: list[dict], ok: bool) -> int:
-    """:func:`write` the finished JSON and say so; the exit status: 0, or 1 with one line naming why where it cannot
-    be written (a full disk, ``/dev/full``)."""
+    """:func:`write` the finished JSON and say so; the exit status: 0 where laps meets every target (``ok``), else 1,
+    also with one line naming why where it cannot be written (a full disk, ``/dev/full``)."""
     try:
         write(path, duration_s, rows, verdicts, ok)
     except OSError as err:
         print(f"{parser.prog}: cannot write {path}: {err.strerror or err}", file=sys.stderr)
         return 1
     console.print(f"wrote {path}")
-    return 0
+    return 0 if ok else 1
 
 
 def claim_out(parser: argparse.ArgumentParser, path: Path) -> bool:
@@ -807,7 +810,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.out is not None:
             claim_out(parser, args.out)
         ok = print_verdicts(verdicts, console)
-        return 0 if args.out is None else save(parser, console, args.out, earlier["max_duration_s"], earlier["rows"], verdicts, ok)
+        if args.out is None:
+            return 0 if ok else 1
+        return save(parser, console, args.out, earlier["max_duration_s"], earlier["rows"], verdicts, ok)
     if args.out is None:
         parser.error("--out is required (unless --verdict-of)")
     workloads = args.workloads or (QUICK_WORKLOADS if args.quick else WORKLOADS)

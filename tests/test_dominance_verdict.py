@@ -296,18 +296,28 @@ def test_verdict_of_a_file_that_is_not_a_whole_dominance_json_is_a_usage_error(t
     assert not (tmp_path / "new").exists()  # the file is read and refused before --out is claimed
 
 
-def test_verdict_of_an_earlier_run_is_written_to_out_and_an_out_that_cannot_be_written_is_one_error_line(tmp_path, capsys):
-    rows = [{"workload": "x", "pd": False, "policy": policy, "load": load, "slo_violation_rate": rate,
-             "length_slo_violation_rate": rate, "short_ttft_p90_s": 0.01, "short_floor_s": 0.005}
-            for policy, scale in (("laps", 0.5), ("least_load", 1.0)) for load, rate in ((5.0, 0.05 * scale), (7.5, 0.1 * scale))]
-    earlier = tmp_path / "earlier.json"
-    earlier.write_text(json.dumps({"rows": rows, "verdict": [{"workload": "x", "saturation_load": 5.0}], "max_duration_s": 1}))
-    out = tmp_path / "verdict.json"
-    assert dominance.main(["--verdict-of", str(earlier), "--out", str(out)]) == 0
+def test_verdict_of_an_earlier_run_is_written_to_out_its_exit_status_says_whether_laps_met_every_target(tmp_path, capsys):
+    """laps at half the baseline's violations at both loads: never worse, knee 0.5x, goodput 7.5 / 5 = 1.5x, short P90
+    at twice the floor (the baseline's too): every target met, exit 0; with its short P90 a millisecond over, exit 1.
+    An --out that cannot be written is one error line, exit 1."""
+    def earlier_run(laps_short_p90_s: float) -> Path:
+        rows = [{"workload": "x", "pd": False, "policy": policy, "load": load, "slo_violation_rate": rate * share,
+                 "length_slo_violation_rate": rate * share, "short_ttft_p90_s": short_s, "short_floor_s": 0.005}
+                for policy, share, short_s in (("laps", 0.5, laps_short_p90_s), ("least_load", 1.0, 0.01))
+                for load, rate in ((5.0, 0.05), (7.5, 0.1))]
+        path = tmp_path / f"earlier-{laps_short_p90_s}.json"
+        path.write_text(json.dumps({"rows": rows, "verdict": [{"workload": "x", "saturation_load": 5.0}], "max_duration_s": 1}))
+        return path
+
+    met, out = earlier_run(0.01), tmp_path / "verdict.json"
+    assert dominance.main(["--verdict-of", str(met), "--out", str(out)]) == 0
     written = json.loads(out.read_text())
-    assert (written["rows"], written["max_duration_s"], [v["workload"] for v in written["verdict"]]) == (rows, 1, ["x"])
-    assert f"wrote {out}" in capsys.readouterr().out
-    assert dominance.main(["--verdict-of", str(earlier), "--out", "/dev/full"]) == 1  # the tables print, then the write fails
+    assert (written["rows"], written["all_targets_met"], [v["workload"] for v in written["verdict"]]) == (
+        json.loads(met.read_text())["rows"], True, ["x"])
+    assert "verdict: laps meets every target" in capsys.readouterr().out
+    assert dominance.main(["--verdict-of", str(earlier_run(0.011))]) == 1
+    assert "verdict: laps misses at least one target" in capsys.readouterr().out
+    assert dominance.main(["--verdict-of", str(met), "--out", "/dev/full"]) == 1  # the tables print, then the write fails
     assert capsys.readouterr().err.endswith(": cannot write /dev/full: No space left on device\n")
 
 
