@@ -67,7 +67,8 @@ engines prefilling, in PD too, no decode, each prefill on one engine). One PNG p
   1.2× as high asks for more prefill than the engines can run while the arrivals last);
 * ``short_p90``: from 0.5× saturation up, laps' short-class P90 TTFT ≤ 0.5× the best baseline's,
   or ≤ 2× the physical floor (the P90 of the short requests' isolated forward passes plus the
-  gateway's measured overhead, 0.56 ms) where the baseline is within 2× of that floor. Each miss is printed under
+  gateway's measured overhead, 0.56 ms) where the baseline is within 2× of that floor; every TTFT here as a client
+  sees it, the rows' simulated one plus that overhead (virtual time leaves it out; every policy pays it). Each miss is printed under
   the tables with its target, the baseline with the lowest short P90, and both sides' TPOT and end-to-end P90
   (``tpot_p90_s``, ``e2e_p90_s`` of the rows): where that baseline's TTFT was bought by deferring its decode
   passes, they say so.
@@ -391,6 +392,12 @@ def goodput(rows: list[dict], key: str = "slo_violation_rate") -> float:
     return best
 
 
+def client_ttft_s(simulated_s: float) -> float:
+    """A simulated TTFT (s) as a client would see it: plus the gateway's overhead, which virtual time leaves out, as
+    the physical floor (:func:`short_floor_s`) has it in. Every policy here is one of laps' gateway's, so each pays it."""
+    return simulated_s + GATEWAY_OVERHEAD_S
+
+
 def short_p90_target_s(best_short_p90_s: float, floor_s: float | None) -> float:
     """The most short-class P90 TTFT (s) the ``short_p90`` check allows laps at a load (module doc): twice the physical
     floor ``floor_s`` where the best baseline's ``best_short_p90_s`` is within twice it, else half the baseline's."""
@@ -420,12 +427,14 @@ def verdict(rows: list[dict], workload: str, saturation: float) -> dict:
         never_worse &= ok
         timed = [r for r in others if r["short_ttft_p90_s"] is not None]
         short_of = min(timed, key=lambda r: r["short_ttft_p90_s"]) if timed else {}  # the baseline with the lowest short P90
-        short_best = short_of.get("short_ttft_p90_s")
+        # the short P90s as a client sees them (client_ttft_s), as the floor and the target are
+        short_best = None if short_of.get("short_ttft_p90_s") is None else client_ttft_s(short_of["short_ttft_p90_s"])
+        short_mine = None if mine["short_ttft_p90_s"] is None else client_ttft_s(mine["short_ttft_p90_s"])
         floor = mine["short_floor_s"]
         s_ok = target = None
-        if load >= 0.499 * saturation and short_best is not None and mine["short_ttft_p90_s"] is not None:
+        if load >= 0.499 * saturation and short_best is not None and short_mine is not None:
             target = short_p90_target_s(short_best, floor)
-            s_ok = mine["short_ttft_p90_s"] <= target
+            s_ok = short_mine <= target
             short_ok &= s_ok
         knee_best = min(others, key=lambda r: r[key])
         if knee is None and knee_best[key] >= VIOLATION_TARGET:
@@ -433,7 +442,7 @@ def verdict(rows: list[dict], workload: str, saturation: float) -> dict:
                     "ok": mine[key] <= 0.6 * knee_best[key], "floor": _floor(mine, key)}
         out["points"].append({"load": load, "laps": mine["slo_violation_rate"], "best": best["slo_violation_rate"],
                               "best_policy": best["policy"], "laps_length": mine["length_slo_violation_rate"],
-                              "best_length": best_len, "never_worse": ok, "laps_short_p90_s": mine["short_ttft_p90_s"],
+                              "best_length": best_len, "never_worse": ok, "laps_short_p90_s": short_mine,
                               "best_short_p90_s": short_best, "short_floor_s": floor, "short_target_s": target, "short_ok": s_ok,
                               # that baseline, and both sides' decoding (rows of older runs: None)
                               "best_short_policy": short_of.get("policy"),
@@ -657,6 +666,8 @@ def print_verdicts(verdicts: list[dict], console: Console) -> bool:
                         "no knee" if knee is None else f"{100 * knee['laps']:.1f}% / {100 * knee['control']:.1f}%",
                         _times(c["goodput_ratio"]))
     console.print(control)
+    if any(p["short_ok"] is False for v in verdicts for p in v["points"]):
+        console.print(f"short-P90 misses (each TTFT as a client sees it: simulated + the gateway's {ms(GATEWAY_OVERHEAD_S, 2)} ms):")
     for v in verdicts:
         for p in v["points"]:
             if p["short_ok"] is False:
