@@ -6,9 +6,9 @@ import argparse
 import asyncio
 import math
 import os
-import tempfile
 import random
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
