@@ -442,8 +442,8 @@ def verdict(rows: list[dict], workload: str, saturation: float) -> dict:
                     "ok": mine[key] <= 0.6 * knee_best[key], "floor": _floor(mine, key)}
         out["points"].append({"load": load, "laps": mine["slo_violation_rate"], "best": best["slo_violation_rate"],
                               "best_policy": best["policy"], "laps_length": mine["length_slo_violation_rate"],
-                              "best_length": best_len, "never_worse": ok, "laps_short_p90_s": short_mine,
-                              "best_short_p90_s": short_best, "short_floor_s": floor, "short_target_s": target, "short_ok": s_ok,
+                              "best_length": best_len, "never_worse": ok, "laps_short_p90_client_s": short_mine,
+                              "best_short_p90_client_s": short_best, "short_floor_s": floor, "short_target_s": target, "short_ok": s_ok,
                               # that baseline, and both sides' decoding (rows of older runs: None)
                               "best_short_policy": short_of.get("policy"),
                               "laps_tpot_p90_s": mine.get("tpot_p90_s"), "best_short_tpot_p90_s": short_of.get("tpot_p90_s"),
@@ -627,8 +627,8 @@ def short_miss_line(v: dict, p: dict) -> str:
     target = p.get("short_target_s")
     floor = p.get("short_floor_s")
     basis = "twice the floor" if target is not None and floor is not None and target == 2 * floor else "half the baseline's"
-    line = (f"  {v['workload']} at {p['load'] / v['saturation_load']:.2f}× short P90: laps {ms(p['laps_short_p90_s'])} / "
-            f"target {ms(target)} ms ({basis}; {p.get('best_short_policy') or 'best baseline'} {ms(p['best_short_p90_s'])} ms)")
+    line = (f"  {v['workload']} at {p['load'] / v['saturation_load']:.2f}× short P90: laps {ms(p['laps_short_p90_client_s'], 2)} / "
+            f"target {ms(target, 2)} ms ({basis}; {p.get('best_short_policy') or 'best baseline'} {ms(p['best_short_p90_client_s'], 2)} ms)")
     if p.get("laps_tpot_p90_s") is None and p.get("best_short_tpot_p90_s") is None:
         return line
     return (f"{line}; TPOT P90 {ms(p.get('laps_tpot_p90_s'))} / {ms(p.get('best_short_tpot_p90_s'))} ms, "
@@ -666,16 +666,18 @@ def print_verdicts(verdicts: list[dict], console: Console) -> bool:
                         "no knee" if knee is None else f"{100 * knee['laps']:.1f}% / {100 * knee['control']:.1f}%",
                         _times(c["goodput_ratio"]))
     console.print(control)
-    if any(p["short_ok"] is False for v in verdicts for p in v["points"]):
-        console.print(f"short-P90 misses (each TTFT as a client sees it: simulated + the gateway's {ms(GATEWAY_OVERHEAD_S, 2)} ms):")
-    for v in verdicts:
-        for p in v["points"]:
-            if p["short_ok"] is False:
-                console.print(short_miss_line(v, p), soft_wrap=True)
-            if not p["never_worse"]:
-                console.print(f"  {v['workload']} at {p['load'] / v['saturation_load']:.2f}× (load {p['load']:g}): laps {100 * p['laps']:.1f}% "
-                              f"(length-aware {100 * p['laps_length']:.1f}%) vs best {100 * p['best']:.1f}% "
-                              f"({p['best_policy']}; length-aware {100 * p['best_length']:.1f}%)")
+    short_misses = [short_miss_line(v, p) for v in verdicts for p in v["points"] if p["short_ok"] is False]
+    worse = [f"  {v['workload']} at {p['load'] / v['saturation_load']:.2f}× (load {p['load']:g}): laps {100 * p['laps']:.1f}% "
+             f"(length-aware {100 * p['laps_length']:.1f}%) vs best {100 * p['best']:.1f}% "
+             f"({p['best_policy']}; length-aware {100 * p['best_length']:.1f}%)"
+             for v in verdicts for p in v["points"] if not p["never_worse"]]
+    for heading, lines in ((f"short-P90 misses (each TTFT as a client sees it: simulated + the gateway's "
+                            f"{ms(GATEWAY_OVERHEAD_S, 2)} ms):", short_misses),
+                           ("worse than the best baseline by more than 0.5 points:", worse)):
+        if lines:
+            console.print(heading)
+            for line in lines:
+                console.print(line, soft_wrap=True)
     console.print("verdict: " + ("laps meets every target" if all_ok else "laps misses at least one target (rows above)"))
     return all_ok
 
@@ -683,26 +685,38 @@ def print_verdicts(verdicts: list[dict], console: Console) -> bool:
 def write(path: Path, duration_s: float, rows: list[dict], verdicts: list[dict], ok: bool | None) -> None:
     """The JSON: settings, every row, the verdicts so far and whether all targets are met (``None`` until the end).
     A regular file (or one a link names) is written beside itself and renamed over, so an interrupted write leaves
-    the previous file whole; anything else (``/dev/stdout``) is written to directly."""
+    the previous file whole (a write that fails leaves no partial file); anything else (``/dev/stdout``, a pipe too) is
+    written to directly.
+
+    Raises:
+        OSError: it cannot be written (a full disk).
+    """
     text = json.dumps({"slo_ttft_s": SLO_TTFT_S, "per_1k_new_tokens_s": PER_1K_S, "max_duration_s": duration_s,
                        "rows": rows, "verdict": verdicts, "all_targets_met": ok}, indent=1)
-    target = path.resolve()
-    if target.exists() and not target.is_file():
+    if path.exists() and not path.is_file():  # asked of the path itself: /dev/stdout resolves to a pipe's name in /proc
         path.write_text(text)
         return
+    target = path.resolve()
     partial = target.with_name(target.name + ".partial")
-    partial.write_text(text)
-    partial.replace(target)
+    try:
+        partial.write_text(text)
+        partial.replace(target)
+    except OSError:
+        partial.unlink(missing_ok=True)
+        raise
 
 
 def save(parser: argparse.ArgumentParser, console: Console, path: Path, duration_s: float, rows: list[dict],
-         verdicts: list[dict], ok: bool) -> int:
+         verdicts: list[dict], ok: bool, created: bool) -> int:
     """:func:`write` the finished JSON and say so; the exit status: 0 where laps meets every target (``ok``), else 1,
-    also with one line naming why where it cannot be written (a full disk, ``/dev/full``)."""
+    also with one line naming why where it cannot be written (a full disk, ``/dev/full``; then ``path`` is removed if
+    this run made it (``created``, :func:`claim_out`) and it is still empty)."""
     try:
         write(path, duration_s, rows, verdicts, ok)
     except OSError as err:
         print(f"{parser.prog}: cannot write {path}: {err.strerror or err}", file=sys.stderr)
+        if created and path.is_file() and path.stat().st_size == 0:
+            path.unlink()
         return 1
     console.print(f"wrote {path}")
     return 0 if ok else 1
@@ -721,8 +735,8 @@ def claim_out(parser: argparse.ArgumentParser, path: Path) -> bool:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.touch()
-    except OSError as err:
-        parser.error(f"--out {path}: {err.strerror or err}")
+    except OSError as err:  # the name says where: "File exists: runs" for a file in the way of the folder
+        parser.error(f"--out {path}: cannot be created ({err.strerror or err}{f': {err.filename}' if err.filename else ''})")
     return created
 
 
@@ -818,12 +832,11 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(width=160)
     if args.verdict_of is not None:
         earlier, verdicts = earlier_verdicts(parser, args.verdict_of)
-        if args.out is not None:
-            claim_out(parser, args.out)
+        created = claim_out(parser, args.out) if args.out is not None else False
         ok = print_verdicts(verdicts, console)
         if args.out is None:
             return 0 if ok else 1
-        return save(parser, console, args.out, earlier["max_duration_s"], earlier["rows"], verdicts, ok)
+        return save(parser, console, args.out, earlier["max_duration_s"], earlier["rows"], verdicts, ok, created)
     if args.out is None:
         parser.error("--out is required (unless --verdict-of)")
     workloads = args.workloads or (QUICK_WORKLOADS if args.quick else WORKLOADS)
@@ -849,7 +862,7 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as err:  # what is written survives; an empty file this run made does not
         done = ", ".join(v["workload"] for v in verdicts)
         return stopped(parser, args.out, created, err, f"{args.out} holds {done} (--verdict-of reads it)" if done else None)
-    return save(parser, console, args.out, duration, all_rows, verdicts, print_verdicts(verdicts, console))
+    return save(parser, console, args.out, duration, all_rows, verdicts, print_verdicts(verdicts, console), created)
 
 
 if __name__ == "__main__":

@@ -208,7 +208,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{100 * x:.1f}%"
+    return "—" if x is None else f"{100 * x:.1f}%"
 
 
 def headline(rows: list[dict]) -> list[dict]:
@@ -283,9 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         table.add_row(r["setup"], r["policy"], f"{r['conv_rate']:g}", f"{r['rate_rps']:.1f}", _pct(r["slo_violation_rate"]),
                       ms(r["ttft_p50_s"]), ms(r["ttft_p90_s"]), ms(r["short_ttft_p90_s"]),
-                      f"{r['transfer_ms_mean']:.3f}" if "transfer_ms_mean" in r else "-",
-                      f"{r['transfer_inflation_mean']:.2f}" if "transfer_inflation_mean" in r else "-",
-                      f"{r['burst_mean']:.2f}" if "burst_mean" in r else "-")
+                      f"{r['transfer_ms_mean']:.3f}" if "transfer_ms_mean" in r else "—",
+                      f"{r['transfer_inflation_mean']:.2f}" if "transfer_inflation_mean" in r else "—",
+                      f"{r['burst_mean']:.2f}" if "burst_mean" in r else "—")
     console.print(table)
     heads = headline(rows)
     table = Table(title="SLO violations: LAPS vs the best SGLang-router policy and DP round robin (paper: 0% vs 4.7%; -28% vs DP)")
@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         table.add_column(col, justify="right")
     for h in heads:
         table.add_row(h["setup"], f"{h['conv_rate']:g}", h["laps_policy"], _pct(h["laps"]), h["best_router"], _pct(h["router"]),
-                      _pct(h["dp_round_robin"]), "-" if h["laps_vs_dp_change"] is None else f"{100 * h['laps_vs_dp_change']:+.0f}%")
+                      _pct(h["dp_round_robin"]), "—" if h["laps_vs_dp_change"] is None else f"{100 * h['laps_vs_dp_change']:+.0f}%")
     console.print(table)
     table = Table(title=f"KV-transfer burst (D2): LAPS on PD 4P+4D at {burst_rate:g} conv/s, shared vs unshared links",
                   caption_justify="left",

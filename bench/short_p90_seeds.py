@@ -58,13 +58,13 @@ def short_check(rows: list[dict]) -> dict:
     laps = next(r for r in rows if r["policy"] == "laps")
     base = [r for r in rows if r["policy"] in BASELINES and r["short_ttft_p90_s"] is not None]
     mine = None if laps["short_ttft_p90_s"] is None else client_ttft_s(laps["short_ttft_p90_s"])
-    out = {"laps_short_p90_s": mine, "short_floor_s": laps["short_floor_s"],
-           "best_short_p90_s": None, "best_policy": None, "target_s": None, "ok": None}
+    out = {"laps_short_p90_client_s": mine, "short_floor_s": laps["short_floor_s"],
+           "best_short_p90_client_s": None, "best_policy": None, "target_s": None, "ok": None}
     if base and mine is not None:
         best = min(base, key=lambda r: r["short_ttft_p90_s"])
         best_s = client_ttft_s(best["short_ttft_p90_s"])
         target = short_p90_target_s(best_s, laps["short_floor_s"])
-        out.update(best_short_p90_s=best_s, best_policy=best["policy"], target_s=target, ok=mine <= target)
+        out.update(best_short_p90_client_s=best_s, best_policy=best["policy"], target_s=target, ok=mine <= target)
     return out
 
 
@@ -98,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
             at = [r for r, (cw, _, cl, _, cs, cpd) in zip(rows, calls) if (cw, cl, cs, cpd) == (w, load, seed, pd)]
             c = {"workload": w, "load": load, "pd": pd, "seed": seed, **short_check(at)}
             checks.append(c)
-            best = "—" if c["best_policy"] is None else f"{ms(c['best_short_p90_s'], 2)} ({c['best_policy']})"
-            table.add_row(f"{w}{' PD' if pd else ''} {load:g}", str(seed), ms(c["laps_short_p90_s"], 2), best,
+            best = "—" if c["best_policy"] is None else f"{ms(c['best_short_p90_client_s'], 2)} ({c['best_policy']})"
+            table.add_row(f"{w}{' PD' if pd else ''} {load:g}", str(seed), ms(c["laps_short_p90_client_s"], 2), best,
                           ms(c["short_floor_s"], 2), ms(c["target_s"], 2), {True: "yes", False: "MISS", None: "—"}[c["ok"]])
     console.print(table)
     args.out.write_text(json.dumps({"checks": checks, "rows": rows}, indent=1))

@@ -73,7 +73,7 @@ def run(workload: str, rate: float, policy: str, duration_s: float, seed: int, i
 
 
 def _percent(rate: float | None) -> str:  # None: no request in the run
-    return "-" if rate is None else f"{100 * rate:.2f}"
+    return "—" if rate is None else f"{100 * rate:.2f}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,7 +19,7 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedCo
 from engines.manager import sim_model
 from laps.config import DEFAULT_CONFIG_PATH, load_config, parse_config
 from laps.tokenizer import ChatTokenizer, load_tokenizer
-from loadgen.report import build_report, print_report, write_report, write_trace
+from loadgen.report import build_report, plot_path, print_report, write_report, write_trace
 from loadgen.runner import THINK_DISTRIBUTIONS, LoadgenError, RequestRecord, discover_context_tokens, run_loadgen
 from loadgen.simulate import simulate_run
 from loadgen.workloads import (
@@ -75,6 +75,15 @@ def positive_float(text: str) -> float:
     return value
 
 
+def output_file(text: str) -> Path:
+    """argparse ``type``: a file's path; one that can only name a folder (empty, ``.``, ``..``, ending in a ``/``) is
+    refused (:class:`argparse.ArgumentTypeError`, so exit status 2)."""
+    path = Path(text)
+    if not text or text.endswith(("/", os.sep)) or path.name in ("", ".", ".."):
+        raise argparse.ArgumentTypeError(f"{text!r} names a folder, not a file")
+    return path
+
+
 def gamma_shape(text: str) -> float:
     """argparse ``type``: a gamma shape within :data:`~loadgen.workloads.BURSTINESS_RANGE` (else
     :class:`argparse.ArgumentTypeError`, so exit status 2)."""
@@ -126,8 +135,8 @@ def add_workload_arguments(parser: argparse.ArgumentParser, default_out: Path, c
                              "--burstiness; trace replay keeps its own times (default: %(default)s)")
     parser.add_argument("--duration", type=positive_float, default=60.0, help="seconds during which conversations and turns may start (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the workload and of the arrival process (default: %(default)s)")
-    parser.add_argument("--out", type=Path, default=default_out, help="report JSON; the PNG goes next to it (default: %(default)s)")
-    parser.add_argument("--trace-out", type=Path, help="also write every request record as JSONL (replay with --dataset replay:PATH)")
+    parser.add_argument("--out", type=output_file, default=default_out, help="report JSON; the PNG goes next to it (default: %(default)s)")
+    parser.add_argument("--trace-out", type=output_file, help="also write every request record as JSONL (replay with --dataset replay:PATH)")
     parser.add_argument("--think-time-s", type=non_negative_float, default=1.0, help="mean pause between an answer and the next turn (default: %(default)s)")
     parser.add_argument("--think-dist", choices=THINK_DISTRIBUTIONS, default="exp", help="think time: exponential or fixed (default: %(default)s)")
     parser.add_argument("--time-scale", type=positive_float, default=1.0, help="multiply trace arrival times (0.5 = twice as fast; default: %(default)s)")
@@ -223,53 +232,77 @@ def _progress_bar(args: argparse.Namespace, console: Console, unit: str) -> tupl
 
 
 def check_output_paths(args: argparse.Namespace) -> None:
-    """Refuse ``--out`` (and the PNG beside it) and ``--trace-out`` before the run, not after it: each must name a
-    file of its own that can be written: an existing one (or the file a link names) writable, a new one creatable
-    (created and removed again here, where its folder exists; a FIFO or a device is not opened), a new one in a
-    folder still to be made (made when the outputs are written) under a nearest existing folder that can be written.
-    A refused run leaves no file or folder behind.
+    """Refuse ``--out`` (and the PNG beside it, :func:`~loadgen.report.plot_path`) and ``--trace-out`` before the run,
+    not after it: each must name a file of its own that can be written: an existing one (or what a link names: a
+    FIFO, a device, /dev/stdout) writable, without being opened; a new one creatable (created and removed again here);
+    one in folders still to be made (made when the outputs are written, at a link's target) with names the file
+    system takes, under a nearest existing folder in which a folder can be made (one is made and removed again). A
+    refused run leaves no file or folder behind.
 
     Raises:
-        ValueError: a path is a directory, two outputs are one file, a folder cannot be made, or a file cannot be
-            written.
+        ValueError: a path is a directory, two outputs are one file (one name, a link or a hard link), a folder cannot
+            be made, or a file cannot be written; the message names the flag and the path.
     """
-    outputs = [("--out", args.out), ("--out's plot", args.out.with_suffix(".png"))] if args.out is not None else []
+    outputs = [("--out", args.out)] if args.out is not None else []
+    png = plot_path(args.out) if args.out is not None else None
+    outputs += [("--out's plot", png)] if png is not None else []
     outputs += [("--trace-out", args.trace_out)] if args.trace_out is not None else []
-    seen: dict[Path, str] = {}
+    seen: dict[object, str] = {}
     for flag, path in outputs:
-        if path.is_dir():
-            raise ValueError(f"{flag} {path}: a directory, not a file name")
         try:
-            target = path.resolve()  # where it is written: a link's target, a dangling link's too
-        except (OSError, RuntimeError) as err:  # a loop of links
-            raise ValueError(f"{flag} {path}: cannot be written ({err})") from None
-        if target in seen:
-            raise ValueError(f"{flag} {path}: the same file as {seen[target]}; give each output its own name")
-        seen[target] = flag
-        if path.exists():  # a file, or what a link names (a FIFO, /dev/stdout): not opened here
-            if not os.access(path, os.W_OK):
-                raise ValueError(f"{flag} {path}: cannot be written (no write permission)")
-            continue
-        if not target.parent.is_dir():
-            _check_folder_can_be_made(flag, path, path.parent)  # as the writer makes it: through the links named
-            continue
-        try:
-            os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
-        except OSError as err:
+            identity = _check_output_path(flag, path)
+        except OSError as err:  # a folder on the way that cannot be read, a name too long to look up
             raise ValueError(f"{flag} {path}: cannot be written ({err.strerror or err})") from None
-        target.unlink()
+        if identity in seen:
+            raise ValueError(f"{flag} {path}: the same file as {seen[identity]}; give each output its own name")
+        seen[identity] = flag
 
 
-def _check_folder_can_be_made(flag: str, path: Path, folder: Path) -> None:
-    """Refuse ``path`` (``flag``'s) where its missing ``folder`` could not be made: its nearest existing ancestor (a
-    link counts, dangling or not) is not a folder, or a folder cannot be made in it (one is made and removed again).
+def _check_output_path(flag: str, path: Path) -> object:
+    """One output of :func:`check_output_paths`; what tells it apart from the others: an existing file's device and
+    inode (a hard link is the same file), else the path it would be written at (a link's target).
 
     Raises:
-        ValueError: naming the ancestor and why.
+        ValueError: as :func:`check_output_paths`.
+        OSError: the path cannot be looked up.
     """
-    ancestor = next(a for a in (folder, *folder.parents) if a.exists() or a.is_symlink())  # the root always exists
+    if path.is_dir():
+        raise ValueError(f"{flag} {path}: a directory, not a file name")
+    try:
+        target = path.resolve()  # where it is written: a link's target, a dangling link's too
+    except RuntimeError as err:  # a loop of links
+        raise ValueError(f"{flag} {path}: cannot be written ({err})") from None
+    if path.exists():  # not opened here
+        if not os.access(path, os.W_OK):
+            raise ValueError(f"{flag} {path}: cannot be written (no write permission)")
+        stat = path.stat()
+        return stat.st_dev, stat.st_ino
+    if not target.parent.is_dir():
+        _check_folders_can_be_made(flag, path, target)
+        return target
+    try:
+        os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
+    except OSError as err:
+        raise ValueError(f"{flag} {path}: cannot be written ({err.strerror or err})") from None
+    target.unlink()
+    return target
+
+
+def _check_folders_can_be_made(flag: str, path: Path, target: Path) -> None:
+    """Refuse ``path`` (``flag``'s, written at ``target``) where the folders it needs could not be made: its nearest
+    existing ancestor is not a folder, or no folder can be made in it (one is made and removed again), or a name on
+    the way is longer than that file system takes.
+
+    Raises:
+        ValueError: naming the ancestor or the name, and why.
+    """
+    ancestor = next(a for a in target.parents if a.exists())  # the root always exists
     if not ancestor.is_dir():
         raise ValueError(f"{flag} {path}: cannot make its folder ({ancestor} is not a folder)")
+    longest = os.pathconf(ancestor, "PC_NAME_MAX")
+    for name in target.relative_to(ancestor).parts:
+        if len(os.fsencode(name)) > longest:
+            raise ValueError(f"{flag} {path}: cannot be written (a name longer than {longest} bytes: {name[:40]}...)")
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".laps-check-", dir=ancestor))
     except OSError as err:
@@ -278,15 +311,23 @@ def _check_folder_can_be_made(flag: str, path: Path, folder: Path) -> None:
 
 def write_outputs(args: argparse.Namespace, report: dict, records: list[RequestRecord], console: Console) -> None:
     """Write the report JSON and PNG (and the trace with ``--trace-out``); print the table and the workload's notes
-    (e.g. an argument the dataset ignores) unless ``--quiet``."""
-    json_path, png_path = write_report(report, records, args.out)
-    if args.trace_out is not None:
-        write_trace(records, args.trace_out)
+    (e.g. an argument the dataset ignores) unless ``--quiet``.
+
+    Raises:
+        LoadgenError: a file cannot be written (a full disk), naming it.
+    """
+    try:
+        written = [*write_report(report, records, args.out)]
+        if args.trace_out is not None:
+            write_trace(records, args.trace_out)
+            written.append(args.trace_out)
+    except OSError as err:  # after the run (a full disk): one line, not a traceback
+        raise LoadgenError(f"cannot write {err.filename or args.out}: {err.strerror or err}") from None
     if not args.quiet:
         print_report(report, Console())
         for note in report.get("notes", []):
             console.print(f"note: {note}", markup=False, highlight=False)
-        console.print(f"wrote {json_path} and {png_path}" + (f" and {args.trace_out}" if args.trace_out else ""))
+        console.print("wrote " + " and ".join(str(p) for p in written))
 
 
 async def run(args: argparse.Namespace) -> dict:
@@ -461,6 +502,9 @@ def simulate_main(args: argparse.Namespace) -> int:
     """Run ``laps simulate``; exit status 0 if every request succeeded, 1 if any failed, 2 for bad arguments."""
     try:
         report = run_simulation(args)
+    except LoadgenError as err:  # the outputs could not be written after the run
+        print(f"laps simulate: {err}", file=sys.stderr)
+        return 1
     except ValueError as err:
         print(f"laps simulate: {err}", file=sys.stderr)
         return 2

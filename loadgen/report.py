@@ -246,20 +246,39 @@ def plot_ttft_cdf(records: Sequence[RequestRecord], slo_ttft_s: float, path: Pat
     fig.savefig(path)
 
 
-def write_report(report: dict, records: Sequence[RequestRecord], out: Path) -> tuple[Path, Path]:
-    """Write ``report`` as JSON at ``out`` and the TTFT plot next to it (same stem, ``.png``); return both paths."""
+def plot_path(out: Path) -> Path | None:
+    """Where the TTFT plot of a report written at ``out`` goes: beside it, the same stem with ``.png``; None where
+    ``out`` exists and is no regular file (a device, a FIFO, ``/dev/stdout``: no plot beside those)."""
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    return None if out.exists() and not out.is_file() else out.with_suffix(".png")
+
+
+def write_report(report: dict, records: Sequence[RequestRecord], out: Path) -> tuple[Path, ...]:
+    """Write ``report`` as JSON at ``out`` (its folders made where missing, at a link's target) and the TTFT plot at
+    :func:`plot_path`; the paths written.
+
+    Raises:
+        OSError: a file or folder cannot be written.
+    """
+    out = Path(out)
+    png = plot_path(out)
+    out.resolve().parent.mkdir(parents=True, exist_ok=True)
     out.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2) + b"\n")
-    png = out.with_suffix(".png")
+    if png is None:
+        return (out,)
     plot_ttft_cdf(records, report["slo"]["ttft_s"], png, title=f"TTFT — {report.get('dataset', '')}")
     return out, png
 
 
 def write_trace(records: Iterable[RequestRecord], path: Path) -> None:
-    """Write one JSON line per record (replayable with ``--dataset replay:PATH``)."""
+    """Write one JSON line per record (replayable with ``--dataset replay:PATH``); folders made as :func:`write_report`
+    makes them.
+
+    Raises:
+        OSError: the file or a folder cannot be written.
+    """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.resolve().parent.mkdir(parents=True, exist_ok=True)
     with open(path, "wb") as f:
         for r in records:
             f.write(orjson.dumps(r.to_dict()) + b"\n")

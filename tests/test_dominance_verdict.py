@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import os
 import random
 import sys
 from pathlib import Path
@@ -50,7 +51,7 @@ def test_short_p90_is_judged_from_half_the_saturation_load_against_twice_the_flo
     # 0.56 ms) is within twice the 6-ms floor: 12 ms allowed, laps' 11.43 ms (11.99) meets it, 11.45 (12.01) does not
     v = dominance.verdict(rows_at(40, 0.05, 0.010) + rows_at(50, 0.01143, 0.010), "w", 100.0)
     assert [p["short_ok"] for p in v["points"]] == [None, True] and v["short_p90"]
-    assert (v["points"][1]["short_target_s"], v["points"][1]["laps_short_p90_s"]) == (0.012, pytest.approx(0.01199))
+    assert (v["points"][1]["short_target_s"], v["points"][1]["laps_short_p90_client_s"]) == (0.012, pytest.approx(0.01199))
     v = dominance.verdict(rows_at(50, 0.01145, 0.010), "w", 100.0)
     assert [p["short_ok"] for p in v["points"]] == [False] and not v["short_p90"]
 
@@ -65,14 +66,14 @@ def test_a_short_p90_miss_names_the_baseline_with_the_lowest_short_p90_and_what_
     # is 10 ms, and laps misses (67.56 ms as a client sees it)
     assert (p["short_ok"], p["short_target_s"], p["best_short_policy"]) == (False, 0.01, "least_load+spf")
     assert (p["laps_tpot_p90_s"], p["best_short_tpot_p90_s"], p["laps_e2e_p90_s"], p["best_short_e2e_p90_s"]) == (0.078, 0.134, 1.73, 2.10)
-    assert dominance.short_miss_line(v, p) == ("  hh-rlhf at 0.50× short P90: laps 67.6 / target 10.0 ms (twice the floor; "
-                                               "least_load+spf 10.0 ms); TPOT P90 78.0 / 134.0 ms, end-to-end P90 1730 / 2100 ms")
+    assert dominance.short_miss_line(v, p) == ("  hh-rlhf at 0.50× short P90: laps 67.56 / target 10.00 ms (twice the floor; "
+                                               "least_load+spf 9.96 ms); TPOT P90 78.0 / 134.0 ms, end-to-end P90 1730 / 2100 ms")
     for r in rows:  # rows of a run from before the TPOT was kept; the floor lower: half the baseline's is the target
         del r["tpot_p90_s"], r["e2e_p90_s"]
         r["short_floor_s"] = 0.002
     v = dominance.verdict(rows, "hh-rlhf", 100.0)
-    assert dominance.short_miss_line(v, v["points"][0]) == ("  hh-rlhf at 0.50× short P90: laps 67.6 / target 5.0 ms "
-                                                            "(half the baseline's; least_load+spf 10.0 ms)")
+    assert dominance.short_miss_line(v, v["points"][0]) == ("  hh-rlhf at 0.50× short P90: laps 67.56 / target 4.98 ms "
+                                                            "(half the baseline's; least_load+spf 9.96 ms)")
 
 
 def test_a_goodput_ratio_without_a_baseline_goodput_is_none_not_infinite():
@@ -323,7 +324,7 @@ def test_verdict_of_an_earlier_run_is_written_to_out_its_exit_status_says_whethe
     said = capsys.readouterr().out
     assert "verdict: laps misses at least one target" in said
     assert ("short-P90 misses (each TTFT as a client sees it: simulated + the gateway's 0.56 ms):\n"
-            "  x at 1.00× short P90: laps 12.1 / target 12.0 ms (twice the floor; least_load 10.6 ms)\n") in said
+            "  x at 1.00× short P90: laps 12.06 / target 12.00 ms (twice the floor; least_load 10.56 ms)\n") in said
     assert dominance.main(["--verdict-of", str(met), "--out", "/dev/full"]) == 1  # the tables print, then the write fails
     assert capsys.readouterr().err.endswith(": cannot write /dev/full: No space left on device\n")
 
@@ -341,3 +342,34 @@ def test_a_stopped_run_keeps_what_it_wrote_and_a_file_it_did_not_make(tmp_path, 
         "bench: interrupted; partial.json holds mixed"]
     with pytest.raises(ValueError, match="bad row"):
         dominance.stopped(parser, theirs, False, ValueError("bad row"))
+
+
+def test_the_misses_are_printed_under_their_own_headings(capsys):
+    rows = [row("laps", 100, 100, 0.02, short=0.03), row("least_load", 100, 100, 0.0, short=0.02)]
+    dominance.print_verdicts([dominance.verdict(rows, "w", 100.0)], dominance.Console(width=200))
+    said = capsys.readouterr().out
+    assert said[said.index("short-P90 misses"):said.index("verdict:")].splitlines() == [
+        "short-P90 misses (each TTFT as a client sees it: simulated + the gateway's 0.56 ms):",
+        "  w at 1.00× short P90: laps 30.56 / target 10.28 ms (half the baseline's; least_load 20.56 ms)",
+        "worse than the best baseline by more than 0.5 points:",
+        "  w at 1.00× (load 100): laps 2.0% (length-aware 2.0%) vs best 0.0% (least_load; length-aware 0.0%)"]
+
+
+def test_the_json_goes_through_a_pipe_as_it_is_and_a_failed_write_leaves_no_partial_file(tmp_path, monkeypatch, capsys):
+    read_end, write_end = os.pipe()
+    with os.fdopen(read_end, "rb") as pipe:
+        dominance.write(Path(f"/dev/fd/{write_end}"), 1.0, [], [], True)  # /dev/fd/N names "pipe:[...]" in /proc
+        os.close(write_end)
+        assert json.loads(pipe.read())["all_targets_met"] is True
+    out = tmp_path / "d.json"
+
+    def full(self, target):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "replace", full)
+    parser = dominance.doc_parser(dominance.__doc__, prog="bench")
+    for created, left in ((False, ["d.json"]), (True, [])):
+        out.touch()  # as claim_out leaves it
+        assert dominance.save(parser, dominance.Console(), out, 1.0, [], [], True, created) == 1
+        assert sorted(p.name for p in tmp_path.iterdir()) == left  # and never d.json.partial
+        assert capsys.readouterr().err == f"bench: cannot write {out}: No space left on device\n"

@@ -230,12 +230,41 @@ def test_a_refused_run_makes_no_folder_and_a_folder_that_cannot_be_made_is_refus
             "--quiet", "--out", str(new / "deeper" / "r.json"), "--trace-out", str(new / "trace.jsonl")]
     assert laps_main(argv) == 2  # refused for the missing configuration, after the outputs were checked
     assert "missing.yaml" in capsys.readouterr().err and not new.exists()
-    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    (tmp_path / "a-file").write_text("")
     for out, says in ((Path("/proc/laps-test/r.json"), "cannot make its folder in /proc ("),
-                      (tmp_path / "dangling" / "x" / "r.json", f"cannot make its folder ({tmp_path / 'dangling'} is not a folder)")):
+                      (tmp_path / "a-file" / "x" / "r.json", f"cannot make its folder ({tmp_path / 'a-file'} is not a folder)"),
+                      (tmp_path / "new" / ("n" * 300) / "r.json", "cannot be written (a name longer than 255 bytes: nnnn"),
+                      (tmp_path / "new" / ("n" * 300 + ".json"), "cannot be written (a name longer than 255 bytes: nnnn")):
         assert laps_main(["simulate", *argv[3:-4], "--out", str(out)]) == 2
         assert capsys.readouterr().err.startswith(f"laps simulate: --out {out}: {says}")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling"]  # the check's own folder was removed again
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]  # the check's own folder was removed again
+
+
+def test_outputs_through_links_are_written_at_their_targets_and_one_file_under_two_names_is_refused(tmp_path, capsys):
+    (tmp_path / "out-link.json").symlink_to(tmp_path / "later" / "r.json")  # dangling: its folder is made by the run
+    (tmp_path / "folder-link").symlink_to(tmp_path / "elsewhere")  # a dangling link on the way to the trace
+    argv = ["simulate", "--dataset", "mtbench", "--rate", "1", "--duration", "1", "--quiet"]
+    assert laps_main([*argv, "--out", str(tmp_path / "out-link.json"), "--trace-out", str(tmp_path / "folder-link" / "t.jsonl")]) == 0
+    assert (tmp_path / "later" / "r.json").is_file() and (tmp_path / "out-link.png").is_file()
+    assert (tmp_path / "elsewhere" / "t.jsonl").is_file()
+    (tmp_path / "hard.jsonl").hardlink_to(tmp_path / "later" / "r.json")
+    assert laps_main([*argv, "--out", str(tmp_path / "later" / "r.json"), "--trace-out", str(tmp_path / "hard.jsonl")]) == 2
+    assert capsys.readouterr().err.startswith(f"laps simulate: --trace-out {tmp_path / 'hard.jsonl'}: the same file as --out")
+
+
+@pytest.mark.parametrize("name", ["", ".", "..", "runs/", "/"])
+def test_an_output_name_that_can_only_be_a_folder_is_a_usage_error(name, capsys):
+    for flag in ("--out", "--trace-out"):
+        with pytest.raises(SystemExit) as info:
+            laps_main(["simulate", "--dataset", "mtbench", "--rate", "1", "--duration", "1", flag, name])
+        assert info.value.code == 2 and f"argument {flag}: {name!r} names a folder, not a file" in capsys.readouterr().err
+
+
+def test_outputs_that_cannot_be_written_after_the_run_are_one_error_line_and_a_device_gets_no_plot(capsys):
+    argv = ["simulate", "--dataset", "mtbench", "--rate", "1", "--duration", "1", "--quiet"]
+    assert laps_main([*argv, "--out", "/dev/full"]) == 1  # accepted (a device that can be written), then full
+    assert capsys.readouterr().err == "laps simulate: cannot write /dev/full: No space left on device\n"
+    assert laps_main([*argv, "--out", "/dev/null"]) == 0 and not Path("/dev/null.png").exists()
 
 
 def test_laps_simulate_reports_a_bad_replay_file_and_refuses_bad_numbers(tmp_path, capsys):
