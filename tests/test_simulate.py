@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
@@ -231,10 +232,11 @@ def test_a_refused_run_makes_no_folder_and_a_folder_that_cannot_be_made_is_refus
     assert laps_main(argv) == 2  # refused for the missing configuration, after the outputs were checked
     assert "missing.yaml" in capsys.readouterr().err and not new.exists()
     (tmp_path / "a-file").write_text("")
+    longest = os.pathconf(tmp_path, "PC_NAME_MAX")
     for out, says in ((Path("/proc/laps-test/r.json"), "cannot make its folder in /proc ("),
                       (tmp_path / "a-file" / "x" / "r.json", f"cannot make its folder ({tmp_path / 'a-file'} is not a folder)"),
-                      (tmp_path / "new" / ("n" * 300) / "r.json", "cannot be written (a name longer than 255 bytes: nnnn"),
-                      (tmp_path / "new" / ("n" * 300 + ".json"), "cannot be written (a name longer than 255 bytes: nnnn")):
+                      (tmp_path / "new" / ("n" * (longest + 1)) / "r.json", f"cannot be written (a name longer than {longest} bytes: nnnn"),
+                      (tmp_path / "new" / ("n" * longest + ".json"), f"cannot be written (a name longer than {longest} bytes: nnnn")):
         assert laps_main(["simulate", *argv[3:-4], "--out", str(out)]) == 2
         assert capsys.readouterr().err.startswith(f"laps simulate: --out {out}: {says}")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]  # the check's own folder was removed again
