@@ -135,7 +135,7 @@ def add_workload_arguments(parser: argparse.ArgumentParser, default_out: Path, c
                              "--burstiness; trace replay keeps its own times (default: %(default)s)")
     parser.add_argument("--duration", type=positive_float, default=60.0, help="seconds during which conversations and turns may start (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the workload and of the arrival process (default: %(default)s)")
-    parser.add_argument("--out", type=output_file, default=default_out, help="report JSON; the PNG goes next to it (default: %(default)s)")
+    parser.add_argument("--out", type=output_file, default=default_out, help="report JSON; the TTFT plot goes next to it, the same name with .png (none beside a device or a FIFO, e.g. /dev/stdout) (default: %(default)s)")
     parser.add_argument("--trace-out", type=output_file, help="also write every request record as JSONL (replay with --dataset replay:PATH)")
     parser.add_argument("--think-time-s", type=non_negative_float, default=1.0, help="mean pause between an answer and the next turn (default: %(default)s)")
     parser.add_argument("--think-dist", choices=THINK_DISTRIBUTIONS, default="exp", help="think time: exponential or fixed (default: %(default)s)")
