@@ -108,8 +108,8 @@ from engines.sim.latency import make_latency_model  # noqa: E402
 from laps.config import Config, load_config, parse_config  # noqa: E402
 from laps.doc_help import doc_parser  # noqa: E402
 from laps.tokenizer import load_tokenizer  # noqa: E402
-from loadgen.cli import gamma_shape, positive_float, positive_int  # noqa: E402
-from loadgen.report import build_report, ms  # noqa: E402
+from loadgen.cli import gamma_shape, output_file, positive_float, positive_int  # noqa: E402
+from loadgen.report import build_report, is_stream, ms  # noqa: E402
 from loadgen.simulate import simulate_run  # noqa: E402
 from loadgen.virtual import VirtualRun  # noqa: E402
 from loadgen.workloads import CODE_BURST_RATE_RPS, TIMED_DATASETS, build_workload, load_azure_trace  # noqa: E402
@@ -558,7 +558,7 @@ def sweep(workload: str, pd: bool, loads: tuple[float, ...], duration_s: float, 
             progress.console.print(f"  {label} {r['policy']:>15} load {r['load']:g}: {r['rate_rps']:.0f} req/s, "
                                    f"{100 * r['slo_violation_rate']:.2f}% ({100 * r['length_slo_violation_rate']:.2f}% "
                                    f"length-aware; short {_percent(r.get('short_slo_violation_rate'))}, long "
-                                   f"{_percent(r.get('long_slo_violation_rate'))}), short P90 {1e3 * (r['short_ttft_p90_s'] or math.nan):.1f} ms, "
+                                   f"{_percent(r.get('long_slo_violation_rate'))}), short P90 {1e3 * (r['short_ttft_p90_s'] or math.nan):.1f} ms (simulated), "
                                    f"floor {_percent(r.get('violation_floor'))}")
             progress.advance(task)
         more = extra_load(rows, key, max(multiples))
@@ -685,16 +685,17 @@ def print_verdicts(verdicts: list[dict], console: Console) -> bool:
 def write(path: Path, duration_s: float, rows: list[dict], verdicts: list[dict], ok: bool | None) -> None:
     """The JSON: settings, every row, the verdicts so far and whether all targets are met (``None`` until the end).
     A regular file (or one a link names) is written beside itself and renamed over, so an interrupted write leaves
-    the previous file whole (a write that fails leaves no partial file); anything else (``/dev/stdout``, a pipe too) is
-    written to directly.
+    the previous file whole (a write that fails leaves no partial file); a stream (``/dev/stdout``,
+    :func:`~loadgen.report.is_stream`) is appended to.
 
     Raises:
         OSError: it cannot be written (a full disk).
     """
     text = json.dumps({"slo_ttft_s": SLO_TTFT_S, "per_1k_new_tokens_s": PER_1K_S, "max_duration_s": duration_s,
                        "rows": rows, "verdict": verdicts, "all_targets_met": ok}, indent=1)
-    if path.exists() and not path.is_file():  # asked of the path itself: /dev/stdout resolves to a pipe's name in /proc
-        path.write_text(text)
+    if is_stream(path):  # asked of the path as given: /dev/stdout resolves to a pipe's name or to the file it goes to
+        with open(path, "a") as f:
+            f.write(text + "\n")
         return
     target = path.resolve()
     partial = target.with_name(target.name + ".partial")
@@ -715,25 +716,41 @@ def save(parser: argparse.ArgumentParser, console: Console, path: Path, duration
         write(path, duration_s, rows, verdicts, ok)
     except OSError as err:
         print(f"{parser.prog}: cannot write {path}: {err.strerror or err}", file=sys.stderr)
-        if created and path.is_file() and path.stat().st_size == 0:
-            path.unlink()
+        if created:
+            _remove_claimed(path)
         return 1
     console.print(f"wrote {path}")
     return 0 if ok else 1
 
 
+def _remove_claimed(path: Path) -> None:
+    """Remove the empty file :func:`claim_out` made for ``path``, at a link's target (the link stays as it was); a file
+    with something in it stays."""
+    target = path.resolve()
+    if target.is_file() and target.stat().st_size == 0:
+        target.unlink()
+
+
 def claim_out(parser: argparse.ArgumentParser, path: Path) -> bool:
-    """Make sure ``path`` can take a bench's output before any simulation (not after hours of it): its folder made, the
-    file created empty if absent; whether this call created it (remove it if the run ends with nothing to write).
+    """Make sure ``path`` can take a bench's output before any simulation (not after hours of it): its folder made (at a
+    link's target), the file beside it that :func:`write` renames over it made and removed, the file created empty if
+    absent; whether this call created it (remove it if the run ends with nothing to write). A stream
+    (:func:`~loadgen.report.is_stream`) is left as it is.
 
     Raises:
         SystemExit: through ``parser.error`` (exit 2) if ``path`` is a directory or cannot be created.
     """
     if path.is_dir():
         parser.error(f"--out {path} is a directory; name a JSON file")
-    created = not path.exists()
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        if is_stream(path):
+            return False
+        created = not path.exists()
+        target = path.resolve()
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(target.name + ".partial")
+        partial.touch()
+        partial.unlink()
         path.touch()
     except OSError as err:  # the name says where: "File exists: runs" for a file in the way of the folder
         parser.error(f"--out {path}: cannot be created ({err.strerror or err}{f': {err.filename}' if err.filename else ''})")
@@ -749,7 +766,7 @@ def stopped(parser: argparse.ArgumentParser, path: Path, created: bool, err: Bas
         BaseException: ``err`` again, unless it is a ``KeyboardInterrupt``.
     """
     if created and kept is None:
-        path.unlink(missing_ok=True)
+        _remove_claimed(path)
     if not isinstance(err, KeyboardInterrupt):
         raise err
     print(f"{parser.prog}: interrupted; {kept or 'nothing written'}", file=sys.stderr)
@@ -812,7 +829,8 @@ def earlier_verdicts(parser: argparse.ArgumentParser, path: Path) -> tuple[dict,
 
 def main(argv: list[str] | None = None) -> int:
     parser = doc_parser(__doc__)
-    parser.add_argument("--out", type=Path, help="JSON output; one PNG per workload goes next to it (required unless --verdict-of)")
+    parser.add_argument("--out", type=output_file, help="JSON output; one PNG per workload goes next to it, none beside a stream "
+                        "such as /dev/stdout, which takes the JSON once at the end (required unless --verdict-of)")
     parser.add_argument("--quick", action="store_true", help="3 workloads, 4 loads, at most 6 simulated s of arrivals per Poisson point")
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, help="default: all (with --quick: %s)" % ", ".join(QUICK_WORKLOADS))
     parser.add_argument("--pd", action="store_true", help="also the PD runs (6 prefill + 2 decode) of mixed and docs")
@@ -855,10 +873,18 @@ def main(argv: list[str] | None = None) -> int:
                 rows, v = sweep(workload, pd, loads, duration, args.seed, pool, progress, args.seeds, args.burstiness)
                 all_rows += rows
                 verdicts.append(v)
+                if is_stream(args.out):  # no PNG beside a stream, and the JSON goes there once, whole, at the end
+                    continue
                 png = args.out.with_name(f"{args.out.stem}_{workload}{'_pd' if pd else ''}.png")
                 plot(rows, png, v["workload"], v["saturation_load"])
                 console.print(f"{v['workload']}: wrote {png}")
-                write(args.out, duration, all_rows, verdicts, None)  # what is done so far survives an interrupted run
+                try:
+                    write(args.out, duration, all_rows, verdicts, None)  # what is done so far survives an interrupted run
+                except OSError as err:  # a full disk: one line; an earlier workload's JSON stays
+                    print(f"{parser.prog}: cannot write {args.out}: {err.strerror or err}", file=sys.stderr)
+                    if created:
+                        _remove_claimed(args.out)
+                    return 1
     except BaseException as err:  # what is written survives; an empty file this run made does not
         done = ", ".join(v["workload"] for v in verdicts)
         return stopped(parser, args.out, created, err, f"{args.out} holds {done} (--verdict-of reads it)" if done else None)

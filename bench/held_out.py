@@ -37,7 +37,7 @@ from rich.table import Table  # noqa: E402
 from dominance import BASELINES, CONTROL, PER_1K_S, SLO_TTFT_S, claim_out, point_config, simulate_all, stopped  # noqa: E402
 from laps.doc_help import doc_parser  # noqa: E402
 from laps.tokenizer import load_tokenizer  # noqa: E402
-from loadgen.cli import gamma_shape, positive_float, positive_int  # noqa: E402
+from loadgen.cli import gamma_shape, output_file, positive_float, positive_int  # noqa: E402
 from loadgen.report import build_report, ms  # noqa: E402
 from loadgen.simulate import simulate_run  # noqa: E402
 from loadgen.workloads import TRACE_FORMATS, build_workload  # noqa: E402
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="policies to run (default: all of %(choices)s): laps and one baseline at least; the last is "
                              "the control, not a baseline")
     parser.add_argument("--jobs", type=positive_int, default=2, help="simulations in parallel (default: %(default)s)")
-    parser.add_argument("--out", type=Path, required=True, help="JSON output")
+    parser.add_argument("--out", type=output_file, required=True, help="JSON output")
     args = parser.parse_args(argv)
     loads = sorted(set(args.loads))
     policies = [p for p in POLICIES if p in args.policies]

@@ -30,7 +30,7 @@ from rich.table import Table  # noqa: E402
 
 from dominance import BASELINES, MAX_DURATION_S, WORKLOADS, claim_out, client_ttft_s, run_point, short_p90_target_s, simulate_all, stopped  # noqa: E402
 from laps.doc_help import doc_parser  # noqa: E402
-from loadgen.cli import positive_float, positive_int  # noqa: E402
+from loadgen.cli import output_file, positive_float, positive_int  # noqa: E402
 from loadgen.report import ms  # noqa: E402
 
 
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=positive_float, default=MAX_DURATION_S,
                         help="most simulated seconds of arrivals per point, as dominance.py's --duration (default: %(default)g)")
     parser.add_argument("--jobs", type=positive_int, default=2, help="simulations in parallel (default: %(default)s)")
-    parser.add_argument("--out", type=Path, required=True, help="JSON output (replaced if it exists)")
+    parser.add_argument("--out", type=output_file, required=True, help="JSON output (replaced if it exists)")
     args = parser.parse_args(argv)
     points = list(dict.fromkeys(args.points))
     seeds = sorted(set(args.seeds))

@@ -35,7 +35,7 @@ from rich.table import Table  # noqa: E402
 
 from dominance import BASELINES, CONTROL, PER_1K_S, SLO_TTFT_S, WORKLOADS, claim_out, simulate_all, simulate_point, stopped  # noqa: E402
 from laps.doc_help import doc_parser  # noqa: E402
-from loadgen.cli import positive_float, positive_int  # noqa: E402
+from loadgen.cli import output_file, positive_float, positive_int  # noqa: E402
 from loadgen.report import build_report, ms  # noqa: E402
 from loadgen.workloads import TIMED_DATASETS  # noqa: E402
 
@@ -78,7 +78,7 @@ def _percent(rate: float | None) -> str:  # None: no request in the run
 
 def main(argv: list[str] | None = None) -> int:
     parser = doc_parser(__doc__)
-    parser.add_argument("--out", type=Path, required=True, help="JSON output")
+    parser.add_argument("--out", type=output_file, required=True, help="JSON output")
     parser.add_argument("--points", nargs="+", type=point, default=[point(p) for p in DEFAULT_POINTS], metavar="WORKLOAD:RATE",
                         help="workload and conversation rate of each point (default: %s)" % " ".join(DEFAULT_POINTS))
     parser.add_argument("--duration", type=positive_float, default=15.0, help="seconds of arrivals per run (default: %(default)s)")

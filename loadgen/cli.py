@@ -19,7 +19,7 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedCo
 from engines.manager import sim_model
 from laps.config import DEFAULT_CONFIG_PATH, load_config, parse_config
 from laps.tokenizer import ChatTokenizer, load_tokenizer
-from loadgen.report import build_report, plot_path, print_report, write_report, write_trace
+from loadgen.report import build_report, is_stream, plot_path, print_report, write_report, write_trace
 from loadgen.runner import THINK_DISTRIBUTIONS, LoadgenError, RequestRecord, discover_context_tokens, run_loadgen
 from loadgen.simulate import simulate_run
 from loadgen.workloads import (
@@ -54,7 +54,8 @@ equal 512-token blocks), azure:PATH (Azure LLM inference CSV, 2023 or 2024), sha
 or JSONL conversations, multi-turn, recorded reply lengths, or first-turn prompts; arriving at --rate),
 lengths:PATH (a CSV of prompt and output token counts, num_prefill_tokens,num_decode_tokens or
 input_tokens,output_tokens: single-turn requests of real text cut to those lengths; arriving at --rate).
-exit status: 0 when every request succeeded, 1 when any failed or the run could not start, 2 for bad arguments."""
+exit status: 0 when every request succeeded, 1 when any failed, the run could not start or an output could not be written
+after it, 2 for bad arguments (an output path refused before the run too)."""
 
 
 def _number(text: str, kind: type) -> float:
@@ -76,12 +77,11 @@ def positive_float(text: str) -> float:
 
 
 def output_file(text: str) -> Path:
-    """argparse ``type``: a file's path; one that can only name a folder (empty, ``.``, ``..``, ending in a ``/``) is
+    """argparse ``type``: a file's path; one that can only name a folder (empty, ending in ``/``, ``.`` or ``..``) is
     refused (:class:`argparse.ArgumentTypeError`, so exit status 2)."""
-    path = Path(text)
-    if not text or text.endswith(("/", os.sep)) or path.name in ("", ".", ".."):
+    if os.path.basename(text) in ("", ".", ".."):  # as given: Path("x/.") would read "x"
         raise argparse.ArgumentTypeError(f"{text!r} names a folder, not a file")
-    return path
+    return Path(text)
 
 
 def gamma_shape(text: str) -> float:
@@ -236,31 +236,42 @@ def check_output_paths(args: argparse.Namespace) -> None:
     not after it: each must name a file of its own that can be written: an existing one (or what a link names: a
     FIFO, a device, /dev/stdout) writable, without being opened; a new one creatable (created and removed again here);
     one in folders still to be made (made when the outputs are written, at a link's target) with names the file
-    system takes, under a nearest existing folder in which a folder can be made (one is made and removed again). A
-    refused run leaves no file or folder behind.
+    system takes, under a nearest existing folder in which a folder can be made (one is made and removed again); and
+    no output where another needs a folder. Streams (:func:`~loadgen.report.is_stream`: /dev/null, /dev/stdout) may
+    take more than one output. A refused run leaves no file or folder behind.
 
     Raises:
-        ValueError: a path is a directory, two outputs are one file (one name, a link or a hard link), a folder cannot
-            be made, or a file cannot be written; the message names the flag and the path.
+        ValueError: a path is a directory, two outputs are one file (one name, a link or a hard link), one needs the
+            other's path as its folder, a folder cannot be made, or a file cannot be written; the message names the
+            flag and the path.
     """
-    outputs = [("--out", args.out)] if args.out is not None else []
-    png = plot_path(args.out) if args.out is not None else None
-    outputs += [("--out's plot", png)] if png is not None else []
-    outputs += [("--trace-out", args.trace_out)] if args.trace_out is not None else []
-    seen: dict[object, str] = {}
-    for flag, path in outputs:
+    outputs = [("--out", lambda: args.out)] if args.out is not None else []
+    outputs += [("--out's plot", lambda: plot_path(args.out))] if args.out is not None else []
+    outputs += [("--trace-out", lambda: args.trace_out)] if args.trace_out is not None else []
+    seen: dict[object, tuple[str, Path]] = {}
+    for flag, path_of in outputs:
+        path = None
         try:
+            path = path_of()
+            if path is None:  # no plot beside a stream
+                continue
             identity = _check_output_path(flag, path)
-        except OSError as err:  # a folder on the way that cannot be read, a name too long to look up
-            raise ValueError(f"{flag} {path}: cannot be written ({err.strerror or err})") from None
+        except OSError as err:  # a folder on the way that cannot be searched, a name too long to look up
+            raise ValueError(f"{flag} {path or args.out}: cannot be written ({err.strerror or err})") from None
         if identity in seen:
-            raise ValueError(f"{flag} {path}: the same file as {seen[identity]}; give each output its own name")
-        seen[identity] = flag
+            raise ValueError(f"{flag} {path}: the same file as {seen[identity][0]}; give each output its own name")
+        for other_flag, other in seen.values():
+            if isinstance(identity, Path) and identity in other.resolve().parents:
+                raise ValueError(f"{flag} {path}: {other_flag} {other} needs it as a folder")
+            if isinstance(identity, Path) and other.resolve() in identity.parents:
+                raise ValueError(f"{flag} {path}: needs {other_flag} {other} as a folder")
+        if identity is not None:
+            seen[identity] = flag, path
 
 
 def _check_output_path(flag: str, path: Path) -> object:
-    """One output of :func:`check_output_paths`; what tells it apart from the others: an existing file's device and
-    inode (a hard link is the same file), else the path it would be written at (a link's target).
+    """One output of :func:`check_output_paths`; what tells it apart from the others: None for a stream, an existing
+    file's device and inode (a hard link is the same file), else the path it would be written at (a link's target).
 
     Raises:
         ValueError: as :func:`check_output_paths`.
@@ -268,6 +279,8 @@ def _check_output_path(flag: str, path: Path) -> object:
     """
     if path.is_dir():
         raise ValueError(f"{flag} {path}: a directory, not a file name")
+    if path.is_symlink() and os.readlink(path).endswith("/"):
+        raise ValueError(f"{flag} {path}: a link to a folder ({os.readlink(path)}), not to a file")
     try:
         target = path.resolve()  # where it is written: a link's target, a dangling link's too
     except RuntimeError as err:  # a loop of links
@@ -275,6 +288,8 @@ def _check_output_path(flag: str, path: Path) -> object:
     if path.exists():  # not opened here
         if not os.access(path, os.W_OK):
             raise ValueError(f"{flag} {path}: cannot be written (no write permission)")
+        if is_stream(path):
+            return None
         stat = path.stat()
         return stat.st_dev, stat.st_ino
     if not target.parent.is_dir():
@@ -316,13 +331,15 @@ def write_outputs(args: argparse.Namespace, report: dict, records: list[RequestR
     Raises:
         LoadgenError: a file cannot be written (a full disk), naming it.
     """
+    writing = args.out
     try:
         written = [*write_report(report, records, args.out)]
         if args.trace_out is not None:
+            writing = args.trace_out
             write_trace(records, args.trace_out)
             written.append(args.trace_out)
     except OSError as err:  # after the run (a full disk): one line, not a traceback
-        raise LoadgenError(f"cannot write {err.filename or args.out}: {err.strerror or err}") from None
+        raise LoadgenError(f"cannot write {err.filename or writing}: {err.strerror or err}") from None
     if not args.quiet:
         print_report(report, Console())
         for note in report.get("notes", []):
@@ -382,7 +399,8 @@ async def run(args: argparse.Namespace) -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run ``laps loadgen``; exit status 0 if every request succeeded, 1 if any failed or the run could not start, 2 for bad arguments."""
+    """Run ``laps loadgen``; exit status 0 if every request succeeded, 1 if any failed, the run could not start or an
+    output could not be written after it, 2 for bad arguments."""
     try:
         report = asyncio.run(run(args))
     except LoadgenError as err:
@@ -411,7 +429,8 @@ examples:
   laps simulate --dataset replay:runs/mixed.jsonl --duration 60 --out runs/sim/replay.json
   laps simulate --dataset mooncake:conversation_trace.jsonl --duration 120 --max-requests 500 --out runs/sim/mooncake.json
 
-exit status: 0 when every request succeeded, 1 when any failed, 2 for bad arguments or configuration."""
+exit status: 0 when every request succeeded, 1 when any failed or an output could not be written after the run, 2 for
+bad arguments or configuration (an output path refused before the run too)."""
 
 
 def configure_simulate_parser(parser: argparse.ArgumentParser) -> None:
@@ -499,7 +518,8 @@ def run_simulation(args: argparse.Namespace) -> dict:
 
 
 def simulate_main(args: argparse.Namespace) -> int:
-    """Run ``laps simulate``; exit status 0 if every request succeeded, 1 if any failed, 2 for bad arguments."""
+    """Run ``laps simulate``; exit status 0 if every request succeeded, 1 if any failed or an output could not be
+    written after the run, 2 for bad arguments."""
     try:
         report = run_simulation(args)
     except LoadgenError as err:  # the outputs could not be written after the run

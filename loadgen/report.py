@@ -246,39 +246,58 @@ def plot_ttft_cdf(records: Sequence[RequestRecord], slo_ttft_s: float, path: Pat
     fig.savefig(path)
 
 
+def is_stream(path: Path) -> bool:
+    """Whether ``path`` names a stream rather than a file of its own: a name under ``/dev`` or ``/proc`` (a device, an
+    open file descriptor such as ``/dev/stdout``, whatever it was redirected to), or an existing file that is no
+    regular file (a FIFO). Outputs are appended to a stream as they are: no plot beside it, no file renamed over it.
+
+    Raises:
+        OSError: the path cannot be looked up (a folder on the way that cannot be searched).
+    """
+    path = Path(path).absolute()
+    return path.parts[1:2] in (("dev",), ("proc",)) or (path.exists() and not path.is_file())
+
+
 def plot_path(out: Path) -> Path | None:
     """Where the TTFT plot of a report written at ``out`` goes: beside it, the same stem with ``.png``; None where
-    ``out`` exists and is no regular file (a device, a FIFO, ``/dev/stdout``: no plot beside those)."""
-    out = Path(out)
-    return None if out.exists() and not out.is_file() else out.with_suffix(".png")
+    ``out`` is a stream (:func:`is_stream`: no plot beside ``/dev/stdout``).
+
+    Raises:
+        OSError: as :func:`is_stream`.
+    """
+    return None if is_stream(out) else Path(out).with_suffix(".png")
 
 
 def write_report(report: dict, records: Sequence[RequestRecord], out: Path) -> tuple[Path, ...]:
-    """Write ``report`` as JSON at ``out`` (its folders made where missing, at a link's target) and the TTFT plot at
-    :func:`plot_path`; the paths written.
+    """Write ``report`` as JSON at ``out`` (its folders made where missing, at a link's target; a stream,
+    :func:`is_stream`, appended to) and the TTFT plot at :func:`plot_path`; the paths written.
 
     Raises:
         OSError: a file or folder cannot be written.
     """
     out = Path(out)
     png = plot_path(out)
+    if png is None:  # a stream: appended to, as a shell's >> would
+        with open(out, "ab") as f:
+            f.write(orjson.dumps(report, option=orjson.OPT_INDENT_2) + b"\n")
+        return (out,)
     out.resolve().parent.mkdir(parents=True, exist_ok=True)
     out.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2) + b"\n")
-    if png is None:
-        return (out,)
     plot_ttft_cdf(records, report["slo"]["ttft_s"], png, title=f"TTFT — {report.get('dataset', '')}")
     return out, png
 
 
 def write_trace(records: Iterable[RequestRecord], path: Path) -> None:
     """Write one JSON line per record (replayable with ``--dataset replay:PATH``); folders made as :func:`write_report`
-    makes them.
+    makes them, a stream (:func:`is_stream`) appended to.
 
     Raises:
         OSError: the file or a folder cannot be written.
     """
     path = Path(path)
-    path.resolve().parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "wb") as f:
+    stream = is_stream(path)
+    if not stream:
+        path.resolve().parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "ab" if stream else "wb") as f:
         for r in records:
             f.write(orjson.dumps(r.to_dict()) + b"\n")

@@ -1,5 +1,6 @@
 """bench/dominance.py's verdict on scripted rows: goodput interpolation and the four checks, exact values."""
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -361,6 +362,12 @@ def test_the_json_goes_through_a_pipe_as_it_is_and_a_failed_write_leaves_no_part
         dominance.write(Path(f"/dev/fd/{write_end}"), 1.0, [], [], True)  # /dev/fd/N names "pipe:[...]" in /proc
         os.close(write_end)
         assert json.loads(pipe.read())["all_targets_met"] is True
+    log = tmp_path / "log.txt"  # stdout redirected with >>: appended to, not renamed over
+    log.write_text("earlier line\n")
+    with open(log, "a") as f:
+        dominance.write(Path(f"/dev/fd/{f.fileno()}"), 1.0, [], [], True)
+    assert log.read_text().startswith("earlier line\n{") and sorted(p.name for p in tmp_path.iterdir()) == ["log.txt"]
+    log.unlink()
     out = tmp_path / "d.json"
 
     def full(self, target):
@@ -373,3 +380,28 @@ def test_the_json_goes_through_a_pipe_as_it_is_and_a_failed_write_leaves_no_part
         assert dominance.save(parser, dominance.Console(), out, 1.0, [], [], True, created) == 1
         assert sorted(p.name for p in tmp_path.iterdir()) == left  # and never d.json.partial
         assert capsys.readouterr().err == f"bench: cannot write {out}: No space left on device\n"
+
+
+def test_a_sweep_whose_json_cannot_be_written_is_one_line_and_leaves_no_empty_file_nor_a_link_removed(tmp_path, monkeypatch, capsys):
+    rows = [row("laps", 5.0, 5.0, 0.0), row("least_load", 5.0, 5.0, 0.0)]
+    monkeypatch.setattr(dominance, "simulation_pool", lambda jobs: contextlib.nullcontext())
+    monkeypatch.setattr(dominance, "sweep", lambda workload, *args: (rows, dominance.verdict(rows, workload, 5.0)))
+    monkeypatch.setattr(dominance, "plot", lambda *args: None)
+
+    def full(self, target):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "replace", full)
+    link = tmp_path / "link.json"
+    link.symlink_to(tmp_path / "later" / "d.json")  # claim_out makes the empty file at its target
+    assert dominance.main(["--workloads", "mixed", "--out", str(link)]) == 1
+    assert capsys.readouterr().err.endswith(f": cannot write {link}: No space left on device\n")
+    assert link.is_symlink() and list((tmp_path / "later").iterdir()) == []  # the link as it was, no empty file, no .partial
+
+
+def test_an_out_whose_file_beside_it_cannot_be_made_is_refused_before_the_run(tmp_path, capsys):
+    out = tmp_path / ("n" * (os.pathconf(tmp_path, "PC_NAME_MAX") - len(".json") - 2) + ".json")  # .partial: too long
+    with pytest.raises(SystemExit) as exit_:
+        dominance.main(["--workloads", "mixed", "--out", str(out)])
+    assert exit_.value.code == 2 and "cannot be created (File name too long" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []

@@ -17,7 +17,7 @@ from engines.sim.replies import ReplyPlanner
 from laps.cli import main as laps_main
 from laps.config import DEFAULT_CONFIG_PATH, load_config, parse_config
 from laps.tokenizer import load_tokenizer
-from loadgen.report import build_report, print_run_summary
+from loadgen.report import build_report, is_stream, print_run_summary, write_report
 from loadgen.simulate import simulate, simulate_run
 from loadgen.workloads import Conversation, Turn, Workload, build_workload
 
@@ -254,7 +254,7 @@ def test_outputs_through_links_are_written_at_their_targets_and_one_file_under_t
     assert capsys.readouterr().err.startswith(f"laps simulate: --trace-out {tmp_path / 'hard.jsonl'}: the same file as --out")
 
 
-@pytest.mark.parametrize("name", ["", ".", "..", "runs/", "/"])
+@pytest.mark.parametrize("name", ["", ".", "..", "runs/", "/", "runs/.", "runs/.."])
 def test_an_output_name_that_can_only_be_a_folder_is_a_usage_error(name, capsys):
     for flag in ("--out", "--trace-out"):
         with pytest.raises(SystemExit) as info:
@@ -262,11 +262,38 @@ def test_an_output_name_that_can_only_be_a_folder_is_a_usage_error(name, capsys)
         assert info.value.code == 2 and f"argument {flag}: {name!r} names a folder, not a file" in capsys.readouterr().err
 
 
-def test_outputs_that_cannot_be_written_after_the_run_are_one_error_line_and_a_device_gets_no_plot(capsys):
-    argv = ["simulate", "--dataset", "mtbench", "--rate", "1", "--duration", "1", "--quiet"]
+def test_outputs_that_cannot_be_written_after_the_run_are_one_error_line_and_a_device_gets_no_plot(tmp_path, capsys):
+    argv = ["simulate", "--dataset", "mtbench", "--rate", "1", "--duration", "2", "--seed", "2", "--quiet"]
     assert laps_main([*argv, "--out", "/dev/full"]) == 1  # accepted (a device that can be written), then full
     assert capsys.readouterr().err == "laps simulate: cannot write /dev/full: No space left on device\n"
-    assert laps_main([*argv, "--out", "/dev/null"]) == 0 and not Path("/dev/null.png").exists()
+    assert laps_main([*argv, "--out", str(tmp_path / "ok.json"), "--trace-out", "/dev/full"]) == 1  # the trace's the failure
+    assert capsys.readouterr().err == "laps simulate: cannot write /dev/full: No space left on device\n"
+    assert laps_main([*argv, "--out", "/dev/null", "--trace-out", "/dev/null"]) == 0  # a stream takes both
+    assert not Path("/dev/null.png").exists()
+
+
+def test_an_output_another_needs_as_its_folder_a_link_to_a_folder_and_a_name_too_long_are_refused_before_the_run(tmp_path, capsys):
+    argv = ["simulate", "--dataset", "mtbench", "--rate", "1", "--duration", "1", "--quiet"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    (tmp_path / "folder-link.json").symlink_to(f"{tmp_path / 'later'}/")
+    too_long = tmp_path / ("n" * (os.pathconf(tmp_path, "PC_NAME_MAX") + 1) + ".json")
+    for outputs, says in ((["--out", str(a / "x.json"), "--trace-out", str(a)], f"--trace-out {a}: --out {a / 'x.json'} needs it as a folder"),
+                          (["--out", str(b), "--trace-out", str(b / "t.jsonl")], f"--trace-out {b / 't.jsonl'}: needs --out {b} as a folder"),
+                          (["--out", str(tmp_path / "folder-link.json")], f"--out {tmp_path / 'folder-link.json'}: a link to a folder"),
+                          (["--out", str(too_long)], f"--out {too_long}: cannot be written (File name too long)")):
+        assert laps_main([*argv, *outputs]) == 2
+        assert capsys.readouterr().err.startswith(f"laps simulate: {says}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder-link.json"]
+
+
+def test_a_stream_is_appended_to_with_no_plot_beside_it(tmp_path):
+    log = tmp_path / "log.txt"
+    log.write_text("earlier line\n")
+    report = build_report([], slo_ttft_s=0.4)
+    with open(log, "a") as f:  # as a shell's >> leaves stdout; /dev/fd/N names it
+        assert write_report(report, [], Path(f"/dev/fd/{f.fileno()}")) == (Path(f"/dev/fd/{f.fileno()}"),)
+    assert log.read_text().startswith("earlier line\n{") and sorted(p.name for p in tmp_path.iterdir()) == ["log.txt"]
+    assert is_stream(Path("/dev/stdout")) and is_stream(Path("/dev/null")) and not is_stream(log)
 
 
 def test_laps_simulate_reports_a_bad_replay_file_and_refuses_bad_numbers(tmp_path, capsys):
