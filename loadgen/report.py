@@ -247,15 +247,16 @@ def plot_ttft_cdf(records: Sequence[RequestRecord], slo_ttft_s: float, path: Pat
 
 
 def is_stream(path: Path) -> bool:
-    """Whether ``path`` names a stream rather than a file of its own: a name under ``/dev`` or ``/proc`` (a device, an
-    open file descriptor such as ``/dev/stdout``, whatever it was redirected to), or an existing file that is no
-    regular file (a FIFO). Outputs are appended to a stream as they are: no plot beside it, no file renamed over it.
+    """Whether ``path`` names a stream rather than a file of its own: an existing file that is no regular file (a
+    device, a FIFO, a pipe), or a link under ``/dev`` or ``/proc`` (an open file descriptor such as ``/dev/stdout``,
+    whatever the shell redirected it to; a file of its own in ``/dev/shm`` is none). Outputs are appended to a stream
+    as they are: no plot beside it, no file renamed over it.
 
     Raises:
         OSError: the path cannot be looked up (a folder on the way that cannot be searched).
     """
     path = Path(path).absolute()
-    return path.parts[1:2] in (("dev",), ("proc",)) or (path.exists() and not path.is_file())
+    return (path.exists() and not path.is_file()) or (path.parts[1:2] in (("dev",), ("proc",)) and path.is_symlink())
 
 
 def plot_path(out: Path) -> Path | None:

@@ -294,6 +294,7 @@ def test_a_stream_is_appended_to_with_no_plot_beside_it(tmp_path):
         assert write_report(report, [], Path(f"/dev/fd/{f.fileno()}")) == (Path(f"/dev/fd/{f.fileno()}"),)
     assert log.read_text().startswith("earlier line\n{") and sorted(p.name for p in tmp_path.iterdir()) == ["log.txt"]
     assert is_stream(Path("/dev/stdout")) and is_stream(Path("/dev/null")) and not is_stream(log)
+    assert not is_stream(Path("/dev/shm/laps-report.json"))  # a file of its own, under /dev
 
 
 def test_laps_simulate_reports_a_bad_replay_file_and_refuses_bad_numbers(tmp_path, capsys):
