@@ -91,6 +91,7 @@ import json
 import math
 import multiprocessing
 import multiprocessing.pool
+import os
 import random
 import signal
 import sys
@@ -740,20 +741,24 @@ def claim_out(parser: argparse.ArgumentParser, path: Path) -> bool:
     Raises:
         SystemExit: through ``parser.error`` (exit 2) if ``path`` is a directory or cannot be created.
     """
-    if path.is_dir():
-        parser.error(f"--out {path} is a directory; name a JSON file")
     try:
+        if path.is_dir():
+            parser.error(f"--out {path} is a directory; name a JSON file")
         if is_stream(path):
+            if not os.access(path, os.W_OK):
+                parser.error(f"--out {path}: cannot be written (no write permission)")
             return False
         created = not path.exists()
         target = path.resolve()
         target.parent.mkdir(parents=True, exist_ok=True)
         partial = target.with_name(target.name + ".partial")
-        partial.touch()
-        partial.unlink()
+        if not partial.exists():  # one already there is :func:`write`'s to replace, not this check's to remove
+            partial.touch()
+            partial.unlink()
         path.touch()
-    except OSError as err:  # the name says where: "File exists: runs" for a file in the way of the folder
-        parser.error(f"--out {path}: cannot be created ({err.strerror or err}{f': {err.filename}' if err.filename else ''})")
+    except (OSError, RuntimeError) as err:  # the name says where: "File exists: runs" for a file in the way of the folder
+        where = f": {err.filename}" if getattr(err, "filename", None) else ""
+        parser.error(f"--out {path}: cannot be created ({getattr(err, 'strerror', None) or err}{where})")
     return created
 
 
@@ -795,12 +800,14 @@ def earlier_verdicts(parser: argparse.ArgumentParser, path: Path) -> tuple[dict,
             every baseline, or has them at no common load; a row or verdict lacks a field, or a row's number
             (:data:`ROW_NUMBERS`) is not one.
     """
-    if not path.is_file():
-        parser.error(f"--verdict-of {path}: {'a directory' if path.is_dir() else 'no such file'}")
     try:
+        if not path.is_file():
+            parser.error(f"--verdict-of {path}: {'a directory' if path.is_dir() else 'no such file'}")
         earlier = json.loads(path.read_text())
         earlier["rows"], earlier["verdict"], earlier["max_duration_s"]  # noqa: B018 (keys checked here)
-    except (OSError, ValueError, KeyError, TypeError) as err:
+    except OSError as err:  # a folder that cannot be searched, a name too long
+        parser.error(f"--verdict-of {path}: cannot be read ({err.strerror or err})")
+    except (ValueError, KeyError, TypeError) as err:
         parser.error(f"--verdict-of {path}: not a dominance.py JSON ({type(err).__name__}: {err})")
     verdicts = []
     try:
@@ -865,7 +872,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.duration is not None and replayed:
         console.print(f"note: --duration does not bound {', '.join(replayed)}: a replayed workload replays its first "
                       f"~{REQUESTS_PER_POINT:,} requests at every load")
-    all_rows, verdicts = [], []
+    all_rows, verdicts, written = [], [], []
     created = claim_out(parser, args.out)
     try:
         with simulation_pool(args.jobs) as pool, Progress(console=console, transient=True) as progress:
@@ -876,17 +883,20 @@ def main(argv: list[str] | None = None) -> int:
                 if is_stream(args.out):  # no PNG beside a stream, and the JSON goes there once, whole, at the end
                     continue
                 png = args.out.with_name(f"{args.out.stem}_{workload}{'_pd' if pd else ''}.png")
-                plot(rows, png, v["workload"], v["saturation_load"])
-                console.print(f"{v['workload']}: wrote {png}")
+                writing = png
                 try:
+                    plot(rows, png, v["workload"], v["saturation_load"])
+                    console.print(f"{v['workload']}: wrote {png}")
+                    writing = args.out
                     write(args.out, duration, all_rows, verdicts, None)  # what is done so far survives an interrupted run
-                except OSError as err:  # a full disk: one line; an earlier workload's JSON stays
-                    print(f"{parser.prog}: cannot write {args.out}: {err.strerror or err}", file=sys.stderr)
+                except OSError as err:  # a full disk, a name too long: one line; an earlier workload's JSON stays
+                    print(f"{parser.prog}: cannot write {writing}: {err.strerror or err}", file=sys.stderr)
                     if created:
                         _remove_claimed(args.out)
                     return 1
+                written.append(v["workload"])
     except BaseException as err:  # what is written survives; an empty file this run made does not
-        done = ", ".join(v["workload"] for v in verdicts)
+        done = ", ".join(written)
         return stopped(parser, args.out, created, err, f"{args.out} holds {done} (--verdict-of reads it)" if done else None)
     return save(parser, console, args.out, duration, all_rows, verdicts, print_verdicts(verdicts, console), created)
 

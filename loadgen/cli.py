@@ -11,6 +11,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from stat import S_ISREG
 from typing import Callable
 
 from rich.console import Console
@@ -270,8 +271,9 @@ def check_output_paths(args: argparse.Namespace) -> None:
 
 
 def _check_output_path(flag: str, path: Path) -> object:
-    """One output of :func:`check_output_paths`; what tells it apart from the others: None for a stream, an existing
-    file's device and inode (a hard link is the same file), else the path it would be written at (a link's target).
+    """One output of :func:`check_output_paths`; what tells it apart from the others: None for a stream to a device or
+    a pipe, an existing file's device and inode (a hard link, or /dev/stdout redirected to it, is the same file), else
+    the path it would be written at (a link's target).
 
     Raises:
         ValueError: as :func:`check_output_paths`.
@@ -288,9 +290,9 @@ def _check_output_path(flag: str, path: Path) -> object:
     if path.exists():  # not opened here
         if not os.access(path, os.W_OK):
             raise ValueError(f"{flag} {path}: cannot be written (no write permission)")
-        if is_stream(path):
+        stat = path.stat()  # what a stream goes to: a file redirected to is one file with its own name
+        if is_stream(path) and not S_ISREG(stat.st_mode):
             return None
-        stat = path.stat()
         return stat.st_dev, stat.st_ino
     if not target.parent.is_dir():
         _check_folders_can_be_made(flag, path, target)

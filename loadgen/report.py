@@ -8,6 +8,7 @@ violations; the rate is over all requests sent.
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -248,15 +249,26 @@ def plot_ttft_cdf(records: Sequence[RequestRecord], slo_ttft_s: float, path: Pat
 
 def is_stream(path: Path) -> bool:
     """Whether ``path`` names a stream rather than a file of its own: an existing file that is no regular file (a
-    device, a FIFO, a pipe), or a link under ``/dev`` or ``/proc`` (an open file descriptor such as ``/dev/stdout``,
-    whatever the shell redirected it to; a file of its own in ``/dev/shm`` is none). Outputs are appended to a stream
-    as they are: no plot beside it, no file renamed over it.
+    device, a FIFO, a pipe), or a path whose links lead through a link under ``/dev`` or ``/proc`` (an open file
+    descriptor such as ``/dev/stdout``, whatever the shell redirected it to; a file of its own in ``/dev/shm`` is
+    none). Outputs are appended to a stream as they are: no plot beside it, no file renamed over it.
 
     Raises:
         OSError: the path cannot be looked up (a folder on the way that cannot be searched).
     """
     path = Path(path).absolute()
-    return (path.exists() and not path.is_file()) or (path.parts[1:2] in (("dev",), ("proc",)) and path.is_symlink())
+    if path.exists() and not path.is_file():
+        return True
+    for _ in range(MAX_LINK_HOPS):
+        if not path.is_symlink():
+            return False
+        if path.parts[1:2] in (("dev",), ("proc",)):
+            return True
+        path = path.parent / os.readlink(path)  # a relative link from its own folder
+    return False
+
+
+MAX_LINK_HOPS = 40  # as Linux's own limit on links followed in one lookup (ELOOP)
 
 
 def plot_path(out: Path) -> Path | None:
@@ -284,7 +296,11 @@ def write_report(report: dict, records: Sequence[RequestRecord], out: Path) -> t
         return (out,)
     out.resolve().parent.mkdir(parents=True, exist_ok=True)
     out.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2) + b"\n")
-    plot_ttft_cdf(records, report["slo"]["ttft_s"], png, title=f"TTFT — {report.get('dataset', '')}")
+    try:
+        plot_ttft_cdf(records, report["slo"]["ttft_s"], png, title=f"TTFT — {report.get('dataset', '')}")
+    except OSError as err:  # matplotlib's errors name no file: this one is the plot's
+        err.filename = err.filename or str(png)
+        raise
     return out, png
 
 

@@ -399,6 +399,29 @@ def test_a_sweep_whose_json_cannot_be_written_is_one_line_and_leaves_no_empty_fi
     assert link.is_symlink() and list((tmp_path / "later").iterdir()) == []  # the link as it was, no empty file, no .partial
 
 
+def test_a_sweep_whose_plot_cannot_be_written_names_the_plot_and_leaves_no_empty_json(tmp_path, monkeypatch, capsys):
+    rows = [row("laps", 5.0, 5.0, 0.0), row("least_load", 5.0, 5.0, 0.0)]
+    monkeypatch.setattr(dominance, "simulation_pool", lambda jobs: contextlib.nullcontext())
+    monkeypatch.setattr(dominance, "sweep", lambda workload, *args: (rows, dominance.verdict(rows, workload, 5.0)))
+
+    def too_long(*args):
+        raise OSError(36, "File name too long")
+
+    monkeypatch.setattr(dominance, "plot", too_long)
+    (tmp_path / "d.json.partial").write_text("mine\n")  # a file of the user's beside --out: the check leaves it
+    assert dominance.main(["--workloads", "mixed", "--out", str(tmp_path / "d.json")]) == 1
+    assert capsys.readouterr().err.endswith(f": cannot write {tmp_path / 'd_mixed.png'}: File name too long\n")
+    assert [p.name for p in tmp_path.iterdir()] == ["d.json.partial"]
+
+
+def test_an_out_in_a_loop_of_links_is_a_usage_error(tmp_path, capsys):
+    (tmp_path / "a.json").symlink_to(tmp_path / "b.json")
+    (tmp_path / "b.json").symlink_to(tmp_path / "a.json")
+    with pytest.raises(SystemExit) as exit_:
+        dominance.main(["--workloads", "mixed", "--out", str(tmp_path / "a.json")])
+    assert exit_.value.code == 2 and "--out " + str(tmp_path / "a.json") + ": cannot be created (Symlink loop" in capsys.readouterr().err
+
+
 def test_an_out_whose_file_beside_it_cannot_be_made_is_refused_before_the_run(tmp_path, capsys):
     out = tmp_path / ("n" * (os.pathconf(tmp_path, "PC_NAME_MAX") - len(".json") - 2) + ".json")  # .partial: too long
     with pytest.raises(SystemExit) as exit_:

@@ -297,6 +297,19 @@ def test_a_stream_is_appended_to_with_no_plot_beside_it(tmp_path):
     assert not is_stream(Path("/dev/shm/laps-report.json"))  # a file of its own, under /dev
 
 
+def test_a_stream_redirected_to_a_file_named_as_the_other_output_is_that_file(tmp_path, capsys):
+    log = tmp_path / "log.txt"
+    log.write_text("earlier line\n")
+    argv = ["simulate", "--dataset", "mtbench", "--rate", "1", "--duration", "1", "--quiet"]
+    with open(log, "a") as f:  # --out /dev/stdout --trace-out log.txt >> log.txt
+        stdout = Path(f"/dev/fd/{f.fileno()}")
+        (tmp_path / "my-stdout").symlink_to(stdout)  # a link of the user's to it is a stream too
+        assert is_stream(tmp_path / "my-stdout")
+        assert laps_main([*argv, "--out", str(stdout), "--trace-out", str(log)]) == 2
+    assert capsys.readouterr().err.startswith(f"laps simulate: --trace-out {log}: the same file as --out")
+    assert log.read_text() == "earlier line\n"
+
+
 def test_laps_simulate_reports_a_bad_replay_file_and_refuses_bad_numbers(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"bad": 1}\n')
