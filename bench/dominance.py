@@ -393,10 +393,11 @@ def goodput(rows: list[dict], key: str = "slo_violation_rate") -> float:
     return best
 
 
-def client_ttft_s(simulated_s: float) -> float:
+def client_ttft_s(simulated_s: float | None) -> float | None:
     """A simulated TTFT (s) as a client would see it: plus the gateway's overhead, which virtual time leaves out, as
-    the physical floor (:func:`short_floor_s`) has it in. Every policy here is one of laps' gateway's, so each pays it."""
-    return simulated_s + GATEWAY_OVERHEAD_S
+    the physical floor (:func:`short_floor_s`) has it in (None: nothing measured). Every policy here is one of laps'
+    gateway's, so each pays it."""
+    return None if simulated_s is None else simulated_s + GATEWAY_OVERHEAD_S
 
 
 def short_p90_target_s(best_short_p90_s: float, floor_s: float | None) -> float:
@@ -429,8 +430,8 @@ def verdict(rows: list[dict], workload: str, saturation: float) -> dict:
         timed = [r for r in others if r["short_ttft_p90_s"] is not None]
         short_of = min(timed, key=lambda r: r["short_ttft_p90_s"]) if timed else {}  # the baseline with the lowest short P90
         # the short P90s as a client sees them (client_ttft_s), as the floor and the target are
-        short_best = None if short_of.get("short_ttft_p90_s") is None else client_ttft_s(short_of["short_ttft_p90_s"])
-        short_mine = None if mine["short_ttft_p90_s"] is None else client_ttft_s(mine["short_ttft_p90_s"])
+        short_best = client_ttft_s(short_of.get("short_ttft_p90_s"))
+        short_mine = client_ttft_s(mine["short_ttft_p90_s"])
         floor = mine["short_floor_s"]
         s_ok = target = None
         if load >= 0.499 * saturation and short_best is not None and short_mine is not None:

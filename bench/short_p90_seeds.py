@@ -57,7 +57,7 @@ def short_check(rows: list[dict]) -> dict:
     the target and whether laps meets it (None without short requests under laps or under every baseline)."""
     laps = next(r for r in rows if r["policy"] == "laps")
     base = [r for r in rows if r["policy"] in BASELINES and r["short_ttft_p90_s"] is not None]
-    mine = None if laps["short_ttft_p90_s"] is None else client_ttft_s(laps["short_ttft_p90_s"])
+    mine = client_ttft_s(laps["short_ttft_p90_s"])
     out = {"laps_short_p90_client_s": mine, "short_floor_s": laps["short_floor_s"],
            "best_short_p90_client_s": None, "best_policy": None, "target_s": None, "ok": None}
     if base and mine is not None:

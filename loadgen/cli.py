@@ -261,11 +261,11 @@ def check_output_paths(args: argparse.Namespace) -> None:
             raise ValueError(f"{flag} {path or args.out}: cannot be written ({err.strerror or err})") from None
         if identity in seen:
             raise ValueError(f"{flag} {path}: the same file as {seen[identity][0]}; give each output its own name")
-        for other_flag, other in seen.values():
-            if isinstance(identity, Path) and identity in other.resolve().parents:
-                raise ValueError(f"{flag} {path}: {other_flag} {other} needs it as a folder")
-            if isinstance(identity, Path) and other.resolve() in identity.parents:
-                raise ValueError(f"{flag} {path}: needs {other_flag} {other} as a folder")
+        for other, (other_flag, other_path) in seen.items():  # new files only: an existing one's folders exist
+            if isinstance(identity, Path) and isinstance(other, Path) and identity in other.parents:
+                raise ValueError(f"{flag} {path}: {other_flag} {other_path} needs it as a folder")
+            if isinstance(identity, Path) and isinstance(other, Path) and other in identity.parents:
+                raise ValueError(f"{flag} {path}: needs {other_flag} {other_path} as a folder")
         if identity is not None:
             seen[identity] = flag, path
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from typing import BinaryIO
 from pathlib import Path
 
 import numpy as np
@@ -247,6 +248,9 @@ def plot_ttft_cdf(records: Sequence[RequestRecord], slo_ttft_s: float, path: Pat
     fig.savefig(path)
 
 
+MAX_LINK_HOPS = 40  # as Linux's own limit on links followed in one lookup (ELOOP)
+
+
 def is_stream(path: Path) -> bool:
     """Whether ``path`` names a stream rather than a file of its own: an existing file that is no regular file (a
     device, a FIFO, a pipe), or a path whose links lead through a link under ``/dev`` or ``/proc`` (an open file
@@ -268,7 +272,17 @@ def is_stream(path: Path) -> bool:
     return False
 
 
-MAX_LINK_HOPS = 40  # as Linux's own limit on links followed in one lookup (ELOOP)
+def open_output(path: Path) -> BinaryIO:
+    """Open an output for writing: a stream (:func:`is_stream`) appended to, as a shell's ``>>`` would; a file of its
+    own replaced, its folders made where missing (at a link's target).
+
+    Raises:
+        OSError: the file or a folder cannot be written.
+    """
+    if is_stream(path):
+        return open(path, "ab")
+    Path(path).resolve().parent.mkdir(parents=True, exist_ok=True)
+    return open(path, "wb")
 
 
 def plot_path(out: Path) -> Path | None:
@@ -282,20 +296,18 @@ def plot_path(out: Path) -> Path | None:
 
 
 def write_report(report: dict, records: Sequence[RequestRecord], out: Path) -> tuple[Path, ...]:
-    """Write ``report`` as JSON at ``out`` (its folders made where missing, at a link's target; a stream,
-    :func:`is_stream`, appended to) and the TTFT plot at :func:`plot_path`; the paths written.
+    """Write ``report`` as JSON at ``out`` (:func:`open_output`) and the TTFT plot at :func:`plot_path`; the paths
+    written.
 
     Raises:
         OSError: a file or folder cannot be written.
     """
     out = Path(out)
+    with open_output(out) as f:
+        f.write(orjson.dumps(report, option=orjson.OPT_INDENT_2) + b"\n")
     png = plot_path(out)
-    if png is None:  # a stream: appended to, as a shell's >> would
-        with open(out, "ab") as f:
-            f.write(orjson.dumps(report, option=orjson.OPT_INDENT_2) + b"\n")
+    if png is None:
         return (out,)
-    out.resolve().parent.mkdir(parents=True, exist_ok=True)
-    out.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2) + b"\n")
     try:
         plot_ttft_cdf(records, report["slo"]["ttft_s"], png, title=f"TTFT — {report.get('dataset', '')}")
     except OSError as err:  # matplotlib's errors name no file: this one is the plot's
@@ -305,16 +317,11 @@ def write_report(report: dict, records: Sequence[RequestRecord], out: Path) -> t
 
 
 def write_trace(records: Iterable[RequestRecord], path: Path) -> None:
-    """Write one JSON line per record (replayable with ``--dataset replay:PATH``); folders made as :func:`write_report`
-    makes them, a stream (:func:`is_stream`) appended to.
+    """Write one JSON line per record (replayable with ``--dataset replay:PATH``) at ``path`` (:func:`open_output`).
 
     Raises:
         OSError: the file or a folder cannot be written.
     """
-    path = Path(path)
-    stream = is_stream(path)
-    if not stream:
-        path.resolve().parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "ab" if stream else "wb") as f:
+    with open_output(Path(path)) as f:
         for r in records:
             f.write(orjson.dumps(r.to_dict()) + b"\n")
