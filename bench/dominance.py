@@ -95,6 +95,7 @@ import os
 import random
 import signal
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -110,7 +111,7 @@ from laps.config import Config, load_config, parse_config  # noqa: E402
 from laps.doc_help import doc_parser  # noqa: E402
 from laps.tokenizer import load_tokenizer  # noqa: E402
 from loadgen.cli import gamma_shape, output_file, positive_float, positive_int  # noqa: E402
-from loadgen.report import build_report, is_stream, ms  # noqa: E402
+from loadgen.report import build_report, is_stdout, is_stream, ms, open_output, partial_path  # noqa: E402
 from loadgen.simulate import simulate_run  # noqa: E402
 from loadgen.virtual import VirtualRun  # noqa: E402
 from loadgen.workloads import CODE_BURST_RATE_RPS, TIMED_DATASETS, build_workload, load_azure_trace  # noqa: E402
@@ -684,95 +685,113 @@ def print_verdicts(verdicts: list[dict], console: Console) -> bool:
     return all_ok
 
 
-def write(path: Path, duration_s: float, rows: list[dict], verdicts: list[dict], ok: bool | None) -> None:
-    """The JSON: settings, every row, the verdicts so far and whether all targets are met (``None`` until the end).
-    A regular file (or one a link names) is written beside itself and renamed over, so an interrupted write leaves
-    the previous file whole (a write that fails leaves no partial file); a stream (``/dev/stdout``,
-    :func:`~loadgen.report.is_stream`) is appended to.
+def dominance_json(duration_s: float, rows: list[dict], verdicts: list[dict], ok: bool | None) -> dict:
+    """The JSON: settings, every row, the verdicts so far and whether all targets are met (``None`` until the end)."""
+    return {"slo_ttft_s": SLO_TTFT_S, "per_1k_new_tokens_s": PER_1K_S, "max_duration_s": duration_s, "rows": rows,
+            "verdict": verdicts, "all_targets_met": ok}
+
+
+def write_json(path: Path, data: dict) -> None:
+    """``data`` as indented JSON at ``path``, through :func:`~loadgen.report.open_output`: a regular file (or one a link
+    names) is written beside itself and renamed over, so an interrupted or failed write leaves the previous file whole
+    and no partial one; a stream (``/dev/stdout``) is appended to.
 
     Raises:
         OSError: it cannot be written (a full disk).
     """
-    text = json.dumps({"slo_ttft_s": SLO_TTFT_S, "per_1k_new_tokens_s": PER_1K_S, "max_duration_s": duration_s,
-                       "rows": rows, "verdict": verdicts, "all_targets_met": ok}, indent=1)
-    if is_stream(path):  # asked of the path as given: /dev/stdout resolves to a pipe's name or to the file it goes to
-        with open(path, "a") as f:
-            f.write(text + "\n")
-        return
-    target = path.resolve()
-    partial = target.with_name(target.name + ".partial")
-    try:
-        partial.write_text(text)
-        partial.replace(target)
-    except OSError:
-        partial.unlink(missing_ok=True)
-        raise
+    with open_output(path) as f:
+        f.write(json.dumps(data, indent=1).encode() + b"\n")
 
 
-def save(parser: argparse.ArgumentParser, console: Console, path: Path, duration_s: float, rows: list[dict],
-         verdicts: list[dict], ok: bool, created: bool) -> int:
-    """:func:`write` the finished JSON and say so; the exit status: 0 where laps meets every target (``ok``), else 1,
-    also with one line naming why where it cannot be written (a full disk, ``/dev/full``; then ``path`` is removed if
-    this run made it (``created``, :func:`claim_out`) and it is still empty)."""
+@dataclass(frozen=True)
+class Claim:
+    """What :func:`claim_out` made for ``--out``, for a run that ends with nothing to write to take back: the empty file
+    (at a link's target; None where it was there, or for a stream) and the folders (innermost first)."""
+
+    file: Path | None = None
+    folders: tuple[Path, ...] = ()
+
+    def release(self) -> None:
+        """Remove the file if it is still empty, then each folder while it is empty; anything with something in it
+        stays (a link to the file stays as it was)."""
+        if self.file is not None and self.file.is_file() and self.file.stat().st_size == 0:
+            self.file.unlink()
+        for folder in self.folders:
+            try:
+                folder.rmdir()
+            except OSError:  # something in it (or gone): it and those above it stay
+                break
+
+
+def save(parser: argparse.ArgumentParser, console: Console, path: Path, data: dict, claim: Claim) -> bool:
+    """:func:`write_json` a bench's finished JSON and say so; whether it was written: where it cannot be (a full disk,
+    ``/dev/full``) one line says why, and what this run made for it is taken back (:meth:`Claim.release`)."""
     try:
-        write(path, duration_s, rows, verdicts, ok)
+        write_json(path, data)
     except OSError as err:
         print(f"{parser.prog}: cannot write {path}: {err.strerror or err}", file=sys.stderr)
-        if created:
-            _remove_claimed(path)
-        return 1
+        claim.release()
+        return False
     console.print(f"wrote {path}")
-    return 0 if ok else 1
+    return True
 
 
-def _remove_claimed(path: Path) -> None:
-    """Remove the empty file :func:`claim_out` made for ``path``, at a link's target (the link stays as it was); a file
-    with something in it stays."""
-    target = path.resolve()
-    if target.is_file() and target.stat().st_size == 0:
-        target.unlink()
+def bench_console(width: int, out: Path | None) -> Console:
+    """The console a bench prints its tables on: standard error where ``out`` (its JSON) goes to standard output, so
+    that stays one JSON document (:func:`~loadgen.report.is_stdout`)."""
+    return Console(width=width, stderr=out is not None and is_stdout(out))
 
 
-def claim_out(parser: argparse.ArgumentParser, path: Path) -> bool:
-    """Make sure ``path`` can take a bench's output before any simulation (not after hours of it): its folder made (at a
-    link's target), the file beside it that :func:`write` renames over it made and removed, the file created empty if
-    absent; whether this call created it (remove it if the run ends with nothing to write). A stream
-    (:func:`~loadgen.report.is_stream`) is left as it is.
+def claim_out(parser: argparse.ArgumentParser, path: Path) -> Claim:
+    """Make sure ``path`` can take a bench's output before any simulation (not after hours of it): its folders made (at
+    a link's target), the file beside it that :func:`write` renames over it made and removed, the file created empty if
+    absent; what this call made (take it back with :meth:`Claim.release` if the run ends with nothing to write). A
+    stream (:func:`~loadgen.report.is_stream`) is left as it is.
 
     Raises:
-        SystemExit: through ``parser.error`` (exit 2) if ``path`` is a directory or cannot be created.
+        SystemExit: through ``parser.error`` (exit 2) if ``path`` is a directory or cannot be created; what this call
+            made is taken back first.
     """
+    claim = Claim()
     try:
         if path.is_dir():
             parser.error(f"--out {path} is a directory; name a JSON file")
         if is_stream(path):
             if not os.access(path, os.W_OK):
                 parser.error(f"--out {path}: cannot be written (no write permission)")
-            return False
-        created = not path.exists()
+            return claim
         target = path.resolve()
+        folders = []
+        for folder in target.parents:
+            if folder.exists():
+                break
+            folders.append(folder)
+        claim = Claim(None, tuple(folders))
         target.parent.mkdir(parents=True, exist_ok=True)
-        partial = target.with_name(target.name + ".partial")
+        partial = partial_path(target)
         if not partial.exists():  # one already there is :func:`write`'s to replace, not this check's to remove
             partial.touch()
             partial.unlink()
-        path.touch()
+        if not path.exists():
+            path.touch()
+            claim = Claim(target, claim.folders)
     except (OSError, RuntimeError) as err:  # the name says where: "File exists: runs" for a file in the way of the folder
+        claim.release()
         where = f": {err.filename}" if getattr(err, "filename", None) else ""
         parser.error(f"--out {path}: cannot be created ({getattr(err, 'strerror', None) or err}{where})")
-    return created
+    return claim
 
 
-def stopped(parser: argparse.ArgumentParser, path: Path, created: bool, err: BaseException, kept: str | None = None) -> int:
+def stopped(parser: argparse.ArgumentParser, claim: Claim, err: BaseException, kept: str | None = None) -> int:
     """A bench run stopped by ``err`` before its whole output was written (call it from ``except BaseException``):
-    ``path`` removed if this run created it (:func:`claim_out`) and nothing was written to it (``kept``: what it holds,
-    then). On Ctrl-C a line says so and the exit code is 130.
+    what this run made for its output taken back (:func:`claim_out`) unless something was written to it (``kept``:
+    what it holds, then). On Ctrl-C a line says so and the exit code is 130.
 
     Raises:
         BaseException: ``err`` again, unless it is a ``KeyboardInterrupt``.
     """
-    if created and kept is None:
-        _remove_claimed(path)
+    if kept is None:
+        claim.release()
     if not isinstance(err, KeyboardInterrupt):
         raise err
     print(f"{parser.prog}: interrupted; {kept or 'nothing written'}", file=sys.stderr)
@@ -855,14 +874,15 @@ def main(argv: list[str] | None = None) -> int:
                              "(default: %(default)s)")
     parser.add_argument("--verdict-of", type=Path, metavar="JSON", help="simulate nothing: the verdict of an earlier run's JSON")
     args = parser.parse_args(argv)
-    console = Console(width=160)
+    console = bench_console(160, args.out)
     if args.verdict_of is not None:
         earlier, verdicts = earlier_verdicts(parser, args.verdict_of)
-        created = claim_out(parser, args.out) if args.out is not None else False
+        claim = claim_out(parser, args.out) if args.out is not None else Claim()
         ok = print_verdicts(verdicts, console)
         if args.out is None:
             return 0 if ok else 1
-        return save(parser, console, args.out, earlier["max_duration_s"], earlier["rows"], verdicts, ok, created)
+        saved = save(parser, console, args.out, dominance_json(earlier["max_duration_s"], earlier["rows"], verdicts, ok), claim)
+        return 0 if saved and ok else 1
     if args.out is None:
         parser.error("--out is required (unless --verdict-of)")
     workloads = args.workloads or (QUICK_WORKLOADS if args.quick else WORKLOADS)
@@ -874,7 +894,7 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"note: --duration does not bound {', '.join(replayed)}: a replayed workload replays its first "
                       f"~{REQUESTS_PER_POINT:,} requests at every load")
     all_rows, verdicts, written = [], [], []
-    created = claim_out(parser, args.out)
+    claim = claim_out(parser, args.out)
     try:
         with simulation_pool(args.jobs) as pool, Progress(console=console, transient=True) as progress:
             for workload, pd in runs:
@@ -889,17 +909,17 @@ def main(argv: list[str] | None = None) -> int:
                     plot(rows, png, v["workload"], v["saturation_load"])
                     console.print(f"{v['workload']}: wrote {png}")
                     writing = args.out
-                    write(args.out, duration, all_rows, verdicts, None)  # what is done so far survives an interrupted run
+                    write_json(args.out, dominance_json(duration, all_rows, verdicts, None))  # survives an interrupted run
                 except OSError as err:  # a full disk, a name too long: one line; an earlier workload's JSON stays
                     print(f"{parser.prog}: cannot write {writing}: {err.strerror or err}", file=sys.stderr)
-                    if created:
-                        _remove_claimed(args.out)
+                    claim.release()
                     return 1
                 written.append(v["workload"])
     except BaseException as err:  # what is written survives; an empty file this run made does not
         done = ", ".join(written)
-        return stopped(parser, args.out, created, err, f"{args.out} holds {done} (--verdict-of reads it)" if done else None)
-    return save(parser, console, args.out, duration, all_rows, verdicts, print_verdicts(verdicts, console), created)
+        return stopped(parser, claim, err, f"{args.out} holds {done} (--verdict-of reads it)" if done else None)
+    ok = print_verdicts(verdicts, console)
+    return 0 if save(parser, console, args.out, dominance_json(duration, all_rows, verdicts, ok), claim) and ok else 1
 
 
 if __name__ == "__main__":

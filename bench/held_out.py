@@ -23,7 +23,6 @@ baseline there).
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 from pathlib import Path
@@ -31,10 +30,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from dominance import BASELINES, CONTROL, PER_1K_S, SLO_TTFT_S, claim_out, point_config, simulate_all, stopped  # noqa: E402
+from dominance import BASELINES, CONTROL, PER_1K_S, SLO_TTFT_S, bench_console, claim_out, point_config, save, simulate_all, stopped  # noqa: E402
 from laps.doc_help import doc_parser  # noqa: E402
 from laps.tokenizer import load_tokenizer  # noqa: E402
 from loadgen.cli import gamma_shape, output_file, positive_float, positive_int  # noqa: E402
@@ -119,8 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     if workload.timed and args.burstiness != 1.0:
         print(f"{parser.prog}: error: --burstiness: {args.dataset} is a timed trace, replayed at its own times", file=sys.stderr)
         return 2
-    created = claim_out(parser, args.out)
-    console = Console(width=150)
+    claim = claim_out(parser, args.out)
+    console = bench_console(150, args.out)
     requests = args.requests or (2000 if workload.timed else 3000)
     for note in workload.notes:
         console.print(f"note: {note}", highlight=False)
@@ -128,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = simulate_all(args.jobs, run, [(args.dataset, p, load, requests, args.seed, args.burstiness)
                                              for load in loads for p in policies], console)
     except BaseException as err:
-        return stopped(parser, args.out, created, err)
+        return stopped(parser, claim, err)
     load_name = "speed-up" if workload.timed else "conv/s"  # a trace replayed at its times, or at a rate
     arrivals = "" if workload.timed else f", burstiness {args.burstiness:g}"
     table = Table(title=f"{args.dataset}, seed {args.seed}{arrivals}\nviolations (%) of 0.4 s (fixed) and of 0.4 s + "
@@ -144,11 +142,9 @@ def main(argv: list[str] | None = None) -> int:
                           ms(r["tpot_p50_s"]),
                           worse if r["policy"] == "laps" else "")
     console.print(table)
-    args.out.write_text(json.dumps({"dataset": args.dataset, "seed": args.seed,
-                                    "burstiness": None if workload.timed else args.burstiness, "requests": requests,
-                                    "notes": workload.notes, "rows": rows}, indent=1))
-    console.print(f"wrote {args.out}")
-    return 0
+    data = {"dataset": args.dataset, "seed": args.seed, "burstiness": None if workload.timed else args.burstiness,
+            "requests": requests, "notes": workload.notes, "rows": rows}
+    return 0 if save(parser, console, args.out, data, claim) else 1
 
 
 if __name__ == "__main__":

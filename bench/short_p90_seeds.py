@@ -18,17 +18,15 @@ missed there and met on most other seeds is a miss of the statistic, one missed 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from dominance import BASELINES, MAX_DURATION_S, WORKLOADS, claim_out, client_ttft_s, run_point, short_p90_target_s, simulate_all, stopped  # noqa: E402
+from dominance import BASELINES, MAX_DURATION_S, WORKLOADS, bench_console, claim_out, client_ttft_s, run_point, save, short_p90_target_s, simulate_all, stopped  # noqa: E402
 from laps.doc_help import doc_parser  # noqa: E402
 from loadgen.cli import output_file, positive_float, positive_int  # noqa: E402
 from loadgen.report import ms  # noqa: E402
@@ -81,13 +79,13 @@ def main(argv: list[str] | None = None) -> int:
     points = list(dict.fromkeys(args.points))
     seeds = sorted(set(args.seeds))
     policies = ("laps", *BASELINES)
-    created = claim_out(parser, args.out)
-    console = Console(width=150)
+    claim = claim_out(parser, args.out)
+    console = bench_console(150, args.out)
     calls = [(w, p, load, args.duration, seed, pd) for (w, load, pd) in points for seed in seeds for p in policies]
     try:
         rows = simulate_all(args.jobs, run_point, calls, console)
     except BaseException as err:
-        return stopped(parser, args.out, created, err)
+        return stopped(parser, claim, err)
     table = Table(title="short-class P90 TTFT (ms): laps against the verdict's target (half the best baseline's, or twice "
                         "the floor where that baseline is within twice it)")
     for column in ("point", "seed", "laps", "best baseline", "floor", "target", "met"):
@@ -102,9 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             table.add_row(f"{w}{' PD' if pd else ''} {load:g}", str(seed), ms(c["laps_short_p90_client_s"], 2), best,
                           ms(c["short_floor_s"], 2), ms(c["target_s"], 2), {True: "yes", False: "MISS", None: "—"}[c["ok"]])
     console.print(table)
-    args.out.write_text(json.dumps({"checks": checks, "rows": rows}, indent=1))
-    console.print(f"wrote {args.out}")
-    return 0
+    return 0 if save(parser, console, args.out, {"checks": checks, "rows": rows}, claim) else 1
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ while TTFT stays low until the request slots fill, so there TPOT, not TTFT, says
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -30,10 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
-from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from dominance import BASELINES, CONTROL, PER_1K_S, SLO_TTFT_S, WORKLOADS, claim_out, simulate_all, simulate_point, stopped  # noqa: E402
+from dominance import BASELINES, CONTROL, PER_1K_S, SLO_TTFT_S, WORKLOADS, bench_console, claim_out, save, simulate_all, simulate_point, stopped  # noqa: E402
 from laps.doc_help import doc_parser  # noqa: E402
 from loadgen.cli import output_file, positive_float, positive_int  # noqa: E402
 from loadgen.report import build_report, ms  # noqa: E402
@@ -89,13 +87,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="policies to run (default: all of %(choices)s)")
     args = parser.parse_args(argv)
     policies = [p for p in POLICIES if p in args.policies]
-    created = claim_out(parser, args.out)
-    console = Console(width=170)
+    claim = claim_out(parser, args.out)
+    console = bench_console(170, args.out)
     try:
         rows = simulate_all(args.jobs, run, [(w, r, p, args.duration, args.seed, args.ignore_eos)
                                              for w, r in args.points for p in policies], console)
     except BaseException as err:
-        return stopped(parser, args.out, created, err)
+        return stopped(parser, claim, err)
     replies = "every reply to its max_tokens" if args.ignore_eos else "replies to the engine's end of text or max_tokens"
     table = Table(title=f"steady state: {args.duration:g} s of arrivals per run, seed {args.seed}, {replies}; TTFT objective {SLO_TTFT_S} s")
     for column in ("workload", "conv/s", "policy", "requests", "violations %", "length-aware %", "short P90 ms",
@@ -106,10 +104,8 @@ def main(argv: list[str] | None = None) -> int:
                       _percent(r["length_slo_violation_rate"]), ms(r["short_ttft_p90_s"]), ms(r["ttft_p50_s"]),
                       ms(r["tpot_p50_s"]), ms(r["tpot_p90_s"]), f"{r['cache_hit_rate_pct']:.1f}")
     console.print(table)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"duration_s": args.duration, "seed": args.seed, "ignore_eos": args.ignore_eos, "rows": rows}, indent=1))
-    console.print(f"wrote {args.out}")
-    return 0
+    data = {"duration_s": args.duration, "seed": args.seed, "ignore_eos": args.ignore_eos, "rows": rows}
+    return 0 if save(parser, console, args.out, data, claim) else 1
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedCo
 from engines.manager import sim_model
 from laps.config import DEFAULT_CONFIG_PATH, load_config, parse_config
 from laps.tokenizer import ChatTokenizer, load_tokenizer
-from loadgen.report import build_report, is_stream, plot_path, print_report, write_report, write_trace
+from loadgen.report import build_report, is_stdout, is_stream, partial_path, plot_path, print_report, write_report, write_trace
 from loadgen.runner import THINK_DISTRIBUTIONS, LoadgenError, RequestRecord, discover_context_tokens, run_loadgen
 from loadgen.simulate import simulate_run
 from loadgen.workloads import (
@@ -273,7 +273,8 @@ def check_output_paths(args: argparse.Namespace) -> None:
 def _check_output_path(flag: str, path: Path) -> object:
     """One output of :func:`check_output_paths`; what tells it apart from the others: None for a stream to a device or
     a pipe, an existing file's device and inode (a hard link, or /dev/stdout redirected to it, is the same file), else
-    the path it would be written at (a link's target).
+    the path it would be written at (a link's target). A file of its own is written beside itself and renamed over
+    (:func:`~loadgen.report.open_output`), so its folder must take that file too (made and removed again here).
 
     Raises:
         ValueError: as :func:`check_output_paths`.
@@ -281,28 +282,36 @@ def _check_output_path(flag: str, path: Path) -> object:
     """
     if path.is_dir():
         raise ValueError(f"{flag} {path}: a directory, not a file name")
-    if path.is_symlink() and os.readlink(path).endswith("/"):
-        raise ValueError(f"{flag} {path}: a link to a folder ({os.readlink(path)}), not to a file")
+    if path.is_symlink():
+        link = os.readlink(path)
+        if link in (".", "..") or link.endswith(("/", "/.", "/..")):
+            raise ValueError(f"{flag} {path}: a link to a folder ({link}), not to a file")
     try:
         target = path.resolve()  # where it is written: a link's target, a dangling link's too
     except RuntimeError as err:  # a loop of links
         raise ValueError(f"{flag} {path}: cannot be written ({err})") from None
+    identity: object = target
     if path.exists():  # not opened here
         if not os.access(path, os.W_OK):
             raise ValueError(f"{flag} {path}: cannot be written (no write permission)")
         stat = path.stat()  # what a stream goes to: a file redirected to is one file with its own name
-        if is_stream(path) and not S_ISREG(stat.st_mode):
-            return None
-        return stat.st_dev, stat.st_ino
+        if is_stream(path):
+            return None if not S_ISREG(stat.st_mode) else (stat.st_dev, stat.st_ino)
+        identity = stat.st_dev, stat.st_ino
     if not target.parent.is_dir():
-        _check_folders_can_be_made(flag, path, target)
-        return target
-    try:
-        os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
-    except OSError as err:
-        raise ValueError(f"{flag} {path}: cannot be written ({err.strerror or err})") from None
-    target.unlink()
-    return target
+        _check_folders_can_be_made(flag, path, partial_path(target))
+        return identity
+    for name in (target, partial_path(target)):
+        if name.is_dir():
+            raise ValueError(f"{flag} {path}: cannot be written ({name.name}, which it is written as first, is a folder)")
+        if name.exists():
+            continue  # the file itself (checked above), or a .partial left from before: replaced when written
+        try:
+            os.close(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
+        except OSError as err:
+            raise ValueError(f"{flag} {path}: cannot be written ({err.strerror or err}: {name.name})") from None
+        name.unlink()
+    return identity
 
 
 def _check_folders_can_be_made(flag: str, path: Path, target: Path) -> None:
@@ -327,8 +336,8 @@ def _check_folders_can_be_made(flag: str, path: Path, target: Path) -> None:
 
 
 def write_outputs(args: argparse.Namespace, report: dict, records: list[RequestRecord], console: Console) -> None:
-    """Write the report JSON and PNG (and the trace with ``--trace-out``); print the table and the workload's notes
-    (e.g. an argument the dataset ignores) unless ``--quiet``.
+    """Write the report JSON and PNG (and the trace with ``--trace-out``); print the table (to standard error where an
+    output goes to standard output) and the workload's notes (e.g. an argument the dataset ignores) unless ``--quiet``.
 
     Raises:
         LoadgenError: a file cannot be written (a full disk), naming it.
@@ -342,8 +351,8 @@ def write_outputs(args: argparse.Namespace, report: dict, records: list[RequestR
             written.append(args.trace_out)
     except OSError as err:  # after the run (a full disk): one line, not a traceback
         raise LoadgenError(f"cannot write {err.filename or writing}: {err.strerror or err}") from None
-    if not args.quiet:
-        print_report(report, Console())
+    if not args.quiet:  # the table to standard error where the JSON goes to standard output (one document there)
+        print_report(report, Console(stderr=any(p is not None and is_stdout(p) for p in (args.out, args.trace_out))))
         for note in report.get("notes", []):
             console.print(f"note: {note}", markup=False, highlight=False)
         console.print("wrote " + " and ".join(str(p) for p in written))

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from collections.abc import Iterable, Sequence
-from typing import BinaryIO
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import orjson
@@ -253,9 +254,10 @@ MAX_LINK_HOPS = 40  # as Linux's own limit on links followed in one lookup (ELOO
 
 def is_stream(path: Path) -> bool:
     """Whether ``path`` names a stream rather than a file of its own: an existing file that is no regular file (a
-    device, a FIFO, a pipe), or a path whose links lead through a link under ``/dev`` or ``/proc`` (an open file
-    descriptor such as ``/dev/stdout``, whatever the shell redirected it to; a file of its own in ``/dev/shm`` is
-    none). Outputs are appended to a stream as they are: no plot beside it, no file renamed over it.
+    device, a FIFO, a pipe), or a path whose links lead through a link that names an open file descriptor
+    (``/dev/stdout``, ``/dev/stderr``, ``/dev/fd/N``, ``/proc/PID/fd/N``), whatever the shell redirected it to. A file of
+    its own under ``/dev/shm``, or a link there to one, is none. Outputs are appended to a stream as they are: no plot
+    beside it, no file renamed over it.
 
     Raises:
         OSError: the path cannot be looked up (a folder on the way that cannot be searched).
@@ -266,23 +268,63 @@ def is_stream(path: Path) -> bool:
     for _ in range(MAX_LINK_HOPS):
         if not path.is_symlink():
             return False
-        if path.parts[1:2] in (("dev",), ("proc",)):
+        if _names_descriptor(path):
             return True
         path = path.parent / os.readlink(path)  # a relative link from its own folder
     return False
 
 
-def open_output(path: Path) -> BinaryIO:
-    """Open an output for writing: a stream (:func:`is_stream`) appended to, as a shell's ``>>`` would; a file of its
-    own replaced, its folders made where missing (at a link's target).
+def _names_descriptor(path: Path) -> bool:
+    """Whether absolute ``path`` is one of the links that name an open file descriptor (:func:`is_stream`)."""
+    parts = path.parts
+    if parts[1:2] == ("dev",):
+        return parts[2:] in (("stdin",), ("stdout",), ("stderr",)) or parts[2:3] == ("fd",)
+    return parts[1:2] == ("proc",) and parts[3:4] == ("fd",)
+
+
+def is_stdout(path: Path) -> bool:
+    """Whether ``path`` is a stream (:func:`is_stream`) that goes where this process's standard output goes (the
+    tables a command prints then go to standard error, so the output stays one JSON document)."""
+    try:
+        return is_stream(path) and os.path.samestat(os.stat(path), os.fstat(1))
+    except OSError:  # no standard output, or a path that cannot be looked up
+        return False
+
+
+def partial_path(target: Path) -> Path:
+    """Where :func:`open_output` writes a file before renaming it over ``target`` (``NAME.partial`` beside it)."""
+    return target.with_name(target.name + ".partial")
+
+
+@contextmanager
+def open_output(path: Path) -> Iterator[BinaryIO]:
+    """Open an output for writing, as a ``with`` block: a stream (:func:`is_stream`) appended to, as a shell's ``>>``
+    would; a file of its own written beside itself (:func:`partial_path`, its folders made where missing, at a link's
+    target) and renamed over it when the block ends, so a write that fails (a full disk) or is interrupted leaves the
+    earlier file whole and no partial one.
 
     Raises:
         OSError: the file or a folder cannot be written.
     """
     if is_stream(path):
-        return open(path, "ab")
-    Path(path).resolve().parent.mkdir(parents=True, exist_ok=True)
-    return open(path, "wb")
+        with open(path, "ab") as f:
+            yield f
+        return
+    target = Path(path).resolve()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = partial_path(target)
+    try:
+        f = open(partial, "wb")
+    except OSError as err:
+        err.filename = str(path)  # the user's name for it, not the one written beside it
+        raise
+    try:
+        with f:
+            yield f
+        partial.replace(target)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
 
 
 def plot_path(out: Path) -> Path | None:

@@ -330,19 +330,55 @@ def test_verdict_of_an_earlier_run_is_written_to_out_its_exit_status_says_whethe
     assert capsys.readouterr().err.endswith(": cannot write /dev/full: No space left on device\n")
 
 
+def test_a_json_to_standard_output_is_the_only_thing_there(tmp_path, capfd):
+    rows = [{"workload": "x", "pd": False, "policy": policy, "load": 5.0, "slo_violation_rate": 0.0,
+             "length_slo_violation_rate": 0.0, "short_ttft_p90_s": 0.01, "short_floor_s": 0.006} for policy in ("laps", "least_load")]
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps({"rows": rows, "verdict": [{"workload": "x", "saturation_load": 5.0}], "max_duration_s": 1}))
+    dominance.main(["--verdict-of", str(earlier), "--out", "/dev/stdout"])
+    out, err = capfd.readouterr()
+    assert json.loads(out)["rows"] == rows  # one JSON document: the tables went to standard error
+    assert "verdict: laps" in err and "wrote /dev/stdout" in err
+
+
 def test_a_stopped_run_keeps_what_it_wrote_and_a_file_it_did_not_make(tmp_path, capsys):
     parser = dominance.doc_parser(dominance.__doc__, prog="bench")
-    made, theirs, partial = tmp_path / "made.json", tmp_path / "theirs.json", tmp_path / "partial.json"
-    for path in (made, theirs, partial):
-        path.touch()
-    assert dominance.stopped(parser, made, True, KeyboardInterrupt()) == 130
-    assert dominance.stopped(parser, theirs, False, KeyboardInterrupt()) == 130
-    assert dominance.stopped(parser, partial, True, KeyboardInterrupt(), "partial.json holds mixed") == 130
-    assert (made.exists(), theirs.exists(), partial.exists()) == (False, True, True)
+    made = dominance.claim_out(parser, tmp_path / "new" / "deeper" / "made.json")  # the file and both folders made
+    assert made == dominance.Claim(tmp_path / "new" / "deeper" / "made.json", (tmp_path / "new" / "deeper", tmp_path / "new"))
+    theirs = tmp_path / "theirs.json"
+    theirs.touch()
+    assert dominance.claim_out(parser, theirs) == dominance.Claim()
+    partial = dominance.claim_out(parser, tmp_path / "new2" / "partial.json")
+    assert dominance.stopped(parser, made, KeyboardInterrupt()) == 130
+    assert dominance.stopped(parser, dominance.Claim(), KeyboardInterrupt()) == 130
+    assert dominance.stopped(parser, partial, KeyboardInterrupt(), "partial.json holds mixed") == 130
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["new2", "theirs.json"]  # "new" and what it held taken back
+    assert (tmp_path / "new2" / "partial.json").exists()
     assert capsys.readouterr().err.splitlines() == ["bench: interrupted; nothing written"] * 2 + [
         "bench: interrupted; partial.json holds mixed"]
     with pytest.raises(ValueError, match="bad row"):
-        dominance.stopped(parser, theirs, False, ValueError("bad row"))
+        dominance.stopped(parser, dominance.Claim(), ValueError("bad row"))
+
+
+def test_a_claim_takes_back_only_what_is_still_empty(tmp_path):
+    parser = dominance.doc_parser(dominance.__doc__, prog="bench")
+    claim = dominance.claim_out(parser, tmp_path / "a" / "b" / "d.json")
+    (tmp_path / "a" / "mine.txt").write_text("kept\n")  # something of the user's put in a folder the claim made
+    claim.release()
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == ["a", "a/mine.txt"]
+    claim = dominance.claim_out(parser, tmp_path / "c" / "d.json")
+    (tmp_path / "c" / "d.json").write_text("{}")  # written to: it and its folder stay
+    claim.release()
+    assert (tmp_path / "c" / "d.json").read_text() == "{}"
+
+
+def test_an_out_that_cannot_be_made_leaves_no_folder_behind(tmp_path, capsys):
+    parser = dominance.doc_parser(dominance.__doc__, prog="bench")
+    out = tmp_path / "new" / ("n" * (os.pathconf(tmp_path, "PC_NAME_MAX") - len(".json") - 2) + ".json")  # .partial: too long
+    with pytest.raises(SystemExit) as exit_:
+        dominance.claim_out(parser, out)
+    assert exit_.value.code == 2 and "cannot be created (File name too long" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_the_misses_are_printed_under_their_own_headings(capsys):
@@ -359,13 +395,13 @@ def test_the_misses_are_printed_under_their_own_headings(capsys):
 def test_the_json_goes_through_a_pipe_as_it_is_and_a_failed_write_leaves_no_partial_file(tmp_path, monkeypatch, capsys):
     read_end, write_end = os.pipe()
     with os.fdopen(read_end, "rb") as pipe:
-        dominance.write(Path(f"/dev/fd/{write_end}"), 1.0, [], [], True)  # /dev/fd/N names "pipe:[...]" in /proc
+        dominance.write_json(Path(f"/dev/fd/{write_end}"), dominance.dominance_json(1.0, [], [], True))  # "pipe:[...]" in /proc
         os.close(write_end)
         assert json.loads(pipe.read())["all_targets_met"] is True
     log = tmp_path / "log.txt"  # stdout redirected with >>: appended to, not renamed over
     log.write_text("earlier line\n")
     with open(log, "a") as f:
-        dominance.write(Path(f"/dev/fd/{f.fileno()}"), 1.0, [], [], True)
+        dominance.write_json(Path(f"/dev/fd/{f.fileno()}"), dominance.dominance_json(1.0, [], [], True))
     assert log.read_text().startswith("earlier line\n{") and sorted(p.name for p in tmp_path.iterdir()) == ["log.txt"]
     log.unlink()
     out = tmp_path / "d.json"
@@ -375,9 +411,9 @@ def test_the_json_goes_through_a_pipe_as_it_is_and_a_failed_write_leaves_no_part
 
     monkeypatch.setattr(Path, "replace", full)
     parser = dominance.doc_parser(dominance.__doc__, prog="bench")
-    for created, left in ((False, ["d.json"]), (True, [])):
+    for claim, left in ((dominance.Claim(), ["d.json"]), (dominance.Claim(out), [])):
         out.touch()  # as claim_out leaves it
-        assert dominance.save(parser, dominance.Console(), out, 1.0, [], [], True, created) == 1
+        assert dominance.save(parser, dominance.Console(), out, {}, claim) is False
         assert sorted(p.name for p in tmp_path.iterdir()) == left  # and never d.json.partial
         assert capsys.readouterr().err == f"bench: cannot write {out}: No space left on device\n"
 
@@ -396,7 +432,7 @@ def test_a_sweep_whose_json_cannot_be_written_is_one_line_and_leaves_no_empty_fi
     link.symlink_to(tmp_path / "later" / "d.json")  # claim_out makes the empty file at its target
     assert dominance.main(["--workloads", "mixed", "--out", str(link)]) == 1
     assert capsys.readouterr().err.endswith(f": cannot write {link}: No space left on device\n")
-    assert link.is_symlink() and list((tmp_path / "later").iterdir()) == []  # the link as it was, no empty file, no .partial
+    assert link.is_symlink() and not (tmp_path / "later").exists()  # the link as it was; no folder, empty file or .partial
 
 
 def test_a_sweep_whose_plot_cannot_be_written_names_the_plot_and_leaves_no_empty_json(tmp_path, monkeypatch, capsys):

@@ -17,7 +17,7 @@ from engines.sim.replies import ReplyPlanner
 from laps.cli import main as laps_main
 from laps.config import DEFAULT_CONFIG_PATH, load_config, parse_config
 from laps.tokenizer import load_tokenizer
-from loadgen.report import build_report, is_stream, print_run_summary, write_report
+from loadgen.report import build_report, is_stream, open_output, print_run_summary, write_report
 from loadgen.simulate import simulate, simulate_run
 from loadgen.workloads import Conversation, Turn, Workload, build_workload
 
@@ -276,14 +276,19 @@ def test_an_output_another_needs_as_its_folder_a_link_to_a_folder_and_a_name_too
     argv = ["simulate", "--dataset", "mtbench", "--rate", "1", "--duration", "1", "--quiet"]
     a, b = tmp_path / "a", tmp_path / "b"
     (tmp_path / "folder-link.json").symlink_to(f"{tmp_path / 'later'}/")
+    (tmp_path / "dot-link.json").symlink_to(f"{tmp_path / 'later'}/.")
+    (tmp_path / "busy.json.partial").mkdir()  # in the way of the file a report is written as first
     too_long = tmp_path / ("n" * (os.pathconf(tmp_path, "PC_NAME_MAX") + 1) + ".json")
     for outputs, says in ((["--out", str(a / "x.json"), "--trace-out", str(a)], f"--trace-out {a}: --out {a / 'x.json'} needs it as a folder"),
                           (["--out", str(b), "--trace-out", str(b / "t.jsonl")], f"--trace-out {b / 't.jsonl'}: needs --out {b} as a folder"),
                           (["--out", str(tmp_path / "folder-link.json")], f"--out {tmp_path / 'folder-link.json'}: a link to a folder"),
+                          (["--out", str(tmp_path / "dot-link.json")], f"--out {tmp_path / 'dot-link.json'}: a link to a folder"),
+                          (["--out", str(tmp_path / "busy.json")], f"--out {tmp_path / 'busy.json'}: cannot be written "
+                                                                    "(busy.json.partial, which it is written as first, is a folder)"),
                           (["--out", str(too_long)], f"--out {too_long}: cannot be written (File name too long)")):
         assert laps_main([*argv, *outputs]) == 2
         assert capsys.readouterr().err.startswith(f"laps simulate: {says}")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder-link.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["busy.json.partial", "dot-link.json", "folder-link.json"]
 
 
 def test_a_stream_is_appended_to_with_no_plot_beside_it(tmp_path):
@@ -295,6 +300,43 @@ def test_a_stream_is_appended_to_with_no_plot_beside_it(tmp_path):
     assert log.read_text().startswith("earlier line\n{") and sorted(p.name for p in tmp_path.iterdir()) == ["log.txt"]
     assert is_stream(Path("/dev/stdout")) and is_stream(Path("/dev/null")) and not is_stream(log)
     assert not is_stream(Path("/dev/shm/laps-report.json"))  # a file of its own, under /dev
+
+
+def test_a_file_is_written_beside_itself_and_renamed_over_so_a_failed_write_leaves_the_earlier_one_whole(tmp_path):
+    out = tmp_path / "r.json"
+    out.write_text("earlier\n")
+    with pytest.raises(OSError, match="No space left"):
+        with open_output(out) as f:
+            f.write(b"half a rep")
+            raise OSError(28, "No space left on device")  # as a full disk fails a write
+    assert out.read_text() == "earlier\n" and [p.name for p in tmp_path.iterdir()] == ["r.json"]
+    with open_output(out) as f:
+        f.write(b"whole\n")
+    assert out.read_text() == "whole\n" and [p.name for p in tmp_path.iterdir()] == ["r.json"]
+    (tmp_path / "x.json.partial").mkdir()
+    with pytest.raises(IsADirectoryError) as info, open_output(tmp_path / "x.json"):
+        pass
+    assert info.value.filename == str(tmp_path / "x.json")  # the name the user gave, not the one beside it
+
+
+def test_only_links_that_name_a_descriptor_make_a_stream(tmp_path):
+    if not Path("/dev/shm").is_dir():
+        pytest.skip("no /dev/shm")
+    link = Path("/dev/shm") / f"laps-test-{os.getpid()}.json"
+    link.symlink_to(tmp_path / "r.json")
+    try:
+        assert not is_stream(link)  # a link of the user's under /dev to a file of its own
+    finally:
+        link.unlink()
+    (tmp_path / "to-stdout").symlink_to("/dev/stdout")
+    assert is_stream(tmp_path / "to-stdout") and is_stream(Path("/dev/fd/1")) and is_stream(Path("/proc/self/fd/1"))
+
+
+def test_a_report_to_standard_output_is_the_only_thing_there(capfd):
+    assert laps_main(["simulate", "--dataset", "mtbench", "--rate", "4", "--duration", "2", "--out", "/dev/stdout"]) == 0
+    out, err = capfd.readouterr()
+    assert orjson.loads(out)["requests"]["sent"] > 0  # one JSON document: the table went to standard error
+    assert "TTFT" in err and "wrote /dev/stdout" in err
 
 
 def test_a_stream_redirected_to_a_file_named_as_the_other_output_is_that_file(tmp_path, capsys):

@@ -817,7 +817,7 @@ class EngineCore:
     def _late_last_key(self, pushed_back: set[str]) -> Callable[[_Req], tuple]:
         """shortest-prefill-first's sort key with laps' plugin (``late_last_ttft_s``): pushed back last, then those
         waiting past their TTFT objective, then the fewest uncached tokens, then queue-entry time (module doc)."""
-        cfg, now = self.config, self._now
+        now = self._now
 
         def key(r: _Req) -> tuple:
             work = r.prefill_work
