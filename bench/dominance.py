@@ -87,11 +87,11 @@ cannot be written), 2 on a usage error or a refused ``--verdict-of`` file, 130 o
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import multiprocessing
 import multiprocessing.pool
-import os
 import random
 import signal
 import sys
@@ -110,8 +110,8 @@ from engines.sim.latency import make_latency_model  # noqa: E402
 from laps.config import Config, load_config, parse_config  # noqa: E402
 from laps.doc_help import doc_parser  # noqa: E402
 from laps.tokenizer import load_tokenizer  # noqa: E402
-from loadgen.cli import gamma_shape, output_file, positive_float, positive_int  # noqa: E402
-from loadgen.report import build_report, is_stdout, is_stream, ms, open_output, partial_path  # noqa: E402
+from loadgen.cli import check_output_path, gamma_shape, output_file, positive_float, positive_int  # noqa: E402
+from loadgen.report import build_report, is_stdout, is_stream, ms, open_output  # noqa: E402
 from loadgen.simulate import simulate_run  # noqa: E402
 from loadgen.virtual import VirtualRun  # noqa: E402
 from loadgen.workloads import CODE_BURST_RATE_RPS, TIMED_DATASETS, build_workload, load_azure_trace  # noqa: E402
@@ -743,42 +743,32 @@ def bench_console(width: int, out: Path | None) -> Console:
 
 
 def claim_out(parser: argparse.ArgumentParser, path: Path) -> Claim:
-    """Make sure ``path`` can take a bench's output before any simulation (not after hours of it): its folders made (at
-    a link's target), the file beside it that :func:`write` renames over it made and removed, the file created empty if
-    absent; what this call made (take it back with :meth:`Claim.release` if the run ends with nothing to write). A
-    stream (:func:`~loadgen.report.is_stream`) is left as it is.
+    """Make sure ``path`` can take a bench's output before any simulation (not after hours of it): refused as ``laps
+    simulate`` refuses an ``--out`` (:func:`~loadgen.cli.check_output_path`), else its folders made (at a link's
+    target) and the file created empty if absent; what this call made (take it back with :meth:`Claim.release` if the
+    run ends with nothing to write). A stream (:func:`~loadgen.report.is_stream`) is left as it is.
 
     Raises:
-        SystemExit: through ``parser.error`` (exit 2) if ``path`` is a directory or cannot be created; what this call
+        SystemExit: through ``parser.error`` (exit 2) where ``path`` is refused or cannot be created; what this call
             made is taken back first.
     """
-    claim = Claim()
     try:
-        if path.is_dir():
-            parser.error(f"--out {path} is a directory; name a JSON file")
-        if is_stream(path):
-            if not os.access(path, os.W_OK):
-                parser.error(f"--out {path}: cannot be written (no write permission)")
-            return claim
+        check_output_path("--out", path)
+    except ValueError as err:
+        parser.error(str(err))
+    claim = Claim()
+    if is_stream(path):
+        return claim
+    try:
         target = path.resolve()
-        folders = []
-        for folder in target.parents:
-            if folder.exists():
-                break
-            folders.append(folder)
-        claim = Claim(None, tuple(folders))
+        claim = Claim(None, tuple(itertools.takewhile(lambda folder: not folder.exists(), target.parents)))
         target.parent.mkdir(parents=True, exist_ok=True)
-        partial = partial_path(target)
-        if not partial.exists():  # one already there is :func:`write`'s to replace, not this check's to remove
-            partial.touch()
-            partial.unlink()
-        if not path.exists():
-            path.touch()
+        if not target.exists():
+            target.touch()
             claim = Claim(target, claim.folders)
-    except (OSError, RuntimeError) as err:  # the name says where: "File exists: runs" for a file in the way of the folder
+    except OSError as err:  # made impossible since the check
         claim.release()
-        where = f": {err.filename}" if getattr(err, "filename", None) else ""
-        parser.error(f"--out {path}: cannot be created ({getattr(err, 'strerror', None) or err}{where})")
+        parser.error(f"--out {path}: cannot be created ({err.strerror or err})")
     return claim
 
 

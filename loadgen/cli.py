@@ -11,7 +11,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from stat import S_ISREG
+from stat import S_ISCHR
 from typing import Callable
 
 from rich.console import Console
@@ -20,7 +20,7 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedCo
 from engines.manager import sim_model
 from laps.config import DEFAULT_CONFIG_PATH, load_config, parse_config
 from laps.tokenizer import ChatTokenizer, load_tokenizer
-from loadgen.report import build_report, is_stdout, is_stream, partial_path, plot_path, print_report, write_report, write_trace
+from loadgen.report import build_report, is_stdout, is_stream, link_chain, partial_path, plot_path, print_report, write_report, write_trace
 from loadgen.runner import THINK_DISTRIBUTIONS, LoadgenError, RequestRecord, discover_context_tokens, run_loadgen
 from loadgen.simulate import simulate_run
 from loadgen.workloads import (
@@ -234,31 +234,26 @@ def _progress_bar(args: argparse.Namespace, console: Console, unit: str) -> tupl
 
 def check_output_paths(args: argparse.Namespace) -> None:
     """Refuse ``--out`` (and the PNG beside it, :func:`~loadgen.report.plot_path`) and ``--trace-out`` before the run,
-    not after it: each must name a file of its own that can be written: an existing one (or what a link names: a
-    FIFO, a device, /dev/stdout) writable, without being opened; a new one creatable (created and removed again here);
-    one in folders still to be made (made when the outputs are written, at a link's target) with names the file
-    system takes, under a nearest existing folder in which a folder can be made (one is made and removed again); and
-    no output where another needs a folder. Streams (:func:`~loadgen.report.is_stream`: /dev/null, /dev/stdout) may
-    take more than one output. A refused run leaves no file or folder behind.
+    not after it: each as :func:`check_output_path`, and no two outputs one file (one name, a link, a hard link, one
+    pipe) nor one where another needs a folder. A device (/dev/null, a terminal) may take more than one output. A
+    refused run leaves no file or folder behind.
 
     Raises:
-        ValueError: a path is a directory, two outputs are one file (one name, a link or a hard link), one needs the
-            other's path as its folder, a folder cannot be made, or a file cannot be written; the message names the
-            flag and the path.
+        ValueError: as :func:`check_output_path`; two outputs are one file, or one needs the other's path as its
+            folder; the message names the flag and the path.
     """
     outputs = [("--out", lambda: args.out)] if args.out is not None else []
     outputs += [("--out's plot", lambda: plot_path(args.out))] if args.out is not None else []
     outputs += [("--trace-out", lambda: args.trace_out)] if args.trace_out is not None else []
     seen: dict[object, tuple[str, Path]] = {}
     for flag, path_of in outputs:
-        path = None
         try:
             path = path_of()
-            if path is None:  # no plot beside a stream
-                continue
-            identity = _check_output_path(flag, path)
-        except OSError as err:  # a folder on the way that cannot be searched, a name too long to look up
-            raise ValueError(f"{flag} {path or args.out}: cannot be written ({err.strerror or err})") from None
+        except OSError as err:  # the plot's name, beside an --out that cannot be looked up
+            raise ValueError(f"{flag} {args.out}: cannot be written ({err.strerror or err})") from None
+        if path is None:  # no plot beside a stream
+            continue
+        identity = check_output_path(flag, path)
         if identity in seen:
             raise ValueError(f"{flag} {path}: the same file as {seen[identity][0]}; give each output its own name")
         for other, (other_flag, other_path) in seen.items():  # new files only: an existing one's folders exist
@@ -270,22 +265,40 @@ def check_output_paths(args: argparse.Namespace) -> None:
             seen[identity] = flag, path
 
 
-def _check_output_path(flag: str, path: Path) -> object:
-    """One output of :func:`check_output_paths`; what tells it apart from the others: None for a stream to a device or
-    a pipe, an existing file's device and inode (a hard link, or /dev/stdout redirected to it, is the same file), else
-    the path it would be written at (a link's target). A file of its own is written beside itself and renamed over
-    (:func:`~loadgen.report.open_output`), so its folder must take that file too (made and removed again here).
+def check_output_path(flag: str, path: Path) -> object:
+    """Refuse ``path`` (``flag``'s) before a run unless it names a file of its own that
+    :func:`~loadgen.report.open_output` can write: an existing one (or what a link names: a FIFO, a device,
+    /dev/stdout) writable, without being opened; a new one creatable; and, as a file is written beside itself and
+    renamed over, its ``NAME.partial`` too (each created and removed again here, a folder of that name refused); in
+    folders still to be made (made when the outputs are written, at a link's target), names the file system takes,
+    under a nearest existing folder in which a folder can be made (one is made and removed again). No link on its
+    way may name a folder (``dir/``, ``dir/.``), nor a file descriptor that is not open. What tells it apart from other
+    outputs: None for a device, which takes any number; a pipe's or an existing file's device and inode (a hard link,
+    or /dev/stdout redirected to it, is the same file); else the path it would be written at (a link's target).
 
     Raises:
-        ValueError: as :func:`check_output_paths`.
+        ValueError: why, naming the flag and the path.
+    """
+    try:
+        return _check_output_path(flag, path)
+    except OSError as err:  # a folder on the way that cannot be searched, a name too long to look up
+        raise ValueError(f"{flag} {path}: cannot be written ({err.strerror or err})") from None
+
+
+def _check_output_path(flag: str, path: Path) -> object:
+    """:func:`check_output_path`, but for what cannot be looked up.
+
+    Raises:
+        ValueError: as :func:`check_output_path`.
         OSError: the path cannot be looked up.
     """
-    if path.is_dir():
-        raise ValueError(f"{flag} {path}: a directory, not a file name")
-    if path.is_symlink():
-        link = os.readlink(path)
+    for _, link in link_chain(path):
         if link in (".", "..") or link.endswith(("/", "/.", "/..")):
             raise ValueError(f"{flag} {path}: a link to a folder ({link}), not to a file")
+    if path.is_dir():
+        raise ValueError(f"{flag} {path}: a directory, not a file name")
+    if not path.exists() and is_stream(path):
+        raise ValueError(f"{flag} {path}: names a file descriptor that is not open")
     try:
         target = path.resolve()  # where it is written: a link's target, a dangling link's too
     except RuntimeError as err:  # a loop of links
@@ -296,22 +309,32 @@ def _check_output_path(flag: str, path: Path) -> object:
             raise ValueError(f"{flag} {path}: cannot be written (no write permission)")
         stat = path.stat()  # what a stream goes to: a file redirected to is one file with its own name
         if is_stream(path):
-            return None if not S_ISREG(stat.st_mode) else (stat.st_dev, stat.st_ino)
+            return None if S_ISCHR(stat.st_mode) else (stat.st_dev, stat.st_ino)
         identity = stat.st_dev, stat.st_ino
+    partial = partial_path(target)
     if not target.parent.is_dir():
-        _check_folders_can_be_made(flag, path, partial_path(target))
+        _check_folders_can_be_made(flag, path, partial)
         return identity
-    for name in (target, partial_path(target)):
-        if name.is_dir():
-            raise ValueError(f"{flag} {path}: cannot be written ({name.name}, which it is written as first, is a folder)")
-        if name.exists():
-            continue  # the file itself (checked above), or a .partial left from before: replaced when written
+    longest = os.pathconf(target.parent, "PC_NAME_MAX")
+    if len(os.fsencode(partial.name)) > longest:
+        raise ValueError(f"{flag} {path}: cannot be written ({_ends(partial.name)}, which it is written as first, "
+                         f"is longer than {longest} bytes)")
+    if partial.is_dir():
+        raise ValueError(f"{flag} {path}: cannot be written ({partial.name}, which it is written as first, is a folder)")
+    for name in (target, partial):
+        if os.path.lexists(name):
+            continue  # the file itself (checked above), or a file or link left from before: replaced when written
         try:
             os.close(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
         except OSError as err:
             raise ValueError(f"{flag} {path}: cannot be written ({err.strerror or err}: {name.name})") from None
         name.unlink()
     return identity
+
+
+def _ends(name: str) -> str:
+    """A long file name shortened to its two ends (where a suffix such as ``.partial`` shows)."""
+    return name if len(name) <= 50 else f"{name[:24]}...{name[-24:]}"
 
 
 def _check_folders_can_be_made(flag: str, path: Path, target: Path) -> None:
@@ -328,7 +351,7 @@ def _check_folders_can_be_made(flag: str, path: Path, target: Path) -> None:
     longest = os.pathconf(ancestor, "PC_NAME_MAX")
     for name in target.relative_to(ancestor).parts:
         if len(os.fsencode(name)) > longest:
-            raise ValueError(f"{flag} {path}: cannot be written (a name longer than {longest} bytes: {name[:40]}...)")
+            raise ValueError(f"{flag} {path}: cannot be written (a name longer than {longest} bytes: {_ends(name)})")
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".laps-check-", dir=ancestor))
     except OSError as err:

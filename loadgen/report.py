@@ -8,11 +8,13 @@ violations; the rate is over all requests sent.
 
 from __future__ import annotations
 
+import errno
 import os
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from stat import S_IMODE
 from typing import BinaryIO
 
 import numpy as np
@@ -254,9 +256,9 @@ MAX_LINK_HOPS = 40  # as Linux's own limit on links followed in one lookup (ELOO
 
 def is_stream(path: Path) -> bool:
     """Whether ``path`` names a stream rather than a file of its own: an existing file that is no regular file (a
-    device, a FIFO, a pipe), or a path whose links lead through a link that names an open file descriptor
-    (``/dev/stdout``, ``/dev/stderr``, ``/dev/fd/N``, ``/proc/PID/fd/N``), whatever the shell redirected it to. A file of
-    its own under ``/dev/shm``, or a link there to one, is none. Outputs are appended to a stream as they are: no plot
+    device, a FIFO, a pipe), or a path that is, or whose links lead through, a link that names a file descriptor
+    (``/dev/stdout``, ``/dev/stderr``, ``/dev/fd/N``, ``/proc/PID/fd/N``), whatever the shell redirected it to (or
+    nothing, where it is closed). A file of its own under ``/dev/shm``, or a link there to one, is none. Outputs are appended to a stream as they are: no plot
     beside it, no file renamed over it.
 
     Raises:
@@ -265,13 +267,23 @@ def is_stream(path: Path) -> bool:
     path = Path(path).absolute()
     if path.exists() and not path.is_file():
         return True
+    return _names_descriptor(path) or any(_names_descriptor(link) for link, _ in link_chain(path))
+
+
+def link_chain(path: Path) -> Iterator[tuple[Path, str]]:
+    """The links on the way from ``path`` to what it names, each as (its absolute path, the text it holds); at most
+    :data:`MAX_LINK_HOPS` (a longer chain, or a loop, ends there).
+
+    Raises:
+        OSError: a link cannot be looked up.
+    """
+    path = Path(path).absolute()
     for _ in range(MAX_LINK_HOPS):
         if not path.is_symlink():
-            return False
-        if _names_descriptor(path):
-            return True
-        path = path.parent / os.readlink(path)  # a relative link from its own folder
-    return False
+            return
+        text = os.readlink(path)
+        yield path, text
+        path = path.parent / text  # a relative link from its own folder
 
 
 def _names_descriptor(path: Path) -> bool:
@@ -300,11 +312,14 @@ def partial_path(target: Path) -> Path:
 def open_output(path: Path) -> Iterator[BinaryIO]:
     """Open an output for writing, as a ``with`` block: a stream (:func:`is_stream`) appended to, as a shell's ``>>``
     would; a file of its own written beside itself (:func:`partial_path`, its folders made where missing, at a link's
-    target) and renamed over it when the block ends, so a write that fails (a full disk) or is interrupted leaves the
-    earlier file whole and no partial one.
+    target; a file or link left there from before removed first, never written through) and renamed over it, with
+    the earlier file's permissions, when the block ends, so a write that fails (a full disk) or is interrupted leaves
+    the earlier file whole and no partial one. An existing file with more than one name (hard links) is written in
+    place instead, so that it stays one file.
 
     Raises:
-        OSError: the file or a folder cannot be written.
+        OSError: the file, the one beside it or a folder cannot be written (an existing file without write
+            permission included; a folder in the way of the file beside it).
     """
     if is_stream(path):
         with open(path, "ab") as f:
@@ -312,14 +327,21 @@ def open_output(path: Path) -> Iterator[BinaryIO]:
         return
     target = Path(path).resolve()
     target.parent.mkdir(parents=True, exist_ok=True)
+    earlier = target.stat() if target.exists() else None
+    if earlier is not None and not os.access(target, os.W_OK):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+    if earlier is not None and earlier.st_nlink > 1:
+        with open(target, "wb") as f:
+            yield f
+        return
     partial = partial_path(target)
-    try:
-        f = open(partial, "wb")
-    except OSError as err:
-        err.filename = str(path)  # the user's name for it, not the one written beside it
-        raise
+    if os.path.lexists(partial) and not partial.is_dir():
+        partial.unlink()
+    f = open(partial, "xb")
     try:
         with f:
+            if earlier is not None:
+                os.fchmod(f.fileno(), S_IMODE(earlier.st_mode))
             yield f
         partial.replace(target)
     except BaseException:

@@ -360,6 +360,18 @@ def test_a_stopped_run_keeps_what_it_wrote_and_a_file_it_did_not_make(tmp_path, 
         dominance.stopped(parser, dominance.Claim(), ValueError("bad row"))
 
 
+def test_an_out_is_refused_before_the_run_as_laps_simulate_refuses_it(tmp_path, capsys):
+    parser = dominance.doc_parser(dominance.__doc__, prog="bench")
+    (tmp_path / "p.json.partial").mkdir()  # in the way of the file the JSON is written as first
+    (tmp_path / "dot-link.json").symlink_to(f"{tmp_path / 'later'}/.")
+    for out, says in ((tmp_path / "p.json", "cannot be written (p.json.partial, which it is written as first, is a folder)"),
+                      (tmp_path / "dot-link.json", f"a link to a folder ({tmp_path / 'later'}/.), not to a file")):
+        with pytest.raises(SystemExit) as exit_:
+            dominance.claim_out(parser, out)
+        assert exit_.value.code == 2 and capsys.readouterr().err.endswith(f"bench: error: --out {out}: {says}\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dot-link.json", "p.json.partial"]
+
+
 def test_a_claim_takes_back_only_what_is_still_empty(tmp_path):
     parser = dominance.doc_parser(dominance.__doc__, prog="bench")
     claim = dominance.claim_out(parser, tmp_path / "a" / "b" / "d.json")
@@ -377,7 +389,7 @@ def test_an_out_that_cannot_be_made_leaves_no_folder_behind(tmp_path, capsys):
     out = tmp_path / "new" / ("n" * (os.pathconf(tmp_path, "PC_NAME_MAX") - len(".json") - 2) + ".json")  # .partial: too long
     with pytest.raises(SystemExit) as exit_:
         dominance.claim_out(parser, out)
-    assert exit_.value.code == 2 and "cannot be created (File name too long" in capsys.readouterr().err
+    assert exit_.value.code == 2 and "cannot be written (a name longer than" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
 
 
@@ -455,12 +467,12 @@ def test_an_out_in_a_loop_of_links_is_a_usage_error(tmp_path, capsys):
     (tmp_path / "b.json").symlink_to(tmp_path / "a.json")
     with pytest.raises(SystemExit) as exit_:
         dominance.main(["--workloads", "mixed", "--out", str(tmp_path / "a.json")])
-    assert exit_.value.code == 2 and "--out " + str(tmp_path / "a.json") + ": cannot be created (Symlink loop" in capsys.readouterr().err
+    assert exit_.value.code == 2 and "--out " + str(tmp_path / "a.json") + ": cannot be written (Symlink loop" in capsys.readouterr().err
 
 
 def test_an_out_whose_file_beside_it_cannot_be_made_is_refused_before_the_run(tmp_path, capsys):
     out = tmp_path / ("n" * (os.pathconf(tmp_path, "PC_NAME_MAX") - len(".json") - 2) + ".json")  # .partial: too long
     with pytest.raises(SystemExit) as exit_:
         dominance.main(["--workloads", "mixed", "--out", str(out)])
-    assert exit_.value.code == 2 and "cannot be created (File name too long" in capsys.readouterr().err
+    assert exit_.value.code == 2 and ".json.partial, which it is written as first, is longer than" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []

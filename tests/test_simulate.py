@@ -277,6 +277,10 @@ def test_an_output_another_needs_as_its_folder_a_link_to_a_folder_and_a_name_too
     a, b = tmp_path / "a", tmp_path / "b"
     (tmp_path / "folder-link.json").symlink_to(f"{tmp_path / 'later'}/")
     (tmp_path / "dot-link.json").symlink_to(f"{tmp_path / 'later'}/.")
+    (tmp_path / "chained.json").symlink_to(tmp_path / "dot-link.json")  # a link to a link to a folder
+    almost = tmp_path / ("n" * (os.pathconf(tmp_path, "PC_NAME_MAX") - 4))  # fits; with .partial it does not
+    with open(tmp_path / "closed.txt", "w") as f:
+        closed = f.fileno()
     (tmp_path / "busy.json.partial").mkdir()  # in the way of the file a report is written as first
     too_long = tmp_path / ("n" * (os.pathconf(tmp_path, "PC_NAME_MAX") + 1) + ".json")
     for outputs, says in ((["--out", str(a / "x.json"), "--trace-out", str(a)], f"--trace-out {a}: --out {a / 'x.json'} needs it as a folder"),
@@ -285,10 +289,20 @@ def test_an_output_another_needs_as_its_folder_a_link_to_a_folder_and_a_name_too
                           (["--out", str(tmp_path / "dot-link.json")], f"--out {tmp_path / 'dot-link.json'}: a link to a folder"),
                           (["--out", str(tmp_path / "busy.json")], f"--out {tmp_path / 'busy.json'}: cannot be written "
                                                                     "(busy.json.partial, which it is written as first, is a folder)"),
+                          (["--out", str(tmp_path / "chained.json")], f"--out {tmp_path / 'chained.json'}: a link to a folder"),
+                          (["--out", str(almost)], f"--out {almost}: cannot be written (nnnn"),
+                          (["--out", f"/dev/fd/{closed}"], f"--out /dev/fd/{closed}: names a file descriptor that is not open"),
                           (["--out", str(too_long)], f"--out {too_long}: cannot be written (File name too long)")):
         assert laps_main([*argv, *outputs]) == 2
         assert capsys.readouterr().err.startswith(f"laps simulate: {says}")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["busy.json.partial", "dot-link.json", "folder-link.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["busy.json.partial", "chained.json", "closed.txt", "dot-link.json", "folder-link.json"]
+    read_end, write_end = os.pipe()  # one pipe takes one output: a JSON and a trace mixed there would be neither
+    try:
+        assert laps_main([*argv, "--out", f"/dev/fd/{write_end}", "--trace-out", f"/dev/fd/{write_end}"]) == 2
+        assert capsys.readouterr().err.startswith(f"laps simulate: --trace-out /dev/fd/{write_end}: the same file as --out")
+    finally:
+        os.close(read_end)
+        os.close(write_end)
 
 
 def test_a_stream_is_appended_to_with_no_plot_beside_it(tmp_path):
@@ -314,9 +328,21 @@ def test_a_file_is_written_beside_itself_and_renamed_over_so_a_failed_write_leav
         f.write(b"whole\n")
     assert out.read_text() == "whole\n" and [p.name for p in tmp_path.iterdir()] == ["r.json"]
     (tmp_path / "x.json.partial").mkdir()
-    with pytest.raises(IsADirectoryError) as info, open_output(tmp_path / "x.json"):
+    with pytest.raises(FileExistsError) as info, open_output(tmp_path / "x.json"):
         pass
-    assert info.value.filename == str(tmp_path / "x.json")  # the name the user gave, not the one beside it
+    assert info.value.filename == str(tmp_path / "x.json.partial")  # what is in the way
+    precious = tmp_path / "precious.txt"
+    precious.write_text("mine\n")
+    (tmp_path / "r.json.partial").symlink_to(precious)  # a link left where the file beside --out is written
+    out.chmod(0o600)
+    with open_output(out) as f:
+        f.write(b"again\n")
+    assert precious.read_text() == "mine\n" and not (tmp_path / "r.json.partial").exists()  # not written through
+    assert out.read_text() == "again\n" and out.stat().st_mode & 0o777 == 0o600  # the earlier file's permissions
+    (tmp_path / "other-name.json").hardlink_to(out)
+    with open_output(out) as f:
+        f.write(b"both\n")
+    assert (tmp_path / "other-name.json").read_text() == "both\n"  # a file of two names written in place: still one
 
 
 def test_only_links_that_name_a_descriptor_make_a_stream(tmp_path):
