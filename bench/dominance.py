@@ -87,7 +87,6 @@ cannot be written), 2 on a usage error or a refused ``--verdict-of`` file, 130 o
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
 import multiprocessing
@@ -95,6 +94,7 @@ import multiprocessing.pool
 import random
 import signal
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,7 +111,7 @@ from laps.config import Config, load_config, parse_config  # noqa: E402
 from laps.doc_help import doc_parser  # noqa: E402
 from laps.tokenizer import load_tokenizer  # noqa: E402
 from loadgen.cli import check_output_path, gamma_shape, output_file, positive_float, positive_int  # noqa: E402
-from loadgen.report import build_report, is_stdout, is_stream, ms, open_output  # noqa: E402
+from loadgen.report import beside, build_report, is_stdout, is_stream, make_folders, ms, open_output, remove_empty  # noqa: E402
 from loadgen.simulate import simulate_run  # noqa: E402
 from loadgen.virtual import VirtualRun  # noqa: E402
 from loadgen.workloads import CODE_BURST_RATE_RPS, TIMED_DATASETS, build_workload, load_azure_trace  # noqa: E402
@@ -502,6 +502,11 @@ def arrivals_label(rows: list[dict]) -> str:
     return "" if burstiness in (None, 1.0) else f", gamma arrivals (burstiness {burstiness:.15g})"
 
 
+def sweep_plot(out: Path, workload: str, pd: bool) -> Path:
+    """Where the sweep of ``workload`` (its PD run with ``pd``) draws its plot: beside ``out``, ``STEM_WORKLOAD[_pd].png``."""
+    return beside(out, f"{Path(out).stem}_{workload}{'_pd' if pd else ''}.png")
+
+
 def plot(rows: list[dict], path: Path, title: str, saturation: float) -> None:
     """Violations (fixed and length-aware) and short P90 TTFT against offered load (× least_load's saturation load);
     the first panel's title names the arrivals' burstiness where the rows are not Poisson."""
@@ -529,8 +534,11 @@ def plot(rows: list[dict], path: Path, title: str, saturation: float) -> None:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    try:
+        with open_output(path) as f:
+            fig.savefig(f, format="png", dpi=100)
+    finally:
+        plt.close(fig)
 
 
 def sweep_label(workload: str, pd: bool) -> str:
@@ -716,11 +724,7 @@ class Claim:
         stays (a link to the file stays as it was)."""
         if self.file is not None and self.file.is_file() and self.file.stat().st_size == 0:
             self.file.unlink()
-        for folder in self.folders:
-            try:
-                folder.rmdir()
-            except OSError:  # something in it (or gone): it and those above it stay
-                break
+        remove_empty(self.folders)
 
 
 def save(parser: argparse.ArgumentParser, console: Console, path: Path, data: dict, claim: Claim) -> bool:
@@ -742,18 +746,22 @@ def bench_console(width: int, out: Path | None) -> Console:
     return Console(width=width, stderr=out is not None and is_stdout(out))
 
 
-def claim_out(parser: argparse.ArgumentParser, path: Path) -> Claim:
+def claim_out(parser: argparse.ArgumentParser, path: Path, plots: Sequence[Path] = ()) -> Claim:
     """Make sure ``path`` can take a bench's output before any simulation (not after hours of it): refused as ``laps
-    simulate`` refuses an ``--out`` (:func:`~loadgen.cli.check_output_path`), else its folders made (at a link's
-    target) and the file created empty if absent; what this call made (take it back with :meth:`Claim.release` if the
-    run ends with nothing to write). A stream (:func:`~loadgen.report.is_stream`) is left as it is.
+    simulate`` refuses an ``--out`` (:func:`~loadgen.cli.check_output_path`), as are the ``plots`` to be written beside
+    it (none beside a stream), else its folders made (at a link's target) and the file created empty if absent; what
+    this call made (take it back with :meth:`Claim.release` if the run ends with nothing to write). A stream
+    (:func:`~loadgen.report.is_stream`) is left as it is.
 
     Raises:
-        SystemExit: through ``parser.error`` (exit 2) where ``path`` is refused or cannot be created; what this call
-            made is taken back first.
+        SystemExit: through ``parser.error`` (exit 2) where ``path`` or a plot is refused or cannot be created; what
+            this call made is taken back first.
     """
     try:
         check_output_path("--out", path)
+        if not is_stream(path):
+            for png in plots:
+                check_output_path("--out's plot", png)
     except ValueError as err:
         parser.error(str(err))
     claim = Claim()
@@ -761,8 +769,7 @@ def claim_out(parser: argparse.ArgumentParser, path: Path) -> Claim:
         return claim
     try:
         target = path.resolve()
-        claim = Claim(None, tuple(itertools.takewhile(lambda folder: not folder.exists(), target.parents)))
-        target.parent.mkdir(parents=True, exist_ok=True)
+        claim = Claim(None, make_folders(target.parent))
         if not target.exists():
             target.touch()
             claim = Claim(target, claim.folders)
@@ -884,7 +891,7 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"note: --duration does not bound {', '.join(replayed)}: a replayed workload replays its first "
                       f"~{REQUESTS_PER_POINT:,} requests at every load")
     all_rows, verdicts, written = [], [], []
-    claim = claim_out(parser, args.out)
+    claim = claim_out(parser, args.out, [sweep_plot(args.out, w, pd) for w, pd in runs])
     try:
         with simulation_pool(args.jobs) as pool, Progress(console=console, transient=True) as progress:
             for workload, pd in runs:
@@ -893,7 +900,7 @@ def main(argv: list[str] | None = None) -> int:
                 verdicts.append(v)
                 if is_stream(args.out):  # no PNG beside a stream, and the JSON goes there once, whole, at the end
                     continue
-                png = args.out.with_name(f"{args.out.stem}_{workload}{'_pd' if pd else ''}.png")
+                png = sweep_plot(args.out, workload, pd)
                 writing = png
                 try:
                     plot(rows, png, v["workload"], v["saturation_load"])

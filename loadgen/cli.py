@@ -11,7 +11,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from stat import S_ISCHR
+from stat import S_ISCHR, S_ISSOCK
 from typing import Callable
 
 from rich.console import Console
@@ -20,7 +20,8 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedCo
 from engines.manager import sim_model
 from laps.config import DEFAULT_CONFIG_PATH, load_config, parse_config
 from laps.tokenizer import ChatTokenizer, load_tokenizer
-from loadgen.report import build_report, is_stdout, is_stream, link_chain, partial_path, plot_path, print_report, write_report, write_trace
+from loadgen.report import (build_report, is_stdout, is_stream, link_chain, partial_path, plot_path, print_report, write_report,
+                            write_trace, written_in_place)
 from loadgen.runner import THINK_DISTRIBUTIONS, LoadgenError, RequestRecord, discover_context_tokens, run_loadgen
 from loadgen.simulate import simulate_run
 from loadgen.workloads import (
@@ -268,8 +269,9 @@ def check_output_paths(args: argparse.Namespace) -> None:
 def check_output_path(flag: str, path: Path) -> object:
     """Refuse ``path`` (``flag``'s) before a run unless it names a file of its own that
     :func:`~loadgen.report.open_output` can write: an existing one (or what a link names: a FIFO, a device,
-    /dev/stdout) writable, without being opened; a new one creatable; and, as a file is written beside itself and
-    renamed over, its ``NAME.partial`` too (each created and removed again here, a folder of that name refused); in
+    /dev/stdout; no socket) writable, without being opened; a new one creatable; and, as a file is written beside
+    itself and renamed over (unless :func:`~loadgen.report.written_in_place`), its ``NAME.partial`` too (each created
+    and removed again here, a folder of that name refused); in
     folders still to be made (made when the outputs are written, at a link's target), names the file system takes,
     under a nearest existing folder in which a folder can be made (one is made and removed again). No link on its
     way may name a folder (``dir/``, ``dir/.``), nor a file descriptor that is not open. What tells it apart from other
@@ -286,7 +288,7 @@ def check_output_path(flag: str, path: Path) -> object:
 
 
 def _check_output_path(flag: str, path: Path) -> object:
-    """:func:`check_output_path`, but for what cannot be looked up.
+    """:func:`check_output_path`, which turns this one's OSError into its ValueError.
 
     Raises:
         ValueError: as :func:`check_output_path`.
@@ -308,9 +310,13 @@ def _check_output_path(flag: str, path: Path) -> object:
         if not os.access(path, os.W_OK):
             raise ValueError(f"{flag} {path}: cannot be written (no write permission)")
         stat = path.stat()  # what a stream goes to: a file redirected to is one file with its own name
+        if S_ISSOCK(stat.st_mode):
+            raise ValueError(f"{flag} {path}: a socket, not a file")
         if is_stream(path):
             return None if S_ISCHR(stat.st_mode) else (stat.st_dev, stat.st_ino)
         identity = stat.st_dev, stat.st_ino
+        if written_in_place(target, stat):
+            return identity
     partial = partial_path(target)
     if not target.parent.is_dir():
         _check_folders_can_be_made(flag, path, partial)

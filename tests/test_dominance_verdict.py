@@ -372,6 +372,17 @@ def test_an_out_is_refused_before_the_run_as_laps_simulate_refuses_it(tmp_path, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dot-link.json", "p.json.partial"]
 
 
+def test_a_sweep_whose_plots_could_not_be_written_is_refused_before_it_runs(tmp_path, capsys):
+    parser = dominance.doc_parser(dominance.__doc__, prog="bench")
+    out = tmp_path / ("c" * (os.pathconf(tmp_path, "PC_NAME_MAX") - 18))  # c..c_mixed.png.partial fits, c..c_mixed_pd.png.partial not
+    plots = [dominance.sweep_plot(out, "mixed", False), dominance.sweep_plot(out, "mixed", True)]
+    with pytest.raises(SystemExit) as exit_:
+        dominance.claim_out(parser, out, plots)
+    assert exit_.value.code == 2 and f"--out's plot {plots[1]}: cannot be written" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+    assert dominance.sweep_plot(Path("runs/missing/../d.json"), "docs", True) == Path("runs").resolve() / "d_docs_pd.png"
+
+
 def test_a_claim_takes_back_only_what_is_still_empty(tmp_path):
     parser = dominance.doc_parser(dominance.__doc__, prog="bench")
     claim = dominance.claim_out(parser, tmp_path / "a" / "b" / "d.json")

@@ -17,7 +17,7 @@ from engines.sim.replies import ReplyPlanner
 from laps.cli import main as laps_main
 from laps.config import DEFAULT_CONFIG_PATH, load_config, parse_config
 from laps.tokenizer import load_tokenizer
-from loadgen.report import build_report, is_stream, open_output, print_run_summary, write_report
+from loadgen.report import build_report, is_stdout, is_stream, open_output, print_run_summary, write_report
 from loadgen.simulate import simulate, simulate_run
 from loadgen.workloads import Conversation, Turn, Workload, build_workload
 
@@ -343,6 +343,26 @@ def test_a_file_is_written_beside_itself_and_renamed_over_so_a_failed_write_leav
     with open_output(out) as f:
         f.write(b"both\n")
     assert (tmp_path / "other-name.json").read_text() == "both\n"  # a file of two names written in place: still one
+
+
+def test_a_failed_write_takes_back_the_folders_it_made_and_a_plot_goes_where_its_name_says(tmp_path, monkeypatch):
+    with pytest.raises(OSError, match="No space left"), open_output(tmp_path / "new" / "sub" / "r.json"):
+        raise OSError(28, "No space left on device")
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.chdir(tmp_path)
+    argv = ["simulate", "--dataset", "mtbench", "--rate", "1", "--duration", "1", "--quiet"]
+    assert laps_main([*argv, "--out", "./missing/../r.json"]) == 0  # "missing" need not exist: the name says here
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "r.png"]
+
+
+def test_a_socket_is_refused_before_the_run_and_a_device_is_not_standard_output(tmp_path, capsys):
+    import socket
+
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(tmp_path / "sock"))
+        assert laps_main(["simulate", "--dataset", "mtbench", "--rate", "1", "--duration", "1", "--out", str(tmp_path / "sock")]) == 2
+    assert capsys.readouterr().err.startswith(f"laps simulate: --out {tmp_path / 'sock'}: a socket, not a file")
+    assert not is_stdout(Path("/dev/null"))  # even where standard output is /dev/null: a table printed there is gone anyway
 
 
 def test_only_links_that_name_a_descriptor_make_a_stream(tmp_path):
