@@ -274,7 +274,8 @@ def check_output_path(flag: str, path: Path) -> object:
     and removed again here, a folder of that name refused); in
     folders still to be made (made when the outputs are written, at a link's target), names the file system takes,
     under a nearest existing folder in which a folder can be made (one is made and removed again). No link on its
-    way may name a folder (``dir/``, ``dir/.``), nor a file descriptor that is not open. What tells it apart from other
+    way may name a folder (``dir/``, ``dir/.``), nor a file descriptor that is not open; neither it nor a link on its
+    way may go up (``..``) from a folder that is not there (``missing/../x.json``, which the system cannot open). What tells it apart from other
     outputs: None for a device, which takes any number; a pipe's or an existing file's device and inode (a hard link,
     or /dev/stdout redirected to it, is the same file); else the path it would be written at (a link's target).
 
@@ -297,6 +298,11 @@ def _check_output_path(flag: str, path: Path) -> object:
     for _, link in link_chain(path):
         if link in (".", "..") or link.endswith(("/", "/.", "/..")):
             raise ValueError(f"{flag} {path}: a link to a folder ({link}), not to a file")
+    for name in (path, *(link.parent / text for link, text in link_chain(path))):
+        for i, part in enumerate(name.parts):
+            if part == ".." and i and not Path(*name.parts[:i]).is_dir():  # the system cannot go up from what is not there
+                raise ValueError(f"{flag} {path}: cannot be written ({Path(*name.parts[:i])} is no folder, and {name} "
+                                 f"goes through it)")
     if path.is_dir():
         raise ValueError(f"{flag} {path}: a directory, not a file name")
     if not path.exists() and is_stream(path):
@@ -371,15 +377,17 @@ def write_outputs(args: argparse.Namespace, report: dict, records: list[RequestR
     Raises:
         LoadgenError: a file cannot be written (a full disk), naming it.
     """
-    writing = args.out
+    writing, written = args.out, []
     try:
-        written = [*write_report(report, records, args.out)]
+        written += write_report(report, records, args.out)
         if args.trace_out is not None:
             writing = args.trace_out
             write_trace(records, args.trace_out)
             written.append(args.trace_out)
-    except OSError as err:  # after the run (a full disk): one line, not a traceback
-        raise LoadgenError(f"cannot write {err.filename or writing}: {err.strerror or err}") from None
+    except OSError as err:  # after the run (a full disk): one line, not a traceback, saying what was written before
+        done = [*getattr(err, "__notes__", []), *map(str, written)]
+        raise LoadgenError(f"cannot write {err.filename or writing}: {err.strerror or err}"
+                           + (f" (written: {', '.join(done)})" if done else "")) from None
     if not args.quiet:  # the table to standard error where the JSON goes to standard output (one document there)
         print_report(report, Console(stderr=any(p is not None and is_stdout(p) for p in (args.out, args.trace_out))))
         for note in report.get("notes", []):

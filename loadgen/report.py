@@ -316,11 +316,9 @@ def partial_path(target: Path) -> Path:
 
 
 def beside(out: Path, name: str) -> Path:
-    """The file called ``name`` in the folder ``out`` is in, as written where it needs no lookup (a link named ``out``
-    keeps its plot beside the link, not where it leads), else by its real path (``x/../y.json``: ``x`` may be a
-    folder still to be made, which the system could not pass through)."""
-    parent = Path(out).parent
-    return (parent.resolve() if ".." in parent.parts else parent) / name
+    """The file called ``name`` in the folder ``out`` is in (a link named ``out`` has its plot beside the link, not
+    where it leads)."""
+    return Path(out).parent / name
 
 
 def written_in_place(target: Path, earlier: os.stat_result | None) -> bool:
@@ -407,24 +405,28 @@ def plot_path(out: Path) -> Path | None:
 
 
 def write_report(report: dict, records: Sequence[RequestRecord], out: Path) -> tuple[Path, ...]:
-    """Write ``report`` as JSON at ``out`` (:func:`open_output`) and the TTFT plot at :func:`plot_path`; the paths
-    written.
+    """Write the TTFT plot at :func:`plot_path`, then ``report`` as JSON at ``out`` (each through :func:`open_output`);
+    the paths written. A plot that cannot be written leaves both earlier files as they were.
 
     Raises:
-        OSError: a file or folder cannot be written.
+        OSError: a file or folder cannot be written (the JSON's error notes a plot written before it).
     """
     out = Path(out)
-    with open_output(out) as f:
-        f.write(orjson.dumps(report, option=orjson.OPT_INDENT_2) + b"\n")
     png = plot_path(out)
-    if png is None:
-        return (out,)
+    if png is not None:
+        try:
+            plot_ttft_cdf(records, report["slo"]["ttft_s"], png, title=f"TTFT — {report.get('dataset', '')}")
+        except OSError as err:  # matplotlib's errors name no file: this one is the plot's
+            err.filename = err.filename or str(png)
+            raise
     try:
-        plot_ttft_cdf(records, report["slo"]["ttft_s"], png, title=f"TTFT — {report.get('dataset', '')}")
-    except OSError as err:  # matplotlib's errors name no file: this one is the plot's
-        err.filename = err.filename or str(png)
+        with open_output(out) as f:
+            f.write(orjson.dumps(report, option=orjson.OPT_INDENT_2) + b"\n")
+    except OSError as err:
+        if png is not None:
+            err.add_note(str(png))  # written: the caller says so
         raise
-    return out, png
+    return (out,) if png is None else (out, png)
 
 
 def write_trace(records: Iterable[RequestRecord], path: Path) -> None:

@@ -380,7 +380,7 @@ def test_a_sweep_whose_plots_could_not_be_written_is_refused_before_it_runs(tmp_
         dominance.claim_out(parser, out, plots)
     assert exit_.value.code == 2 and f"--out's plot {plots[1]}: cannot be written" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
-    assert dominance.sweep_plot(Path("runs/missing/../d.json"), "docs", True) == Path("runs").resolve() / "d_docs_pd.png"
+    assert dominance.sweep_plot(Path("runs/d.json"), "docs", True) == Path("runs/d_docs_pd.png")
 
 
 def test_a_claim_takes_back_only_what_is_still_empty(tmp_path):

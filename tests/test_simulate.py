@@ -267,7 +267,8 @@ def test_outputs_that_cannot_be_written_after_the_run_are_one_error_line_and_a_d
     assert laps_main([*argv, "--out", "/dev/full"]) == 1  # accepted (a device that can be written), then full
     assert capsys.readouterr().err == "laps simulate: cannot write /dev/full: No space left on device\n"
     assert laps_main([*argv, "--out", str(tmp_path / "ok.json"), "--trace-out", "/dev/full"]) == 1  # the trace's the failure
-    assert capsys.readouterr().err == "laps simulate: cannot write /dev/full: No space left on device\n"
+    assert capsys.readouterr().err == (f"laps simulate: cannot write /dev/full: No space left on device "
+                                       f"(written: {tmp_path / 'ok.json'}, {tmp_path / 'ok.png'})\n")
     assert laps_main([*argv, "--out", "/dev/null", "--trace-out", "/dev/null"]) == 0  # a stream takes both
     assert not Path("/dev/null.png").exists()
 
@@ -345,14 +346,20 @@ def test_a_file_is_written_beside_itself_and_renamed_over_so_a_failed_write_leav
     assert (tmp_path / "other-name.json").read_text() == "both\n"  # a file of two names written in place: still one
 
 
-def test_a_failed_write_takes_back_the_folders_it_made_and_a_plot_goes_where_its_name_says(tmp_path, monkeypatch):
+def test_a_failed_write_takes_back_the_folders_it_made_and_a_name_up_from_a_missing_folder_is_refused(tmp_path, monkeypatch, capsys):
     with pytest.raises(OSError, match="No space left"), open_output(tmp_path / "new" / "sub" / "r.json"):
         raise OSError(28, "No space left on device")
     assert list(tmp_path.iterdir()) == []
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "r.json").mkdir()  # what "missing/../r.json" would name, were "missing" there
+    (tmp_path / "link.json").symlink_to("gone/../y.json")
     argv = ["simulate", "--dataset", "mtbench", "--rate", "1", "--duration", "1", "--quiet"]
-    assert laps_main([*argv, "--out", "./missing/../r.json"]) == 0  # "missing" need not exist: the name says here
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "r.png"]
+    for out, says in (("missing/../r.json", "cannot be written (missing is no folder, and missing/../r.json goes through it)"),
+                      ("link.json", f"cannot be written ({tmp_path / 'gone'} is no folder, and {tmp_path / 'gone/../y.json'} goes through it)")):
+        assert laps_main([*argv, "--out", out]) == 2
+        assert capsys.readouterr().err == f"laps simulate: --out {out}: {says}\n"
+    assert laps_main([*argv, "--out", "r.json/../ok.json"]) == 0  # up from a folder that is there: as the system goes
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.json", "ok.json", "ok.png", "r.json"]
 
 
 def test_a_socket_is_refused_before_the_run_and_a_device_is_not_standard_output(tmp_path, capsys):
