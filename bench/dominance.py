@@ -110,8 +110,9 @@ from engines.sim.latency import make_latency_model  # noqa: E402
 from laps.config import Config, load_config, parse_config  # noqa: E402
 from laps.doc_help import doc_parser  # noqa: E402
 from laps.tokenizer import load_tokenizer  # noqa: E402
-from loadgen.cli import check_output_path, gamma_shape, output_file, positive_float, positive_int  # noqa: E402
-from loadgen.report import beside, build_report, is_stdout, is_stream, make_folders, ms, open_output, remove_empty  # noqa: E402
+from loadgen.cli import gamma_shape, output_file, positive_float, positive_int  # noqa: E402
+from loadgen.outputs import beside, check_output_path, is_stdout, is_stream, make_folders, open_output, remove_empty  # noqa: E402
+from loadgen.report import build_report, ms  # noqa: E402
 from loadgen.simulate import simulate_run  # noqa: E402
 from loadgen.virtual import VirtualRun  # noqa: E402
 from loadgen.workloads import CODE_BURST_RATE_RPS, TIMED_DATASETS, build_workload, load_azure_trace  # noqa: E402
@@ -700,7 +701,7 @@ def dominance_json(duration_s: float, rows: list[dict], verdicts: list[dict], ok
 
 
 def write_json(path: Path, data: dict) -> None:
-    """``data`` as indented JSON at ``path``, through :func:`~loadgen.report.open_output`: a regular file (or one a link
+    """``data`` as indented JSON at ``path``, through :func:`~loadgen.outputs.open_output`: a regular file (or one a link
     names) is written beside itself and renamed over, so an interrupted or failed write leaves the previous file whole
     and no partial one; a stream (``/dev/stdout``) is appended to.
 
@@ -742,16 +743,16 @@ def save(parser: argparse.ArgumentParser, console: Console, path: Path, data: di
 
 def bench_console(width: int, out: Path | None) -> Console:
     """The console a bench prints its tables on: standard error where ``out`` (its JSON) goes to standard output, so
-    that stays one JSON document (:func:`~loadgen.report.is_stdout`)."""
+    that stays one JSON document (:func:`~loadgen.outputs.is_stdout`)."""
     return Console(width=width, stderr=out is not None and is_stdout(out))
 
 
 def claim_out(parser: argparse.ArgumentParser, path: Path, plots: Sequence[Path] = ()) -> Claim:
     """Make sure ``path`` can take a bench's output before any simulation (not after hours of it): refused as ``laps
-    simulate`` refuses an ``--out`` (:func:`~loadgen.cli.check_output_path`), as are the ``plots`` to be written beside
+    simulate`` refuses an ``--out`` (:func:`~loadgen.outputs.check_output_path`), as are the ``plots`` to be written beside
     it (none beside a stream), else its folders made (at a link's target) and the file created empty if absent; what
     this call made (take it back with :meth:`Claim.release` if the run ends with nothing to write). A stream
-    (:func:`~loadgen.report.is_stream`) is left as it is.
+    (:func:`~loadgen.outputs.is_stream`) is left as it is.
 
     Raises:
         SystemExit: through ``parser.error`` (exit 2) where ``path`` or a plot is refused or cannot be created; what

@@ -8,10 +8,8 @@ import math
 import os
 import random
 import sys
-import tempfile
 import time
 from pathlib import Path
-from stat import S_ISCHR, S_ISSOCK
 from typing import Callable
 
 from rich.console import Console
@@ -20,8 +18,8 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedCo
 from engines.manager import sim_model
 from laps.config import DEFAULT_CONFIG_PATH, load_config, parse_config
 from laps.tokenizer import ChatTokenizer, load_tokenizer
-from loadgen.report import (build_report, is_stdout, is_stream, link_chain, partial_path, plot_path, print_report, write_report,
-                            write_trace, written_in_place)
+from loadgen.outputs import check_output_path, is_stdout
+from loadgen.report import build_report, plot_path, print_report, write_report, write_trace
 from loadgen.runner import THINK_DISTRIBUTIONS, LoadgenError, RequestRecord, discover_context_tokens, run_loadgen
 from loadgen.simulate import simulate_run
 from loadgen.workloads import (
@@ -264,110 +262,6 @@ def check_output_paths(args: argparse.Namespace) -> None:
                 raise ValueError(f"{flag} {path}: needs {other_flag} {other_path} as a folder")
         if identity is not None:
             seen[identity] = flag, path
-
-
-def check_output_path(flag: str, path: Path) -> object:
-    """Refuse ``path`` (``flag``'s) before a run unless it names a file of its own that
-    :func:`~loadgen.report.open_output` can write: an existing one (or what a link names: a FIFO, a device,
-    /dev/stdout; no socket) writable, without being opened; a new one creatable; and, as a file is written beside
-    itself and renamed over (unless :func:`~loadgen.report.written_in_place`), its ``NAME.partial`` too (each created
-    and removed again here, a folder of that name refused); in
-    folders still to be made (made when the outputs are written, at a link's target), names the file system takes,
-    under a nearest existing folder in which a folder can be made (one is made and removed again). No link on its
-    way may name a folder (``dir/``, ``dir/.``), nor a file descriptor that is not open; neither it nor a link on its
-    way may go up (``..``) from a folder that is not there (``missing/../x.json``, which the system cannot open). What tells it apart from other
-    outputs: None for a device, which takes any number; a pipe's or an existing file's device and inode (a hard link,
-    or /dev/stdout redirected to it, is the same file); else the path it would be written at (a link's target).
-
-    Raises:
-        ValueError: why, naming the flag and the path.
-    """
-    try:
-        return _check_output_path(flag, path)
-    except OSError as err:  # a folder on the way that cannot be searched, a name too long to look up
-        raise ValueError(f"{flag} {path}: cannot be written ({err.strerror or err})") from None
-
-
-def _check_output_path(flag: str, path: Path) -> object:
-    """:func:`check_output_path`, which turns this one's OSError into its ValueError.
-
-    Raises:
-        ValueError: as :func:`check_output_path`.
-        OSError: the path cannot be looked up.
-    """
-    for _, link in link_chain(path):
-        if link in (".", "..") or link.endswith(("/", "/.", "/..")):
-            raise ValueError(f"{flag} {path}: a link to a folder ({link}), not to a file")
-    for name in (path, *(link.parent / text for link, text in link_chain(path))):
-        for i, part in enumerate(name.parts):
-            if part == ".." and i and not Path(*name.parts[:i]).is_dir():  # the system cannot go up from what is not there
-                raise ValueError(f"{flag} {path}: cannot be written ({Path(*name.parts[:i])} is no folder, and {name} "
-                                 f"goes through it)")
-    if path.is_dir():
-        raise ValueError(f"{flag} {path}: a directory, not a file name")
-    if not path.exists() and is_stream(path):
-        raise ValueError(f"{flag} {path}: names a file descriptor that is not open")
-    try:
-        target = path.resolve()  # where it is written: a link's target, a dangling link's too
-    except RuntimeError as err:  # a loop of links
-        raise ValueError(f"{flag} {path}: cannot be written ({err})") from None
-    identity: object = target
-    if path.exists():  # not opened here
-        if not os.access(path, os.W_OK):
-            raise ValueError(f"{flag} {path}: cannot be written (no write permission)")
-        stat = path.stat()  # what a stream goes to: a file redirected to is one file with its own name
-        if S_ISSOCK(stat.st_mode):
-            raise ValueError(f"{flag} {path}: a socket, not a file")
-        if is_stream(path):
-            return None if S_ISCHR(stat.st_mode) else (stat.st_dev, stat.st_ino)
-        identity = stat.st_dev, stat.st_ino
-        if written_in_place(target, stat):
-            return identity
-    partial = partial_path(target)
-    if not target.parent.is_dir():
-        _check_folders_can_be_made(flag, path, partial)
-        return identity
-    longest = os.pathconf(target.parent, "PC_NAME_MAX")
-    if len(os.fsencode(partial.name)) > longest:
-        raise ValueError(f"{flag} {path}: cannot be written ({_ends(partial.name)}, which it is written as first, "
-                         f"is longer than {longest} bytes)")
-    if partial.is_dir():
-        raise ValueError(f"{flag} {path}: cannot be written ({partial.name}, which it is written as first, is a folder)")
-    for name in (target, partial):
-        if os.path.lexists(name):
-            continue  # the file itself (checked above), or a file or link left from before: replaced when written
-        try:
-            os.close(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
-        except OSError as err:
-            raise ValueError(f"{flag} {path}: cannot be written ({err.strerror or err}: {name.name})") from None
-        name.unlink()
-    return identity
-
-
-def _ends(name: str) -> str:
-    """A long file name shortened to its two ends (where a suffix such as ``.partial`` shows)."""
-    return name if len(name) <= 50 else f"{name[:24]}...{name[-24:]}"
-
-
-def _check_folders_can_be_made(flag: str, path: Path, target: Path) -> None:
-    """Refuse ``path`` (``flag``'s, written at ``target``) where the folders it needs could not be made: its nearest
-    existing ancestor is not a folder, or no folder can be made in it (one is made and removed again), or a name on
-    the way is longer than that file system takes.
-
-    Raises:
-        ValueError: naming the ancestor or the name, and why.
-    """
-    ancestor = next(a for a in target.parents if a.exists())  # the root always exists
-    if not ancestor.is_dir():
-        raise ValueError(f"{flag} {path}: cannot make its folder ({ancestor} is not a folder)")
-    longest = os.pathconf(ancestor, "PC_NAME_MAX")
-    for name in target.relative_to(ancestor).parts:
-        if len(os.fsencode(name)) > longest:
-            raise ValueError(f"{flag} {path}: cannot be written (a name longer than {longest} bytes: {_ends(name)})")
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".laps-check-", dir=ancestor))
-    except OSError as err:
-        raise ValueError(f"{flag} {path}: cannot make its folder in {ancestor} ({err.strerror or err})") from None
 
 
 def write_outputs(args: argparse.Namespace, report: dict, records: list[RequestRecord], console: Console) -> None:

@@ -8,15 +8,9 @@ violations; the rate is over all requests sent.
 
 from __future__ import annotations
 
-import errno
-import itertools
-import os
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from stat import S_IMODE, S_ISCHR
-from typing import BinaryIO
 
 import numpy as np
 import orjson
@@ -26,6 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from loadgen.bench_serving import bench_serving_metrics, format_bench_serving
+from loadgen.outputs import beside, is_stream, open_output
 from loadgen.runner import RequestRecord
 
 CLASSES = ("short", "long")
@@ -251,147 +246,6 @@ def plot_ttft_cdf(records: Sequence[RequestRecord], slo_ttft_s: float, path: Pat
     fig.tight_layout()
     with open_output(path) as f:
         fig.savefig(f, format="png")
-
-
-MAX_LINK_HOPS = 40  # as Linux's own limit on links followed in one lookup (ELOOP)
-
-
-def is_stream(path: Path) -> bool:
-    """Whether ``path`` names a stream rather than a file of its own: an existing path that is no regular file (a
-    device, a FIFO, a pipe; a socket or a folder too, which :func:`~loadgen.cli.check_output_path` refuses), or a path
-    that is, or whose links lead through, a link that names a file descriptor (``/dev/stdout``, ``/dev/stderr``,
-    ``/dev/fd/N``, ``/proc/PID/fd/N``), whatever the shell redirected it to (or nothing, where it is closed). A file of
-    its own under ``/dev/shm``, or a link there to one, is none. Outputs are appended to a stream as they are: no plot
-    beside it, no file renamed over it.
-
-    Raises:
-        OSError: the path cannot be looked up (a folder on the way that cannot be searched).
-    """
-    path = Path(path).absolute()
-    if path.exists() and not path.is_file():
-        return True
-    return _names_descriptor(path) or any(_names_descriptor(link) for link, _ in link_chain(path))
-
-
-def link_chain(path: Path) -> Iterator[tuple[Path, str]]:
-    """The links on the way from ``path`` to what it names, each as (its absolute path, the text it holds); at most
-    :data:`MAX_LINK_HOPS` (a longer chain, or a loop, ends there).
-
-    Raises:
-        OSError: a link cannot be looked up.
-    """
-    path = Path(path).absolute()
-    for _ in range(MAX_LINK_HOPS):
-        if not path.is_symlink():
-            return
-        text = os.readlink(path)
-        yield path, text
-        path = path.parent / text  # a relative link from its own folder
-
-
-def _names_descriptor(path: Path) -> bool:
-    """Whether absolute ``path`` is one of the links that name an open file descriptor (:func:`is_stream`)."""
-    parts = path.parts
-    if parts[1:2] == ("dev",):
-        return parts[2:] in (("stdin",), ("stdout",), ("stderr",)) or parts[2:3] == ("fd",)
-    return parts[1:2] == ("proc",) and parts[3:4] == ("fd",)
-
-
-def is_stdout(path: Path) -> bool:
-    """Whether ``path`` is a stream (:func:`is_stream`) that goes where this process's standard output goes, a pipe or
-    a file (the tables a command prints then go to standard error, so the output stays one JSON document); a device
-    (a terminal, /dev/null) is none: what is printed there goes there anyway."""
-    try:
-        if not is_stream(path):
-            return False
-        out = os.stat(path)
-        return not S_ISCHR(out.st_mode) and os.path.samestat(out, os.fstat(1))
-    except OSError:  # no standard output, or a path that cannot be looked up
-        return False
-
-
-def partial_path(target: Path) -> Path:
-    """Where :func:`open_output` writes a file before renaming it over ``target`` (``NAME.partial`` beside it)."""
-    return target.with_name(target.name + ".partial")
-
-
-def beside(out: Path, name: str) -> Path:
-    """The file called ``name`` in the folder ``out`` is in (a link named ``out`` has its plot beside the link, not
-    where it leads)."""
-    return Path(out).parent / name
-
-
-def written_in_place(target: Path, earlier: os.stat_result | None) -> bool:
-    """Whether :func:`open_output` writes ``target`` in place rather than beside itself: an existing file with other
-    names (hard links: it stays one file), or in a folder that cannot take the file beside it (``earlier``:
-    ``target``'s stat, None where it does not exist)."""
-    return earlier is not None and (earlier.st_nlink > 1 or not os.access(target.parent, os.W_OK | os.X_OK))
-
-
-def make_folders(folder: Path) -> tuple[Path, ...]:
-    """Make ``folder`` and those missing above it; the ones made, innermost first (for :func:`remove_empty`).
-
-    Raises:
-        OSError: a folder cannot be made.
-    """
-    made = tuple(itertools.takewhile(lambda f: not f.exists(), (folder, *folder.parents)))
-    folder.mkdir(parents=True, exist_ok=True)
-    return made
-
-
-def remove_empty(folders: Iterable[Path]) -> None:
-    """Remove each of ``folders`` (innermost first) while it is empty; one with something in it, and those above it,
-    stay."""
-    for folder in folders:
-        try:
-            folder.rmdir()
-        except OSError:
-            return
-
-
-@contextmanager
-def open_output(path: Path) -> Iterator[BinaryIO]:
-    """Open an output for writing, as a ``with`` block: a stream (:func:`is_stream`) appended to, as a shell's ``>>``
-    would; a file of its own written beside itself (:func:`partial_path`, at a link's target; a file or link left
-    there from before removed first, never written through) and renamed over it, with the earlier file's permission
-    bits, when the block ends, so a write that fails (a full disk) or is interrupted leaves the earlier file whole and
-    no partial file nor folder this call made. An existing file :func:`written_in_place` is written in place.
-
-    Raises:
-        OSError: the file, the one beside it or a folder cannot be written (an existing file without write
-            permission included; a folder in the way of the file beside it).
-    """
-    if is_stream(path):
-        with open(path, "ab") as f:
-            yield f
-        return
-    target = Path(path).resolve()
-    made = make_folders(target.parent)
-    earlier = target.stat() if target.exists() else None
-    if earlier is not None and not os.access(target, os.W_OK):
-        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
-    if written_in_place(target, earlier):
-        with open(target, "wb") as f:
-            yield f
-        return
-    partial = partial_path(target)
-    try:
-        if os.path.lexists(partial) and not partial.is_dir():
-            partial.unlink()
-        f = open(partial, "xb")
-    except OSError:
-        remove_empty(made)
-        raise
-    try:
-        with f:
-            if earlier is not None:
-                os.fchmod(f.fileno(), S_IMODE(earlier.st_mode) & 0o777)
-            yield f
-        partial.replace(target)
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        remove_empty(made)
-        raise
 
 
 def plot_path(out: Path) -> Path | None:

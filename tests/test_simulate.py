@@ -17,7 +17,8 @@ from engines.sim.replies import ReplyPlanner
 from laps.cli import main as laps_main
 from laps.config import DEFAULT_CONFIG_PATH, load_config, parse_config
 from laps.tokenizer import load_tokenizer
-from loadgen.report import build_report, is_stdout, is_stream, open_output, print_run_summary, write_report
+from loadgen.outputs import is_stdout, is_stream, open_output
+from loadgen.report import build_report, print_run_summary, write_report
 from loadgen.simulate import simulate, simulate_run
 from loadgen.workloads import Conversation, Turn, Workload, build_workload
 
