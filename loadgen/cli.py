@@ -273,15 +273,14 @@ def write_outputs(args: argparse.Namespace, report: dict, records: list[RequestR
     """
     writing, written = args.out, []
     try:
-        written += write_report(report, records, args.out)
+        write_report(report, records, args.out, written)
         if args.trace_out is not None:
             writing = args.trace_out
             write_trace(records, args.trace_out)
             written.append(args.trace_out)
     except OSError as err:  # after the run (a full disk): one line, not a traceback, saying what was written before
-        done = [*getattr(err, "__notes__", []), *map(str, written)]
         raise LoadgenError(f"cannot write {err.filename or writing}: {err.strerror or err}"
-                           + (f" (written: {', '.join(done)})" if done else "")) from None
+                           + (f" (written: {', '.join(map(str, written))})" if written else "")) from None
     if not args.quiet:  # the table to standard error where the JSON goes to standard output (one document there)
         print_report(report, Console(stderr=any(p is not None and is_stdout(p) for p in (args.out, args.trace_out))))
         for note in report.get("notes", []):

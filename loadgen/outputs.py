@@ -97,9 +97,14 @@ def make_folders(folder: Path) -> tuple[Path, ...]:
     Raises:
         OSError: a folder cannot be made.
     """
-    made = tuple(itertools.takewhile(lambda f: not f.exists(), (folder, *folder.parents)))
-    folder.mkdir(parents=True, exist_ok=True)
-    return made
+    missing = tuple(itertools.takewhile(lambda f: not f.exists(), (folder, *folder.parents)))
+    for i in reversed(range(len(missing))):  # outermost first; where one cannot be made, those made are removed
+        try:
+            missing[i].mkdir(exist_ok=True)
+        except OSError:
+            remove_empty(missing[i + 1:])
+            raise
+    return missing
 
 
 def remove_empty(folders: Iterable[Path]) -> None:
@@ -158,17 +163,17 @@ def open_output(path: Path) -> Iterator[BinaryIO]:
 
 
 def check_output_path(flag: str, path: Path) -> object:
-    """Refuse ``path`` (``flag``'s) before a run unless it names a file of its own that
-    :func:`open_output` can write: an existing one (or what a link names: a FIFO, a device,
-    /dev/stdout; no socket) writable, without being opened; a new one creatable; and, as a file is written beside
-    itself and renamed over (unless :func:`written_in_place`), its ``NAME.partial`` too (each created
-    and removed again here, a folder of that name refused); in
-    folders still to be made (made when the outputs are written, at a link's target), names the file system takes,
-    under a nearest existing folder in which a folder can be made (one is made and removed again). No link on its
-    way may name a folder (``dir/``, ``dir/.``), nor a file descriptor that is not open; neither it nor a link on its
-    way may go up (``..``) from a folder that is not there (``missing/../x.json``, which the system cannot open). What tells it apart from other
-    outputs: None for a device, which takes any number; a pipe's or an existing file's device and inode (a hard link,
-    or /dev/stdout redirected to it, is the same file); else the path it would be written at (a link's target).
+    """Refuse ``path`` (``flag``'s) before a run unless it names a file of its own that :func:`open_output` can write:
+    an existing one (or what a link names: a FIFO, a device, /dev/stdout; no socket) writable, without being opened;
+    a new one creatable; and, as a file is written beside itself and renamed over (unless :func:`written_in_place`),
+    its ``NAME.partial`` too (each created and removed again here; a folder of that name refused); in folders still
+    to be made (made when the outputs are written, at a link's target), names the file system takes, under a nearest
+    existing folder in which a folder can be made (one is made and removed again). The link it names may not name a
+    folder (``dir/``, ``dir/.``) nor a file descriptor that is not open, and the way to it (links followed where they
+    are met) may not go up (``..``) from a folder that is not there (``missing/../x.json``, which the system cannot
+    open). What tells it apart from other outputs: None for a device, which takes any number; a pipe's or an existing
+    file's device and inode (a hard link, or /dev/stdout redirected to it, is the same file); else the path it would
+    be written at (a link's target).
 
     Raises:
         ValueError: why, naming the flag and the path.
@@ -189,11 +194,9 @@ def _check_output_path(flag: str, path: Path) -> object:
     for _, link in link_chain(path):
         if link in (".", "..") or link.endswith(("/", "/.", "/..")):
             raise ValueError(f"{flag} {path}: a link to a folder ({link}), not to a file")
-    for name in (path, *(link.parent / text for link, text in link_chain(path))):
-        for i, part in enumerate(name.parts):
-            if part == ".." and i and not Path(*name.parts[:i]).is_dir():  # the system cannot go up from what is not there
-                raise ValueError(f"{flag} {path}: cannot be written ({Path(*name.parts[:i])} is no folder, and {name} "
-                                 f"goes through it)")
+    missing = _up_from_missing(path)
+    if missing is not None:
+        raise ValueError(f"{flag} {path}: cannot be written (the way to it goes up (..) from {missing}, which is no folder)")
     if path.is_dir():
         raise ValueError(f"{flag} {path}: a directory, not a file name")
     if not path.exists() and is_stream(path):
@@ -235,24 +238,49 @@ def _check_output_path(flag: str, path: Path) -> object:
     return identity
 
 
+def _up_from_missing(path: Path) -> Path | None:
+    """Where looking ``path`` up as the system does, part by part with every link followed where it is met, would go
+    up (``..``) from something that is no folder (``missing/../x.json``, or a link to ``gone/../dir`` on the way),
+    which the system refuses though :meth:`pathlib.Path.resolve` takes it; None where it goes up from none.
+
+    Raises:
+        OSError: a link cannot be read.
+    """
+    here, ahead, links = Path("/"), list(reversed(Path(path).absolute().parts[1:])), 0
+    while ahead:
+        part = ahead.pop()
+        if part == "..":
+            if not here.is_dir():
+                return here
+            here = here.parent
+        elif (here / part).is_symlink() and links < MAX_LINK_HOPS:
+            links += 1
+            text = Path(os.readlink(here / part))
+            here = Path("/") if text.is_absolute() else here
+            ahead.extend(reversed(text.parts[1:] if text.is_absolute() else text.parts))
+        else:
+            here = here / part
+    return None
+
+
 def _ends(name: str) -> str:
     """A long file name shortened to its two ends (where a suffix such as ``.partial`` shows)."""
     return name if len(name) <= 50 else f"{name[:24]}...{name[-24:]}"
 
 
-def _check_folders_can_be_made(flag: str, path: Path, target: Path) -> None:
-    """Refuse ``path`` (``flag``'s, written at ``target``) where the folders it needs could not be made: its nearest
+def _check_folders_can_be_made(flag: str, path: Path, first: Path) -> None:
+    """Refuse ``path`` (``flag``'s, whose file is written first at ``first``, its NAME.partial) where the folders it needs could not be made: its nearest
     existing ancestor is not a folder, or no folder can be made in it (one is made and removed again), or a name on
     the way is longer than that file system takes.
 
     Raises:
         ValueError: naming the ancestor or the name, and why.
     """
-    ancestor = next(a for a in target.parents if a.exists())  # the root always exists
+    ancestor = next(a for a in first.parents if a.exists())  # the root always exists
     if not ancestor.is_dir():
         raise ValueError(f"{flag} {path}: cannot make its folder ({ancestor} is not a folder)")
     longest = os.pathconf(ancestor, "PC_NAME_MAX")
-    for name in target.relative_to(ancestor).parts:
+    for name in first.relative_to(ancestor).parts:
         if len(os.fsencode(name)) > longest:
             raise ValueError(f"{flag} {path}: cannot be written (a name longer than {longest} bytes: {_ends(name)})")
     try:

@@ -258,12 +258,13 @@ def plot_path(out: Path) -> Path | None:
     return None if is_stream(out) else beside(out, Path(out).stem + ".png")
 
 
-def write_report(report: dict, records: Sequence[RequestRecord], out: Path) -> tuple[Path, ...]:
-    """Write the TTFT plot at :func:`plot_path`, then ``report`` as JSON at ``out`` (each through :func:`open_output`);
-    the paths written. A plot that cannot be written leaves both earlier files as they were.
+def write_report(report: dict, records: Sequence[RequestRecord], out: Path, written: list[Path]) -> None:
+    """Write the TTFT plot at :func:`plot_path`, then ``report`` as JSON at ``out``, each through :func:`open_output`,
+    appending each path to ``written`` once it is written (where a write fails, ``written`` holds those before it). A
+    plot that cannot be written leaves both earlier files as they were.
 
     Raises:
-        OSError: a file or folder cannot be written (the JSON's error notes a plot written before it).
+        OSError: a file or folder cannot be written.
     """
     out = Path(out)
     png = plot_path(out)
@@ -273,14 +274,10 @@ def write_report(report: dict, records: Sequence[RequestRecord], out: Path) -> t
         except OSError as err:  # matplotlib's errors name no file: this one is the plot's
             err.filename = err.filename or str(png)
             raise
-    try:
-        with open_output(out) as f:
-            f.write(orjson.dumps(report, option=orjson.OPT_INDENT_2) + b"\n")
-    except OSError as err:
-        if png is not None:
-            err.add_note(str(png))  # written: the caller says so
-        raise
-    return (out,) if png is None else (out, png)
+        written.append(png)
+    with open_output(out) as f:
+        f.write(orjson.dumps(report, option=orjson.OPT_INDENT_2) + b"\n")
+    written.append(out)
 
 
 def write_trace(records: Iterable[RequestRecord], path: Path) -> None:

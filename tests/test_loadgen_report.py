@@ -68,7 +68,9 @@ def test_empty_classes_still_have_their_keys():
 
 def test_write_report_writes_json_with_required_keys_and_png(records, tmp_path):
     report = build_report(records, slo_ttft_s=0.4, meta={"dataset": "test", "rate": 2.0, "seed": 1})
-    json_path, png_path = write_report(report, records, tmp_path / "out" / "run.json")
+    written = []
+    write_report(report, records, tmp_path / "out" / "run.json", written)
+    png_path, json_path = written  # the plot first
     assert png_path == tmp_path / "out" / "run.png"
     loaded = orjson.loads(json_path.read_bytes())
     for key in ("requests", "duration_s", "throughput_rps", "ttft_s", "tpot_s", "e2e_s", "slo", "by_class", "dataset", "rate", "seed",
@@ -77,7 +79,9 @@ def test_write_report_writes_json_with_required_keys_and_png(records, tmp_path):
     assert set(loaded["ttft_s"]) == {"mean", "p50", "p90", "p99"}
     assert set(loaded["by_class"]["long"]) >= {"count", "ttft_s", "tpot_s", "e2e_s", "slo_violation_rate"}
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    _, empty_png = write_report(build_report([], slo_ttft_s=0.4), [], tmp_path / "empty.json")
+    written = []
+    write_report(build_report([], slo_ttft_s=0.4), [], tmp_path / "empty.json", written)
+    empty_png, _ = written
     assert empty_png.stat().st_size > 0
 
 

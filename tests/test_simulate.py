@@ -269,7 +269,7 @@ def test_outputs_that_cannot_be_written_after_the_run_are_one_error_line_and_a_d
     assert capsys.readouterr().err == "laps simulate: cannot write /dev/full: No space left on device\n"
     assert laps_main([*argv, "--out", str(tmp_path / "ok.json"), "--trace-out", "/dev/full"]) == 1  # the trace's the failure
     assert capsys.readouterr().err == (f"laps simulate: cannot write /dev/full: No space left on device "
-                                       f"(written: {tmp_path / 'ok.json'}, {tmp_path / 'ok.png'})\n")
+                                       f"(written: {tmp_path / 'ok.png'}, {tmp_path / 'ok.json'})\n")
     assert laps_main([*argv, "--out", "/dev/null", "--trace-out", "/dev/null"]) == 0  # a stream takes both
     assert not Path("/dev/null.png").exists()
 
@@ -312,7 +312,9 @@ def test_a_stream_is_appended_to_with_no_plot_beside_it(tmp_path):
     log.write_text("earlier line\n")
     report = build_report([], slo_ttft_s=0.4)
     with open(log, "a") as f:  # as a shell's >> leaves stdout; /dev/fd/N names it
-        assert write_report(report, [], Path(f"/dev/fd/{f.fileno()}")) == (Path(f"/dev/fd/{f.fileno()}"),)
+        written = []
+        write_report(report, [], Path(f"/dev/fd/{f.fileno()}"), written)
+        assert written == [Path(f"/dev/fd/{f.fileno()}")]  # no plot beside a stream
     assert log.read_text().startswith("earlier line\n{") and sorted(p.name for p in tmp_path.iterdir()) == ["log.txt"]
     assert is_stream(Path("/dev/stdout")) and is_stream(Path("/dev/null")) and not is_stream(log)
     assert not is_stream(Path("/dev/shm/laps-report.json"))  # a file of its own, under /dev
@@ -351,16 +353,29 @@ def test_a_failed_write_takes_back_the_folders_it_made_and_a_name_up_from_a_miss
     with pytest.raises(OSError, match="No space left"), open_output(tmp_path / "new" / "sub" / "r.json"):
         raise OSError(28, "No space left on device")
     assert list(tmp_path.iterdir()) == []
+    real_mkdir = Path.mkdir
+
+    def mkdir_full_at_sub(self, *args, **kwargs):
+        if self.name == "sub":
+            raise OSError(28, "No space left on device")
+        return real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", mkdir_full_at_sub)
+    with pytest.raises(OSError, match="No space left"), open_output(tmp_path / "new" / "sub" / "r.json"):
+        pass
+    assert list(tmp_path.iterdir()) == []  # "new" made, then "sub" not: "new" taken back
+    monkeypatch.setattr(Path, "mkdir", real_mkdir)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "r.json").mkdir()  # what "missing/../r.json" would name, were "missing" there
     (tmp_path / "link.json").symlink_to("gone/../y.json")
+    (tmp_path / "D").symlink_to("gone/../r.json")  # a link on the way, not at its end
     argv = ["simulate", "--dataset", "mtbench", "--rate", "1", "--duration", "1", "--quiet"]
-    for out, says in (("missing/../r.json", "cannot be written (missing is no folder, and missing/../r.json goes through it)"),
-                      ("link.json", f"cannot be written ({tmp_path / 'gone'} is no folder, and {tmp_path / 'gone/../y.json'} goes through it)")):
+    for out, missing in (("missing/../r.json", "missing"), ("link.json", "gone"), ("D/x.json", "gone")):
         assert laps_main([*argv, "--out", out]) == 2
-        assert capsys.readouterr().err == f"laps simulate: --out {out}: {says}\n"
+        assert capsys.readouterr().err == (f"laps simulate: --out {out}: cannot be written (the way to it goes up (..) from "
+                                           f"{tmp_path / missing}, which is no folder)\n")
     assert laps_main([*argv, "--out", "r.json/../ok.json"]) == 0  # up from a folder that is there: as the system goes
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.json", "ok.json", "ok.png", "r.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["D", "link.json", "ok.json", "ok.png", "r.json"]
 
 
 def test_a_socket_is_refused_before_the_run_and_a_device_is_not_standard_output(tmp_path, capsys):
