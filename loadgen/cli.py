@@ -285,7 +285,7 @@ def write_outputs(args: argparse.Namespace, report: dict, records: list[RequestR
         print_report(report, Console(stderr=any(p is not None and is_stdout(p) for p in (args.out, args.trace_out))))
         for note in report.get("notes", []):
             console.print(f"note: {note}", markup=False, highlight=False)
-        console.print("wrote " + " and ".join(str(p) for p in written))
+        console.print("wrote " + " and ".join(str(p) for p in sorted(written, key=lambda p: p != args.out)))  # the JSON first
 
 
 async def run(args: argparse.Namespace) -> dict:
