@@ -271,15 +271,21 @@ def write_outputs(args: argparse.Namespace, report: dict, records: list[RequestR
     Raises:
         LoadgenError: a file cannot be written (a full disk), naming it.
     """
-    writing, written = args.out, []
+    written: list[Path] = []
+    png = plot_path(args.out)
     try:
         write_report(report, records, args.out, written)
         if args.trace_out is not None:
-            writing = args.trace_out
             write_trace(records, args.trace_out)
             written.append(args.trace_out)
     except OSError as err:  # after the run (a full disk): one line, not a traceback, saying what was written before
-        raise LoadgenError(f"cannot write {err.filename or writing}: {err.strerror or err}"
+        if png is not None and png not in written:  # written in this order: the plot, the JSON, the trace
+            flag, path = "--out's plot", png
+        elif args.out not in written:
+            flag, path = "--out", args.out
+        else:
+            flag, path = "--trace-out", args.trace_out
+        raise LoadgenError(f"cannot write {flag} {path}: {err.strerror or err}"
                            + (f" (written: {', '.join(map(str, written))})" if written else "")) from None
     if not args.quiet:  # the table to standard error where the JSON goes to standard output (one document there)
         print_report(report, Console(stderr=any(p is not None and is_stdout(p) for p in (args.out, args.trace_out))))

@@ -266,9 +266,9 @@ def test_an_output_name_that_can_only_be_a_folder_is_a_usage_error(name, capsys)
 def test_outputs_that_cannot_be_written_after_the_run_are_one_error_line_and_a_device_gets_no_plot(tmp_path, capsys):
     argv = ["simulate", "--dataset", "mtbench", "--rate", "1", "--duration", "2", "--seed", "2", "--quiet"]
     assert laps_main([*argv, "--out", "/dev/full"]) == 1  # accepted (a device that can be written), then full
-    assert capsys.readouterr().err == "laps simulate: cannot write /dev/full: No space left on device\n"
+    assert capsys.readouterr().err == "laps simulate: cannot write --out /dev/full: No space left on device\n"
     assert laps_main([*argv, "--out", str(tmp_path / "ok.json"), "--trace-out", "/dev/full"]) == 1  # the trace's the failure
-    assert capsys.readouterr().err == (f"laps simulate: cannot write /dev/full: No space left on device "
+    assert capsys.readouterr().err == (f"laps simulate: cannot write --trace-out /dev/full: No space left on device "
                                        f"(written: {tmp_path / 'ok.png'}, {tmp_path / 'ok.json'})\n")
     assert laps_main([*argv, "--out", "/dev/null", "--trace-out", "/dev/null"]) == 0  # a stream takes both
     assert not Path("/dev/null.png").exists()
