@@ -760,13 +760,13 @@ def claim_out(parser: argparse.ArgumentParser, path: Path, plots: Sequence[Path]
     """
     try:
         check_output_path("--out", path)
-        if not is_stream(path):
-            for png in plots:
-                check_output_path("--out's plot", png)
+        stream = is_stream(path)
+        for png in () if stream else plots:
+            check_output_path("--out's plot", png)
     except ValueError as err:
         parser.error(str(err))
     claim = Claim()
-    if is_stream(path):
+    if stream:
         return claim
     try:
         target = path.resolve()

@@ -269,9 +269,9 @@ def _ends(name: str) -> str:
 
 
 def _check_folders_can_be_made(flag: str, path: Path, first: Path) -> None:
-    """Refuse ``path`` (``flag``'s, whose file is written first at ``first``, its NAME.partial) where the folders it needs could not be made: its nearest
-    existing ancestor is not a folder, or no folder can be made in it (one is made and removed again), or a name on
-    the way is longer than that file system takes.
+    """Refuse ``path`` (``flag``'s, whose file is written first at ``first``, its NAME.partial) where the folders it
+    needs could not be made: its nearest existing ancestor is not a folder, or no folder can be made in it (one is
+    made and removed again), or a name on the way is longer than that file system takes.
 
     Raises:
         ValueError: naming the ancestor or the name, and why.

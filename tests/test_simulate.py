@@ -332,8 +332,8 @@ def test_a_file_is_written_beside_itself_and_renamed_over_so_a_failed_write_leav
         f.write(b"whole\n")
     assert out.read_text() == "whole\n" and [p.name for p in tmp_path.iterdir()] == ["r.json"]
     (tmp_path / "x.json.partial").mkdir()
-    with pytest.raises(FileExistsError) as info, open_output(tmp_path / "x.json"):
-        pass
+    with pytest.raises(FileExistsError) as info, open_output(tmp_path / "x.json") as f:
+        f.write(b"never: the file beside it cannot be opened")
     assert info.value.filename == str(tmp_path / "x.json.partial")  # what is in the way
     precious = tmp_path / "precious.txt"
     precious.write_text("mine\n")
@@ -360,11 +360,11 @@ def test_a_failed_write_takes_back_the_folders_it_made_and_a_name_up_from_a_miss
             raise OSError(28, "No space left on device")
         return real_mkdir(self, *args, **kwargs)
 
-    monkeypatch.setattr(Path, "mkdir", mkdir_full_at_sub)
-    with pytest.raises(OSError, match="No space left"), open_output(tmp_path / "new" / "sub" / "r.json"):
-        pass
+    with monkeypatch.context() as patched, pytest.raises(OSError, match="No space left"):
+        patched.setattr(Path, "mkdir", mkdir_full_at_sub)
+        with open_output(tmp_path / "new" / "sub" / "r.json") as f:
+            f.write(b"never: its folder cannot be made")
     assert list(tmp_path.iterdir()) == []  # "new" made, then "sub" not: "new" taken back
-    monkeypatch.setattr(Path, "mkdir", real_mkdir)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "r.json").mkdir()  # what "missing/../r.json" would name, were "missing" there
     (tmp_path / "link.json").symlink_to("gone/../y.json")
