@@ -53,7 +53,11 @@ arrivals end keeps violations down; the last two:
 the fixed objective's violation rate within the short and the long class, None for a class with no request;
 ``violation_floor``: the fewest violations of the fixed objective that any scheduler could have on the row's
 arrivals, as a rate, from ``bench/violation_floor.py``: the prefill compute alone, a perfect prefix cache, all 8
-engines prefilling, in PD too, no decode, each prefill on one engine). One PNG per workload next to the JSON. The verdict (printed, and under ``verdict``):
+engines prefilling, in PD too, no decode, each prefill on one engine; ``short_decode_floor_s``, PD rows only: the P90
+over the short requests of the soonest a client could have their first token however the prefills were placed, which
+in PD leaves with a decode engine at the start of its next pass: each one's isolated forward pass from its arrival,
+then the wait for the first of the row's decode engines to end the pass it runs, plus the gateway's overhead; None
+where the run moved an engine to or from decoding). One PNG per workload next to the JSON. The verdict (printed, and under ``verdict``):
 
 * ``never_worse``: at every load laps' violation rate ≤ the best baseline's + 0.5 points (fixed
   and length-aware);
@@ -71,7 +75,8 @@ engines prefilling, in PD too, no decode, each prefill on one engine). One PNG p
   sees it, the rows' simulated one plus that overhead (virtual time leaves it out; every policy pays it). Each miss is printed under
   the tables with its target, the baseline with the lowest short P90, and both sides' TPOT and end-to-end P90
   (``tpot_p90_s``, ``e2e_p90_s`` of the rows): where that baseline's TTFT was bought by deferring its decode
-  passes, they say so.
+  passes, they say so; in PD also laps' ``short_decode_floor_s``, and whether the target is below it (then no
+  placement of the prefills meets it on those decode passes).
 
 Next to the knee and goodput checks (fixed objective only) the violation floor says whether a miss could be
 avoided at all: laps' floor at the knee (a floor above 0.6× the best baseline's rate there would make that
@@ -87,6 +92,7 @@ cannot be written), 2 on a usage error or a refused ``--verdict-of`` file, 130 o
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import math
 import multiprocessing
@@ -241,8 +247,12 @@ def run_point(workload: str, policy: str, load: float, max_duration_s: float, se
     """Simulate one (workload, policy, offered load) point (``burstiness`` as for :func:`simulate_point`); its row."""
     duration_s = point_duration_s(workload, load, max_duration_s)
     prefills = PrefillWork(load_tokenizer())
-    config, run = simulate_point(workload, policy, load, duration_s, seed, pd, burstiness, on_prompt=prefills.arrive)
+    decode = DecodePasses(decode_engines(point_config(policy, True))) if pd else None
+    config, run = simulate_point(workload, policy, load, duration_s, seed, pd, burstiness, on_prompt=prefills.arrive,
+                                 on_pass=decode.on_pass if decode else None)
     records = run.records
+    if any("decode" in (m.get("from_pool"), m.get("to_pool")) for m in getattr(run, "moves", ())):
+        decode = None  # an engine moved to or from decoding: which engines decode when is not kept
     report = build_report(records, slo_ttft_s=SLO_TTFT_S, slo_ttft_per_1k_s=PER_1K_S)
     met = sum(r.ok and r.ttft_s is not None and r.ttft_s <= SLO_TTFT_S for r in records)
     return {
@@ -263,6 +273,8 @@ def run_point(workload: str, policy: str, load: float, max_duration_s: float, se
         "long_slo_violation_rate": report["by_class"]["long"]["slo_violation_rate"],
         "goodput_rps": met / report["duration_s"] if report["duration_s"] > 0 else 0.0,  # achieved; the verdict's is a load
         "short_floor_s": short_floor_s(records),
+        # PD: no placement of the prefills gets a short P90 below this on this run's decode passes
+        "short_decode_floor_s": short_decode_floor_s(records, decode),
         "prefill_busy_fraction": prefill_busy_fraction(run, config, report["duration_s"]),
         "prefill_load": prefill_busy_fraction(run, config, duration_s),
         "moves": len(run.moves) if hasattr(run, "moves") else 0,
@@ -304,12 +316,62 @@ def prefill_busy_fraction(run, config: Config, duration_s: float) -> float | Non
     return sum(busy) / len(busy) / duration_s if busy and duration_s > 0 else None
 
 
+def isolated_short_passes(records) -> list[tuple[float, float]]:
+    """(arrival s, isolated forward pass s) of each answered short request: its prefill alone, with the prefix its
+    engine had cached, on the engine model."""
+    model = make_latency_model()
+    return [(r.start_s, model.predict([(max(1, (r.prompt_tokens or 1) - (r.cached_tokens or 0)), r.cached_tokens or 0)]))
+            for r in records if r.laps_class == "short" and r.ok and r.prompt_tokens]
+
+
 def short_floor_s(records) -> float | None:
     """P90 over the short requests of their isolated forward pass (engine model), plus the gateway's overhead."""
-    model = make_latency_model()
-    passes = [model.predict([(max(1, (r.prompt_tokens or 1) - (r.cached_tokens or 0)), r.cached_tokens or 0)])
-              for r in records if r.laps_class == "short" and r.ok and r.prompt_tokens]
+    passes = [p for _, p in isolated_short_passes(records)]
     return float(np.percentile(passes, 90)) + GATEWAY_OVERHEAD_S if passes else None
+
+
+class DecodePasses:
+    """The passes of a PD run's decode engines (``simulate_run``'s ``on_pass``), for the soonest a first token can leave.
+
+    In PD the client's first token leaves with the decode engine, at the start of the first pass after the request's
+    KV arrived (SGLang's prebuilt batch; :mod:`loadgen.virtual_pd`), so however the prefills are placed, a first token
+    waits for a decode engine to end the pass it is in. ``engines``: the decode engines' names."""
+
+    def __init__(self, engines) -> None:
+        self.starts: dict[str, list[float]] = {name: [] for name in engines}
+        self.ends: dict[str, list[float]] = {name: [] for name in engines}
+
+    def on_pass(self, engine_id: str, start_s: float, result) -> None:
+        """A pass starts (``result``: its :class:`~engines.sim.core.StepResult`); a decode engine's is kept."""
+        if engine_id in self.starts:
+            self.starts[engine_id].append(start_s)
+            self.ends[engine_id].append(start_s + result.duration_s)
+
+    def wait_s(self, t: float) -> float:
+        """Seconds from ``t`` until the first decode engine can take a request: 0 where one is idle at ``t`` (no pass
+        began before ``t`` and ends after it), else the soonest end of the passes they run then. inf with no decode
+        engine."""
+        wait = math.inf
+        for name, starts in self.starts.items():
+            k = bisect.bisect_left(starts, t) - 1  # the last pass that began before t
+            wait = min(wait, max(0.0, self.ends[name][k] - t) if k >= 0 else 0.0)
+        return wait
+
+
+def decode_engines(config: Config) -> list[str]:
+    """The engines ``config`` starts in the decode pool."""
+    return [e.name for e in config.engines if config.roles[e.role].pool == "decode"]
+
+
+def short_decode_floor_s(records, decode: DecodePasses | None) -> float | None:
+    """PD only (``decode``: the run's decode passes, else None): P90 over the short requests of the soonest their first
+    token could reach a client however the prefills were placed, plus the gateway's overhead: the isolated forward
+    pass from arrival, then the wait for a decode engine to end its pass (:meth:`DecodePasses.wait_s`; the KV transfer
+    left out). A bound on this run's decode passes: another policy's decode engines pass at other times."""
+    if decode is None:
+        return None
+    firsts = [p + decode.wait_s(a + p) for a, p in isolated_short_passes(records)]
+    return float(np.percentile(firsts, 90)) + GATEWAY_OVERHEAD_S if firsts else None
 
 
 def _ignore_sigint() -> None:
@@ -448,6 +510,7 @@ def verdict(rows: list[dict], workload: str, saturation: float) -> dict:
                               "best_policy": best["policy"], "laps_length": mine["length_slo_violation_rate"],
                               "best_length": best_len, "never_worse": ok, "laps_short_p90_client_s": short_mine,
                               "best_short_p90_client_s": short_best, "short_floor_s": floor, "short_target_s": target, "short_ok": s_ok,
+                              "short_decode_floor_s": mine.get("short_decode_floor_s"),
                               # that baseline, and both sides' decoding (rows of older runs: None)
                               "best_short_policy": short_of.get("policy"),
                               "laps_tpot_p90_s": mine.get("tpot_p90_s"), "best_short_tpot_p90_s": short_of.get("tpot_p90_s"),
@@ -641,10 +704,14 @@ def short_miss_line(v: dict, p: dict) -> str:
     basis = "twice the floor" if target is not None and floor is not None and target == 2 * floor else "half the baseline's"
     line = (f"  {v['workload']} at {p['load'] / v['saturation_load']:.2f}× short P90: laps {ms(p['laps_short_p90_client_s'], 2)} / "
             f"target {ms(target, 2)} ms ({basis}; {p.get('best_short_policy') or 'best baseline'} {ms(p['best_short_p90_client_s'], 2)} ms)")
-    if p.get("laps_tpot_p90_s") is None and p.get("best_short_tpot_p90_s") is None:
-        return line
-    return (f"{line}; TPOT P90 {ms(p.get('laps_tpot_p90_s'))} / {ms(p.get('best_short_tpot_p90_s'))} ms, "
-            f"end-to-end P90 {ms(p.get('laps_e2e_p90_s'), 0)} / {ms(p.get('best_short_e2e_p90_s'), 0)} ms")
+    if p.get("laps_tpot_p90_s") is not None or p.get("best_short_tpot_p90_s") is not None:
+        line += (f"; TPOT P90 {ms(p.get('laps_tpot_p90_s'))} / {ms(p.get('best_short_tpot_p90_s'))} ms, "
+                 f"end-to-end P90 {ms(p.get('laps_e2e_p90_s'), 0)} / {ms(p.get('best_short_e2e_p90_s'), 0)} ms")
+    bound = p.get("short_decode_floor_s")
+    if bound is not None:
+        line += (f"; a first token waits for a decode engine's pass: on laps' decode passes no placement of the "
+                 f"prefills gets below {ms(bound, 2)} ms{' (the target is below that)' if target is not None and target < bound else ''}")
+    return line
 
 
 def print_verdicts(verdicts: list[dict], console: Console) -> bool:
@@ -797,7 +864,8 @@ def stopped(parser: argparse.ArgumentParser, claim: Claim, err: BaseException, k
 
 
 ROW_NUMBERS = ("load", "rate_rps", "slo_violation_rate", "length_slo_violation_rate", "short_ttft_p90_s", "short_floor_s",
-               "tpot_p90_s", "e2e_p90_s", "prefill_busy_fraction", "prefill_load", "violation_floor")  # None or a number
+               "short_decode_floor_s", "tpot_p90_s", "e2e_p90_s", "prefill_busy_fraction", "prefill_load",
+               "violation_floor")  # None or a number
 
 
 def _finite_number(value) -> bool:

@@ -10,6 +10,7 @@ import random
 from collections.abc import Callable
 from typing import Any
 
+from engines.sim.core import StepResult
 from laps.config import Config
 from laps.tokenizer import ChatTokenizer, load_tokenizer
 from loadgen.runner import RequestRecord, plan_arrivals
@@ -33,13 +34,14 @@ def simulate_run(config: Config, workload: Workload, *, duration_s: float, seed:
                  serving_latency_per_1k_s: float = 0.0, tokenizer: ChatTokenizer | None = None,
                  on_record: Callable[[RequestRecord], None] | None = None,
                  on_progress: Callable[[float], None] | None = None, max_requests: int | None = None,
-                 on_prompt: Callable[[RequestRecord, list[int]], None] | None = None) -> VirtualRun:
+                 on_prompt: Callable[[RequestRecord, list[int]], None] | None = None,
+                 on_pass: Callable[[str, float, StepResult], None] | None = None) -> VirtualRun:
     """Run ``workload`` against ``config``'s deployment in virtual time; the finished run (``records``: one per request sent).
 
     Arguments mean what they mean for :func:`loadgen.runner.run_loadgen`;
     arrivals come from ``random.Random(f"arrivals/{seed}")`` as there;
     ``serving_latency_s`` and ``serving_latency_per_1k_s`` as for :class:`~loadgen.virtual.VirtualRun`,
-    ``on_prompt`` as for its :meth:`~loadgen.virtual.VirtualRun.run`.
+    ``on_prompt`` and ``on_pass`` as for its :meth:`~loadgen.virtual.VirtualRun.run`.
     ``tokenizer`` defaults to the gateway's (``config.model.path``).
     A prefill–decode deployment (``pd:``) runs as a :class:`~loadgen.virtual_pd.VirtualPDRun`.
 
@@ -53,5 +55,5 @@ def simulate_run(config: Config, workload: Workload, *, duration_s: float, seed:
     run = run_class(config, tokenizer or load_tokenizer(config.model.path), request_timeout_s=request_timeout_s,
                     ignore_eos=ignore_eos, serving_latency_s=serving_latency_s,
                     serving_latency_per_1k_s=serving_latency_per_1k_s)
-    run.run(plan, duration_s, on_record=on_record, on_progress=on_progress, on_prompt=on_prompt)
+    run.run(plan, duration_s, on_record=on_record, on_progress=on_progress, on_prompt=on_prompt, on_pass=on_pass)
     return run

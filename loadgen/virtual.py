@@ -224,6 +224,7 @@ class VirtualRun:
         self._duration_s = 0.0
         self._on_record: Callable[[RequestRecord], None] | None = None
         self._on_prompt: Callable[[RequestRecord, list[int]], None] | None = None
+        self._on_pass: Callable[[str, float, StepResult], None] | None = None
         control = config.controller
         self.controller = make_controller(control.pressure_config(), config.controller_sizes_decode()) if control.enabled else None
         self.first_tokens = FirstTokenWindow(control.window_s, control.min_first_tokens)
@@ -237,16 +238,19 @@ class VirtualRun:
 
     def run(self, plan: list[Arrival], duration_s: float, on_record: Callable[[RequestRecord], None] | None = None,
             on_progress: Callable[[float], None] | None = None, progress_every_s: float = 1.0,
-            on_prompt: Callable[[RequestRecord, list[int]], None] | None = None) -> list[RequestRecord]:
+            on_prompt: Callable[[RequestRecord, list[int]], None] | None = None,
+            on_pass: Callable[[str, float, StepResult], None] | None = None) -> list[RequestRecord]:
         """Run every conversation of ``plan`` to its end; the records in completion order.
 
         ``on_record`` is called as each request ends, ``on_progress(sim_time)``
         about every ``progress_every_s`` simulated seconds, ``on_prompt(record, prompt_ids)`` as each request
-        arrives, with its record so far and its prompt's token ids (the chat template applied; do not modify them).
+        arrives, with its record so far and its prompt's token ids (the chat template applied; do not modify them),
+        ``on_pass(engine_id, start_s, result)`` as each forward pass starts (every engine's, in time order).
         """
         self._duration_s = duration_s
         self._on_record = on_record
         self._on_prompt = on_prompt
+        self._on_pass = on_pass
         for arrival in plan:
             self._push(arrival.start_s, _TURN, _Conversation(arrival))
         if self.controller is not None:
@@ -442,6 +446,8 @@ class VirtualRun:
             self._send(engine.id, result.events)
         else:
             engine.busy = True
+            if self._on_pass is not None:
+                self._on_pass(engine.id, self.now, result)
             self._push(self.now + result.duration_s, _STEP, (engine, result))
 
     def _on_step(self, engine: EngineSlot, result: StepResult) -> None:

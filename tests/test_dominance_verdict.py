@@ -3,6 +3,7 @@
 import contextlib
 import importlib.util
 import json
+import math
 import os
 import random
 import sys
@@ -75,6 +76,45 @@ def test_a_short_p90_miss_names_the_baseline_with_the_lowest_short_p90_and_what_
     v = dominance.verdict(rows, "hh-rlhf", 100.0)
     assert dominance.short_miss_line(v, v["points"][0]) == ("  hh-rlhf at 0.50× short P90: laps 67.56 / target 4.98 ms "
                                                             "(half the baseline's; least_load+spf 9.96 ms)")
+
+
+def test_a_pd_first_token_waits_for_the_decode_engine_whose_pass_ends_first():
+    passes = dominance.DecodePasses(["d0", "d1"])
+    for engine, start_s, duration_s in (("d0", 0.0, 0.005), ("p0", 0.0, 1.0), ("d1", 0.002, 0.010), ("d0", 0.005, 0.005)):
+        passes.on_pass(engine, start_s, type("Step", (), {"duration_s": duration_s})())
+    assert passes.wait_s(0.004) == pytest.approx(0.001)  # d0 ends its pass at 5 ms, d1 at 12 ms
+    assert passes.wait_s(0.005) == 0.0  # d0 starts its next pass then: the request joins it
+    assert passes.wait_s(0.0075) == pytest.approx(0.0025)
+    assert passes.wait_s(0.011) == 0.0  # d0 idle since 10 ms; p0's pass is no decode engine's
+    assert dominance.DecodePasses([]).wait_s(0.0) == math.inf
+
+
+def test_the_pd_decode_floor_is_the_isolated_pass_then_the_wait_for_a_decode_pass():
+    from engines.sim.latency import make_latency_model
+    from loadgen.runner import RequestRecord
+
+    def short(start_s):
+        return RequestRecord("c", "test", 0, "hi", 8, start_s, ttft_s=0.02, prompt_tokens=50, cached_tokens=0,
+                             laps_class="short", status=200)
+    passes = dominance.DecodePasses(["d0"])
+    passes.on_pass("d0", 0.0, type("Step", (), {"duration_s": 0.010})())
+    alone = make_latency_model().predict([(50, 0)])  # 4.9 ms: the pass ends before d0's, at 10 ms
+    assert dominance.short_decode_floor_s([short(0.0)], passes) == pytest.approx(0.010 + dominance.GATEWAY_OVERHEAD_S)
+    # arriving at 6 ms its prefill ends after d0's pass: d0 is idle then, and the first token leaves at once
+    assert dominance.short_decode_floor_s([short(0.006)], passes) == pytest.approx(alone + dominance.GATEWAY_OVERHEAD_S)
+    assert dominance.short_decode_floor_s([short(0.0)], None) is None  # not PD
+
+
+def test_a_pd_short_p90_miss_says_where_the_decode_passes_put_the_floor():
+    rows = [{**row("laps", 50, 50, 0.0, short=0.0105, floor=0.00546), "short_decode_floor_s": 0.0091},
+            {**row("least_load", 50, 50, 0.0, short=0.0109, floor=0.00546), "short_decode_floor_s": 0.0092}]
+    v = dominance.verdict(rows, "docs (PD 6+2)", 100.0)
+    p = v["points"][0]
+    assert (p["short_ok"], p["short_target_s"], p["short_decode_floor_s"]) == (False, pytest.approx(0.00573), 0.0091)
+    assert dominance.short_miss_line(v, p) == (
+        "  docs (PD 6+2) at 0.50× short P90: laps 11.06 / target 5.73 ms (half the baseline's; least_load 11.46 ms); "
+        "a first token waits for a decode engine's pass: on laps' decode passes no placement of the prefills gets "
+        "below 9.10 ms (the target is below that)")
 
 
 def test_a_goodput_ratio_without_a_baseline_goodput_is_none_not_infinite():

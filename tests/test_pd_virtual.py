@@ -209,6 +209,21 @@ def test_every_request_is_answered_and_no_first_token_precedes_its_kv(policy, ti
     assert all(not e.core.has_work() and e.core.stats().num_used_tokens == 0 for e in run.engines.values())
 
 
+def test_on_pass_sees_every_pass_in_order_and_each_first_token_leaves_as_a_decode_pass_starts():
+    passes: dict[str, list[tuple[float, float]]] = {}
+    run = VirtualPDRun(pd_config(["short-prefill", "long-prefill", "decode", "decode"]), TOK)
+    records = run.run(mixed_plan(rate=30.0, duration_s=2.0), 2.0,
+                      on_pass=lambda engine, start_s, result: passes.setdefault(engine, []).append((start_s, result.duration_s)))
+    assert set(passes) == {"e0", "e1", "e2", "e3"}
+    for engine, ps in passes.items():  # one pass at a time on each engine, in time order
+        assert all(s + d <= nxt + 1e-12 for (s, d), (nxt, _) in zip(ps, ps[1:]))
+    for engine in ("e0", "e1"):  # a prefill engine's passes are all prefill
+        assert sum(d for _, d in passes[engine]) == pytest.approx(run.engines[engine].core.stats().total_prefill_busy_s)
+    decode_starts = {s for engine in ("e2", "e3") for s, _ in passes[engine]}
+    first = first_token_times(records)
+    assert len(first) > 50 and all(t in decode_starts for t in first.values())
+
+
 def test_only_prefill_engines_reach_the_scheduler_and_the_decode_placement_gets_decode_engines():
     run = VirtualPDRun(pd_config(["short-prefill", "long-prefill", "decode", "decode"]), TOK)
     assert [v.id for v in run.registry.views()] == ["e0", "e1"]
