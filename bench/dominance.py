@@ -53,10 +53,12 @@ arrivals end keeps violations down; the last two:
 the fixed objective's violation rate within the short and the long class, None for a class with no request;
 ``violation_floor``: the fewest violations of the fixed objective that any scheduler could have on the row's
 arrivals, as a rate, from ``bench/violation_floor.py``: the prefill compute alone, a perfect prefix cache, all 8
-engines prefilling, in PD too, no decode, each prefill on one engine; ``short_decode_floor_s``, PD rows only: the P90
-over the short requests of the soonest a client could have their first token however the prefills were placed, which
-in PD leaves with a decode engine at the start of its next pass: each one's isolated forward pass from its arrival,
-then the wait for the first of the row's decode engines to end the pass it runs, plus the gateway's overhead; None
+engines prefilling, in PD too, no decode, each prefill on one engine; ``short_decode_floor_s``, PD rows only (every
+policy's, each on its own run): with the decode engines passing as they did in that run, the P90 over the short
+requests of the soonest a client could have had their first token, which in PD leaves with a decode engine at the
+start of its next pass: each one's isolated forward pass from its arrival (the prefix its engine had cached), then the
+wait for whichever decode engine ends the pass it runs first (in hindsight; the KV transfer left out), plus the
+gateway's overhead; a bound for that run's decode passes, which another placement of the prefills would shift; None
 where the run moved an engine to or from decoding). One PNG per workload next to the JSON. The verdict (printed, and under ``verdict``):
 
 * ``never_worse``: at every load laps' violation rate ≤ the best baseline's + 0.5 points (fixed
@@ -76,7 +78,7 @@ where the run moved an engine to or from decoding). One PNG per workload next to
   the tables with its target, the baseline with the lowest short P90, and both sides' TPOT and end-to-end P90
   (``tpot_p90_s``, ``e2e_p90_s`` of the rows): where that baseline's TTFT was bought by deferring its decode
   passes, they say so; in PD also laps' ``short_decode_floor_s``, and whether the target is below it (then no
-  placement of the prefills meets it on those decode passes).
+  placement of laps' prefills meets it with the decode passes of its run).
 
 Next to the knee and goodput checks (fixed objective only) the violation floor says whether a miss could be
 avoided at all: laps' floor at the knee (a floor above 0.6× the best baseline's rate there would make that
@@ -247,12 +249,12 @@ def run_point(workload: str, policy: str, load: float, max_duration_s: float, se
     """Simulate one (workload, policy, offered load) point (``burstiness`` as for :func:`simulate_point`); its row."""
     duration_s = point_duration_s(workload, load, max_duration_s)
     prefills = PrefillWork(load_tokenizer())
-    decode = DecodePasses(decode_engines(point_config(policy, True))) if pd else None
+    passes = PassLog() if pd else None
     config, run = simulate_point(workload, policy, load, duration_s, seed, pd, burstiness, on_prompt=prefills.arrive,
-                                 on_pass=decode.on_pass if decode else None)
+                                 on_pass=passes.on_pass if passes else None)
     records = run.records
     if any("decode" in (m.get("from_pool"), m.get("to_pool")) for m in getattr(run, "moves", ())):
-        decode = None  # an engine moved to or from decoding: which engines decode when is not kept
+        passes = None  # an engine moved to or from decoding: which engines decoded when is not kept
     report = build_report(records, slo_ttft_s=SLO_TTFT_S, slo_ttft_per_1k_s=PER_1K_S)
     met = sum(r.ok and r.ttft_s is not None and r.ttft_s <= SLO_TTFT_S for r in records)
     return {
@@ -274,7 +276,7 @@ def run_point(workload: str, policy: str, load: float, max_duration_s: float, se
         "goodput_rps": met / report["duration_s"] if report["duration_s"] > 0 else 0.0,  # achieved; the verdict's is a load
         "short_floor_s": short_floor_s(records),
         # PD: no placement of the prefills gets a short P90 below this on this run's decode passes
-        "short_decode_floor_s": short_decode_floor_s(records, decode),
+        "short_decode_floor_s": short_decode_floor_s(records, passes, decode_engines(config)),
         "prefill_busy_fraction": prefill_busy_fraction(run, config, report["duration_s"]),
         "prefill_load": prefill_busy_fraction(run, config, duration_s),
         "moves": len(run.moves) if hasattr(run, "moves") else 0,
@@ -330,29 +332,30 @@ def short_floor_s(records) -> float | None:
     return float(np.percentile(passes, 90)) + GATEWAY_OVERHEAD_S if passes else None
 
 
-class DecodePasses:
-    """The passes of a PD run's decode engines (``simulate_run``'s ``on_pass``), for the soonest a first token can leave.
+class PassLog:
+    """Every engine's forward passes in a run, as they start (``simulate_run``'s ``on_pass``): for the soonest a PD
+    request's first token can leave.
 
     In PD the client's first token leaves with the decode engine, at the start of the first pass after the request's
     KV arrived (SGLang's prebuilt batch; :mod:`loadgen.virtual_pd`), so however the prefills are placed, a first token
-    waits for a decode engine to end the pass it is in. ``engines``: the decode engines' names."""
+    waits for a decode engine to end the pass it is in."""
 
-    def __init__(self, engines) -> None:
-        self.starts: dict[str, list[float]] = {name: [] for name in engines}
-        self.ends: dict[str, list[float]] = {name: [] for name in engines}
+    def __init__(self) -> None:
+        self.starts: dict[str, list[float]] = {}
+        self.ends: dict[str, list[float]] = {}
 
     def on_pass(self, engine_id: str, start_s: float, result) -> None:
-        """A pass starts (``result``: its :class:`~engines.sim.core.StepResult`); a decode engine's is kept."""
-        if engine_id in self.starts:
-            self.starts[engine_id].append(start_s)
-            self.ends[engine_id].append(start_s + result.duration_s)
+        """A pass starts (``result``: its :class:`~engines.sim.core.StepResult`)."""
+        self.starts.setdefault(engine_id, []).append(start_s)
+        self.ends.setdefault(engine_id, []).append(start_s + result.duration_s)
 
-    def wait_s(self, t: float) -> float:
-        """Seconds from ``t`` until the first decode engine can take a request: 0 where one is idle at ``t`` (no pass
-        began before ``t`` and ends after it), else the soonest end of the passes they run then. inf with no decode
+    def wait_s(self, t: float, engines: Sequence[str]) -> float:
+        """Seconds from ``t`` until the first of ``engines`` can take a request: 0 where one is idle at ``t`` (no pass
+        of it began before ``t`` and ends after it), else the soonest end of the passes they run then; inf for no
         engine."""
         wait = math.inf
-        for name, starts in self.starts.items():
+        for name in engines:
+            starts = self.starts.get(name, [])
             k = bisect.bisect_left(starts, t) - 1  # the last pass that began before t
             wait = min(wait, max(0.0, self.ends[name][k] - t) if k >= 0 else 0.0)
         return wait
@@ -363,14 +366,15 @@ def decode_engines(config: Config) -> list[str]:
     return [e.name for e in config.engines if config.roles[e.role].pool == "decode"]
 
 
-def short_decode_floor_s(records, decode: DecodePasses | None) -> float | None:
-    """PD only (``decode``: the run's decode passes, else None): P90 over the short requests of the soonest their first
-    token could reach a client however the prefills were placed, plus the gateway's overhead: the isolated forward
-    pass from arrival, then the wait for a decode engine to end its pass (:meth:`DecodePasses.wait_s`; the KV transfer
-    left out). A bound on this run's decode passes: another policy's decode engines pass at other times."""
-    if decode is None:
+def short_decode_floor_s(records, passes: PassLog | None, decode: Sequence[str]) -> float | None:
+    """PD only (``passes``: the run's, else None; ``decode``: its decode engines): P90 over the short requests of the
+    soonest their first token could have reached a client with the decode engines passing as they did, plus the
+    gateway's overhead: the isolated forward pass from arrival, then the wait for the decode engine that ends its pass
+    first (:meth:`PassLog.wait_s`; the KV transfer left out). A bound for this run's decode passes, which another
+    placement of the prefills would shift (another policy's decode engines pass at other times)."""
+    if passes is None:
         return None
-    firsts = [p + decode.wait_s(a + p) for a, p in isolated_short_passes(records)]
+    firsts = [p + passes.wait_s(a + p, decode) for a, p in isolated_short_passes(records)]
     return float(np.percentile(firsts, 90)) + GATEWAY_OVERHEAD_S if firsts else None
 
 
@@ -709,8 +713,9 @@ def short_miss_line(v: dict, p: dict) -> str:
                  f"end-to-end P90 {ms(p.get('laps_e2e_p90_s'), 0)} / {ms(p.get('best_short_e2e_p90_s'), 0)} ms")
     bound = p.get("short_decode_floor_s")
     if bound is not None:
-        line += (f"; a first token waits for a decode engine's pass: on laps' decode passes no placement of the "
-                 f"prefills gets below {ms(bound, 2)} ms{' (the target is below that)' if target is not None and target < bound else ''}")
+        line += (f"; a first token waits for a decode engine's pass: with the decode passes of laps' run, its prefills "
+                 f"placed anywhere reach no lower than {ms(bound, 2)} ms"
+                 f"{' (the target is below that)' if target is not None and target < bound else ''}")
     return line
 
 
@@ -869,12 +874,12 @@ ROW_NUMBERS = ("load", "rate_rps", "slo_violation_rate", "length_slo_violation_r
 
 
 def _finite_number(value) -> bool:
-    """Whether a value read from JSON is a finite number (not a bool, a string, NaN or an infinity).
-
-    Raises:
-        OverflowError: an integer too large for a float.
-    """
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    """Whether a value read from JSON is a finite number (not a bool, a string, NaN, an infinity or an integer too large
+    for a float)."""
+    try:
+        return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def earlier_verdicts(parser: argparse.ArgumentParser, path: Path) -> tuple[dict, list[dict]]:
@@ -900,9 +905,10 @@ def earlier_verdicts(parser: argparse.ArgumentParser, path: Path) -> tuple[dict,
         if not earlier["verdict"]:
             parser.error(f"--verdict-of {path}: no workload's verdict in it (a run writes one as each workload ends)")
         for i, r in enumerate(earlier["rows"]):
-            for key in ROW_NUMBERS:
-                if r.get(key) is not None and not _finite_number(r[key]):
-                    parser.error(f"--verdict-of {path}: row {i} ({r.get('workload')}, {r.get('policy')}): {key} must be a number, got {r[key]!r}")
+            for key in ROW_NUMBERS:  # loads, rates, latencies, shares: none below 0
+                if r.get(key) is not None and not (_finite_number(r[key]) and r[key] >= 0):
+                    parser.error(f"--verdict-of {path}: row {i} ({sweep_label(r.get('workload'), r.get('pd'))}, {r.get('policy')}, "
+                                 f"load {r.get('load')}): {key} must be a number >= 0, got {r[key]!r}")
         for v in earlier["verdict"]:
             sat = v["saturation_load"]
             if not (_finite_number(sat) and sat > 0):

@@ -79,14 +79,17 @@ def test_a_short_p90_miss_names_the_baseline_with_the_lowest_short_p90_and_what_
 
 
 def test_a_pd_first_token_waits_for_the_decode_engine_whose_pass_ends_first():
-    passes = dominance.DecodePasses(["d0", "d1"])
+    passes = dominance.PassLog()
     for engine, start_s, duration_s in (("d0", 0.0, 0.005), ("p0", 0.0, 1.0), ("d1", 0.002, 0.010), ("d0", 0.005, 0.005)):
         passes.on_pass(engine, start_s, type("Step", (), {"duration_s": duration_s})())
-    assert passes.wait_s(0.004) == pytest.approx(0.001)  # d0 ends its pass at 5 ms, d1 at 12 ms
-    assert passes.wait_s(0.005) == 0.0  # d0 starts its next pass then: the request joins it
-    assert passes.wait_s(0.0075) == pytest.approx(0.0025)
-    assert passes.wait_s(0.011) == 0.0  # d0 idle since 10 ms; p0's pass is no decode engine's
-    assert dominance.DecodePasses([]).wait_s(0.0) == math.inf
+    decode = ["d0", "d1"]
+    assert passes.wait_s(0.004, decode) == pytest.approx(0.001)  # d0 ends its pass at 5 ms, d1 at 12 ms
+    assert passes.wait_s(0.005, decode) == 0.0  # d0 starts its next pass then: the request joins it
+    assert passes.wait_s(0.0075, decode) == pytest.approx(0.0025)
+    assert passes.wait_s(0.011, decode) == 0.0  # d0 idle since 10 ms
+    assert passes.wait_s(0.011, ["p0"]) == pytest.approx(0.989)  # p0 in its 1-s pass
+    assert passes.wait_s(0.011, ["d1", "d2"]) == 0.0  # d2 never passed: idle
+    assert passes.wait_s(0.0, []) == math.inf
 
 
 def test_the_pd_decode_floor_is_the_isolated_pass_then_the_wait_for_a_decode_pass():
@@ -96,13 +99,14 @@ def test_the_pd_decode_floor_is_the_isolated_pass_then_the_wait_for_a_decode_pas
     def short(start_s):
         return RequestRecord("c", "test", 0, "hi", 8, start_s, ttft_s=0.02, prompt_tokens=50, cached_tokens=0,
                              laps_class="short", status=200)
-    passes = dominance.DecodePasses(["d0"])
+    passes = dominance.PassLog()
     passes.on_pass("d0", 0.0, type("Step", (), {"duration_s": 0.010})())
+    passes.on_pass("p0", 0.0, type("Step", (), {"duration_s": 0.020})())  # a prefill engine's pass: no first token there
     alone = make_latency_model().predict([(50, 0)])  # 4.9 ms: the pass ends before d0's, at 10 ms
-    assert dominance.short_decode_floor_s([short(0.0)], passes) == pytest.approx(0.010 + dominance.GATEWAY_OVERHEAD_S)
+    assert dominance.short_decode_floor_s([short(0.0)], passes, ["d0"]) == pytest.approx(0.010 + dominance.GATEWAY_OVERHEAD_S)
     # arriving at 6 ms its prefill ends after d0's pass: d0 is idle then, and the first token leaves at once
-    assert dominance.short_decode_floor_s([short(0.006)], passes) == pytest.approx(alone + dominance.GATEWAY_OVERHEAD_S)
-    assert dominance.short_decode_floor_s([short(0.0)], None) is None  # not PD
+    assert dominance.short_decode_floor_s([short(0.006)], passes, ["d0"]) == pytest.approx(alone + dominance.GATEWAY_OVERHEAD_S)
+    assert dominance.short_decode_floor_s([short(0.0)], None, ["d0"]) is None  # not PD
 
 
 def test_a_pd_short_p90_miss_says_where_the_decode_passes_put_the_floor():
@@ -113,8 +117,8 @@ def test_a_pd_short_p90_miss_says_where_the_decode_passes_put_the_floor():
     assert (p["short_ok"], p["short_target_s"], p["short_decode_floor_s"]) == (False, pytest.approx(0.00573), 0.0091)
     assert dominance.short_miss_line(v, p) == (
         "  docs (PD 6+2) at 0.50× short P90: laps 11.06 / target 5.73 ms (half the baseline's; least_load 11.46 ms); "
-        "a first token waits for a decode engine's pass: on laps' decode passes no placement of the prefills gets "
-        "below 9.10 ms (the target is below that)")
+        "a first token waits for a decode engine's pass: with the decode passes of laps' run, its prefills placed "
+        "anywhere reach no lower than 9.10 ms (the target is below that)")
 
 
 def test_a_goodput_ratio_without_a_baseline_goodput_is_none_not_infinite():
@@ -321,11 +325,16 @@ def test_a_replayed_workload_replays_the_same_stretch_of_its_trace_at_every_load
     ('{"rows": [], "verdict": [{"workload": "x", "saturation_load": 5}], "max_duration_s": 1}',
      "x: a verdict needs rows of laps and of a baseline, found no rows"),
     ('{"rows": [], "verdict": [{"workload": "x", "saturation_load": 1' + "0" * 400 + '}], "max_duration_s": 1}',
-     "a row or verdict lacks a field or holds one of the wrong type (OverflowError"),
+     "x: saturation_load must be a positive number, got 1" + "0" * 400),
     ('{"rows": [{"workload": "x", "policy": "laps", "tpot_p90_s": "x"}], "verdict": [], "max_duration_s": 1}',
      "no workload's verdict in it"),
     ('{"rows": [{"workload": "x", "policy": "laps", "tpot_p90_s": "x"}], "verdict": [{"workload": "x", "saturation_load": 5}], '
-     '"max_duration_s": 1}', "row 0 (x, laps): tpot_p90_s must be a number, got 'x'"),
+     '"max_duration_s": 1}', "row 0 (x, laps, load None): tpot_p90_s must be a number >= 0, got 'x'"),
+    ('{"rows": [{"workload": "docs", "pd": true, "policy": "laps", "load": 9, "short_decode_floor_s": -0.5}], '
+     '"verdict": [{"workload": "docs (PD 6+2)", "saturation_load": 5}], "max_duration_s": 1}',
+     "row 0 (docs (PD 6+2), laps, load 9): short_decode_floor_s must be a number >= 0, got -0.5"),
+    ('{"rows": [{"workload": "x", "policy": "laps", "load": 1' + "0" * 400 + '}], "verdict": [{"workload": "x", "saturation_load": 5}], '
+     '"max_duration_s": 1}', "row 0 (x, laps, load 1" + "0" * 400 + "): load must be a number >= 0, got 1" + "0" * 400),
     ('{"rows": [' + ", ".join(f'{{"workload": "x", "pd": false, "policy": "{p}", "load": {load}, "slo_violation_rate": 0, '
                               f'"length_slo_violation_rate": 0, "short_ttft_p90_s": 0.01, "short_floor_s": 0.005}}'
                               for p, load in (("laps", 5.05), ("least_load", 5))) +
