@@ -275,7 +275,7 @@ def run_point(workload: str, policy: str, load: float, max_duration_s: float, se
         "long_slo_violation_rate": report["by_class"]["long"]["slo_violation_rate"],
         "goodput_rps": met / report["duration_s"] if report["duration_s"] > 0 else 0.0,  # achieved; the verdict's is a load
         "short_floor_s": short_floor_s(records),
-        # PD: no placement of the prefills gets a short P90 below this on this run's decode passes
+        # PD: the short P90 that no placement of this run's prefills could beat, its decode passes as they ran
         "short_decode_floor_s": short_decode_floor_s(records, passes, decode_engines(config)),
         "prefill_busy_fraction": prefill_busy_fraction(run, config, report["duration_s"]),
         "prefill_load": prefill_busy_fraction(run, config, duration_s),
