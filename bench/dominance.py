@@ -78,7 +78,7 @@ where the run moved an engine to or from decoding). One PNG per workload next to
   the tables with its target, the baseline with the lowest short P90, and both sides' TPOT and end-to-end P90
   (``tpot_p90_s``, ``e2e_p90_s`` of the rows): where that baseline's TTFT was bought by deferring its decode
   passes, they say so; in PD also laps' ``short_decode_floor_s``, and whether the target is below it (then no
-  placement of laps' prefills meets it with the decode passes of its run).
+  placement of laps' prefills meets it with the decode passes and cache hits of its run).
 
 Next to the knee and goodput checks (fixed objective only) the violation floor says whether a miss could be
 avoided at all: laps' floor at the knee (a floor above 0.6× the best baseline's rate there would make that
@@ -100,6 +100,7 @@ import math
 import multiprocessing
 import multiprocessing.pool
 import random
+import reprlib
 import signal
 import sys
 from collections.abc import Sequence
@@ -275,7 +276,7 @@ def run_point(workload: str, policy: str, load: float, max_duration_s: float, se
         "long_slo_violation_rate": report["by_class"]["long"]["slo_violation_rate"],
         "goodput_rps": met / report["duration_s"] if report["duration_s"] > 0 else 0.0,  # achieved; the verdict's is a load
         "short_floor_s": short_floor_s(records),
-        # PD: the short P90 that no placement of this run's prefills could beat, its decode passes as they ran
+        # PD: the short P90 that no placement of this run's prefills could beat, its decode passes and cache hits as they were
         "short_decode_floor_s": short_decode_floor_s(records, passes, decode_engines(config)),
         "prefill_busy_fraction": prefill_busy_fraction(run, config, report["duration_s"]),
         "prefill_load": prefill_busy_fraction(run, config, duration_s),
@@ -370,8 +371,9 @@ def short_decode_floor_s(records, passes: PassLog | None, decode: Sequence[str])
     """PD only (``passes``: the run's, else None; ``decode``: its decode engines): P90 over the short requests of the
     soonest their first token could have reached a client with the decode engines passing as they did, plus the
     gateway's overhead: the isolated forward pass from arrival, then the wait for the decode engine that ends its pass
-    first (:meth:`PassLog.wait_s`; the KV transfer left out). A bound for this run's decode passes, which another
-    placement of the prefills would shift (another policy's decode engines pass at other times)."""
+    first (:meth:`PassLog.wait_s`; the KV transfer left out). A bound for this run's decode passes and cache hits (each
+    prefill with the prefix its engine had), which another placement of the prefills would change (another policy's
+    decode engines pass at other times)."""
     if passes is None:
         return None
     firsts = [p + passes.wait_s(a + p, decode) for a, p in isolated_short_passes(records)]
@@ -713,8 +715,8 @@ def short_miss_line(v: dict, p: dict) -> str:
                  f"end-to-end P90 {ms(p.get('laps_e2e_p90_s'), 0)} / {ms(p.get('best_short_e2e_p90_s'), 0)} ms")
     bound = p.get("short_decode_floor_s")
     if bound is not None:
-        line += (f"; a first token waits for a decode engine's pass: with the decode passes of laps' run, its prefills "
-                 f"placed anywhere reach no lower than {ms(bound, 2)} ms"
+        line += (f"; a first token waits for a decode engine's pass: with the decode passes and cache hits of laps' run, "
+                 f"the short P90 gets no lower than {ms(bound, 2)} ms"
                  f"{' (the target is below that)' if target is not None and target < bound else ''}")
     return line
 
@@ -868,6 +870,8 @@ def stopped(parser: argparse.ArgumentParser, claim: Claim, err: BaseException, k
     return 130
 
 
+ROW_KEYS = ("workload", "policy", "pd", "load")  # what names a row
+ROW_RATES = ("slo_violation_rate", "length_slo_violation_rate", "violation_floor")  # shares of a run's requests
 ROW_NUMBERS = ("load", "rate_rps", "slo_violation_rate", "length_slo_violation_rate", "short_ttft_p90_s", "short_floor_s",
                "short_decode_floor_s", "tpot_p90_s", "e2e_p90_s", "prefill_busy_fraction", "prefill_load",
                "violation_floor")  # None or a number
@@ -904,11 +908,19 @@ def earlier_verdicts(parser: argparse.ArgumentParser, path: Path) -> tuple[dict,
     try:
         if not earlier["verdict"]:
             parser.error(f"--verdict-of {path}: no workload's verdict in it (a run writes one as each workload ends)")
+        if not isinstance(earlier["rows"], list) or not isinstance(earlier["verdict"], list):
+            parser.error(f"--verdict-of {path}: its rows and verdict must be lists")
         for i, r in enumerate(earlier["rows"]):
-            for key in ROW_NUMBERS:  # loads, rates, latencies, shares: none below 0
-                if r.get(key) is not None and not (_finite_number(r[key]) and r[key] >= 0):
-                    parser.error(f"--verdict-of {path}: row {i} ({sweep_label(r.get('workload'), r.get('pd'))}, {r.get('policy')}, "
-                                 f"load {r.get('load')}): {key} must be a number >= 0, got {r[key]!r}")
+            if not isinstance(r, dict):
+                parser.error(f"--verdict-of {path}: row {i} is not an object, got {reprlib.repr(r)}")
+            if missing := [key for key in ROW_KEYS if key not in r]:
+                parser.error(f"--verdict-of {path}: row {i} lacks {', '.join(missing)}")
+            row = f"row {i} ({sweep_label(r['workload'], r['pd'])}, {r['policy']}, load {reprlib.repr(r['load'])})"
+            for key in ROW_NUMBERS:  # loads, rates, latencies, shares: none below 0, no rate above 1
+                value, most = r.get(key), 1 if key in ROW_RATES else math.inf
+                if value is not None and not (_finite_number(value) and 0 <= value <= most):
+                    parser.error(f"--verdict-of {path}: {row}: {key} must be a number "
+                                 f"{'from 0 to 1' if most == 1 else '>= 0'}, got {reprlib.repr(value)}")
         for v in earlier["verdict"]:
             sat = v["saturation_load"]
             if not (_finite_number(sat) and sat > 0):

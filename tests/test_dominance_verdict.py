@@ -117,8 +117,8 @@ def test_a_pd_short_p90_miss_says_where_the_decode_passes_put_the_floor():
     assert (p["short_ok"], p["short_target_s"], p["short_decode_floor_s"]) == (False, pytest.approx(0.00573), 0.0091)
     assert dominance.short_miss_line(v, p) == (
         "  docs (PD 6+2) at 0.50× short P90: laps 11.06 / target 5.73 ms (half the baseline's; least_load 11.46 ms); "
-        "a first token waits for a decode engine's pass: with the decode passes of laps' run, its prefills placed "
-        "anywhere reach no lower than 9.10 ms (the target is below that)")
+        "a first token waits for a decode engine's pass: with the decode passes and cache hits of laps' run, the short "
+        "P90 gets no lower than 9.10 ms (the target is below that)")
 
 
 def test_a_goodput_ratio_without_a_baseline_goodput_is_none_not_infinite():
@@ -316,11 +316,16 @@ def test_a_replayed_workload_replays_the_same_stretch_of_its_trace_at_every_load
 @pytest.mark.parametrize("text, says", [
     ("not json", "not a dominance.py JSON"),
     ('{"rows": []}', "not a dominance.py JSON"),
-    ('{"rows": [{}], "verdict": [{"workload": "x"}], "max_duration_s": 1}', "a row or verdict lacks a field"),
+    ('{"rows": [{}], "verdict": [{"workload": "x"}], "max_duration_s": 1}', "row 0 lacks workload, policy, pd, load"),
+    ('{"rows": [{"workload": "x", "policy": "laps", "pd": false}], "verdict": [{"workload": "x"}], "max_duration_s": 1}',
+     "row 0 lacks load"),
+    ('{"rows": [[1, 2]], "verdict": [{"workload": "x"}], "max_duration_s": 1}', "row 0 is not an object, got [1, 2]"),
+    ('{"rows": {"a": 1}, "verdict": [{"workload": "x"}], "max_duration_s": 1}', "its rows and verdict must be lists"),
+    ('{"rows": [], "verdict": [{}], "max_duration_s": 1}', "a row or verdict lacks a field"),
     ('{"rows": [], "verdict": [], "max_duration_s": 1}', "no workload's verdict in it"),
     ('{"rows": [], "verdict": [{"workload": "x", "saturation_load": 0}], "max_duration_s": 1}',
      "x: saturation_load must be a positive number, got 0"),
-    ('{"rows": [{"workload": "x", "pd": false, "policy": "laps"}], "verdict": [{"workload": "x", "saturation_load": 5}], '
+    ('{"rows": [{"workload": "x", "pd": false, "policy": "laps", "load": 5}], "verdict": [{"workload": "x", "saturation_load": 5}], '
      '"max_duration_s": 1}', "x: a verdict needs rows of laps and of a baseline, found laps"),
     ('{"rows": [], "verdict": [{"workload": "x", "saturation_load": 5}], "max_duration_s": 1}',
      "x: a verdict needs rows of laps and of a baseline, found no rows"),
@@ -328,13 +333,17 @@ def test_a_replayed_workload_replays_the_same_stretch_of_its_trace_at_every_load
      "x: saturation_load must be a positive number, got 1" + "0" * 400),
     ('{"rows": [{"workload": "x", "policy": "laps", "tpot_p90_s": "x"}], "verdict": [], "max_duration_s": 1}',
      "no workload's verdict in it"),
-    ('{"rows": [{"workload": "x", "policy": "laps", "tpot_p90_s": "x"}], "verdict": [{"workload": "x", "saturation_load": 5}], '
-     '"max_duration_s": 1}', "row 0 (x, laps, load None): tpot_p90_s must be a number >= 0, got 'x'"),
+    ('{"rows": [{"workload": "x", "pd": false, "policy": "laps", "load": 5, "tpot_p90_s": "x"}], "verdict": [{"workload": "x", '
+     '"saturation_load": 5}], "max_duration_s": 1}', "row 0 (x, laps, load 5): tpot_p90_s must be a number >= 0, got 'x'"),
+    ('{"rows": [{"workload": "x", "pd": false, "policy": "laps", "load": 5, "slo_violation_rate": 1.5}], "verdict": '
+     '[{"workload": "x", "saturation_load": 5}], "max_duration_s": 1}',
+     "row 0 (x, laps, load 5): slo_violation_rate must be a number from 0 to 1, got 1.5"),
     ('{"rows": [{"workload": "docs", "pd": true, "policy": "laps", "load": 9, "short_decode_floor_s": -0.5}], '
      '"verdict": [{"workload": "docs (PD 6+2)", "saturation_load": 5}], "max_duration_s": 1}',
      "row 0 (docs (PD 6+2), laps, load 9): short_decode_floor_s must be a number >= 0, got -0.5"),
-    ('{"rows": [{"workload": "x", "policy": "laps", "load": 1' + "0" * 400 + '}], "verdict": [{"workload": "x", "saturation_load": 5}], '
-     '"max_duration_s": 1}', "row 0 (x, laps, load 1" + "0" * 400 + "): load must be a number >= 0, got 1" + "0" * 400),
+    ('{"rows": [{"workload": "x", "pd": false, "policy": "laps", "load": 1' + "0" * 400 + '}], "verdict": [{"workload": "x", '
+     '"saturation_load": 5}], "max_duration_s": 1}', "row 0 (x, laps, load 100000000000000000...0000000000000000000): load must be a number >= 0, "
+     "got 100000000000000000...0000000000000000000"),
     ('{"rows": [' + ", ".join(f'{{"workload": "x", "pd": false, "policy": "{p}", "load": {load}, "slo_violation_rate": 0, '
                               f'"length_slo_violation_rate": 0, "short_ttft_p90_s": 0.01, "short_floor_s": 0.005}}'
                               for p, load in (("laps", 5.05), ("least_load", 5))) +
