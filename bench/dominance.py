@@ -257,6 +257,7 @@ def run_point(workload: str, policy: str, load: float, max_duration_s: float, se
     if any("decode" in (m.get("from_pool"), m.get("to_pool")) for m in getattr(run, "moves", ())):
         passes = None  # an engine moved to or from decoding: which engines decoded when is not kept
     report = build_report(records, slo_ttft_s=SLO_TTFT_S, slo_ttft_per_1k_s=PER_1K_S)
+    shorts = isolated_short_passes(records)
     met = sum(r.ok and r.ttft_s is not None and r.ttft_s <= SLO_TTFT_S for r in records)
     return {
         "workload": workload, "policy": policy, "pd": pd, "load": load, "duration_s": duration_s,
@@ -275,9 +276,9 @@ def run_point(workload: str, policy: str, load: float, max_duration_s: float, se
         "short_slo_violation_rate": report["by_class"]["short"]["slo_violation_rate"],
         "long_slo_violation_rate": report["by_class"]["long"]["slo_violation_rate"],
         "goodput_rps": met / report["duration_s"] if report["duration_s"] > 0 else 0.0,  # achieved; the verdict's is a load
-        "short_floor_s": short_floor_s(records),
+        "short_floor_s": short_floor_s(shorts),
         # PD: the short P90 that no placement of this run's prefills could beat, its decode passes and cache hits as they were
-        "short_decode_floor_s": short_decode_floor_s(records, passes, decode_engines(config)),
+        "short_decode_floor_s": short_decode_floor_s(shorts, passes, decode_engines(config)),
         "prefill_busy_fraction": prefill_busy_fraction(run, config, report["duration_s"]),
         "prefill_load": prefill_busy_fraction(run, config, duration_s),
         "moves": len(run.moves) if hasattr(run, "moves") else 0,
@@ -311,11 +312,16 @@ class PrefillWork:
         return violation_floor([a for a, _, _ in self.requests], work_s, SLO_TTFT_S, len(run.engines)) / len(run.records)
 
 
+def decode_engines(config: Config) -> list[str]:
+    """The engines ``config`` starts in the decode pool."""
+    return [e.name for e in config.engines if config.roles[e.role].pool == "decode"]
+
+
 def prefill_busy_fraction(run, config: Config, duration_s: float) -> float | None:
     """The prefill engines' mean seconds in prefill passes over ``duration_s`` (the run's: the share of it they were
     busy prefilling; its seconds of arrivals: the ``prefill_load``, above 1 past their capacity); engine model."""
-    pools = {e.name: config.roles[e.role].pool for e in config.engines}
-    busy = [slot.core.stats().total_prefill_busy_s for name, slot in run.engines.items() if pools.get(name) != "decode"]
+    decode = decode_engines(config)
+    busy = [slot.core.stats().total_prefill_busy_s for name, slot in run.engines.items() if name not in decode]
     return sum(busy) / len(busy) / duration_s if busy and duration_s > 0 else None
 
 
@@ -327,9 +333,10 @@ def isolated_short_passes(records) -> list[tuple[float, float]]:
             for r in records if r.laps_class == "short" and r.ok and r.prompt_tokens]
 
 
-def short_floor_s(records) -> float | None:
-    """P90 over the short requests of their isolated forward pass (engine model), plus the gateway's overhead."""
-    passes = [p for _, p in isolated_short_passes(records)]
+def short_floor_s(shorts: Sequence[tuple[float, float]]) -> float | None:
+    """P90 over the short requests (``shorts``: :func:`isolated_short_passes`) of their isolated forward pass, plus the
+    gateway's overhead."""
+    passes = [p for _, p in shorts]
     return float(np.percentile(passes, 90)) + GATEWAY_OVERHEAD_S if passes else None
 
 
@@ -362,13 +369,9 @@ class PassLog:
         return wait
 
 
-def decode_engines(config: Config) -> list[str]:
-    """The engines ``config`` starts in the decode pool."""
-    return [e.name for e in config.engines if config.roles[e.role].pool == "decode"]
-
-
-def short_decode_floor_s(records, passes: PassLog | None, decode: Sequence[str]) -> float | None:
-    """PD only (``passes``: the run's, else None; ``decode``: its decode engines): P90 over the short requests of the
+def short_decode_floor_s(shorts: Sequence[tuple[float, float]], passes: PassLog | None, decode: Sequence[str]) -> float | None:
+    """PD only (``shorts``: :func:`isolated_short_passes`; ``passes``: the run's, else None; ``decode``: its decode
+    engines): P90 over the short requests of the
     soonest their first token could have reached a client with the decode engines passing as they did, plus the
     gateway's overhead: the isolated forward pass from arrival, then the wait for the decode engine that ends its pass
     first (:meth:`PassLog.wait_s`; the KV transfer left out). A bound for this run's decode passes and cache hits (each
@@ -376,7 +379,7 @@ def short_decode_floor_s(records, passes: PassLog | None, decode: Sequence[str])
     decode engines pass at other times)."""
     if passes is None:
         return None
-    firsts = [p + passes.wait_s(a + p, decode) for a, p in isolated_short_passes(records)]
+    firsts = [p + passes.wait_s(a + p, decode) for a, p in shorts]
     return float(np.percentile(firsts, 90)) + GATEWAY_OVERHEAD_S if firsts else None
 
 

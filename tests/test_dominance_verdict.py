@@ -103,10 +103,12 @@ def test_the_pd_decode_floor_is_the_isolated_pass_then_the_wait_for_a_decode_pas
     passes.on_pass("d0", 0.0, type("Step", (), {"duration_s": 0.010})())
     passes.on_pass("p0", 0.0, type("Step", (), {"duration_s": 0.020})())  # a prefill engine's pass: no first token there
     alone = make_latency_model().predict([(50, 0)])  # 4.9 ms: the pass ends before d0's, at 10 ms
-    assert dominance.short_decode_floor_s([short(0.0)], passes, ["d0"]) == pytest.approx(0.010 + dominance.GATEWAY_OVERHEAD_S)
+    at_0, at_6ms = dominance.isolated_short_passes([short(0.0)]), dominance.isolated_short_passes([short(0.006)])
+    assert at_0 == [(0.0, alone)]
+    assert dominance.short_decode_floor_s(at_0, passes, ["d0"]) == pytest.approx(0.010 + dominance.GATEWAY_OVERHEAD_S)
     # arriving at 6 ms its prefill ends after d0's pass: d0 is idle then, and the first token leaves at once
-    assert dominance.short_decode_floor_s([short(0.006)], passes, ["d0"]) == pytest.approx(alone + dominance.GATEWAY_OVERHEAD_S)
-    assert dominance.short_decode_floor_s([short(0.0)], None, ["d0"]) is None  # not PD
+    assert dominance.short_decode_floor_s(at_6ms, passes, ["d0"]) == pytest.approx(alone + dominance.GATEWAY_OVERHEAD_S)
+    assert dominance.short_decode_floor_s(at_0, None, ["d0"]) is None  # not PD
 
 
 def test_a_pd_short_p90_miss_says_where_the_decode_passes_put_the_floor():
