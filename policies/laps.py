@@ -703,6 +703,12 @@ class LapsScheduler:
         n = self.model.displaced(engine.id, shapes, now, self._joins_in_flight(batch, engine.id))
         return own_s + n * self.model.token_in_pass_s * sum(max(1, new) for new, _ in shapes)
 
+    def _holds_up_others(self, engine: EngineView, batch: Sequence[RequestView], now: float) -> bool:
+        """Whether ``batch`` on ``engine`` runs a forward pass of its own that holds up the requests there
+        (:meth:`EngineQueueModel.holds_up_others`)."""
+        return self.model.holds_up_others(engine.id, self._shapes(batch, engine.id), now, self._joins_in_flight(batch, engine.id),
+                                          self._waiting_for_slot(engine, batch))
+
     def _dispatch_short(self, queue: list[RequestView], trigger: Trigger, load: dict[str, EngineView], now: float) -> Dispatch:
         batch, tokens = [], 0
         while queue and (not batch or tokens + queue[0].new_tokens <= self.depth_tokens):
@@ -710,7 +716,12 @@ class LapsScheduler:
             batch.append(queue.pop(0))
         engines = [e for e in load.values() if e.healthy]
         order = {e.id: i for i, e in enumerate(engines)}
-        best = min(engines, key=lambda e: (self._cost(e, batch, now), e.in_flight, e.pool != "short", order[e.id]))
+        costs = {e.id: self._cost(e, batch, now) for e in engines}
+        # The model does not resolve times finer than one forward pass: costs that close count as equal, and of those
+        # the engines where the batch holds no other request up go first (module docstring, Passes of their own).
+        close = min(costs.values()) + self.model.pass_floor_s
+        best = min((e for e in engines if costs[e.id] <= close),
+                   key=lambda e: (self._holds_up_others(e, batch, now), costs[e.id], e.in_flight, e.pool != "short", order[e.id]))
         if best.pool == "long":
             self.short_spilled += 1
         waited_s = now - min(r.arrival_s for r in batch)

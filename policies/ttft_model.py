@@ -279,14 +279,29 @@ class EngineQueueModel:
         """``batch``'s own prefill on ``engine_id`` (``P_e``, module doc; ``alone_s``: its prefill alone), its entries as of
         their last advance (:meth:`predict_ttft_s` advances them first): what its tokens add to the pass of the prefills
         waiting there unstarted (:attr:`token_in_pass_s` each, at least ``alone_s`` less :attr:`pass_floor_s`) when it
-        fits one chunk with them; else ``alone_s``."""
+        fits one chunk with them (:meth:`_fits_waiting_pass`); else ``alone_s``."""
+        if not self._fits_waiting_pass(engine_id, batch):
+            return alone_s
+        return max(alone_s - self.pass_floor_s, _new_tokens(batch) * self.token_in_pass_s)
+
+    def _fits_waiting_pass(self, engine_id: str, batch: Sequence[SeqShape]) -> bool:
+        """Whether prefills wait unstarted on ``engine_id`` (its entries as of their last advance) and ``batch``'s new
+        tokens fit one chunk with theirs: SGLang's next extend pass takes them all (module doc, Joining a pass)."""
         current = self._current.get(engine_id)
         waiting = [p.tokens for p in self._by_engine.get(engine_id, {}).values()
                    if p.work_s > 0 and p.remaining_s >= p.work_s and p is not current]
-        tokens = _new_tokens(batch)
-        if not waiting or sum(waiting) + tokens > self.chunk_tokens:
-            return alone_s
-        return max(alone_s - self.pass_floor_s, tokens * self.token_in_pass_s)
+        return bool(waiting) and sum(waiting) + _new_tokens(batch) <= self.chunk_tokens
+
+    def holds_up_others(self, engine_id: str, batch: Sequence[SeqShape], now: float, behind_all: bool = False,
+                        waiting_for_slot: int = 0) -> bool:
+        """Whether ``batch`` sent to ``engine_id`` at ``now`` would run a forward pass of its own while other requests are
+        there (decoding, or prefills sent there without a first token yet): that pass holds each of them up by at
+        least a pass's fixed cost (:attr:`pass_floor_s`). False where it joins the pass of the prefills waiting there
+        unstarted (module doc, Joining a pass; not when it waits for a request slot or with ``behind_all``, as for
+        :meth:`predict_ttft_s`) or where the engine has nothing else to do."""
+        if not self._advance(engine_id, now) and not self._decoding.get(engine_id, 0):
+            return False
+        return waiting_for_slot > 0 or behind_all or not self._fits_waiting_pass(engine_id, batch)
 
     def displaced(self, engine_id: str, batch: Sequence[SeqShape], now: float, behind_all: bool = False) -> int:
         """Prefills on ``engine_id`` that ``batch`` sent now would go ahead of (so delay by its tokens) and that can

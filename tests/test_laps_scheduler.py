@@ -109,8 +109,10 @@ def test_without_awd_windows_each_short_request_goes_at_once_though_every_engine
     assert s.decide(ENGINES, 0.0) == Decision((Dispatch("s", ("r0",)),))
     s.submit(short("r1", 10, 0.001), 0.001)
     s.submit(short("r2", 10, 0.001), 0.001)  # what is queued at a decision goes together: the engine would batch it
-    # r0's prefill now waits on s behind its backlog, so l's equal backlog ends sooner
-    assert s.decide(ENGINES, 0.001) == Decision((Dispatch("l", ("r1", "r2")),))
+    # r0's prefill now waits unstarted on s behind its backlog: r1 and r2 join its pass there (5.96 ms, then 0.19 ms for
+    # their 20 tokens) rather than run a 5.2-ms pass of their own behind l's equal backlog, which would hold that
+    # backlog up: 0.95 ms apart, under one pass (module docstring, Passes of their own)
+    assert s.decide(ENGINES, 0.001) == Decision((Dispatch("s", ("r1", "r2")),))
     assert s.triggers["immediate"] == 2 and s.depth_tokens == 128  # no window, no adaptation
 
 
@@ -119,8 +121,10 @@ def test_memory_first_groups_by_length_bucket():
     for rid, n in (("a", 10), ("b", 200), ("c", 12), ("d", 50)):
         s.submit(short(rid, n, 0.0), 0.0)
     decision = s.decide(ENGINES, 0.008)
-    # Each batch goes to the engine whose backlog (grown by the batches before it) ends first.
-    assert decision.dispatches == (Dispatch("s", ("a", "c")), Dispatch("l", ("d",)), Dispatch("s", ("b",)))
+    # One batch per bucket, each to the engine whose backlog (grown by the batches before it) ends first, or within one
+    # pass of it where the batch joins a pass waiting there: d joins a and c's pass on s (a pass of its own on l would
+    # hold up l's backlog); b would be more than a pass later on s, whose backlog keeps each batch's whole pass.
+    assert decision.dispatches == (Dispatch("s", ("a", "c")), Dispatch("s", ("d",)), Dispatch("l", ("b",)))
 
 
 def test_batch_is_cut_at_the_target_depth():
@@ -177,6 +181,31 @@ def test_a_tie_in_predicted_cost_goes_to_the_engine_with_fewer_requests_in_fligh
     s.submit(short("r0", 10, 0.0), 0.0)
     even = [EngineView("s", "short", in_flight=2), EngineView("l", "long", in_flight=2)]
     assert s.decide(even, 0.0) == Decision((Dispatch("s", ("r0",)),))  # as many in flight: the short pool
+
+
+@pytest.mark.parametrize("waiting_tokens, chosen", [(600, "pre"), (1500, "dec")])
+def test_a_short_request_joins_a_waiting_pass_within_one_pass_of_the_cheapest_rather_than_hold_up_a_decode_batch(
+        waiting_tokens, chosen):
+    # "dec" decodes 100 requests (a 6-ms decode pass: half of one in progress) and would run the 100-token request in a
+    # 6-ms pass of its own, which stalls them: 9 ms. On "pre" a prefill waits unstarted; the request joins its pass:
+    # 600 tokens, 10 ms + 1 ms (what 100 tokens add to it), 2 ms dearer, under one pass (5.01 ms): "pre"; 1,500
+    # tokens, 20 + 1 ms, 12 ms dearer: "dec".
+    s = LapsScheduler(config(awd_windows=False), TRAITS)
+    rids = [f"d{i}" for i in range(100)]
+    s.model.dispatched("dec", rids, [(1, 0)] * 100, 0.0)
+    for rid in rids:
+        s.model.first_token(rid, 0.01)
+    s.model.dispatched("pre", ["p"], [(waiting_tokens, 0)], 1.0)
+    s.submit(short("r0", 100, 1.0), 1.0)
+    assert s.decide([EngineView("dec", "short"), EngineView("pre", "short")], 1.0) == Decision((Dispatch(chosen, ("r0",)),))
+
+
+def test_an_idle_engine_beats_joining_a_waiting_pass_when_it_is_sooner():
+    # Neither holds anyone up: the idle engine's 6-ms pass is sooner than the 600-token pass waiting on "pre" (11 ms).
+    s = LapsScheduler(config(awd_windows=False), TRAITS)
+    s.model.dispatched("pre", ["p"], [(600, 0)], 1.0)
+    s.submit(short("r0", 100, 1.0), 1.0)
+    assert s.decide([EngineView("pre", "short"), EngineView("idle", "short")], 1.0) == Decision((Dispatch("idle", ("r0",)),))
 
 
 def test_a_request_goes_where_it_gets_a_request_slot_first():

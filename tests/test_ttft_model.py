@@ -215,6 +215,20 @@ def test_a_short_request_joins_a_pass_about_to_start_rather_than_interrupt_a_dec
     assert m.predict_ttft_s("pre", [(100, 0)], 1.001) == pytest.approx(0.005 + 0.006)
 
 
+def test_a_pass_of_its_own_holds_up_the_requests_decoding_or_prefilling_there_but_joining_a_waiting_pass_does_not():
+    m = EngineQueueModel(TRAITS)
+    assert not m.holds_up_others("idle", [(100, 0)], 0.0)  # nothing else there
+    m.dispatched("dec", ["d"], [(1, 0)], 0.0)
+    m.first_token("d", 0.01)
+    assert m.holds_up_others("dec", [(100, 0)], 1.0)  # its pass stalls the decoding request
+    m.dispatched("pre", ["p"], [(100, 0)], 1.0)
+    assert not m.holds_up_others("pre", [(100, 0)], 1.0)  # it joins p's pass, which has not started
+    assert m.holds_up_others("pre", [(4000, 0)], 1.0)  # 4,100 tokens: more than one 4,096-token chunk holds
+    assert m.holds_up_others("pre", [(100, 0)], 1.0, waiting_for_slot=1)  # admitted later, in a pass of its own
+    assert m.holds_up_others("pre", [(100, 0)], 1.0, behind_all=True)  # behind all the prefill work there
+    assert m.holds_up_others("pre", [(100, 0)], 1.001)  # p's pass has started: it waits for it, then runs its own
+
+
 def test_a_request_that_waits_for_a_request_slot_does_not_join_the_pass_waiting_now():
     # The engine's slots are full and only it waits for one, so it is admitted when a request finishes, at least 1 s
     # from now at the floor rate, and runs a pass of its own then, not the 100-token pass that waits now. Nor does a
