@@ -55,7 +55,11 @@ cost for each of them that can still
 meet its deadline (a greedy choice by its own TTFT alone piles shorter requests
 onto the engine where a long one waits, which then starves):
 
-* a short batch goes to the engine of *any* pool where it costs least (ties:
+* a short batch goes to the engine of *any* pool where it costs least, costs
+  within one forward pass of the cheapest counting as equal (the model resolves
+  no finer; Passes of their own, below): of those, first the engines where it
+  holds no other request up (it joins the pass of the prefills waiting there
+  unstarted, or nothing else runs there), then the cheapest (ties:
   fewer requests in flight, then the short pool: requests in flight are mostly
   decoding ones, which a prefill's predicted cost hardly sees, and with the
   short pool first every tie went there, so on a short-heavy mix the short
@@ -327,6 +331,29 @@ pass; :mod:`policies.ttft_model`, Joining a pass): TPOT P50 at 2,000 conv/s 29.9
 ``hh-rlhf`` and ``mixed`` PD at 1.0× (saturation loads searched in that sitting, 22,807 and 336.739; single
 runs of the benchmark's point configuration, seed 0) at 0.00% and 0.12% violations (0.00% and 0.19% before; the
 PD point measured before the rule that a request waiting for a request slot joins no pass).
+
+Passes of their own. Even so, at steady state on short chats laps' TPOT stayed well above least_load's
+(``bench/steady_state.py --points chat-single:2000 --duration 6``, seed 0: TPOT P50 / P90 22.0 / 29.9 ms against
+15.7 / 23.0): a short request went wherever its predicted first token came soonest, often, by a fraction of a
+millisecond, to a decoding engine with nothing to prefill rather than one where a prefill waited unstarted, and each
+such choice started one more prefill pass, whose fixed cost (4.9 ms with Qwen2.5-7B on an H200) stalls that engine's
+whole decode batch (a scratch log of every pass after the first second: laps ran 98 prefill passes a second an
+engine of 2.0 requests each, least_load 78 of 2.5, and 68 decode passes a second against 83). The model resolves no
+finer than one forward pass (as for long prefills), so a short batch's costs within one pass floor of the cheapest
+count as equal, and of those the engines where it holds no other request up (it joins the pass waiting there, or
+nothing else runs there: :meth:`EngineQueueModel.holds_up_others`) go first. Measured (seed 0, before → after):
+at that point TPOT P50 / P90 22.0 / 29.9 → 17.6 / 23.9 ms and short P90 10.5 → 10.0 ms; ``chat-single`` at 1,000
+conv/s TPOT 10.6 / 12.7 → 9.6 / 11.2 ms (least_load 10.0 / 11.4), at 4,000 53.0 / 79.4 → 53.3 / 69.5 ms; ``mixed``
+at 400 conv/s short P90 15.7 → 12.0 ms and TPOT P50 44.7 → 38.5 ms (P90 137 → 141); none has a violation now
+(``mixed`` at 400 had 0.03%). The whole benchmark (``dominance37`` → ``dominance39``, README): never worse and
+knee met on all 9 workloads as before; laps' TPOT P90 0.72–0.96× of before at ten of the 62 points (``docs`` 0.8×
+0.72×, ``hh-rlhf`` 0.2× 0.82×, ``chat-single`` 0.2× 0.86×), 0.97–1.02× at the others but ``code-burst`` 1.0× (1.06×);
+violations within 0.5 points of before at every point (``azure-conv`` 1.5× +0.35, ``docs`` PD 1.2× −0.44;
+``hh-rlhf`` at 1.2× 5.89 → 6.01%, on seeds 1 and 2 7.56 → 7.99% and 7.70 → 8.10%; at 1.0× 0.33 → 0.00%, 0.27 →
+0.18%, 0.77 → 0.54%).
+The same preference, for an engine where a prefill already waits and with no such condition on idle engines, was
+tried before the queue model priced a join and not kept (above: ``hh-rlhf`` and ``mixed`` PD at 1.0× 2.14% and
+0.92%); those two points are now at 0.00% and 0.17%.
 
 The model's phase of a chunk in progress, tried again (0de07b4, 5e0933e; both reverted). Where a request
 overtakes longer work, the queue model charges a whole chunk pass, though it runs each engine's chunks forward

@@ -88,7 +88,10 @@ violation change is within one run's noise (~1 point in overload), their mean ab
 there too, the backlog looked shorter than it runs on engines that alternate it with
 decode passes of thousands of sequences, and short requests piled up where a group
 waited: ``hh-rlhf`` short P90 at 18,246 was 46 ms (violations at 27,368 fell to 9.46%,
-the one point where that helped).
+the one point where that helped). Whether a batch runs a pass of its own on an engine
+where other requests decode or wait (:meth:`EngineQueueModel.holds_up_others`) is the
+scheduler's tie-break among engines within one pass of the cheapest
+(:mod:`policies.laps`, Passes of their own).
 
 On ``shortest-prefill-first`` engines a request delays the longer prefills it
 overtakes by what its new tokens add to their passes (``token_in_pass_s`` each, the
