@@ -746,11 +746,17 @@ class LapsScheduler:
         engines = [e for e in load.values() if e.healthy]
         order = {e.id: i for i, e in enumerate(engines)}
         costs = {e.id: self._cost(e, batch, now) for e in engines}
-        # The model does not resolve times finer than one forward pass: costs that close count as equal, and of those
-        # the engines where the batch holds no other request up go first (module docstring, Passes of their own).
-        close = min(costs.values()) + self.model.pass_floor_s
-        best = min((e for e in engines if costs[e.id] <= close),
-                   key=lambda e: (self._holds_up_others(e, batch, now), costs[e.id], e.in_flight, e.pool != "short", order[e.id]))
+
+        def key(e: EngineView) -> tuple:
+            return costs[e.id], e.in_flight, e.pool != "short", order[e.id]
+
+        best = min(engines, key=key)
+        if self._holds_up_others(best, batch, now):
+            # The model does not resolve times finer than one forward pass: costs that close count as equal, and of
+            # those the engines where the batch holds no other request up go first (module docstring, Passes of their own).
+            close = costs[best.id] + self.model.pass_floor_s
+            spare = [e for e in engines if costs[e.id] <= close and e is not best and not self._holds_up_others(e, batch, now)]
+            best = min(spare, key=key, default=best)
         if best.pool == "long":
             self.short_spilled += 1
         waited_s = now - min(r.arrival_s for r in batch)
