@@ -67,8 +67,8 @@ onto the engine where a long one waits, which then starves):
   prefill's chunks makes it wait for a whole chunk pass, so short prefills
   avoid it while a clean engine exists ("spill-over" into the long pool when
   the long pool is idle);
-* a long prefill goes to the engine where it costs least (ties: the long
-  pool); on an engine with no long prefill in progress ("clean") the cost also
+* a long prefill goes to the engine where it costs least (costs within one
+  pass of the cheapest counting as equal; ties: the long pool); on an engine with no long prefill in progress ("clean") the cost also
   counts the short batches it would hold up there: its prefill time P × the
   short batches dispatched per second ÷ the clean engines × their mean wait
   for the pass in progress (min(P, one chunk pass) / 2). So long prefills

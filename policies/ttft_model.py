@@ -273,23 +273,19 @@ class EngineQueueModel:
         """:meth:`predict_ttft_s` given the wait for a request slot (``slot_s``) and the batch's prefill alone (``alone_s``)."""
         longest = None if behind_all else max((new for new, _ in batch), default=1)
         start = max(self.start_s(engine_id, now, decoding_context_tokens, longest), now + slot_s)
-        # a request that waits for a slot is admitted when one frees, and one keyed behind all prefill work (it counts
-        # on a prefill in flight) runs after it: neither goes into the pass that waits now
-        own_s = alone_s if slot_s > 0 or behind_all else self._in_waiting_pass_s(engine_id, batch, alone_s)
+        # P_e (module doc): what its tokens add to the pass it joins (token_in_pass_s each, at least alone_s less the
+        # pass floor), else its prefill alone
+        joins = self._joins_waiting_pass(engine_id, batch, behind_all, slot_s > 0)
+        own_s = max(alone_s - self.pass_floor_s, _new_tokens(batch) * self.token_in_pass_s) if joins else alone_s
         return start - now + own_s
 
-    def _in_waiting_pass_s(self, engine_id: str, batch: Sequence[SeqShape], alone_s: float) -> float:
-        """``batch``'s own prefill on ``engine_id`` (``P_e``, module doc; ``alone_s``: its prefill alone), its entries as of
-        their last advance (:meth:`predict_ttft_s` advances them first): what its tokens add to the pass of the prefills
-        waiting there unstarted (:attr:`token_in_pass_s` each, at least ``alone_s`` less :attr:`pass_floor_s`) when it
-        fits one chunk with them (:meth:`_fits_waiting_pass`); else ``alone_s``."""
-        if not self._fits_waiting_pass(engine_id, batch):
-            return alone_s
-        return max(alone_s - self.pass_floor_s, _new_tokens(batch) * self.token_in_pass_s)
-
-    def _fits_waiting_pass(self, engine_id: str, batch: Sequence[SeqShape]) -> bool:
-        """Whether prefills wait unstarted on ``engine_id`` (its entries as of their last advance) and ``batch``'s new
-        tokens fit one chunk with theirs: SGLang's next extend pass takes them all (module doc, Joining a pass)."""
+    def _joins_waiting_pass(self, engine_id: str, batch: Sequence[SeqShape], behind_all: bool, waits_for_slot: bool) -> bool:
+        """Whether ``batch`` runs in the pass of the prefills waiting unstarted on ``engine_id`` (its entries as of their
+        last advance): some wait and its new tokens fit one chunk with theirs (SGLang's next extend pass takes them
+        all; module doc, Joining a pass). Not where it waits for a request slot (it is admitted when one frees) or is
+        keyed behind all prefill work there (``behind_all``: it counts on a prefill in flight, so runs after it)."""
+        if waits_for_slot or behind_all:
+            return False
         current = self._current.get(engine_id)
         waiting = [p.tokens for p in self._by_engine.get(engine_id, {}).values()
                    if p.work_s > 0 and p.remaining_s >= p.work_s and p is not current]
@@ -300,11 +296,15 @@ class EngineQueueModel:
         """Whether ``batch`` sent to ``engine_id`` at ``now`` would run a forward pass of its own while other requests are
         there (decoding, or prefills sent there without a first token yet): that pass holds each of them up by at
         least a pass's fixed cost (:attr:`pass_floor_s`). False where it joins the pass of the prefills waiting there
-        unstarted (module doc, Joining a pass; not when it waits for a request slot or with ``behind_all``, as for
-        :meth:`predict_ttft_s`) or where the engine has nothing else to do."""
-        if not self._advance(engine_id, now) and not self._decoding.get(engine_id, 0):
+        unstarted (as :meth:`predict_ttft_s` has it: not with ``behind_all``) or where the engine has nothing else to do;
+        True where it waits for a request slot (the requests in them run there, and it gets a pass of its own when one
+        frees)."""
+        if waiting_for_slot > 0:
+            return True
+        entries = self._advance(engine_id, now)
+        if self._joins_waiting_pass(engine_id, batch, behind_all, False):
             return False
-        return waiting_for_slot > 0 or behind_all or not self._fits_waiting_pass(engine_id, batch)
+        return bool(entries) or self._decoding.get(engine_id, 0) > 0
 
     def displaced(self, engine_id: str, batch: Sequence[SeqShape], now: float, behind_all: bool = False) -> int:
         """Prefills on ``engine_id`` that ``batch`` sent now would go ahead of (so delay by its tokens) and that can

@@ -218,6 +218,7 @@ def test_a_short_request_joins_a_pass_about_to_start_rather_than_interrupt_a_dec
 def test_a_pass_of_its_own_holds_up_the_requests_decoding_or_prefilling_there_but_joining_a_waiting_pass_does_not():
     m = EngineQueueModel(TRAITS)
     assert not m.holds_up_others("idle", [(100, 0)], 0.0)  # nothing else there
+    assert m.holds_up_others("idle", [(100, 0)], 0.0, waiting_for_slot=1)  # its slots are taken by requests not sent here
     m.dispatched("dec", ["d"], [(1, 0)], 0.0)
     m.first_token("d", 0.01)
     assert m.holds_up_others("dec", [(100, 0)], 1.0)  # its pass stalls the decoding request
