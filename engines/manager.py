@@ -106,8 +106,8 @@ def configured_ports(config: Config) -> set[int]:
             continue
         if engine.port is not None:
             ports.add(engine.port)
-        if config.pd is not None and config.pool(engine) != "decode":
-            ports.add(config.bootstrap_port(engine))
+        if config.pd is not None and (config.pool(engine) != "decode" or config.pd.role_switch):
+            ports.add(config.bootstrap_port(engine))  # with role switch a decode engine binds its own too (engine_command)
     return ports
 
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import copy
+import socket
 
 import yaml
 
+from engines.manager import FREE_PORT_RANGE, free_port
 from laps.config import DEFAULT_CONFIG_PATH, Config, parse_config
 
 PD_ROLES = {
@@ -19,6 +21,29 @@ PD_ENGINES = [
     {"name": "d0", "kind": "sim", "role": "decode", "gpus": [2]},
     {"name": "d1", "kind": "sim", "role": "decode", "gpus": [3]},
 ]
+
+
+def free_bootstrap_base(engines: int = len(PD_ENGINES)) -> int:
+    """A ``pd.bootstrap_port`` whose ``engines`` ports from it (engine ``i`` serves KV on the base plus ``i``) were all
+    free a moment ago, below the ephemeral range; with ``pd.role_switch`` the decode engines bind theirs too.
+
+    Raises:
+        OSError: no such run of ports in 100 tries.
+    """
+    for _ in range(100):
+        base = free_port()
+        if base + engines - 1 <= FREE_PORT_RANGE[1] and all(_bindable(base + i) for i in range(1, engines)):
+            return base
+    raise OSError(f"no {engines} consecutive free TCP ports in {FREE_PORT_RANGE[0]}-{FREE_PORT_RANGE[1]}")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 def pd_data(**top) -> dict:

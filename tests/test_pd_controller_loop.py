@@ -13,6 +13,7 @@ from laps.config import parse_config
 from policies.controller import Move
 from policies.pd_controller import PDPressureController
 from tests.live_gateway import LiveGateway
+from tests.pd_stack import free_bootstrap_base
 from tests.test_controller_loop import KEY, controller_metrics, engines, late_first_tokens
 from tests.test_pd_role_switch import flip_data
 
@@ -24,7 +25,7 @@ CONTROLLER_KEYS = dict(enabled=True, short_role="prefill-short", long_role="pref
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
     data = flip_data(controller=CONTROLLER_KEYS, log_dir=str(tmp_path_factory.mktemp("pd-controller") / "logs"))
-    data["pd"]["bootstrap_port"] = free_port()
+    data["pd"]["bootstrap_port"] = free_bootstrap_base()
     data["gateway"].update(port=free_port(), admin_key=KEY)
     with LiveGateway(parse_config(data)) as gateway:
         yield gateway

@@ -22,7 +22,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from engines.client import EngineClient
-from engines.manager import engine_command, free_port
+from engines.manager import configured_ports, engine_command, free_port
 from engines.sim.args import parse_server_args
 from engines.sim.realtime import ENGINE
 from engines.sim.server import create_app
@@ -30,7 +30,7 @@ from gateway.registry import EngineRegistry, EngineState
 from gateway.role_switch import check_side, switch_role
 from laps.config import ConfigError, parse_config
 from tests.live_gateway import LiveGateway
-from tests.pd_stack import pd_config, pd_data
+from tests.pd_stack import free_bootstrap_base, pd_config, pd_data
 from tests.test_role_switch import ForgettingIndex, RecordingManager
 from tests.test_sim_pd import body, sim_args
 
@@ -142,6 +142,9 @@ def test_role_switch_puts_the_flag_and_a_bootstrap_port_on_every_engine_and_refu
         parsed = parse_server_args(engine_command(config, engine, 30000)[3:])
         assert parsed.enable_pd_role_switch and parsed.disaggregation_bootstrap_port == config.bootstrap_port(engine)
     assert [config.bootstrap_port(e) for e in config.engines] == [8998, 8999, 9000, 9001]
+    # the manager hands out no engine or KV-event port that an engine's bootstrap server binds, decode engines' included
+    assert {8998, 8999, 9000, 9001} <= configured_ports(config)
+    assert {8998, 8999} <= configured_ports(pd_config()) and not {9000, 9001} & configured_ports(pd_config())
     with pytest.raises(ConfigError, match="nixl transfer backend does not support a runtime role switch"):
         pd_config(pd={"transfer_backend": "nixl", "role_switch": True})
     assert not any(parse_server_args(engine_command(pd_config(), e, 30000)[3:]).enable_pd_role_switch for e in pd_config().engines)
@@ -152,7 +155,7 @@ KEY = "s3cret-admin-key"
 
 def test_the_admin_api_flips_a_decode_engine_to_prefill_in_place(tmp_path):
     data = flip_data(log_dir=str(tmp_path / "logs"))
-    data["pd"]["bootstrap_port"] = free_port()
+    data["pd"]["bootstrap_port"] = free_bootstrap_base()
     data["gateway"].update(port=free_port(), admin_key=KEY)
     with LiveGateway(parse_config(data)) as live:
         headers = {"Authorization": f"Bearer {KEY}"}
