@@ -89,13 +89,19 @@ def free_port(host: str = "127.0.0.1") -> int:
     ephemeral = _ephemeral_ports()
     candidates = [p for p in range(FREE_PORT_RANGE[0], FREE_PORT_RANGE[1] + 1) if p not in ephemeral]
     for port in _port_rng.sample(candidates, min(200, len(candidates))):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
+        if port_free(port, host):
             return port
     raise OSError(f"no free TCP port on {host} in {FREE_PORT_RANGE[0]}-{FREE_PORT_RANGE[1]} outside the ephemeral range")
+
+
+def port_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a TCP socket could bind ``host``:``port`` just now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
 
 
 def configured_ports(config: Config) -> set[int]:

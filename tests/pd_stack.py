@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import copy
-import socket
 
 import yaml
 
-from engines.manager import FREE_PORT_RANGE, free_port
+from engines.manager import FREE_PORT_RANGE, free_port, port_free
 from laps.config import DEFAULT_CONFIG_PATH, Config, parse_config
 
 PD_ROLES = {
@@ -32,18 +31,9 @@ def free_bootstrap_base(engines: int = len(PD_ENGINES)) -> int:
     """
     for _ in range(100):
         base = free_port()
-        if base + engines - 1 <= FREE_PORT_RANGE[1] and all(_bindable(base + i) for i in range(1, engines)):
+        if base + engines - 1 <= FREE_PORT_RANGE[1] and all(port_free(base + i) for i in range(1, engines)):
             return base
     raise OSError(f"no {engines} consecutive free TCP ports in {FREE_PORT_RANGE[0]}-{FREE_PORT_RANGE[1]}")
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
 
 
 def pd_data(**top) -> dict:

@@ -20,7 +20,7 @@ import pytest
 
 import yaml
 
-from tests.pd_stack import pd_data
+from tests.pd_stack import free_bootstrap_base, pd_data
 from tests.test_cli_startup import write_config
 from tests.test_http_limits import listen_backlogs
 
@@ -200,25 +200,12 @@ def _switch_through_a_worker(url: str) -> int:
     return 4
 
 
-def _free_port_pair() -> int:
-    """A port free now whose next one is free too (the two prefill engines' KV bootstrap ports)."""
-    while True:
-        with socket.socket() as first, socket.socket() as second:
-            first.bind(("127.0.0.1", 0))
-            port = first.getsockname()[1]
-            try:
-                second.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-            return port
-
-
 def test_two_workers_serve_a_prefill_decode_deployment(tmp_path):
     """Each request is prefilled and decoded on the pair the scheduler picked; the prefix index learns through the
     workers (a follow-up turn is routed with its cached history); every engine's load is back to none afterwards."""
     data = pd_data(log_dir=str(tmp_path / "logs"), controller={"enabled": False})
     data["gateway"].update(port=0, shutdown_grace_s=5, admin_key=ADMIN_KEY)
-    data["pd"]["bootstrap_port"] = _free_port_pair()
+    data["pd"]["bootstrap_port"] = free_bootstrap_base(2)
     config_path = tmp_path / "config.yaml"
     config_path.write_text(yaml.safe_dump(data))
     url, proc = _start(config_path, tmp_path / "stderr")
