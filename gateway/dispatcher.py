@@ -162,21 +162,24 @@ class Dispatcher:
     def first_token(self, rid: str, engine_id: str, reported_cached_tokens: int | None, load_ends: bool = False) -> None:
         """The engine produced the request's first token (its prefill is done).
 
-        ``load_ends``: the engine's part of the request ends with it (PD: the prefill engine answered; the decode engine
-        carries on), so the request stops counting on ``engine_id``'s load now, and :meth:`complete` does not release
-        it again.
+        ``load_ends``: the engine's part of the request ends with it (PD: the prefill engine answered, after the KV
+        transfer; the decode engine carries on), so the request stops counting on ``engine_id``'s load and the scheduler
+        hears ``on_complete`` for it now (as the simulator tells it at the transfer's end, :mod:`loadgen.virtual_pd`),
+        and :meth:`complete` tells neither again.
         """
         if self.prefills is not None:
             self.prefills.end(rid)
+        now = self.clock()
         flight = self._flights.get(rid)
         if flight is not None:
             if self.first_tokens is not None and flight.deadline_s is not None:
-                self.first_tokens.record(engine_id, self.clock(), flight.deadline_s)
+                self.first_tokens.record(engine_id, now, flight.deadline_s)
             flight.deadline_s = None
-            if load_ends and flight.counted:
-                self._registry.release(engine_id, flight.prompt_tokens)
-                flight.counted = False
-        self.scheduler.on_first_token(rid, engine_id, self.clock(), reported_cached_tokens)
+        self.scheduler.on_first_token(rid, engine_id, now, reported_cached_tokens)
+        if flight is not None and load_ends and flight.counted:
+            flight.counted = False
+            self._registry.release(engine_id, flight.prompt_tokens)
+            self.scheduler.on_complete(rid, engine_id, now)
         self._decide()
 
     def complete(self, request: RequestView, engine_id: str) -> None:
@@ -184,9 +187,9 @@ class Dispatcher:
         if self.prefills is not None:
             self.prefills.end(request.rid)
         flight = self._flights.pop(request.rid, None)
-        if flight is None or flight.counted:
+        if flight is None or flight.counted:  # not ended by a first token with ``load_ends``
             self._registry.release(engine_id, request.prompt_tokens)
-        self.scheduler.on_complete(request.rid, engine_id, self.clock())
+            self.scheduler.on_complete(request.rid, engine_id, self.clock())
         self._decide()
 
     def fail_waiting(self, error: Callable[[], APIError]) -> None:

@@ -105,20 +105,26 @@ async def test_dispatcher_wakes_at_the_scheduler_time_and_counts_load():
 
 
 async def test_a_first_token_that_ends_the_engines_part_releases_its_load_once():
-    """PD: the prefill engine's answer ends the request's load there; its completion later releases nothing twice."""
+    """PD: the prefill engine's answer ends the request's load there, and the scheduler hears it complete there then
+    (its queue model stops counting it as decoding on the prefill engine); its completion later tells nothing twice."""
     loop = asyncio.get_running_loop()
     registry = EngineRegistry([EngineState("a", "http://a", "short")])
-    dispatcher = Dispatcher(ScriptedScheduler(release_at=0.0), registry, clock=loop.time)
+    scheduler = ScriptedScheduler(release_at=0.0)
+    dispatcher = Dispatcher(scheduler, registry, clock=loop.time)
     prefilled, plain = RequestView("p", 7), RequestView("q", 5)
     assert await asyncio.gather(dispatcher.admit(prefilled), dispatcher.admit(plain)) == ["a", "a"]
     dispatcher.first_token("p", "a", 0, load_ends=True)
     assert (registry["a"].in_flight, registry["a"].in_flight_prompt_tokens) == (1, 5)
+    assert scheduler.calls == [("first_token", "p", 0), ("complete", "p")]
     dispatcher.first_token("p", "a", 0, load_ends=True)  # told again: nothing more ends
     assert (registry["a"].in_flight, registry["a"].in_flight_prompt_tokens) == (1, 5)
     dispatcher.complete(prefilled, "a")
     assert (registry["a"].in_flight, registry["a"].in_flight_prompt_tokens) == (1, 5)
+    dispatcher.first_token("q", "a", 2)  # not PD: the request goes on counting until it completes
     dispatcher.complete(plain, "a")
     assert (registry["a"].in_flight, registry["a"].in_flight_prompt_tokens) == (0, 0)
+    assert scheduler.calls == [("first_token", "p", 0), ("complete", "p"), ("first_token", "p", 0),
+                               ("first_token", "q", 2), ("complete", "q")]
 
 
 async def test_dispatcher_withdraws_a_cancelled_request_and_fails_rejected_ones():
