@@ -385,6 +385,9 @@ async def test_a_stream_read_to_the_end_then_closed_is_ok_and_not_aborted(stack)
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": 5}]}, "messages.0.content", "text only"),
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages.0.content", "text parts"),
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": []}]}, "messages.0.content", "empty list"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x", "name": 5}]}, "messages.0.name", "valid string"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "20 C", "tool_call_id": 1}]},
+         "messages.1.tool_call_id", "valid string"),
         ("/v1/completions", {"model": MODEL, "prompt": [5, -1]}, "prompt", "token id -1 is outside the vocabulary"),
         ("/v1/completions", {"model": MODEL, "prompt": [999999999]}, "prompt", "outside the vocabulary"),
         # Qwen2.5's last added token, <|file_sep|> (151664), is inside; <tool_call> (151657) too.
