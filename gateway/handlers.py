@@ -38,7 +38,7 @@ from gateway.registry import EngineState
 from gateway.state import GATEWAY, Gateway
 from gateway.tracing import child_span
 from laps.chat_cache import EncodedPrompt
-from laps.tokenizer import template_tools
+from laps.tokenizer import min_tokens, template_tools
 from policies.output_predictor import reply_token_counts
 from policies.prefix_index import BlockChain
 from policies.types import RequestView
@@ -176,6 +176,28 @@ def _check_logit_bias(gw: Gateway, logit_bias: dict[str, float] | None) -> None:
         raise APIError(400, f"logit_bias: token id {bad} is outside the vocabulary (0 .. {gw.tokenizer.vocab_size - 1})", param="logit_bias")
 
 
+def _check_text_size(gw: Gateway, req: ChatCompletionRequest | CompletionRequest) -> None:
+    """Refuse before tokenizing it a prompt whose text alone cannot fit the model's context length: at least
+    :func:`laps.tokenizer.min_tokens` of its characters (the messages' contents, or a text prompt) plus one token to
+    generate past ``gw.context_tokens`` (unchecked when unknown). A 60 MB body is refused in milliseconds, not after a
+    minute of tokenizing; whatever passes is tokenized and checked exactly by :func:`_check_context`.
+
+    Raises:
+        APIError: 400 ``context_length_exceeded``, param ``messages`` or ``prompt``.
+    """
+    limit = gw.context_tokens
+    if isinstance(req, ChatCompletionRequest):
+        param, chars = "messages", sum(len(m.text()) for m in req.messages)
+    elif isinstance(req.prompt, str):
+        param, chars = "prompt", len(req.prompt)
+    else:
+        return  # token ids: counted as they are
+    at_least = min_tokens(chars, gw.tokenizer)
+    if limit is not None and at_least + 1 > limit:
+        raise APIError(400, f"This model's maximum context length is {limit} tokens. However, the {param} alone ({chars} characters) come "
+                            f"to at least {at_least} tokens. Please reduce the length of the {param}.", param=param, code="context_length_exceeded")
+
+
 def _check_context(gw: Gateway, req: ChatCompletionRequest | CompletionRequest, prompt_tokens: int) -> None:
     """Refuse a request the engine could not serve: its prompt plus ``max_tokens`` (at least one token to generate,
     as SGLang counts) past the model's context length (``gw.context_tokens``; unchecked when unknown).
@@ -213,6 +235,7 @@ async def _serve(request: web.Request, schema: type[ChatCompletionRequest] | typ
         req = _validate(schema, body)
         _check_model(gw, req.model)
         _check_logit_bias(gw, req.logit_bias)
+        _check_text_size(gw, req)
     with child_span(gw.tracer, "tokenization") as span:
         prompt = await _prompt_chain(gw, req, body)
         if span is not None:

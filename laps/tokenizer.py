@@ -74,11 +74,15 @@ class ChatTokenizer(Protocol):
     ``<|im_start|>``), so that for such chats ``encode_chat(m) ==
     sum(encode(render_chatml_turn(t)) for each turn t) +
     encode(CHATML_GENERATION_PROMPT)``; None for any other template.
+
+    ``max_token_chars``: the most characters (UTF-8 bytes for a byte-level vocabulary) one token stands for, so that a
+    text needs at least ``len(text) / max_token_chars / NORMALIZATION_CONTRACTION`` tokens (:func:`min_tokens`).
     """
 
     name: str
     eos_token_ids: frozenset[int]
     vocab_size: int
+    max_token_chars: int
     chatml: ChatML | None
 
     def encode(self, text: str) -> list[int]:
@@ -93,6 +97,19 @@ class ChatTokenizer(Protocol):
 
     def encode_chat(self, messages: Sequence[Message], tools: list[dict] | None = None) -> list[int]:
         """Token ids of :meth:`render_chat`; their count equals SGLang's ``usage.prompt_tokens``."""
+
+
+# Unicode normalization (NFC, as Qwen's tokenizers apply) composes at most four code points into one (UAX #15,
+# "Design Goals": NFD expands a character at most fourfold), so a text has at least a quarter of its code points
+# after normalization.
+NORMALIZATION_CONTRACTION = 4
+
+
+def min_tokens(chars: int, tokenizer: ChatTokenizer) -> int:
+    """A lower bound on the tokens of any text of ``chars`` characters, known without tokenizing it: every token
+    stands for at most ``tokenizer.max_token_chars`` characters of the normalized text, which has at least
+    ``chars / NORMALIZATION_CONTRACTION``."""
+    return chars // (tokenizer.max_token_chars * NORMALIZATION_CONTRACTION)
 
 
 # Qwen2.5-Instruct's chat template with tools (tokenizer_config.json ``chat_template``, its ``if tools`` branch):
@@ -206,6 +223,7 @@ class QwenChatMLTokenizer:
         )
         self.eos_token_ids = frozenset({QWEN_SPECIAL_TOKENS["<|im_end|>"], QWEN_SPECIAL_TOKENS["<|endoftext|>"]})
         self.vocab_size = self._enc.n_vocab
+        self.max_token_chars = max(max(map(len, ranks)), max(map(len, QWEN_ADDED_TOKENS)))
 
     def encode(self, text: str) -> list[int]:
         return self._enc.encode(unicodedata.normalize("NFC", text), allowed_special="all")
@@ -244,6 +262,7 @@ class HFChatTokenizer:
         ids = {self._tok.eos_token_id} | {self._tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
         self.eos_token_ids = frozenset(i for i in ids if isinstance(i, int) and i != self._tok.unk_token_id)
         self.vocab_size = len(self._tok)
+        self.max_token_chars = max(map(len, self._tok.get_vocab()))  # a byte-level token's string: one char a byte
         self.chatml = detect_chatml(self.render_chat)
 
     def encode(self, text: str) -> list[int]:

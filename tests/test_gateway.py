@@ -268,6 +268,16 @@ async def test_a_prompt_past_the_context_length_is_refused_at_once_and_the_lengt
         error = (await resp.json())["error"]
         assert resp.status == 400 and error["param"] == "prompt"
         assert "you requested 1001 tokens (990 in the prompt, 11 in the completion)" in error["message"]
+    # Text that cannot fit whatever it tokenizes to is refused before tokenizing: Qwen2.5's longest token is 128 bytes
+    # and NFC merges at most 4 code points into one, so 512,000 characters are at least 1,000 tokens.
+    for path, body, param in (("/v1/chat/completions", chat("a" * 512_000), "messages"),
+                              ("/v1/completions", {"model": MODEL, "prompt": "a" * 512_000}, "prompt")):
+        async with session.post(path, json=body) as resp:
+            error = (await resp.json())["error"]
+            assert (resp.status, error["param"], error["code"]) == (400, param, "context_length_exceeded")
+            assert f"However, the {param} alone (512000 characters) come to at least 1000 tokens." in error["message"]
+    async with session.post("/v1/completions", json={"model": MODEL, "prompt": "a" * 511_999}) as resp:
+        assert "you requested " in (await resp.json())["error"]["message"]  # at least 999: tokenized, then counted exactly
     assert fakes["sp0"].bodies == [] and fakes["lp0"].bodies == []
     async with session.post("/v1/completions", json={"model": MODEL, "prompt": list(range(990)), "max_tokens": 10}) as resp:
         assert resp.status == 200  # 1000 tokens: fits

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from engines.tiny_model import write_tiny_qwen2_model
-from laps.tokenizer import CHATML_GENERATION_PROMPT, QWEN25_DEFAULT_SYSTEM, HFChatTokenizer, load_tokenizer, render_chatml_turn
+from laps.tokenizer import CHATML_GENERATION_PROMPT, QWEN25_DEFAULT_SYSTEM, HFChatTokenizer, load_tokenizer, min_tokens, render_chatml_turn
 
 DATA = Path(__file__).resolve().parent.parent / "loadgen" / "data"
 
@@ -53,6 +53,16 @@ def test_hf_model_directory_gives_identical_ids_on_real_multiturn_chats(hf_dir):
         assert hf.render_chat(chat) == builtin.render_chat(chat)
         assert hf.encode_chat(chat) == builtin.encode_chat(chat)
     assert {151645} <= hf.eos_token_ids
+
+
+def test_min_tokens_is_a_lower_bound_where_tokens_are_longest(hf_dir):
+    builtin, hf = load_tokenizer(), HFChatTokenizer(hf_dir)
+    assert builtin.max_token_chars == hf.max_token_chars == 128  # Qwen2.5's longest token: 128 bytes
+    longest = max(range(151643), key=lambda i: len(builtin.decode([i])))
+    texts = [builtin.decode([longest]) * 40, " " * 20_000, "=" * 20_000, "\n" * 20_000] + [c[0]["content"] for c in real_chats(20)]
+    for text in texts:
+        assert min_tokens(len(text), builtin) <= len(builtin.encode(text))
+    assert min_tokens(512 * 3 + 511, builtin) == 3
 
 
 def test_qwen25_added_tokens_are_single_tokens_like_the_hf_tokenizer(hf_dir):
