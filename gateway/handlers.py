@@ -186,6 +186,8 @@ def _check_text_size(gw: Gateway, req: ChatCompletionRequest | CompletionRequest
         APIError: 400 ``context_length_exceeded``, param ``messages`` or ``prompt``.
     """
     limit = gw.context_tokens
+    if limit is None:
+        return
     if isinstance(req, ChatCompletionRequest):
         param, chars = "messages", sum(len(m.text()) for m in req.messages)
     elif isinstance(req.prompt, str):
@@ -193,9 +195,10 @@ def _check_text_size(gw: Gateway, req: ChatCompletionRequest | CompletionRequest
     else:
         return  # token ids: counted as they are
     at_least = min_tokens(chars, gw.tokenizer)
-    if limit is not None and at_least + 1 > limit:
-        raise APIError(400, f"This model's maximum context length is {limit} tokens. However, the {param} alone ({chars} characters) come "
-                            f"to at least {at_least} tokens. Please reduce the length of the {param}.", param=param, code="context_length_exceeded")
+    if at_least + 1 > limit:
+        raise APIError(400, f"This model's maximum context length is {limit} tokens. However, the text of the {param} alone ({chars} "
+                            f"characters) is at least {at_least} tokens. Please reduce the length of the {param}.", param=param,
+                       code="context_length_exceeded")
 
 
 def _check_context(gw: Gateway, req: ChatCompletionRequest | CompletionRequest, prompt_tokens: int) -> None:

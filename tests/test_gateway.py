@@ -275,7 +275,7 @@ async def test_a_prompt_past_the_context_length_is_refused_at_once_and_the_lengt
         async with session.post(path, json=body) as resp:
             error = (await resp.json())["error"]
             assert (resp.status, error["param"], error["code"]) == (400, param, "context_length_exceeded")
-            assert f"However, the {param} alone (512000 characters) come to at least 1000 tokens." in error["message"]
+            assert f"However, the text of the {param} alone (512000 characters) is at least 1000 tokens." in error["message"]
     async with session.post("/v1/completions", json={"model": MODEL, "prompt": "a" * 511_999}) as resp:
         assert "you requested " in (await resp.json())["error"]["message"]  # at least 999: tokenized, then counted exactly
     assert fakes["sp0"].bodies == [] and fakes["lp0"].bodies == []
