@@ -27,7 +27,6 @@ controller and the best static split.
 
 from __future__ import annotations
 
-import json
 import random
 import sys
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -35,15 +34,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rich.console import Console  # noqa: E402
 from rich.progress import Progress  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from bench.dominance import bench_console, claim_out, save, stopped  # noqa: E402
 from bench.policy_compare import SLO_TTFT_S, deployment  # noqa: E402
 from laps.config import Config, parse_config  # noqa: E402
 from laps.doc_help import doc_parser  # noqa: E402
 from laps.tokenizer import load_tokenizer  # noqa: E402
-from loadgen.cli import non_negative_float, positive_float, positive_int, share  # noqa: E402
+from loadgen.cli import non_negative_float, output_file, positive_float, positive_int, share  # noqa: E402
+from loadgen.outputs import is_stream  # noqa: E402
 from loadgen.report import build_report  # noqa: E402
 from loadgen.runner import RequestRecord, plan_arrivals  # noqa: E402
 from loadgen.virtual import VirtualRun  # noqa: E402
@@ -147,7 +147,8 @@ def plot(controller: dict, best: dict, path: Path, phase_s: float, title: str) -
 
 def main(argv: list[str] | None = None) -> int:
     parser = doc_parser(__doc__)
-    parser.add_argument("--out", type=Path, required=True, help="JSON output; the PNG goes next to it")
+    parser.add_argument("--out", type=output_file, required=True, help="JSON output; the PNG goes next to it, none beside a stream "
+                        "such as /dev/stdout")
     parser.add_argument("--rate", type=positive_float, default=150.0, help="conversations per second, all phases (default: %(default)s)")
     parser.add_argument("--phase-s", type=positive_float, default=120.0, help="simulated seconds per phase (default: %(default)s)")
     parser.add_argument("--chat-long-share", type=share, default=0.05, help="long share of requests in the chat phases (default: %(default)s)")
@@ -167,13 +168,18 @@ def main(argv: list[str] | None = None) -> int:
     controller = {"interval_s": args.interval_s, "cooldown_s": args.cooldown_s}
     shares = (args.chat_long_share, args.docs_long_share)
     jobs = [(args.start_short, controller)] + [(k, None) for k in splits]
+    png = args.out.with_suffix(".png")
+    claim = claim_out(parser, args.out, [png])  # before the runs, not after minutes of them
     rows: list[dict] = []
-    with Progress(transient=True) as progress, ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        task = progress.add_task(f"simulating {len(jobs)} runs of {3 * phase_s:g} s", total=len(jobs))
-        futures = [pool.submit(run_one, k, c, args.rate, phase_s, shares, args.seed) for k, c in jobs]
-        for future in as_completed(futures):
-            rows.append(future.result())
-            progress.advance(task)
+    try:
+        with Progress(transient=True) as progress, ProcessPoolExecutor(max_workers=args.jobs) as pool:
+            task = progress.add_task(f"simulating {len(jobs)} runs of {3 * phase_s:g} s", total=len(jobs))
+            futures = [pool.submit(run_one, k, c, args.rate, phase_s, shares, args.seed) for k, c in jobs]
+            for future in as_completed(futures):
+                rows.append(future.result())
+                progress.advance(task)
+    except BaseException as err:
+        return stopped(parser, claim, err)
     static = sorted((r for r in rows if "moves" not in r), key=lambda r: r["short_engines"])
     ctrl = next(r for r in rows if "moves" in r)
     rank = sorted(static, key=lambda r: (r["slo_violation_rate"], r["ttft_p90_s"] or 0.0))
@@ -189,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
                       *(f"{100 * v:.1f}%" if v is not None else "-" for v in r["violation_rate_by_phase"]),
                       f"{1e3 * (r['ttft_p90_s'] or 0):.0f}", f"{1e3 * (r['short_ttft_p90_s'] or 0):.0f}",
                       str(r.get("moves", "-")), f"{r['restart_engine_s']:.0f}" if "moves" in r else "-")
-    console = Console(width=max(Console().width, 150))
+    console = bench_console(150, args.out)
     console.print(table)
     for name, other in (("best", best), ("worst", worst)):
         console.print(f"controller vs {name} static ({other['run']}): SLO violations {100 * ctrl['slo_violation_rate']:.1f}% vs "
@@ -197,13 +203,14 @@ def main(argv: list[str] | None = None) -> int:
                       f"{1e3 * (other['ttft_p90_s'] or 0):.0f} ms")
     moves = ", ".join(f"{m['engine']} {m['from_pool']}→{m['to_pool']} at {m['start_s']:.0f} s" for m in ctrl["move_log"])
     console.print(f"controller moves: {moves or 'none'}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"engines": ENGINES, "rate_conv_s": args.rate, "phase_s": phase_s, "long_shares": [shares[0], shares[1], shares[0]],
             "slo_ttft_s": SLO_TTFT_S, "request_timeout_s": REQUEST_TIMEOUT_S, "start_short": args.start_short, "controller": controller,
             "restart_s": config_for(args.start_short, controller).controller.sim_restart_s, "seed": args.seed, "splits": splits}
-    args.out.write_text(json.dumps({"config": meta, "controller": ctrl, "best_static": best, "worst_static": worst, "static": static}, indent=1))
-    plot(ctrl, best, args.out.with_suffix(".png"), phase_s, f"{ENGINES} engines, {args.rate:g} conv/s: controller vs best static split")
-    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+    if not save(parser, console, args.out, {"config": meta, "controller": ctrl, "best_static": best, "worst_static": worst, "static": static}, claim):
+        return 1
+    if not is_stream(args.out):
+        plot(ctrl, best, png, phase_s, f"{ENGINES} engines, {args.rate:g} conv/s: controller vs best static split")
+        console.print(f"wrote {png}")
     return 0
 
 
