@@ -42,7 +42,6 @@ table, and a bar plot next to the JSON.
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
 import sys
@@ -54,14 +53,16 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rich.console import Console  # noqa: E402
 from rich.progress import Progress  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from bench.dominance import bench_console, claim_out, save, stopped  # noqa: E402
 from bench.sorted_f_table import workload as paper_lengths  # noqa: E402
 from laps.config import Config, parse_config  # noqa: E402
 from laps.doc_help import doc_parser  # noqa: E402
 from laps.tokenizer import ChatTokenizer, load_tokenizer  # noqa: E402
+from loadgen.cli import output_file  # noqa: E402
+from loadgen.outputs import is_stream  # noqa: E402
 from loadgen.runner import RequestRecord  # noqa: E402
 from loadgen.simulate import simulate  # noqa: E402
 from loadgen.workloads import Conversation, Workload, build_workload  # noqa: E402
@@ -162,7 +163,8 @@ def plot(results: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = doc_parser(__doc__, epilog=None)
-    parser.add_argument("--out", type=Path, required=True, help="JSON results path (a PNG plot is written next to it)")
+    parser.add_argument("--out", type=output_file, required=True,
+                        help="JSON results path (a PNG plot is written next to it, none beside a stream such as /dev/stdout)")
     parser.add_argument("--rho", type=float, nargs="+", default=[1.7, 2.9], help="overload factors λ/μ (default: %(default)s)")
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per run, virtual time (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="first seed (default: %(default)s)")
@@ -176,49 +178,56 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.duration, args.capacity_requests, args.paper_n = 20.0, 400, min(args.paper_n, 500)
-    console = Console(width=150)
+    png = args.out.with_suffix(".png")
+    claim = claim_out(parser, args.out, [png])  # before the runs, not after minutes of them
+    console = bench_console(150, args.out)
     tok = load_tokenizer(None)
     seeds = range(args.seed, args.seed + args.seeds)
     results: dict = {}
     started = time.perf_counter()
-    with Progress(console=console) as progress:
-        runs = len(args.settings) * (1 + len(args.rho) * len(POLICIES) * len(seeds)) + bool(args.paper_n) * len(args.rho) * len(seeds)
-        task = progress.add_task("runs", total=runs)
-        for setting in args.settings:
-            mu = capacity_rps(setting, args.capacity_requests, args.seed, tok)
-            progress.advance(task)
-            rows = []
-            for rho in args.rho:
-                per_seed, requests = [], 0
-                for seed in seeds:
-                    means = {}
-                    for policy in POLICIES:
-                        progress.update(task, description=f"{setting} ρ={rho:g} seed {seed} {policy}")
-                        records = run(policy, setting, rho * mu, args.duration, seed, tok)
-                        means[policy] = mean_e2e_s(records)
+    try:
+        with Progress(console=console) as progress:
+            runs = len(args.settings) * (1 + len(args.rho) * len(POLICIES) * len(seeds)) + bool(args.paper_n) * len(args.rho) * len(seeds)
+            task = progress.add_task("runs", total=runs)
+            for setting in args.settings:
+                mu = capacity_rps(setting, args.capacity_requests, args.seed, tok)
+                progress.advance(task)
+                rows = []
+                for rho in args.rho:
+                    per_seed, requests = [], 0
+                    for seed in seeds:
+                        means = {}
+                        for policy in POLICIES:
+                            progress.update(task, description=f"{setting} ρ={rho:g} seed {seed} {policy}")
+                            records = run(policy, setting, rho * mu, args.duration, seed, tok)
+                            means[policy] = mean_e2e_s(records)
+                            progress.advance(task)
+                        per_seed.append(means)
+                        requests += len(records)
+                    rows.append({**summarise(rho, per_seed, requests), "rate_rps": rho * mu})
+                results[setting] = {"capacity_rps": mu, "by_rho": rows}
+            if args.paper_n:
+                rows = []
+                for rho in args.rho:
+                    per_seed = []
+                    for seed in seeds:
+                        progress.update(task, description=f"paper model ρ={rho:g} seed {seed}, n = {args.paper_n}")
+                        mu, means = paper_model_means(rho, args.paper_n, seed)
+                        per_seed.append(means)
                         progress.advance(task)
-                    per_seed.append(means)
-                    requests += len(records)
-                rows.append({**summarise(rho, per_seed, requests), "rate_rps": rho * mu})
-            results[setting] = {"capacity_rps": mu, "by_rho": rows}
-        if args.paper_n:
-            rows = []
-            for rho in args.rho:
-                per_seed = []
-                for seed in seeds:
-                    progress.update(task, description=f"paper model ρ={rho:g} seed {seed}, n = {args.paper_n}")
-                    mu, means = paper_model_means(rho, args.paper_n, seed)
-                    per_seed.append(means)
-                    progress.advance(task)
-                rows.append(summarise(rho, per_seed, args.paper_n * len(seeds)))
-            results["paper_model"] = {"capacity_rps": mu, "by_rho": rows}
+                    rows.append(summarise(rho, per_seed, args.paper_n * len(seeds)))
+                results["paper_model"] = {"capacity_rps": mu, "by_rho": rows}
+    except BaseException as err:
+        return stopped(parser, claim, err)
     out = {"config": {"m_tokens": PAPER_M_TOKENS, "duration_s": args.duration, "seeds": list(seeds),
                       "capacity_requests": args.capacity_requests, "workload": "mixed (long_share 0.2), single-turn",
                       "engine": "sim qwen2.5-7b / a100, max-total-tokens 16492"},
            "settings": results, "wall_s": time.perf_counter() - started}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2))
-    plot(results, args.out.with_suffix(".png"))
+    if not save(parser, console, args.out, out, claim):
+        return 1
+    stream = is_stream(args.out)
+    if not stream:
+        plot(results, png)
 
     table = Table(title=f"Mean end-to-end latency, M = {PAPER_M_TOKENS:,} tokens (vs MC-SF; paper: Sorted-F vs MC-SF)")
     for col in ("setting", "μ req/s (paper model: per iteration)", "ρ", "requests", *POLICIES, "Sorted-F vs MC-SF", "paper", "FCFS vs MC-SF"):
@@ -231,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"{row['change_vs_mc_sf']['sorted_f']:+.1%}", "—" if paper is None else f"{paper:+.1%}",
                           f"{row['change_vs_mc_sf']['fcfs']:+.1%}")
     console.print(table)
-    console.print(f"wrote {args.out} and {args.out.with_suffix('.png')} ({out['wall_s']:.0f} s)")
+    console.print(f"{'' if stream else f'wrote {png} '}({out['wall_s']:.0f} s)")
     return 0
 
 

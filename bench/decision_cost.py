@@ -39,17 +39,18 @@ import time
 from pathlib import Path
 
 import numpy as np
-import orjson
 from rich.console import Console
 from rich.progress import track
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.dominance import Claim, bench_console, claim_out, save, stopped  # noqa: E402
 from laps.chat_cache import ChatPrefixCache  # noqa: E402
 from laps.config import load_config  # noqa: E402
 from laps.doc_help import doc_parser  # noqa: E402
 from laps.tokenizer import load_tokenizer  # noqa: E402
+from loadgen.cli import output_file  # noqa: E402
 from policies.admission import classified_view_of_chain  # noqa: E402
 from policies.exact_prefix import PrefixCaches  # noqa: E402
 from policies.prefix_index import BYTES_PER_BLOCK_ENTRY, BlockChain, PrefixIndex, block_keys  # noqa: E402
@@ -213,8 +214,9 @@ def memory(args: argparse.Namespace) -> dict:
     }
 
 
-def print_report(result: dict) -> None:
-    """The decision percentiles against the target and full re-hashing; the memory figures against the budgets."""
+def print_report(result: dict, out: Console) -> None:
+    """The decision percentiles against the target and full re-hashing; the memory figures against the budgets (on
+    ``out``)."""
     d = result["decision"]
     table = Table(title=f"per-request decision cost: {os.cpu_count()} CPU cores, {d['conversations']:,} conversations "
                         f"× {d['turns']} turns tracked, {d['engines']} engines, prompts ~{d['prompt_tokens_mean']:.0f} tokens; "
@@ -229,7 +231,6 @@ def print_report(result: dict) -> None:
     for label, key in rows:
         p = d[key]
         table.add_row(label, *(f"{p[s]:.1f}" for s in ("p50", "p90", "p99", "max")))
-    out = Console(width=150)
     out.print(table)
     p99 = d["decision_us"]["p99"]
     out.print(f"decision p99 {p99:.1f} µs vs target {TARGET_P99_US:.0f} µs: {'met' if p99 <= TARGET_P99_US else 'NOT met'}")
@@ -255,19 +256,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-conversations", type=int, default=1_000_000,
                         help="distinct conversations for the memory check; 0 skips it (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic conversations (default: %(default)s)")
-    parser.add_argument("--out", type=Path, help="write the figures as JSON here")
+    parser.add_argument("--out", type=output_file, help="write the figures as JSON here")
     args = parser.parse_args(argv)
     if min(args.conversations, args.turns, args.requests, args.engines) < 1 or args.memory_conversations < 0:
         parser.error("--conversations, --turns, --requests and --engines must be >= 1, --memory-conversations >= 0")
+    claim = claim_out(parser, args.out) if args.out is not None else Claim()  # before the runs, not after minutes of them
     result = {"cpu_cores": os.cpu_count(), "loadavg": os.getloadavg()}
-    if args.memory_conversations:  # first, while the process has no freed memory that the structures could reuse
-        result["memory"] = memory(args)
-    result["decision"] = decision_cost(args)
-    print_report(result)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2) + b"\n")
-        print(f"wrote {args.out}")
+    try:
+        if args.memory_conversations:  # first, while the process has no freed memory that the structures could reuse
+            result["memory"] = memory(args)
+        result["decision"] = decision_cost(args)
+    except BaseException as err:
+        return stopped(parser, claim, err)
+    out = bench_console(150, args.out)
+    print_report(result, out)
+    if args.out is not None and not save(parser, out, args.out, result, claim):
+        return 1
     return 0
 
 

@@ -64,19 +64,20 @@ from dataclasses import asdict
 from pathlib import Path
 
 import aiohttp
-import orjson
 from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.dominance import bench_console, claim_out, save, stopped  # noqa: E402
 from bench.relay_stacks import CLIENTS, LOOPS, SERVERS  # noqa: E402
-from bench.router_overhead import READY_TIMEOUT_S, Phase, chat_bodies, run_phase, streaming, zero_time_config  # noqa: E402
+from bench.router_overhead import READY_TIMEOUT_S, Phase, chat_bodies, run_phase, streaming, work_folder, zero_time_config  # noqa: E402
 from engines.client import EngineClient  # noqa: E402
 from engines.manager import EngineManager  # noqa: E402
 from engines.tiny_model import write_tiny_qwen2_model  # noqa: E402
 from laps.config import DEFAULT_CONFIG_PATH, load_config  # noqa: E402
 from laps.doc_help import doc_parser  # noqa: E402
+from loadgen.cli import output_file  # noqa: E402
 
 RELAY_SCRIPT = Path(__file__).resolve().parent / "relay_stacks.py"
 RELAY_START_TIMEOUT_S = 60.0
@@ -262,9 +263,9 @@ def _f(v: float | None, fmt: str) -> str:
     return "—" if v is None else fmt.format(v)
 
 
-def print_table(result: dict) -> None:
+def print_table(result: dict, out: Console) -> None:
     """One row per stack (and direct), medians over the rounds: req/s, CPU µs per request, added latency at
-    concurrency 1, kept-alive TTFT."""
+    concurrency 1, kept-alive TTFT (on ``out``)."""
     s, direct = result["setup"], result["direct"]
     table = Table(title=f"HTTP stacks: {s['cpu_cores']} CPU cores (load avg {s['loadavg_at_start'][0]:.1f} at start, "
                         f"{s['loadavg_at_end'][0]:.1f} at end), 2 zero-time sim engines, chats max_tokens {s['max_tokens']}, "
@@ -290,7 +291,6 @@ def print_table(result: dict) -> None:
         table.add_row(name, *(_f(m[label]["rps"], "{:.0f}") for label in THROUGHPUT_PHASES),
                       *(_f(m[label]["gateway_cpu_us_per_req"], "{:.0f}") for label in THROUGHPUT_PHASES),
                       *(_f(target["added_p50_ms"][label], "{:+.2f}") for label in LATENCY_PHASES), str(target["errors"]), load(target))
-    out = Console(width=max(220, Console().width))
     out.print("c32s / c256s: streaming; CPU µs: the relay's process tree per request; +p50: over direct measured just before")
     out.print(table)
     best = result["ranking"][0] if result["ranking"] else None
@@ -316,7 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="seed of the chats (default: %(default)s)")
     parser.add_argument("--quick", action="store_true",
                         help="under a minute: uvloop only, 1 round, --phase-s 0.3, --latency-requests 30 (a smoke run, not a record)")
-    parser.add_argument("--out", type=Path, required=True, help="result JSON; engine and relay logs go to its path without .json")
+    parser.add_argument("--out", type=output_file, required=True,
+                        help="result JSON; engine and relay logs go to its path without .json (for a stream such as "
+                             "/dev/stdout: to a new temporary folder)")
     return parser
 
 
@@ -327,22 +329,19 @@ def main() -> int:
         args.rounds, args.phase_s, args.latency_requests, args.loops = 1, 0.3, 30, ["uvloop"]
     if min(args.rounds, args.phase_s, args.latency_requests, args.max_tokens) <= 0:
         parser.error("--rounds, --phase-s, --latency-requests and --max-tokens must be > 0")
-    work = args.out.with_suffix("").resolve()
-    work.mkdir(parents=True, exist_ok=True)
+    claim = claim_out(parser, args.out)  # before the engines start, not after minutes of rounds
+    work = work_folder(parser, args.out, claim)
     try:
         import uvloop
         result = uvloop.run(bench(args, work))
-    except (KeyboardInterrupt, asyncio.CancelledError):
-        console.print("[red]interrupted: everything started was stopped[/red]")
-        return 130
-    except RuntimeError as err:
-        console.print(f"[red]http_stacks: {err}[/red]")
-        return 1
-    print_table(result)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2) + b"\n")
-    console.print(f"wrote {args.out}")
-    return 0
+    except BaseException as err:
+        if isinstance(err, RuntimeError):
+            claim.release()
+            console.print(f"[red]http_stacks: {err}[/red]")
+            return 1
+        return stopped(parser, claim, KeyboardInterrupt() if isinstance(err, asyncio.CancelledError) else err)  # SIGTERM too
+    print_table(result, bench_console(max(220, Console().width), args.out))
+    return 0 if save(parser, console, args.out, result, claim) else 1
 
 
 if __name__ == "__main__":

@@ -72,6 +72,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -87,6 +88,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.dominance import Claim, bench_console, claim_out, save, stopped  # noqa: E402
 from bench.router_compare import ROUTER_PACKAGE, ROUTER_VERSION, engine_config, flush_caches, laps_config, sglang_router  # noqa: E402
 from engines.client import EngineClient  # noqa: E402
 from engines.manager import EngineManager  # noqa: E402
@@ -95,6 +97,8 @@ from laps.config import DEFAULT_CONFIG_PATH, Config, load_config, parse_config  
 from laps.demo import serving  # noqa: E402
 from laps.doc_help import doc_parser  # noqa: E402
 from laps.tokenizer import load_tokenizer  # noqa: E402
+from loadgen.cli import output_file  # noqa: E402
+from loadgen.outputs import is_stream  # noqa: E402
 from loadgen.workloads import load_hh_rlhf, load_sharegpt, real_text_corpus  # noqa: E402
 
 CONCURRENCIES = (1, 32, 256)
@@ -429,8 +433,8 @@ def _f(v: float | None, fmt: str = "{:.2f}") -> str:
     return "—" if v is None else fmt.format(v)
 
 
-def print_table(result: dict) -> None:
-    """One column per target; added latency and TTFT overhead against direct; laps's throughput ratios."""
+def print_table(result: dict, out: Console) -> None:
+    """One column per target; added latency and TTFT overhead against direct; laps's throughput ratios (on ``out``)."""
     s, targets = result["setup"], result["targets"]
     table = Table(title=f"gateway overhead: {s['cpu_cores']} CPU cores (load avg {s['loadavg_at_end'][0]:.1f}), "
                         f"2 zero-time sim engines, chats max_tokens {s['max_tokens']}, laps policy {s['laps_policy']}, "
@@ -466,7 +470,6 @@ def print_table(result: dict) -> None:
     row(f"{s['big_kb']} KB: TTFT p50 vs direct",
         lambda p: "—" if not direct.get(big, {}).get("p50_ms") or p[big]["p50_ms"] is None else f"{p[big]['p50_ms'] / direct[big]['p50_ms']:.2f}×")
     row("errors", lambda p: str(sum(ph["errors"] for ph in p.values())))
-    out = Console(width=max(150, Console().width))
     out.print(table)
     for key in ("laps_over_direct", "laps_over_router"):
         out.print(f"{key}: " + ", ".join(f"{c} {_f(v)}×" for c, v in result[key].items()))
@@ -520,13 +523,38 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="seed of the chat and large prompts (default: %(default)s)")
     parser.add_argument("--quick", action="store_true", help="short phases: --phase-s 3, --stream-requests 60, --big-waves 1")
     parser.add_argument("--py-spy-laps", type=Path, help="record a py-spy profile (raw collapsed stacks) of the laps gateway here")
-    parser.add_argument("--out", type=Path, required=True,
-                        help="result JSON, and a plot next to it (.png); engine and router logs go to its path without .json")
+    parser.add_argument("--out", type=output_file, required=True,
+                        help="result JSON, and a plot next to it (.png); engine and router logs go to its path without .json "
+                             "(for a stream such as /dev/stdout: no plot, the logs in a new temporary folder)")
     return parser
 
 
+def work_folder(parser: argparse.ArgumentParser, out: Path, claim: Claim) -> Path:
+    """Where the tiny model and the logs (engines, gateway or relays) go, made now (before any run): ``out``'s path without its
+    suffix, or a new temporary folder where ``out`` is a stream (``/dev/stdout``; named on standard error).
+
+    Raises:
+        SystemExit: through ``parser.error`` (exit 2) where ``out`` has no suffix (the folder would be ``out`` itself)
+            or the folder cannot be made; what :func:`~bench.dominance.claim_out` made is taken back first.
+    """
+    if is_stream(out):
+        work = Path(tempfile.mkdtemp(prefix=f"{Path(parser.prog).stem}-"))
+        console.print(f"logs in {work}")
+        return work
+    if not out.suffix:
+        claim.release()
+        parser.error(f"--out {out}: needs a suffix (.json), as the logs go to its path without it")
+    work = out.with_suffix("").resolve()
+    try:
+        work.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        claim.release()
+        parser.error(f"--out {out}: its log folder {work} cannot be made ({err.strerror or err})")
+    return work
+
+
 def main() -> int:
-    """Check the arguments and sglang-router, run the bench, print the table, write the JSON."""
+    """Check the arguments, sglang-router and --out, run the bench, print the table, write the JSON."""
     parser = build_parser()
     args = parser.parse_args()
     if args.quick:
@@ -539,22 +567,24 @@ def main() -> int:
         return 1
     if args.py_spy_laps and shutil.which("py-spy") is None:
         parser.error("--py-spy-laps needs py-spy on PATH (pip install py-spy)")
-    work = args.out.with_suffix("").resolve()
-    work.mkdir(parents=True, exist_ok=True)
+    png = args.out.with_suffix(".png")
+    claim = claim_out(parser, args.out, [png])  # before the engines start, not after minutes of phases
+    work = work_folder(parser, args.out, claim)
     try:
         import uvloop
         result = uvloop.run(bench(args, work))
-    except (KeyboardInterrupt, asyncio.CancelledError):
-        console.print("[red]interrupted: everything started was stopped[/red]")
-        return 130
-    except RuntimeError as err:
-        console.print(f"[red]router_overhead: {err}[/red]")
+    except BaseException as err:
+        if isinstance(err, RuntimeError):
+            claim.release()
+            console.print(f"[red]router_overhead: {err}[/red]")
+            return 1
+        return stopped(parser, claim, KeyboardInterrupt() if isinstance(err, asyncio.CancelledError) else err)  # SIGTERM too
+    print_table(result, bench_console(max(150, Console().width), args.out))
+    if not save(parser, console, args.out, result, claim):
         return 1
-    print_table(result)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY) + b"\n")
-    plot(result, args.out.with_suffix(".png"))
-    console.print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+    if not is_stream(args.out):
+        plot(result, png)
+        console.print(f"wrote {png}")
     return 0
 
 
