@@ -69,9 +69,9 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.dominance import bench_console, claim_out, save, stopped  # noqa: E402
+from bench.dominance import bench_console, claim_out, save  # noqa: E402
 from bench.relay_stacks import CLIENTS, LOOPS, SERVERS  # noqa: E402
-from bench.router_overhead import READY_TIMEOUT_S, Phase, chat_bodies, run_phase, streaming, work_folder, zero_time_config  # noqa: E402
+from bench.router_overhead import READY_TIMEOUT_S, Phase, chat_bodies, run_live, run_phase, streaming, work_folder, zero_time_config  # noqa: E402
 from engines.client import EngineClient  # noqa: E402
 from engines.manager import EngineManager  # noqa: E402
 from engines.tiny_model import write_tiny_qwen2_model  # noqa: E402
@@ -331,15 +331,9 @@ def main() -> int:
         parser.error("--rounds, --phase-s, --latency-requests and --max-tokens must be > 0")
     claim = claim_out(parser, args.out)  # before the engines start, not after minutes of rounds
     work = work_folder(parser, args.out, claim)
-    try:
-        import uvloop
-        result = uvloop.run(bench(args, work))
-    except BaseException as err:
-        if isinstance(err, RuntimeError):
-            claim.release()
-            console.print(f"[red]http_stacks: {err}[/red]")
-            return 1
-        return stopped(parser, claim, KeyboardInterrupt() if isinstance(err, asyncio.CancelledError) else err)  # SIGTERM too
+    result = run_live(parser, claim, bench(args, work))
+    if isinstance(result, int):
+        return result
     print_table(result, bench_console(max(220, Console().width), args.out))
     return 0 if save(parser, console, args.out, result, claim) else 1
 

@@ -74,8 +74,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Coroutine, Iterator, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 from pathlib import Path
 
 import aiohttp
@@ -553,6 +554,22 @@ def work_folder(parser: argparse.ArgumentParser, out: Path, claim: Claim) -> Pat
     return work
 
 
+def run_live(parser: argparse.ArgumentParser, claim: Claim, run: Coroutine[Any, Any, dict]) -> dict | int:
+    """A live bench's ``run`` under uvloop: its result, or the exit code where it failed (1: a ``RuntimeError``, said in
+    one red line) or was stopped (130 on Ctrl-C or SIGTERM, :func:`~bench.dominance.stopped`); what
+    :func:`~bench.dominance.claim_out` made is taken back then."""
+    import uvloop
+
+    try:
+        return uvloop.run(run)
+    except BaseException as err:
+        if isinstance(err, RuntimeError):
+            claim.release()
+            console.print(f"[red]{Path(parser.prog).stem}: {err}[/red]")
+            return 1
+        return stopped(parser, claim, KeyboardInterrupt() if isinstance(err, asyncio.CancelledError) else err)
+
+
 def main() -> int:
     """Check the arguments, sglang-router and --out, run the bench, print the table, write the JSON."""
     parser = build_parser()
@@ -570,15 +587,9 @@ def main() -> int:
     png = args.out.with_suffix(".png")
     claim = claim_out(parser, args.out, [png])  # before the engines start, not after minutes of phases
     work = work_folder(parser, args.out, claim)
-    try:
-        import uvloop
-        result = uvloop.run(bench(args, work))
-    except BaseException as err:
-        if isinstance(err, RuntimeError):
-            claim.release()
-            console.print(f"[red]router_overhead: {err}[/red]")
-            return 1
-        return stopped(parser, claim, KeyboardInterrupt() if isinstance(err, asyncio.CancelledError) else err)  # SIGTERM too
+    result = run_live(parser, claim, bench(args, work))
+    if isinstance(result, int):
+        return result
     print_table(result, bench_console(max(150, Console().width), args.out))
     if not save(parser, console, args.out, result, claim):
         return 1
