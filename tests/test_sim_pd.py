@@ -72,6 +72,26 @@ async def test_decode_answers_after_the_prefill_and_the_modelled_transfer(pair):
     assert engine.core.stats().total_prefill_uncached_tokens == 0  # the decode engine prefilled nothing
 
 
+async def test_a_decode_request_that_reaches_its_engine_first_waits_for_the_room(pair):
+    """The router sends both sides at once: the decode side may ask the bootstrap server before the prefill engine has
+    opened the room (404 there), and waits for it rather than ending with abort; a room that has closed is a 410."""
+    session, prefill, decode, port = pair
+    request = body(11, port)
+    decode_task = asyncio.ensure_future(session.post(str(decode.make_url("/v1/chat/completions")), json=request))
+    await asyncio.sleep(0.05)  # the decode side has asked and been told the room is unknown
+    prefill_resp = await asyncio.wait_for(session.post(str(prefill.make_url("/v1/chat/completions")), json=request), 10)
+    assert prefill_resp.status == 200  # it ends when the decode side has taken the KV (a decode side gone never does)
+    prefill_resp.close()
+    decode_resp = await asyncio.wait_for(decode_task, 10)
+    decoded = await decode_resp.json()
+    assert decode_resp.status == 200 and decoded["choices"][0]["finish_reason"] == "length"
+    assert decoded["usage"]["completion_tokens"] == 8
+    async with session.get(f"http://127.0.0.1:{port}/sim/kv/11") as resp:
+        assert resp.status == 410
+    async with session.get(f"http://127.0.0.1:{port}/sim/kv/12") as resp:
+        assert resp.status == 404
+
+
 async def test_a_decode_request_whose_prefill_is_aborted_ends_with_abort(pair):
     session, prefill, decode, port = pair
     request = body(9, port, stream=True, max_tokens=4000)

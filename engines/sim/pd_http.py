@@ -11,13 +11,16 @@ same hand-off over plain HTTP, honestly but simply:
   the core then holds the KV, event ``kv_ready``). It serves a *bootstrap
   server* on its bootstrap port: ``GET /sim/kv/{room}`` answers once that
   room's KV is ready (``{"rid", "prompt_tokens"}``; 410 when the request
-  ended without it, e.g. aborted), and ``POST /sim/kv/{room}/done`` ends the
+  ended without it, e.g. aborted, or has ended; 404 while the room is not open yet), and ``POST /sim/kv/{room}/done`` ends the
   transfer (:meth:`EngineCore.finish_transfer`): the prefill engine's answer
   (the first token, ``finish_reason`` ``length``) completes then, as SGLang's
   does. A ``kv_ready`` request without a room (a health check, a direct
   request) is released at once.
 * **Decode engine** (``--disaggregation-mode decode``): answers a request only
-  with a room. It long-polls the prefill engine's bootstrap server, waits the
+  with a room. It long-polls the prefill engine's bootstrap server (asking again
+  every ``ROOM_POLL_S`` while the room is unknown there: the router sends both
+  sides at once, so the decode side can ask before the prefill engine has the
+  request, and SGLang's decode side waits for it too), waits the
   modelled transfer time ``prompt_tokens · kv_bytes_per_token / link``
   (``--sim-kv-link-gb-s``; KV bytes per token of one TP rank: each rank sends
   its share over its own link), reports the transfer done, then hands the request to its core
@@ -72,6 +75,8 @@ class PDHost(Protocol):
 log = logging.getLogger("engines.sim")
 
 KV_POLL_TIMEOUT_S = 600.0  # a decode request waits at most this long for its prefill (SGLang: bootstrap timeout)
+ROOM_POLL_S = 0.002  # a decode request asks again this often for a room its prefill engine has not opened yet
+CLOSED_ROOMS_KEPT = 65536  # a prefill engine tells a room that has closed (410) from one not opened yet (404) this long
 
 
 @dataclass
@@ -99,6 +104,7 @@ class PDShell:
         self.kv_bytes_per_token = kv_bytes_per_token
         self._rooms: dict[int, _Room] = {}  # prefill: by bootstrap_room
         self._room_of: dict[str, int] = {}  # prefill: rid -> room
+        self._closed: dict[int, None] = {}  # prefill: the last CLOSED_ROOMS_KEPT rooms closed, oldest first (410, not 404)
         self._receiving: dict[str, asyncio.Task] = {}  # decode: rid -> hand-off task
         self._session: aiohttp.ClientSession | None = None
 
@@ -159,6 +165,9 @@ class PDShell:
         if ev.finished and room_id is not None:
             room = self._rooms.pop(room_id)
             del self._room_of[ev.rid]
+            self._closed[room_id] = None
+            if len(self._closed) > CLOSED_ROOMS_KEPT:
+                del self._closed[next(iter(self._closed))]
             if not room.state.done():
                 room.state.set_result(False)
 
@@ -170,8 +179,11 @@ class PDShell:
         return app
 
     async def _kv_get(self, request: web.Request) -> web.Response:
-        room = self._rooms.get(_room_id(request))
-        if room is None:
+        room_id = _room_id(request)
+        room = self._rooms.get(room_id)
+        if room is None and room_id in self._closed:
+            return web.json_response({"error": "the room's request has ended"}, status=410)
+        if room is None:  # not opened yet: the decode side asks again
             return web.json_response({"error": "unknown room"}, status=404)
         ready = await asyncio.shield(room.state)
         if not ready:
@@ -193,9 +205,14 @@ class PDShell:
             if self._session is None:
                 self._session = aiohttp.ClientSession()
             timeout = aiohttp.ClientTimeout(total=KV_POLL_TIMEOUT_S)
-            async with self._session.get(f"{bootstrap_url}/sim/kv/{room}", timeout=timeout) as resp:
-                if resp.status != 200:
-                    raise RuntimeError(f"prefill bootstrap at {bootstrap_url} answered {resp.status}: {await resp.text()}")
+            give_up_s = asyncio.get_running_loop().time() + KV_POLL_TIMEOUT_S
+            while True:  # the room opens when the prefill engine has the request, which may reach it after this one
+                async with self._session.get(f"{bootstrap_url}/sim/kv/{room}", timeout=timeout) as resp:
+                    if resp.status == 200:
+                        break
+                    if resp.status != 404 or asyncio.get_running_loop().time() > give_up_s:
+                        raise RuntimeError(f"prefill bootstrap at {bootstrap_url} answered {resp.status}: {await resp.text()}")
+                await asyncio.sleep(ROOM_POLL_S)
             await asyncio.sleep(self.transfer_s(len(input_ids)))
             async with self._session.post(f"{bootstrap_url}/sim/kv/{room}/done", timeout=timeout) as resp:
                 if resp.status != 200:
