@@ -176,10 +176,20 @@ def _check_logit_bias(gw: Gateway, logit_bias: dict[str, float] | None) -> None:
         raise APIError(400, f"logit_bias: token id {bad} is outside the vocabulary (0 .. {gw.tokenizer.vocab_size - 1})", param="logit_bias")
 
 
+# SGLang 0.5.23's CompletionRequest.max_tokens default (OpenAI's too); a chat's reply has no default cap.
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+
+
+def _output_tokens(req: ChatCompletionRequest | CompletionRequest) -> int:
+    """The reply's cap as the engine will take it (0: none given, for a chat)."""
+    default = COMPLETION_DEFAULT_MAX_TOKENS if isinstance(req, CompletionRequest) else 0
+    return req.max_completion_tokens or req.max_tokens or default
+
+
 def _check_text_size(gw: Gateway, req: ChatCompletionRequest | CompletionRequest) -> None:
     """Refuse before tokenizing it a prompt whose text alone cannot fit the model's context length: at least
-    :func:`laps.tokenizer.min_tokens` of its characters (the messages' contents, or a text prompt) plus one token to
-    generate past ``gw.context_tokens`` (unchecked when unknown). A 60 MB body is refused in milliseconds, not after a
+    :func:`laps.tokenizer.min_tokens` of its characters (the messages' contents, or a text prompt) plus the reply's
+    cap (at least one token) past ``gw.context_tokens`` (unchecked when unknown). A 60 MB body is refused in milliseconds, not after a
     minute of tokenizing; whatever passes is tokenized and checked exactly by :func:`_check_context`.
 
     Raises:
@@ -194,11 +204,11 @@ def _check_text_size(gw: Gateway, req: ChatCompletionRequest | CompletionRequest
         param, chars = "prompt", len(req.prompt)
     else:
         return  # token ids: counted as they are
-    at_least = min_tokens(chars, gw.tokenizer)
-    if at_least + 1 > limit:
+    at_least, output_tokens = min_tokens(chars, gw.tokenizer), _output_tokens(req)
+    if at_least + max(output_tokens, 1) > limit:
         raise APIError(400, f"This model's maximum context length is {limit} tokens. However, the text of the {param} alone ({chars} "
-                            f"characters) is at least {at_least} tokens. Please reduce the length of the {param}.", param=param,
-                       code="context_length_exceeded")
+                            f"characters) is at least {at_least} tokens, and {output_tokens} are asked for the completion. Please "
+                            f"reduce the length of the {param} or completion.", param=param, code="context_length_exceeded")
 
 
 def _check_context(gw: Gateway, req: ChatCompletionRequest | CompletionRequest, prompt_tokens: int) -> None:
@@ -209,7 +219,7 @@ def _check_context(gw: Gateway, req: ChatCompletionRequest | CompletionRequest, 
         APIError: 400 ``context_length_exceeded`` (OpenAI's code), param ``messages`` or ``prompt``.
     """
     limit = gw.context_tokens
-    output_tokens = req.max_completion_tokens or req.max_tokens or 0
+    output_tokens = _output_tokens(req)
     if limit is None or prompt_tokens + max(output_tokens, 1) <= limit:
         return
     param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"

@@ -275,10 +275,15 @@ async def test_a_prompt_past_the_context_length_is_refused_at_once_and_the_lengt
         async with session.post(path, json=body) as resp:
             error = (await resp.json())["error"]
             assert (resp.status, error["param"], error["code"]) == (400, param, "context_length_exceeded")
-            assert f"However, the text of the {param} alone (512000 characters) is at least 1000 tokens." in error["message"]
-    async with session.post("/v1/completions", json={"model": MODEL, "prompt": "a" * 511_999}) as resp:
+            assert f"However, the text of the {param} alone (512000 characters) is at least 1000 tokens, and " in error["message"]
+    async with session.post("/v1/chat/completions", json=chat("a" * 511_999)) as resp:
         assert "you requested " in (await resp.json())["error"]["message"]  # at least 999: tokenized, then counted exactly
+    async with session.post("/v1/completions", json={"model": MODEL, "prompt": "a" * 511_999}) as resp:
+        # at least 999 + the 16 tokens a completion's reply may have by default (SGLang's and OpenAI's max_tokens)
+        assert "is at least 999 tokens, and 16 are asked for the completion" in (await resp.json())["error"]["message"]
     assert fakes["sp0"].bodies == [] and fakes["lp0"].bodies == []
+    async with session.post("/v1/completions", json={"model": MODEL, "prompt": list(range(990))}) as resp:
+        assert "you requested 1006 tokens (990 in the prompt, 16 in the completion)" in (await resp.json())["error"]["message"]
     async with session.post("/v1/completions", json={"model": MODEL, "prompt": list(range(990)), "max_tokens": 10}) as resp:
         assert resp.status == 200  # 1000 tokens: fits
 
