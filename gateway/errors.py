@@ -122,7 +122,10 @@ async def error_middleware(request: web.Request, handler):
         if err.status < 400:
             raise
         kind = "not_found_error" if err.status == 404 else "invalid_request_error"
-        return APIError(err.status, f"{request.method} {request.path}: {err.reason}", type=kind).response()
+        error = APIError(err.status, f"{request.method} {request.path}: {err.reason}", type=kind)
+        if "Allow" in err.headers:  # a 405 names the methods the path takes (RFC 9110 §15.5.6)
+            error.headers["Allow"] = err.headers["Allow"]
+        return error.response()
     except Exception:
         log.exception("internal error on %s %s", request.method, request.path)
         return APIError(500, "internal gateway error; see the gateway log", type="internal_error").response()

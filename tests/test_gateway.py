@@ -171,6 +171,9 @@ async def test_unknown_route_gets_openai_404(stack):
     async with session.get("/v1/nothing") as resp:
         assert resp.status == 404
         assert (await resp.json())["error"]["type"] == "not_found_error"
+    async with session.get("/v1/chat/completions") as resp:
+        assert (resp.status, resp.headers["Allow"]) == (405, "POST")
+        assert (await resp.json())["error"]["message"] == "GET /v1/chat/completions: Method Not Allowed"
 
 
 async def test_client_disconnect_mid_stream_aborts_on_engine(stack):
