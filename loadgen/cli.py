@@ -48,12 +48,12 @@ chats with --long-share long requests of 1k-14k tokens), docs (mixed with half t
 --long-share does not apply), chat-single (first turns of hh-rlhf, arena, sharegpt and mtbench, single
 turn), shared-docs (10k-30k-token documents asked 3-8 questions each, interleaved), code-burst (bursty
 code completion's lengths on chat text: 1 h at 5.5 req/s mean, prompts ~1,500 tokens, replies ~13;
-timed), replay:PATH (a
---trace-out file); trace files: mooncake:PATH (Mooncake JSONL: times, exact lengths, equal hash ids as
+timed), replay:PATH (a --trace-out file); trace files: mooncake:PATH (Mooncake JSONL: times, exact lengths, equal hash ids as
 equal 512-token blocks), azure:PATH (Azure LLM inference CSV, 2023 or 2024), sharegpt:PATH (ShareGPT JSON
 or JSONL conversations, multi-turn, recorded reply lengths, or first-turn prompts; arriving at --rate),
 lengths:PATH (a CSV of prompt and output token counts, num_prefill_tokens,num_decode_tokens or
 input_tokens,output_tokens: single-turn requests of real text cut to those lengths; arriving at --rate).
+
 exit status: 0 when every request succeeded, 1 when any failed, the run could not start or an output could not be written
 after it, 2 for bad arguments (an output path refused before the run too)."""
 
