@@ -189,8 +189,9 @@ def _output_tokens(req: ChatCompletionRequest | CompletionRequest) -> int:
 def _check_text_size(gw: Gateway, req: ChatCompletionRequest | CompletionRequest) -> None:
     """Refuse before tokenizing it a prompt whose text alone cannot fit the model's context length: at least
     :func:`laps.tokenizer.min_tokens` of its characters (the messages' contents, or a text prompt) plus the reply's
-    cap (at least one token) past ``gw.context_tokens`` (unchecked when unknown). A 60 MB body is refused in milliseconds, not after a
-    minute of tokenizing; whatever passes is tokenized and checked exactly by :func:`_check_context`.
+    cap (:func:`_output_tokens`, at least one token) past ``gw.context_tokens`` (unchecked when unknown). A 60 MB body
+    is refused in milliseconds, not after a minute of tokenizing; whatever passes is tokenized and checked exactly by
+    :func:`_check_context`.
 
     Raises:
         APIError: 400 ``context_length_exceeded``, param ``messages`` or ``prompt``.
@@ -212,8 +213,8 @@ def _check_text_size(gw: Gateway, req: ChatCompletionRequest | CompletionRequest
 
 
 def _check_context(gw: Gateway, req: ChatCompletionRequest | CompletionRequest, prompt_tokens: int) -> None:
-    """Refuse a request the engine could not serve: its prompt plus ``max_tokens`` (at least one token to generate,
-    as SGLang counts) past the model's context length (``gw.context_tokens``; unchecked when unknown).
+    """Refuse a request the engine could not serve: its prompt plus the reply's cap (:func:`_output_tokens`, at least
+    one token to generate, as SGLang counts) past the model's context length (``gw.context_tokens``; unchecked when unknown).
 
     Raises:
         APIError: 400 ``context_length_exceeded`` (OpenAI's code), param ``messages`` or ``prompt``.

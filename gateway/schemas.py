@@ -31,7 +31,7 @@ class ChatMessage(BaseModel):
 
     model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    name: str | None = None  # the participant's name; chat templates print it, so a number would break them
+    name: str | None = None  # the participant's name, which some chat templates print (a number would break them)
     tool_call_id: str | None = None  # the tool message's answer to this call id
     tool_calls: list | None = None  # declared before content, which is checked against them
     function_call: dict | None = None

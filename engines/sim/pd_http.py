@@ -11,10 +11,10 @@ same hand-off over plain HTTP, honestly but simply:
   the core then holds the KV, event ``kv_ready``). It serves a *bootstrap
   server* on its bootstrap port: ``GET /sim/kv/{room}`` answers once that
   room's KV is ready (``{"rid", "prompt_tokens"}``; 410 when the request
-  ended without it, e.g. aborted, or has ended; 404 while the room is not open yet), and ``POST /sim/kv/{room}/done`` ends the
-  transfer (:meth:`EngineCore.finish_transfer`): the prefill engine's answer
-  (the first token, ``finish_reason`` ``length``) completes then, as SGLang's
-  does. A ``kv_ready`` request without a room (a health check, a direct
+  ended without it, e.g. aborted, or has ended; 404 while the room is not
+  open yet), and ``POST /sim/kv/{room}/done`` ends the transfer
+  (:meth:`EngineCore.finish_transfer`): the prefill engine's answer (the first
+  token, ``finish_reason`` ``length``) completes then, as SGLang's does. A ``kv_ready`` request without a room (a health check, a direct
   request) is released at once.
 * **Decode engine** (``--disaggregation-mode decode``): answers a request only
   with a room. It long-polls the prefill engine's bootstrap server (asking again
