@@ -68,8 +68,9 @@ onto the engine where a long one waits, which then starves):
   avoid it while a clean engine exists ("spill-over" into the long pool when
   the long pool is idle);
 * a long prefill goes to the engine where it costs least (costs within one
-  pass of the cheapest counting as equal; ties: the long pool); on an engine with no long prefill in progress ("clean") the cost also
-  counts the short batches it would hold up there: its prefill time P × the
+  pass of the cheapest counting as equal; ties: the long pool); on an engine
+  with no long prefill in progress ("clean") the cost also counts the short
+  batches it would hold up there: its prefill time P × the
   short batches dispatched per second ÷ the clean engines × their mean wait
   for the pass in progress (min(P, one chunk pass) / 2). So long prefills
   borrow a short-pool engine when the long pool is backed up by more than that
