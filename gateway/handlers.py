@@ -188,10 +188,10 @@ def _output_tokens(req: ChatCompletionRequest | CompletionRequest) -> int:
 
 def _check_text_size(gw: Gateway, req: ChatCompletionRequest | CompletionRequest) -> None:
     """Refuse before tokenizing it a prompt whose text alone cannot fit the model's context length: at least
-    :func:`laps.tokenizer.min_tokens` of its characters (the messages' contents, or a text prompt) plus the reply's
-    cap (:func:`_output_tokens`, at least one token) past ``gw.context_tokens`` (unchecked when unknown). A 60 MB body
-    is refused in milliseconds, not after a minute of tokenizing; whatever passes is tokenized and checked exactly by
-    :func:`_check_context`.
+    :func:`laps.tokenizer.min_tokens` of its characters (the messages' text and tool calls,
+    :meth:`ChatMessage.template_chars`, or a text prompt) plus the reply's cap (:func:`_output_tokens`, at least one
+    token) past ``gw.context_tokens`` (unchecked when unknown). A 60 MB body is refused in milliseconds, not after a
+    minute of tokenizing; whatever passes is tokenized and checked exactly by :func:`_check_context`.
 
     Raises:
         APIError: 400 ``context_length_exceeded``, param ``messages`` or ``prompt``.
@@ -200,7 +200,7 @@ def _check_text_size(gw: Gateway, req: ChatCompletionRequest | CompletionRequest
     if limit is None:
         return
     if isinstance(req, ChatCompletionRequest):
-        param, chars = "messages", sum(len(m.text()) for m in req.messages)
+        param, chars = "messages", sum(m.template_chars() for m in req.messages)
     elif isinstance(req.prompt, str):
         param, chars = "prompt", len(req.prompt)
     else:

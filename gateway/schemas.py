@@ -8,10 +8,13 @@ coerced here and refused by the engine.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
+
+from laps.tokenizer import Message, template_tool_calls, tool_call_arguments
 
 
 class TextPart(BaseModel):
@@ -20,6 +23,30 @@ class TextPart(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
     type: Literal["text"]
     text: str
+
+
+class CalledFunction(BaseModel):
+    """The ``function`` of an assistant turn's tool call: its ``name`` and ``arguments``, a JSON object as a string
+    (OpenAI's form) or as an object (SGLang takes both); the chat template prints them."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    name: str
+    arguments: str | dict
+
+    @field_validator("arguments")
+    @classmethod
+    def _a_json_object(cls, v):
+        tool_call_arguments(v)  # SGLang's check: a ValueError saying what is wrong
+        return v
+
+
+class ToolCall(BaseModel):
+    """One entry of an assistant message's ``tool_calls``: ``{"id", "type": "function", "function": {...}}``."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    id: str | None = None  # the tool message's tool_call_id that answers it
+    type: Literal["function"] = "function"
+    function: CalledFunction
 
 
 class ChatMessage(BaseModel):
@@ -33,7 +60,7 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     name: str | None = None  # the participant's name, which some chat templates print (a number would break them)
     tool_call_id: str | None = None  # the tool message's answer to this call id
-    tool_calls: list | None = None  # declared before content, which is checked against them
+    tool_calls: list[ToolCall] | None = None  # declared before content, which is checked against them
     function_call: dict | None = None
     content: str | list[TextPart] | None = Field(None, validate_default=True)
 
@@ -59,6 +86,13 @@ class ChatMessage(BaseModel):
                 return v
             raise PydanticCustomError("missing", "an assistant message needs content unless it has tool_calls")
         raise PydanticCustomError("missing", f"a {role} message needs content (a string or a list of text parts)")  # the param keeps "content"
+
+    def template_chars(self) -> int:
+        """Characters the chat template prints of this message: its text, and its tool calls' names and arguments
+        (as JSON, which is how the template prints them, whatever the spacing they came with)."""
+        calls = self.tool_calls or ()
+        return len(self.text()) + sum(len(c.function.name) + len(json.dumps(tool_call_arguments(c.function.arguments), ensure_ascii=False))
+                                      for c in calls)
 
     def text(self) -> str:
         """The content as one string; text parts are joined with a space, as SGLang 0.5.23
@@ -180,9 +214,17 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("needs logprobs: true")
         return v
 
-    def chat(self) -> list[dict[str, str]]:
-        """The messages as ``{"role", "content"}`` dicts of plain text, for the chat template."""
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def chat(self) -> list[Message]:
+        """The messages as the chat template gets them: ``{"role", "content"}`` dicts of plain text, and the
+        ``tool_calls`` of an assistant turn that called tools as SGLang hands them on
+        (:func:`laps.tokenizer.template_tool_calls`)."""
+        chat = []
+        for m in self.messages:
+            message = {"role": m.role, "content": m.text()}
+            if m.tool_calls:
+                message["tool_calls"] = template_tool_calls([c.model_dump() for c in m.tool_calls])
+            chat.append(message)
+        return chat
 
 
 class CompletionRequest(_SamplingFields):

@@ -114,10 +114,11 @@ class ChatPrefixCache:
         """The longest cached prefix of ``messages`` and the turns after it (marks that prefix recently used).
 
         ``tools`` (as :func:`laps.tokenizer.template_tools` gives them) open the system turn, so such a chat is
-        encoded whole, as one without ChatML is.
+        encoded whole, as one without ChatML is, and one with ``tool`` answers or ``tool_calls`` (more than one
+        ChatML turn each).
         """
         chatml = self.tokenizer.chatml
-        if tools is not None or chatml is None or any(m["role"] not in CHATML_ROLES for m in messages):
+        if tools is not None or chatml is None or any(m["role"] not in CHATML_ROLES or "tool_calls" in m for m in messages):
             return PromptLookup(self._empty, (), None, messages, sum(len(m["content"]) for m in messages), tools)
         turns = [(m["role"], m["content"]) for m in messages]
         if chatml.default_system is not None and (not turns or turns[0][0] != "system"):

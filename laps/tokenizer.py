@@ -26,9 +26,13 @@ import json
 import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
-Message = dict[str, str]
+import orjson
+
+# A chat message as the chat template gets it: ``role`` and ``content`` (text), and for an assistant turn that called
+# tools its ``tool_calls`` as :func:`template_tool_calls` gives them.
+Message = dict[str, Any]
 
 # Qwen2.5's added tokens, ids 151643..151664 in this order (its tokenizer.json "added_tokens"). The first 14 are
 # special tokens (decoding with skip_special_tokens drops them), the last 8 are plain added tokens; both kinds are
@@ -61,7 +65,7 @@ CHATML_ROLES = frozenset({"system", "user", "assistant"})
 class ChatML:
     """A chat template that renders chats of ``CHATML_ROLES`` turns exactly as :func:`render_chatml` with
     ``default_system`` (None: no default turn). Other roles (e.g. ``tool``, which Qwen2.5's template wraps in a
-    user turn) are not covered."""
+    user turn) and assistant turns with ``tool_calls`` are not covered."""
 
     default_system: str | None
 
@@ -114,11 +118,11 @@ def min_tokens(chars: int, tokenizer: ChatTokenizer) -> int:
 
 # Qwen2.5-Instruct's chat template with tools (tokenizer_config.json ``chat_template``, its ``if tools`` branch):
 # one system turn holding the system message (or the default one) and every tool as JSON.
-_QWEN25_TOOLS_HEAD = ("\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-                      "You are provided with function signatures within <tools></tools> XML tags:\n<tools>")
-_QWEN25_TOOLS_TAIL = ("\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
-                      "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
-                      "<args-json-object>}\n</tool_call>")
+QWEN25_TOOLS_HEAD = ("\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+                     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>")
+QWEN25_TOOLS_TAIL = ("\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+                     "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+                     "<args-json-object>}\n</tool_call>")
 
 
 def render_chatml(messages: Sequence[Message], default_system: str | None = QWEN25_DEFAULT_SYSTEM, tools: list[dict] | None = None) -> str:
@@ -131,6 +135,10 @@ def render_chatml(messages: Sequence[Message], default_system: str | None = QWEN
     (the first message's when it is a system message, else ``default_system``)
     also lists them, one JSON object a line (Jinja's ``tojson``: ``json.dumps``
     with its default separators, non-ASCII kept), as Qwen2.5-Instruct's template does.
+    Tool use as that template renders it: an assistant turn with ``tool_calls``
+    holds its text (if any) and one ``<tool_call>`` block a call
+    (:func:`render_tool_call`); ``tool`` messages in a row share one user turn,
+    each wrapped in ``<tool_response>`` tags.
     """
     parts = []
     rest = messages
@@ -139,13 +147,65 @@ def render_chatml(messages: Sequence[Message], default_system: str | None = QWEN
         system = messages[0]["content"] if has_system else (default_system or "")
         rest = messages[1:] if has_system else messages
         listed = "".join("\n" + json.dumps(tool, ensure_ascii=False) for tool in tools)
-        parts.append(render_chatml_turn("system", system + _QWEN25_TOOLS_HEAD + listed + _QWEN25_TOOLS_TAIL))
+        parts.append(render_chatml_turn("system", system + QWEN25_TOOLS_HEAD + listed + QWEN25_TOOLS_TAIL))
     elif default_system is not None and (not messages or messages[0]["role"] != "system"):
         parts.append(render_chatml_turn("system", default_system))
-    for m in rest:
-        parts.append(render_chatml_turn(m["role"], m["content"]))
+    for i, m in enumerate(rest):
+        if m["role"] == "tool":
+            opens = i == 0 or rest[i - 1]["role"] != "tool"
+            closes = i == len(rest) - 1 or rest[i + 1]["role"] != "tool"
+            parts.append(("<|im_start|>user" if opens else "") + f"\n<tool_response>\n{m['content']}\n</tool_response>"
+                         + ("<|im_end|>\n" if closes else ""))
+        elif m["role"] == "assistant" and m.get("tool_calls"):
+            calls = "".join(render_tool_call(call) for call in m["tool_calls"])
+            parts.append("<|im_start|>assistant" + (f"\n{m['content']}" if m["content"] else "") + calls + "<|im_end|>\n")
+        else:
+            parts.append(render_chatml_turn(m["role"], m["content"]))
     parts.append(CHATML_GENERATION_PROMPT)
     return "".join(parts)
+
+
+def render_tool_call(call: dict) -> str:
+    """One call of an assistant turn's ``tool_calls`` (as :func:`template_tool_calls` gives them) as Qwen2.5-Instruct's
+    template renders it: ``\\n<tool_call>\\n{"name": "NAME", "arguments": ARGUMENTS}\\n</tool_call>``, the arguments
+    through ``tojson``."""
+    function = call.get("function", call)
+    return f'\n<tool_call>\n{{"name": "{function["name"]}", "arguments": {json.dumps(function["arguments"], ensure_ascii=False)}}}\n</tool_call>'
+
+
+def template_tool_calls(calls: Sequence[dict]) -> list[dict]:
+    """An assistant message's ``tool_calls`` as SGLang 0.5.23 hands them to the chat template: each call as its
+    ``ToolCall.model_dump()`` (``{"id", "index", "type", "function": {"name", "arguments"}}``, absent fields None),
+    its ``arguments`` through :func:`tool_call_arguments`.
+
+    Raises:
+        ValueError: arguments :func:`tool_call_arguments` refuses.
+    """
+    dumped = []
+    for call in calls:
+        function = call["function"]
+        dumped.append({"id": call.get("id"), "index": call.get("index"), "type": call.get("type", "function"),
+                       "function": {"name": function.get("name"), "arguments": tool_call_arguments(function.get("arguments"))}})
+    return dumped
+
+
+def tool_call_arguments(arguments: object) -> object:
+    """A tool call's ``arguments`` as the chat template gets them: a string parsed to the JSON object it holds (SGLang
+    0.5.23 ``serving_chat.py`` ``normalize_assistant_tool_call_arguments``, strict for every template but Kimi K3's);
+    anything else as it is.
+
+    Raises:
+        ValueError: a string that is not JSON, or not a JSON object (SGLang's messages).
+    """
+    if not isinstance(arguments, str):
+        return arguments
+    try:
+        parsed = orjson.loads(arguments)  # as SGLang parses them: strict JSON, no NaN
+    except orjson.JSONDecodeError:
+        raise ValueError("Assistant tool call function.arguments must be valid JSON.") from None
+    if not isinstance(parsed, dict):
+        raise ValueError("Assistant tool call function.arguments must be a JSON object.")
+    return parsed
 
 
 _FUNCTION_FIELDS = ("description", "name", "parameters", "strict", "defer_loading")

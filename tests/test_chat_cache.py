@@ -112,10 +112,16 @@ def test_detect_chatml_tells_default_system_no_default_and_other_templates():
     assert detect_chatml(lambda m: "".join(f"[{x['role']}] {x['content']}\n" for x in m)) is None
 
 
-def test_chats_with_other_roles_are_encoded_whole_and_not_cached():
+@pytest.mark.parametrize("messages", [
+    [{"role": "user", "content": "weather?"}, {"role": "tool", "content": '{"temp": 21}'}],
+    # an assistant turn that called a tool, with no tool answer yet: its <tool_call> block is more than a ChatML turn
+    [{"role": "user", "content": "weather?"},
+     {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "get_weather", "arguments": {"place": "Oslo"}}}]},
+     {"role": "user", "content": "never mind"}],
+])
+def test_chats_with_other_roles_or_tool_calls_are_encoded_whole_and_not_cached(messages):
     tokenizer = load_tokenizer()
     cache = ChatPrefixCache(tokenizer, 16)
-    messages = [{"role": "user", "content": "weather?"}, {"role": "tool", "content": '{"temp": 21}'}]
     encoded = cache.prompt(messages)
     assert encoded.digest is None and len(cache) == 0
     assert (list(encoded.prompt.keys), encoded.prompt.tokens) == full_chain(tokenizer, messages, 16)

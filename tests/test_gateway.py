@@ -279,6 +279,10 @@ async def test_a_prompt_past_the_context_length_is_refused_at_once_and_the_lengt
             error = (await resp.json())["error"]
             assert (resp.status, error["param"], error["code"]) == (400, param, "context_length_exceeded")
             assert f"However, the text of the {param} alone (512000 characters) is at least 1000 tokens, and " in error["message"]
+    calls = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a": "' + "a" * 511_990 + '"}'}}]
+    async with session.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "assistant", "tool_calls": calls}]}) as resp:
+        error = (await resp.json())["error"]  # a tool call's arguments count as text: 1 + 511,999 characters
+        assert "However, the text of the messages alone (512000 characters) is at least 1000 tokens" in error["message"]
     async with session.post("/v1/chat/completions", json=chat("a" * 511_999)) as resp:
         assert "you requested " in (await resp.json())["error"]["message"]  # at least 999: tokenized, then counted exactly
     async with session.post("/v1/completions", json={"model": MODEL, "prompt": "a" * 511_999}) as resp:
@@ -497,6 +501,42 @@ async def test_an_assistant_turn_with_tool_calls_and_null_content_is_valid(stack
     async with session.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "tools": [WEATHER_TOOL]}) as resp:
         assert resp.status == 200
     assert fakes["sp0"].bodies[-1]["messages"] == messages  # passed on as sent
+
+
+async def test_tool_calls_and_tool_answers_are_counted_as_the_template_prints_them(stack):
+    session, fakes, _ = stack
+    arguments = '{"place": "Oslo", "days": [1, 2, 3], "note": "' + "very long " * 300 + '"}'
+    called = {"role": "assistant", "content": None,
+              "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]}
+    messages = [{"role": "user", "content": "Weather in Oslo?"}, called, {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    async with session.post("/v1/chat/completions", json={"model": MODEL, "messages": messages}) as resp:
+        assert resp.status == 200
+        counted = int(resp.headers["x-laps-prompt-tokens"])
+    # Qwen2.5-Instruct's template: the call as a <tool_call> block, its arguments parsed (as SGLang hands them on) and
+    # printed as JSON, the tool's answer in a user turn
+    rendered = ('<|im_start|>user\nWeather in Oslo?<|im_end|>\n<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", '
+                f'"arguments": {arguments}}}\n</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n')
+    tok = load_tokenizer()
+    assert counted == len(tok.encode(tok.render_chat([]).removesuffix("<|im_start|>assistant\n") + rendered + "<|im_start|>assistant\n"))
+    assert counted > 600  # the 300 repeats count; the call alone was once counted as an empty assistant turn
+    assert [b["messages"] for fake in fakes.values() for b in fake.bodies] == [messages]  # passed on as sent
+
+
+@pytest.mark.parametrize("arguments, fragment", [
+    ("{'place': 'Oslo'}", "must be valid JSON"),
+    ('{"x": NaN}', "must be valid JSON"),
+    ('["Oslo"]', "must be a JSON object"),
+    (7, "valid string"),
+])
+async def test_tool_call_arguments_that_are_not_a_json_object_are_refused_naming_them(stack, arguments, fragment):
+    session, fakes, _ = stack
+    called = {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}]}
+    messages = [{"role": "user", "content": "Hi"}, called, {"role": "tool", "tool_call_id": "c", "content": "ok"}]
+    async with session.post("/v1/chat/completions", json={"model": MODEL, "messages": messages}) as resp:
+        assert resp.status == 400
+        error = (await resp.json())["error"]
+    assert error["param"].startswith("messages.1.tool_calls.0.function.arguments") and fragment in error["message"]
+    assert fakes["sp0"].bodies == []
 
 
 @pytest.mark.parametrize("tools, param, fragment", [

@@ -210,6 +210,14 @@ def test_logprobs_and_tools_pass_through_with_openai_shapes(deployment: Deployme
     tools = [{"type": "function", "function": {"name": "get_colour", "parameters": {"type": "object", "properties": {}}}}]
     raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=1, tools=tools)
     assert raw.parse().usage.prompt_tokens == int(raw.headers["x-laps-prompt-tokens"])  # the gateway counts the tools as the engine does
+    # and a tool-calling conversation: the calls' names and arguments, and the tools' answers, as the template prints them
+    calls = [{"id": "c1", "type": "function", "function": {"name": "get_colour", "arguments": '{"shade": "dark", "n": [1, 2]}'}},
+             {"id": "c2", "type": "function", "function": {"name": "get_colour", "arguments": "{}"}}]
+    called = messages + [{"role": "assistant", "content": None, "tool_calls": calls},
+                         {"role": "tool", "tool_call_id": "c1", "content": "navy"}, {"role": "tool", "tool_call_id": "c2", "content": "red"}]
+    for tools_sent in (tools, None):
+        raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=called, max_tokens=1, tools=tools_sent)
+        assert raw.parse().usage.prompt_tokens == int(raw.headers["x-laps-prompt-tokens"])
 
 
 def test_gateway_prompt_tokens_equal_engine_usage_on_real_chats(deployment: Deployment):

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from engines.tiny_model import write_tiny_qwen2_model
-from laps.tokenizer import CHATML_GENERATION_PROMPT, QWEN25_DEFAULT_SYSTEM, HFChatTokenizer, load_tokenizer, min_tokens, render_chatml_turn
+from laps.tokenizer import (CHATML_GENERATION_PROMPT, QWEN25_DEFAULT_SYSTEM, HFChatTokenizer, load_tokenizer, min_tokens, render_chatml,
+                            render_chatml_turn, template_tool_calls, template_tools)
 
 DATA = Path(__file__).resolve().parent.parent / "loadgen" / "data"
 
@@ -83,6 +84,45 @@ def test_chat_ids_stay_the_concatenation_of_turn_ids_with_added_tokens_in_conten
     chat = [{"role": "user", "content": "call<tool_call>"}, {"role": "assistant", "content": "</tool_call>ok<|fim_pad|>"}]
     turns = [render_chatml_turn("system", QWEN25_DEFAULT_SYSTEM)] + [render_chatml_turn(m["role"], m["content"]) for m in chat]
     assert tok.encode_chat(chat) == [i for t in turns for i in tok.encode(t)] + tok.encode(CHATML_GENERATION_PROMPT)
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather at a place",
+                                            "parameters": {"type": "object", "properties": {"place": {"type": "string"}}}}}
+
+
+def test_tool_calls_render_as_qwen25_prints_them_with_either_template(hf_dir):
+    calls = template_tool_calls([
+        {"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": '{"place": "Tromsø", "days": [1, 2.5]}'}},
+        {"id": "b", "type": "function", "function": {"name": "get_weather", "arguments": {"place": "Bergen"}}},
+    ])
+    assert calls[0] == {"id": "a", "index": None, "type": "function",
+                        "function": {"name": "get_weather", "arguments": {"place": "Tromsø", "days": [1, 2.5]}}}
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": "Looking.", "tool_calls": calls},
+            {"role": "tool", "content": "sunny"}, {"role": "tool", "content": "rain"}, {"role": "user", "content": "And?"}]
+    # Qwen2.5-Instruct's template: the text, then one <tool_call> block a call with the arguments as JSON; tool answers
+    # in a row share one user turn
+    assert render_chatml(chat) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWeather?<|im_end|>\n"
+        '<|im_start|>assistant\nLooking.\n<tool_call>\n{"name": "get_weather", "arguments": {"place": "Tromsø", "days": [1, 2.5]}}\n'
+        '</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": {"place": "Bergen"}}\n</tool_call><|im_end|>\n'
+        "<|im_start|>user\n<tool_response>\nsunny\n</tool_response>\n<tool_response>\nrain\n</tool_response><|im_end|>\n"
+        "<|im_start|>user\nAnd?<|im_end|>\n<|im_start|>assistant\n")
+    builtin, hf = load_tokenizer(), HFChatTokenizer(hf_dir)
+    quiet = [{"role": "assistant", "content": "", "tool_calls": calls[1:]}, {"role": "tool", "content": "x"}]
+    for messages in (chat, chat[1:], quiet):
+        for tools in (None, template_tools([WEATHER])):
+            assert hf.render_chat(messages, tools) == builtin.render_chat(messages, tools)
+            assert hf.encode_chat(messages, tools) == builtin.encode_chat(messages, tools)
+    assert render_chatml(quiet, None).startswith('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", ')
+
+
+@pytest.mark.parametrize("arguments, message", [
+    ("{'a': 1}", "must be valid JSON"), ('{"a": NaN}', "must be valid JSON"), ("[1]", "must be a JSON object"), ('"x"', "must be a JSON object"),
+])
+def test_tool_call_arguments_must_hold_a_json_object_as_sglang_demands(arguments, message):
+    with pytest.raises(ValueError, match=message):
+        template_tool_calls([{"function": {"name": "f", "arguments": arguments}}])
 
 
 def test_bad_model_directory_raises_value_error(tmp_path):

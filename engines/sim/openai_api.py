@@ -32,7 +32,7 @@ from engines.sim.protocol import (
     usage,
 )
 from engines.sim.realtime import ENGINE, SimEngine, Track
-from laps.tokenizer import ChatTokenizer, template_tools
+from laps.tokenizer import ChatTokenizer, template_tool_calls, template_tools
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # SGLang CompletionRequest default
 
@@ -48,7 +48,7 @@ def _submit(engine: SimEngine, body: dict[str, Any], rid: str, ids: list[int], m
         raise ApiError(str(err)) from err
 
 
-def _chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
+def _chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     if "messages" not in body:
         raise ApiError("messages: Field required", "Bad Request")
     raw = body["messages"]
@@ -69,7 +69,16 @@ def _chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
             content = " ".join(parts)
         elif not isinstance(content, str):
             raise ApiError("messages: content should be a string or a list of text parts", "Bad Request")
-        out.append({"role": m["role"], "content": content})
+        message = {"role": m["role"], "content": content}
+        calls = m.get("tool_calls")
+        if calls:
+            if not (isinstance(calls, list) and all(isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls)):
+                raise ApiError("messages: tool_calls: a list of {\"type\": \"function\", \"function\": {...}}", "Bad Request")
+            try:
+                message["tool_calls"] = template_tool_calls(calls)
+            except ValueError as err:  # arguments that are not a JSON object
+                raise ApiError(str(err)) from err
+        out.append(message)
     return out
 
 
