@@ -16,15 +16,16 @@ from pathlib import Path
 from laps.tokenizer import (QWEN25_DEFAULT_SYSTEM, QWEN25_TOOLS_HEAD, QWEN25_TOOLS_TAIL, QWEN_ADDED_TOKENS, QWEN_PAT_STR,
                             QWEN_SPECIAL_TOKENS)
 
-# Rendered by transformers' Jinja environment (trim_blocks, lstrip_blocks): no newline follows a tag. Qwen2.5-Instruct's
-# rules: with tools, one system turn holds the system message (or the default one) and the tools; a turn that called
-# tools holds a <tool_call> block a call; tool answers in a row share one user turn.
+# Rendered by transformers' Jinja environment with trim_blocks, which drops a newline written right after a {% tag %}:
+# there the template writes {{ '\n' }} instead. Qwen2.5-Instruct's rules: with tools, one system turn holds the system
+# message (or the default one) and the tools; a turn that called tools holds a <tool_call> block a call; tool answers
+# in a row share one user turn.
 CHATML_TEMPLATE = (
     "{% set rest = messages %}"
     "{% if tools %}"
     "{% set has_system = messages and messages[0]['role'] == 'system' %}"
     f"<|im_start|>system\n{{{{ messages[0]['content'] if has_system else '{QWEN25_DEFAULT_SYSTEM}' }}}}{QWEN25_TOOLS_HEAD}"
-    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}"  # trim_blocks drops a newline that follows a tag
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}"
     f"{QWEN25_TOOLS_TAIL.removeprefix(chr(10))}<|im_end|>\n"
     "{% if has_system %}{% set rest = messages[1:] %}{% endif %}"
     "{% elif not messages or messages[0]['role'] != 'system' %}"

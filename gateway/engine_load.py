@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
-from engines.client import EngineClient, EngineHTTPError
+from engines.client import EngineClient
 from gateway.registry import EngineState
 
 if TYPE_CHECKING:

@@ -38,6 +38,7 @@ from gateway.registry import EngineState
 from gateway.state import GATEWAY, Gateway
 from gateway.tracing import child_span
 from laps.chat_cache import EncodedPrompt
+from laps.json_depth import MAX_DEPTH, too_deep
 from laps.tokenizer import min_tokens, template_tools
 from policies.output_predictor import reply_token_counts
 from policies.prefix_index import BlockChain
@@ -103,6 +104,8 @@ async def _json_body(request: web.Request, timeout_s: float) -> dict:
         raise APIError(400, f"request body is not valid JSON: {err}") from None
     if not isinstance(body, dict):
         raise APIError(400, f"request body must be a JSON object, got {_JSON_TYPE_NAMES.get(type(body), type(body).__name__)}")
+    if too_deep(body, raw):
+        raise APIError(400, f"request body nests arrays and objects deeper than {MAX_DEPTH} levels, more than the gateway passes on")
     return body
 
 

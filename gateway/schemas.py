@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
-from laps.tokenizer import Message, template_tool_calls, tool_call_arguments
+from laps.tokenizer import Message, final_assistant_as_user, template_tool_calls, tool_call_arguments
 
 
 class TextPart(BaseModel):
@@ -26,8 +26,9 @@ class TextPart(BaseModel):
 
 
 class CalledFunction(BaseModel):
-    """The ``function`` of an assistant turn's tool call: its ``name`` and ``arguments``, a JSON object as a string
-    (OpenAI's form) or as an object (SGLang takes both); the chat template prints them."""
+    """The ``function`` of an assistant turn's tool call: its ``name`` (a string, as OpenAI's API has it; SGLang
+    0.5.23 also takes none) and ``arguments``, a JSON object sent as a string (OpenAI's form) or as an object (SGLang
+    takes both), held here as the object (:func:`laps.tokenizer.tool_call_arguments`), as the chat template prints it."""
 
     model_config = ConfigDict(extra="allow", strict=True)
     name: str
@@ -36,8 +37,7 @@ class CalledFunction(BaseModel):
     @field_validator("arguments")
     @classmethod
     def _a_json_object(cls, v):
-        tool_call_arguments(v)  # SGLang's check: a ValueError saying what is wrong
-        return v
+        return tool_call_arguments(v)  # SGLang's check: a ValueError saying what is wrong
 
 
 class ToolCall(BaseModel):
@@ -88,11 +88,10 @@ class ChatMessage(BaseModel):
         raise PydanticCustomError("missing", f"a {role} message needs content (a string or a list of text parts)")  # the param keeps "content"
 
     def template_chars(self) -> int:
-        """Characters the chat template prints of this message: its text, and its tool calls' names and arguments
-        (as JSON, which is how the template prints them, whatever the spacing they came with)."""
+        """At most the characters the chat template prints of this message: its text, and its tool calls' names and
+        arguments (as the JSON the template prints, whatever the spacing they came with; not the markup around them)."""
         calls = self.tool_calls or ()
-        return len(self.text()) + sum(len(c.function.name) + len(json.dumps(tool_call_arguments(c.function.arguments), ensure_ascii=False))
-                                      for c in calls)
+        return len(self.text()) + sum(len(c.function.name) + len(json.dumps(c.function.arguments, ensure_ascii=False)) for c in calls)
 
     def text(self) -> str:
         """The content as one string; text parts are joined with a space, as SGLang 0.5.23
@@ -215,16 +214,16 @@ class ChatCompletionRequest(_SamplingFields):
         return v
 
     def chat(self) -> list[Message]:
-        """The messages as the chat template gets them: ``{"role", "content"}`` dicts of plain text, and the
-        ``tool_calls`` of an assistant turn that called tools as SGLang hands them on
-        (:func:`laps.tokenizer.template_tool_calls`)."""
+        """The messages as SGLang 0.5.23 hands them to the chat template: ``{"role", "content"}`` dicts of plain text,
+        the ``tool_calls`` of an assistant turn that called tools (:func:`laps.tokenizer.template_tool_calls`), and a
+        last assistant message as a user one (:func:`laps.tokenizer.final_assistant_as_user`)."""
         chat = []
         for m in self.messages:
             message = {"role": m.role, "content": m.text()}
             if m.tool_calls:
                 message["tool_calls"] = template_tool_calls([c.model_dump() for c in m.tool_calls])
             chat.append(message)
-        return chat
+        return final_assistant_as_user(chat)
 
 
 class CompletionRequest(_SamplingFields):

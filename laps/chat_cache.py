@@ -118,7 +118,7 @@ class ChatPrefixCache:
         ChatML turn each).
         """
         chatml = self.tokenizer.chatml
-        if tools is not None or chatml is None or any(m["role"] not in CHATML_ROLES or "tool_calls" in m for m in messages):
+        if tools is not None or chatml is None or any(m["role"] not in CHATML_ROLES or m.get("tool_calls") for m in messages):
             return PromptLookup(self._empty, (), None, messages, sum(len(m["content"]) for m in messages), tools)
         turns = [(m["role"], m["content"]) for m in messages]
         if chatml.default_system is not None and (not turns or turns[0][0] != "system"):

@@ -30,6 +30,8 @@ from typing import Any, Protocol, Sequence
 
 import orjson
 
+from laps.json_depth import MAX_DEPTH, too_deep
+
 # A chat message as the chat template gets it: ``role`` and ``content`` (text), and for an assistant turn that called
 # tools its ``tool_calls`` as :func:`template_tool_calls` gives them.
 Message = dict[str, Any]
@@ -169,7 +171,7 @@ def render_tool_call(call: dict) -> str:
     """One call of an assistant turn's ``tool_calls`` (as :func:`template_tool_calls` gives them) as Qwen2.5-Instruct's
     template renders it: ``\\n<tool_call>\\n{"name": "NAME", "arguments": ARGUMENTS}\\n</tool_call>``, the arguments
     through ``tojson``."""
-    function = call.get("function", call)
+    function = call["function"]
     return f'\n<tool_call>\n{{"name": "{function["name"]}", "arguments": {json.dumps(function["arguments"], ensure_ascii=False)}}}\n</tool_call>'
 
 
@@ -195,7 +197,8 @@ def tool_call_arguments(arguments: object) -> object:
     anything else as it is.
 
     Raises:
-        ValueError: a string that is not JSON, or not a JSON object (SGLang's messages).
+        ValueError: a string that is not JSON, or not a JSON object (SGLang's messages), or one nested deeper than
+            :data:`laps.json_depth.MAX_DEPTH` levels (SGLang's template fails on ~1,000; the gateway writes less).
     """
     if not isinstance(arguments, str):
         return arguments
@@ -205,7 +208,18 @@ def tool_call_arguments(arguments: object) -> object:
         raise ValueError("Assistant tool call function.arguments must be valid JSON.") from None
     if not isinstance(parsed, dict):
         raise ValueError("Assistant tool call function.arguments must be a JSON object.")
+    if too_deep(parsed, arguments):
+        raise ValueError(f"Assistant tool call function.arguments nest deeper than {MAX_DEPTH} levels.")
     return parsed
+
+
+def final_assistant_as_user(messages: list[Message]) -> list[Message]:
+    """``messages`` as SGLang 0.5.23 renders a chat completion's: a last message from the assistant becomes a user
+    message of its text alone, its tool calls dropped (``serving_chat.py`` ``_handle_last_assistant_message``, without
+    ``continue_final_message``), so that the prompt still ends with the generation prompt. The list is not changed."""
+    if not messages or messages[-1]["role"] != "assistant":
+        return messages
+    return messages[:-1] + [{"role": "user", "content": messages[-1]["content"]}]
 
 
 _FUNCTION_FIELDS = ("description", "name", "parameters", "strict", "defer_loading")

@@ -522,11 +522,23 @@ async def test_tool_calls_and_tool_answers_are_counted_as_the_template_prints_th
     assert [b["messages"] for fake in fakes.values() for b in fake.bodies] == [messages]  # passed on as sent
 
 
+async def test_a_chat_that_ends_with_the_assistants_tool_call_is_counted_as_sglang_renders_it(stack):
+    session, _, _ = stack
+    called = {"role": "assistant", "content": "Checking.",
+              "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+    async with session.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "Weather?"}, called]}) as resp:
+        assert resp.status == 200
+        counted = int(resp.headers["x-laps-prompt-tokens"])
+    # SGLang 0.5.23 makes a last assistant message a user one of its text: the call is not in the prompt
+    assert counted == len(load_tokenizer().encode_chat([{"role": "user", "content": "Weather?"}, {"role": "user", "content": "Checking."}]))
+
+
 @pytest.mark.parametrize("arguments, fragment", [
     ("{'place': 'Oslo'}", "must be valid JSON"),
     ('{"x": NaN}', "must be valid JSON"),
     ('["Oslo"]', "must be a JSON object"),
     (7, "valid string"),
+    ('{"a": ' * 300 + "1" + "}" * 300, "nest deeper than 254 levels"),
 ])
 async def test_tool_call_arguments_that_are_not_a_json_object_are_refused_naming_them(stack, arguments, fragment):
     session, fakes, _ = stack
@@ -536,6 +548,21 @@ async def test_tool_call_arguments_that_are_not_a_json_object_are_refused_naming
         assert resp.status == 400
         error = (await resp.json())["error"]
     assert error["param"].startswith("messages.1.tool_calls.0.function.arguments") and fragment in error["message"]
+    assert fakes["sp0"].bodies == []
+
+
+@pytest.mark.parametrize("depth", [254, 255])
+async def test_a_body_nested_deeper_than_the_gateway_can_pass_on_is_refused(stack, depth):
+    session, fakes, _ = stack
+    nested = 1
+    for _ in range(depth - 1):  # the body itself is the first level
+        nested = {"a": nested}
+    async with session.post("/v1/chat/completions", json=chat("Hi", metadata=nested)) as resp:
+        if depth == 254:
+            assert resp.status == 200  # passed on, as deep as sent
+            return
+        assert resp.status == 400  # was a 500: read, then not writable for the engine
+        assert "nests arrays and objects deeper than 254 levels" in (await resp.json())["error"]["message"]
     assert fakes["sp0"].bodies == []
 
 

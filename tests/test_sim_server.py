@@ -240,6 +240,11 @@ async def test_client_disconnect_aborts_the_request(client):
          "top_logprobs must be between 0 and 20, got 21", "Bad Request"),
         ("/v1/completions", {"prompt": "x", "min_tokens": 20}, "min_new_tokens must be in [0, max_new_tokens(16)], got 20.",
          "BadRequestError"),
+        # an assistant turn's tool calls: typed as SGLang 0.5.23's ToolCall, arguments a JSON object
+        ("/v1/chat/completions", {"messages": MESSAGES + [{"role": "assistant", "tool_calls": [{"function": {"name": 7}}]},
+                                                          {"role": "user", "content": "?"}]}, "messages: tool_calls", "Bad Request"),
+        ("/v1/chat/completions", {"messages": MESSAGES + [{"role": "assistant", "tool_calls": [{"function": {"arguments": "[1]"}}]},
+                                                          {"role": "user", "content": "?"}]}, "must be a JSON object", "BadRequestError"),
     ],
 )
 async def test_openai_errors_are_400_with_sglang_error_bodies(client, path, body, message, err_type):

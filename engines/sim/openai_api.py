@@ -32,7 +32,7 @@ from engines.sim.protocol import (
     usage,
 )
 from engines.sim.realtime import ENGINE, SimEngine, Track
-from laps.tokenizer import ChatTokenizer, template_tool_calls, template_tools
+from laps.tokenizer import ChatTokenizer, final_assistant_as_user, template_tool_calls, template_tools
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # SGLang CompletionRequest default
 
@@ -71,15 +71,26 @@ def _chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             raise ApiError("messages: content should be a string or a list of text parts", "Bad Request")
         message = {"role": m["role"], "content": content}
         calls = m.get("tool_calls")
-        if calls:
-            if not (isinstance(calls, list) and all(isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls)):
-                raise ApiError("messages: tool_calls: a list of {\"type\": \"function\", \"function\": {...}}", "Bad Request")
+        if calls and m["role"] == "assistant":
+            if not (isinstance(calls, list) and all(map(_is_tool_call, calls))):
+                raise ApiError('messages: tool_calls: a list of {"id": str, "type": "function", "function": {"name": str, '
+                               '"arguments": str or object}}', "Bad Request")
             try:
                 message["tool_calls"] = template_tool_calls(calls)
             except ValueError as err:  # arguments that are not a JSON object
                 raise ApiError(str(err)) from err
         out.append(message)
-    return out
+    return final_assistant_as_user(out)
+
+
+def _is_tool_call(call: object) -> bool:
+    """Whether ``call`` has the types of SGLang 0.5.23's ``ToolCall`` (``protocol.py``: every field optional but
+    ``function``)."""
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        return False
+    function = call["function"]
+    return (isinstance(call.get("id"), (str, type(None))) and call.get("type", "function") == "function"
+            and isinstance(function.get("name"), (str, type(None))) and isinstance(function.get("arguments"), (str, dict, type(None))))
 
 
 def _max_new_tokens(value: int | None, engine: SimEngine) -> int | None:
