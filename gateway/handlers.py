@@ -401,6 +401,10 @@ async def _serve_once(request: web.Request, gw: Gateway, body: dict, path: str, 
             response, outcome = await _relay_stream(request, gw, engine, path, body, headers, view, guard, reply, prompt.prompt.keys)
         else:
             response, outcome = await _relay_json(gw, engine, path, body, headers, view, guard, reply, prompt.prompt.keys)
+        if outcome == "ok" and reply.finish_reason == "abort":  # relayed as the engine sent it, not counted as served
+            outcome = "engine_abort"
+            log.warning("%s: engine %s ended the request with finish_reason abort (%d characters of reply)", rid,
+                        headers.get(pd_dispatch.DECODE_ENGINE_HEADER, engine_id), sum(map(len, reply.text)))
         if outcome == "ok":
             # The client has its whole answer; learning from it must not hold (or be cancelled with) the handler.
             in_background(_learn_from_reply(gw, engine_id, view, prompt, reply, reply_cached_on_engine=gw.pd is None))

@@ -81,19 +81,25 @@ class Reply:
     prompt cache hit (``cached_tokens``, tokens; ``None`` until the engine reports it), and whether the client
     has been handed the whole answer (``done``: a stream's ``data: [DONE]`` was relayed, or the whole JSON body was sent);
     ``prompt_observed``: the prefix index has taken the engine's report on the prompt already (a JSON answer's, or in
-    PD the prefill engine's answer), so what is learnt from the reply afterwards only inserts."""
+    PD the prefill engine's answer), so what is learnt from the reply afterwards only inserts; ``finish_reason``: the
+    first choice's, once the engine gives one (``"abort"``: SGLang ended the request without an error status, as it
+    does for an ``/abort_request``)."""
 
     text: list[str] = field(default_factory=list)
     cached_tokens: int | None = None
     done: bool = False
     prompt_observed: bool = False
+    finish_reason: str | None = None
 
     def take(self, obj: dict) -> None:
         """Read one OpenAI response object or stream chunk (``choices[].message|delta.content`` or
-        ``choices[].text`` of the first choice, ``index`` 0, when ``n`` > 1; ``usage.prompt_tokens_details.cached_tokens``)."""
+        ``choices[].text`` and ``finish_reason`` of the first choice, ``index`` 0, when ``n`` > 1;
+        ``usage.prompt_tokens_details.cached_tokens``)."""
         for choice in obj.get("choices") or ():
             if not isinstance(choice, dict) or choice.get("index", 0) != 0:
                 continue
+            if isinstance(choice.get("finish_reason"), str):
+                self.finish_reason = choice["finish_reason"]
             message = choice.get("delta") or choice.get("message") or {}
             piece = message.get("content") if isinstance(message, dict) else None
             piece = piece if piece is not None else choice.get("text")

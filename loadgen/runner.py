@@ -8,9 +8,9 @@ Each conversation runs as its own task: turn k+1 is sent a think time after
 turn k's answer has fully arrived, with the real history (earlier user turns
 and the assistant replies actually received). No conversation and no turn
 starts at or after ``duration_s``; turns in flight then finish or hit the
-request timeout. An error (HTTP status other than 200, an in-stream error, a
-timeout, a broken connection, a stream without ``[DONE]``) is recorded and ends
-its conversation.
+request timeout. An error (HTTP status other than 200, an in-stream error, an answer the engine
+ended with ``finish_reason`` ``abort``, a timeout, a broken connection, a stream
+without ``[DONE]``) is recorded and ends its conversation.
 
 All requests share one ``aiohttp.ClientSession`` whose connector has no
 connection limit, so the client never caps concurrency (a capped pool would
@@ -318,6 +318,9 @@ class _Run:
                 return
             now = self.now()
             for choice in chunk.get("choices") or []:
+                if choice.get("finish_reason") == "abort":  # SGLang's end of a request it aborted without an error status
+                    rec.error = "the engine aborted the request (finish_reason abort)"
+                    return
                 piece = (choice.get("delta") or {}).get("content")
                 if piece:
                     if last is None:

@@ -45,6 +45,7 @@ class FakeEngine:
         self.done_sent = asyncio.Event()
         self.received = asyncio.Event()
         self.max_model_len: int | None = None
+        self.finish_reason = "stop"  # of every answer ("abort": SGLang's end of an aborted request without an error status)
         self.app = web.Application()
         self.app.router.add_get("/ready", self._ready)
         self.app.router.add_get("/health_generate", self._ready)
@@ -79,7 +80,7 @@ class FakeEngine:
             chunk["usage"] = None  # as SGLang 0.5.23 writes it into every chunk but the usage event
         if not body.get("stream"):
             usage = {"prompt_tokens": 7, "completion_tokens": 1, "total_tokens": 8, "prompt_tokens_details": {"cached_tokens": self.reported_cached_tokens}}
-            return web.json_response({"id": body["rid"], "object": "chat.completion", "choices": [{"index": 0, "message": {"role": "assistant", "content": f"hi from {self.name}"}, "finish_reason": "stop"}], "usage": usage})
+            return web.json_response({"id": body["rid"], "object": "chat.completion", "choices": [{"index": 0, "message": {"role": "assistant", "content": f"hi from {self.name}"}, "finish_reason": self.finish_reason}], "usage": usage})
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         if self.hold_first:
@@ -94,7 +95,7 @@ class FakeEngine:
             return response
         if self.hold_streams:
             await self.release.wait()
-        last = {"id": body["rid"], "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}], **({"usage": None} if "usage" in chunk else {})}
+        last = {"id": body["rid"], "choices": [{"index": 0, "delta": {}, "finish_reason": self.finish_reason}], **({"usage": None} if "usage" in chunk else {})}
         await response.write(b"data: " + orjson.dumps(last) + b"\n\n")
         if (body.get("stream_options") or {}).get("include_usage"):
             usage = {"prompt_tokens": 7, "completion_tokens": 1, "total_tokens": 8, "prompt_tokens_details": {"cached_tokens": self.reported_cached_tokens}}

@@ -256,6 +256,19 @@ async def test_models_health_and_metrics(stack):
     assert "# TYPE laps_scheduler_short_batches_total counter" in text and "laps_scheduler_short_batches_total 2.0" in text
 
 
+async def test_an_answer_the_engine_ended_with_abort_is_relayed_but_not_counted_ok(stack, caplog):
+    session, fakes, _ = stack
+    fakes["sp0"].finish_reason = "abort"  # SGLang 0.5.23's end of a request aborted without an error status
+    for stream in (True, False):
+        async with session.post("/v1/chat/completions", json=chat("Hi", stream=stream)) as resp:
+            assert resp.status == 200
+            assert b'"finish_reason":"abort"' in (await resp.read()).replace(b" ", b"")  # as the engine sent it
+    async with session.get("/metrics") as resp:
+        text = await resp.text()
+    assert 'laps_requests_total{cls="short",outcome="engine_abort"} 2.0' in text and 'outcome="ok"' not in text
+    assert "engine sp0 ended the request with finish_reason abort" in caplog.text
+
+
 @pytest.mark.parametrize("stack", [1000], indirect=True)
 async def test_a_prompt_past_the_context_length_is_refused_at_once_and_the_length_listed(stack):
     session, fakes, _ = stack

@@ -25,8 +25,8 @@ class FakeOpenAI:
     """A streaming chat-completions server: replies ``reply <n messages> to <last user text>``, word by word.
 
     Markers in the last user message change its behaviour: ``FAIL`` -> HTTP 500 with an
-    OpenAI error body, ``MIDERR`` -> an in-stream error, ``CUT`` -> the stream ends
-    without ``[DONE]``, ``SLOW`` -> waits 2 s after the headers, ``LONG`` -> ``x-laps-class: long``.
+    OpenAI error body, ``MIDERR`` -> an in-stream error, ``ABORT`` -> the answer ends with ``finish_reason``
+    ``abort``, ``CUT`` -> the stream ends without ``[DONE]``, ``SLOW`` -> waits 2 s after the headers, ``LONG`` -> ``x-laps-class: long``.
     """
 
     def __init__(self) -> None:
@@ -75,6 +75,8 @@ class FakeOpenAI:
             return resp
         if "CUT" in last:
             return resp
+        if "ABORT" in last:  # SGLang's end of a request aborted without an error status
+            await send({"choices": [{"index": 0, "delta": {}, "finish_reason": "abort"}]})
         usage = {"prompt_tokens": 10, "completion_tokens": len(words), "prompt_tokens_details": {"cached_tokens": 4}}
         await send({"choices": [], "usage": usage})
         await send(b"[DONE]")
@@ -215,6 +217,7 @@ async def test_errors_are_recorded_and_end_their_conversation(fake):
         chat("fail", "FAIL now", "never sent"),
         chat("mid", "MIDERR", "never sent"),
         chat("cut", "CUT", "never sent"),
+        chat("abort", "ABORT", "never sent"),
         chat("fine", "ok", "ok too"),
     )
     records = await run_loadgen(fake.url, w, duration_s=5.0, seed=0, think_time_s=0.0, model="m")
@@ -223,6 +226,7 @@ async def test_errors_are_recorded_and_end_their_conversation(fake):
         "fail": (500, "HTTP 500: boom"),
         "mid": (200, "stream error: engine died"),
         "cut": (200, "stream ended before [DONE]"),
+        "abort": (200, "the engine aborted the request (finish_reason abort)"),
     }
     assert not any(m["content"] == "never sent" for b in fake.bodies for m in b["messages"])
     assert sorted((r.conversation_id, r.turn) for r in records if r.ok) == [("fine", 0), ("fine", 1)]
