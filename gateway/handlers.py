@@ -192,7 +192,7 @@ def _output_tokens(req: ChatCompletionRequest | CompletionRequest) -> int:
 def _check_text_size(gw: Gateway, req: ChatCompletionRequest | CompletionRequest) -> None:
     """Refuse before tokenizing it a prompt whose text alone cannot fit the model's context length: at least
     :func:`laps.tokenizer.min_tokens` of its characters (the messages' text and tool calls,
-    :meth:`ChatMessage.template_chars`, or a text prompt) plus the reply's cap (:func:`_output_tokens`, at least one
+    :meth:`ChatCompletionRequest.template_chars`, or a text prompt) plus the reply's cap (:func:`_output_tokens`, at least one
     token) past ``gw.context_tokens`` (unchecked when unknown). A 60 MB body is refused in milliseconds, not after a
     minute of tokenizing; whatever passes is tokenized and checked exactly by :func:`_check_context`.
 
@@ -203,7 +203,7 @@ def _check_text_size(gw: Gateway, req: ChatCompletionRequest | CompletionRequest
     if limit is None:
         return
     if isinstance(req, ChatCompletionRequest):
-        param, chars = "messages", sum(m.template_chars() for m in req.messages)
+        param, chars = "messages", req.template_chars()
     elif isinstance(req.prompt, str):
         param, chars = "prompt", len(req.prompt)
     else:

@@ -87,12 +87,6 @@ class ChatMessage(BaseModel):
             raise PydanticCustomError("missing", "an assistant message needs content unless it has tool_calls")
         raise PydanticCustomError("missing", f"a {role} message needs content (a string or a list of text parts)")  # the param keeps "content"
 
-    def template_chars(self) -> int:
-        """At most the characters the chat template prints of this message: its text, and its tool calls' names and
-        arguments (as the JSON the template prints, whatever the spacing they came with; not the markup around them)."""
-        calls = self.tool_calls or ()
-        return len(self.text()) + sum(len(c.function.name) + len(json.dumps(c.function.arguments, ensure_ascii=False)) for c in calls)
-
     def text(self) -> str:
         """The content as one string; text parts are joined with a space, as SGLang 0.5.23
         flattens them for string-format chat templates (``process_content_for_template_format``)."""
@@ -224,6 +218,13 @@ class ChatCompletionRequest(_SamplingFields):
                 message["tool_calls"] = template_tool_calls([c.model_dump() for c in m.tool_calls])
             chat.append(message)
         return final_assistant_as_user(chat)
+
+    def template_chars(self) -> int:
+        """At most the characters the chat template prints of :meth:`chat`: the messages' text, and the tool calls'
+        names and arguments (as the JSON the template prints, whatever the spacing they came with; not the markup
+        around them)."""
+        return sum(len(m["content"]) + sum(len(c["function"]["name"]) + len(json.dumps(c["function"]["arguments"], ensure_ascii=False))
+                                           for c in m.get("tool_calls") or ()) for m in self.chat())
 
 
 class CompletionRequest(_SamplingFields):

@@ -292,9 +292,10 @@ async def test_a_prompt_past_the_context_length_is_refused_at_once_and_the_lengt
             error = (await resp.json())["error"]
             assert (resp.status, error["param"], error["code"]) == (400, param, "context_length_exceeded")
             assert f"However, the text of the {param} alone (512000 characters) is at least 1000 tokens, and " in error["message"]
-    calls = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a": "' + "a" * 511_990 + '"}'}}]
-    async with session.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "assistant", "tool_calls": calls}]}) as resp:
-        error = (await resp.json())["error"]  # a tool call's arguments count as text: 1 + 511,999 characters
+    calls = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a": "' + "a" * 511_988 + '"}'}}]
+    messages = [{"role": "assistant", "tool_calls": calls}, {"role": "user", "content": "go"}]
+    async with session.post("/v1/chat/completions", json={"model": MODEL, "messages": messages}) as resp:
+        error = (await resp.json())["error"]  # a tool call's name and arguments count as text: 1 + 511,997 + 2 characters
         assert "However, the text of the messages alone (512000 characters) is at least 1000 tokens" in error["message"]
     async with session.post("/v1/chat/completions", json=chat("a" * 511_999)) as resp:
         assert "you requested " in (await resp.json())["error"]["message"]  # at least 999: tokenized, then counted exactly
