@@ -48,6 +48,7 @@ log = logging.getLogger("laps.gateway")
 
 SLO_HEADER = "x-laps-slo-ttft-s"
 UNPLACED = "unplaced"  # the class label of a request that no engine took (laps_requests_total, the request log)
+REFUSAL_MESSAGE_CHARS = 200  # of a refused request's error message in its log line
 # Request ids: this process's random prefix + a counter. The engines' abort_request matches ids of requests still
 # running, so ids must not repeat across gateway restarts: the 64 random bits keep them apart. (``uuid4().hex`` costs
 # ~2 µs a request, this ~0.2 µs.)
@@ -202,9 +203,9 @@ def _check_text_size(gw: Gateway, req: ChatCompletionRequest | CompletionRequest
     limit = gw.context_tokens
     if limit is None:
         return
-    if isinstance(req, ChatCompletionRequest):
+    if isinstance(req, ChatCompletionRequest) and req.input_ids is None:
         param, chars = "messages", req.template_chars()
-    elif isinstance(req.prompt, str):
+    elif isinstance(req, CompletionRequest) and isinstance(req.prompt, str):
         param, chars = "prompt", len(req.prompt)
     else:
         return  # token ids: counted as they are
@@ -213,6 +214,14 @@ def _check_text_size(gw: Gateway, req: ChatCompletionRequest | CompletionRequest
         raise APIError(400, f"This model's maximum context length is {limit} tokens. However, the text of the {param} alone ({chars} "
                             f"characters) is at least {at_least} tokens, and {output_tokens} are asked for the completion. Please "
                             f"reduce the length of the {param} or completion.", param=param, code="context_length_exceeded")
+
+
+def _prompt_param(req: ChatCompletionRequest | CompletionRequest) -> str:
+    """The request's field that holds its prompt: ``messages``, a chat's ``input_ids`` (SGLang's pre-tokenized prompt), or
+    ``prompt``."""
+    if isinstance(req, CompletionRequest):
+        return "prompt"
+    return "messages" if req.input_ids is None else "input_ids"
 
 
 def _check_context(gw: Gateway, req: ChatCompletionRequest | CompletionRequest, prompt_tokens: int) -> None:
@@ -226,7 +235,7 @@ def _check_context(gw: Gateway, req: ChatCompletionRequest | CompletionRequest, 
     output_tokens = _output_tokens(req)
     if limit is None or prompt_tokens + max(output_tokens, 1) <= limit:
         return
-    param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+    param = _prompt_param(req)
     raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested {prompt_tokens + output_tokens} tokens "
                         f"({prompt_tokens} in the {param}, {output_tokens} in the completion). Please reduce the length of the {param} or completion.",
                    param=param, code="context_length_exceeded")
@@ -243,21 +252,31 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _serve(request: web.Request, schema: type[ChatCompletionRequest] | type[CompletionRequest], path: str) -> web.StreamResponse:
+    """Check, tokenize and dispatch one request. One the gateway refuses itself (a bad body, an unknown model, a prompt
+    past the context, shutting down) is counted in ``laps_requests_total`` with class ``unplaced`` and its error's
+    outcome, and logged (INFO) with what was wrong, so that a misbehaving client shows."""
     gw = request.app[GATEWAY]
     arrival_s = time.monotonic()
-    if gw.closing:
-        raise ShuttingDown()
-    with child_span(gw.tracer, "validation"):
-        body = _nulls_dropped(await _json_body(request, gw.config.gateway.body_timeout_s), schema)
-        req = _validate(schema, body)
-        _check_model(gw, req.model)
-        _check_logit_bias(gw, req.logit_bias)
-        _check_text_size(gw, req)
-    with child_span(gw.tracer, "tokenization") as span:
-        prompt = await _prompt_chain(gw, req, body)
-        if span is not None:
-            span.set_attribute("laps.prompt_tokens", prompt.prompt.tokens)
-    _check_context(gw, req, prompt.prompt.tokens)
+    try:
+        if gw.closing:
+            raise ShuttingDown()
+        with child_span(gw.tracer, "validation"):
+            body = _nulls_dropped(await _json_body(request, gw.config.gateway.body_timeout_s), schema)
+            req = _validate(schema, body)
+            _check_model(gw, req.model)
+            _check_logit_bias(gw, req.logit_bias)
+            _check_text_size(gw, req)
+        with child_span(gw.tracer, "tokenization") as span:
+            prompt = await _prompt_chain(gw, req, body)
+            if span is not None:
+                span.set_attribute("laps.prompt_tokens", prompt.prompt.tokens)
+        _check_context(gw, req, prompt.prompt.tokens)
+    except APIError as err:
+        outcome = outcome_of(err)
+        gw.metrics.of_class(UNPLACED).requests(outcome).inc()
+        log.info("%s from %s refused: class=%s outcome=%s param=%s (%s) %.1f ms", path, request.remote, UNPLACED, outcome, err.param,
+                 err.message[:REFUSAL_MESSAGE_CHARS], 1e3 * (time.monotonic() - arrival_s))
+        raise
     return await _dispatch(request, gw, body, path, prompt, req.stream, arrival_s)
 
 
@@ -267,20 +286,29 @@ async def _prompt_chain(gw: Gateway, req: ChatCompletionRequest | CompletionRequ
     A chat goes through ``gw.prompt_cache``: only the messages that no earlier request of its conversation had are
     tokenized. A chat with ``tools`` is tokenized whole, the tools rendered into the template as SGLang renders them
     (:func:`laps.tokenizer.template_tools`); the engine gets them as sent. ``gw.encoder`` tokenizes by size: short
-    texts on the event loop, longer ones off it (:class:`laps.chat_cache.EncodePool`).
+    texts on the event loop, longer ones off it (:class:`laps.chat_cache.EncodePool`). Token ids (a completion's
+    ``prompt``, a chat's ``input_ids``, which SGLang prefills instead of the messages) are the prompt as they are.
+
+    Raises:
+        APIError: 400 for a token id outside the vocabulary (param ``prompt`` or ``input_ids``).
     """
-    if isinstance(req, ChatCompletionRequest):
+    if isinstance(req, ChatCompletionRequest) and req.input_ids is None:
         lookup = gw.prompt_cache.lookup(req.chat(), template_tools(body.get("tools"), body.get("tool_choice")))
         encoded = await gw.encoder.run(lookup.new_chars, "encode", lookup)
         gw.prompt_cache.store(lookup, encoded)
         return encoded
-    body["prompt"] = req.prompt  # a list of one string goes on as that string
-    if isinstance(req.prompt, str):
-        return await gw.encoder.run(len(req.prompt), "encode_text", req.prompt)
-    bad = next((t for t in req.prompt if not 0 <= t < gw.tokenizer.vocab_size), None)
-    if bad is not None:
-        raise APIError(400, f"prompt: token id {bad} is outside the vocabulary (0 .. {gw.tokenizer.vocab_size - 1})", param="prompt")
-    chain = BlockChain(gw.prefix_index.block_tokens).extend(req.prompt)
+    if isinstance(req, ChatCompletionRequest):
+        ids = req.input_ids
+    else:
+        body["prompt"] = req.prompt  # a list of one string goes on as that string
+        if isinstance(req.prompt, str):
+            return await gw.encoder.run(len(req.prompt), "encode_text", req.prompt)
+        ids = req.prompt
+    bad = next((t for t in ids if not 0 <= t < gw.tokenizer.vocab_size), None)
+    if bad is not None:  # SGLang would index its embedding table with it (a crashed engine, not an error)
+        param = _prompt_param(req)
+        raise APIError(400, f"{param}: token id {bad} is outside the vocabulary (0 .. {gw.tokenizer.vocab_size - 1})", param=param)
+    chain = BlockChain(gw.prefix_index.block_tokens).extend(ids)
     return EncodedPrompt(chain, chain, None)
 
 

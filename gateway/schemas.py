@@ -184,6 +184,9 @@ class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions`` body (the fields laps reads; the rest pass through)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    # SGLang's extension: the prompt's token ids, prefilled instead of the messages rendered (which still give the stop
+    # tokens); counted, checked against the vocabulary and routed as these ids
+    input_ids: list[int] | None = Field(None, min_length=1)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict | None = None
     logprobs: bool | None = None

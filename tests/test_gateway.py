@@ -256,6 +256,23 @@ async def test_models_health_and_metrics(stack):
     assert "# TYPE laps_scheduler_short_batches_total counter" in text and "laps_scheduler_short_batches_total 2.0" in text
 
 
+async def test_requests_the_gateway_refuses_itself_are_counted_and_logged(stack, caplog):
+    session, fakes, _ = stack
+    caplog.set_level("INFO", logger="laps.gateway")
+    async with session.post("/v1/chat/completions", data=b"{not json", headers={"Content-Type": "application/json"}) as resp:
+        assert resp.status == 400
+    async with session.post("/v1/chat/completions", json=chat("Hi", temperature=-1)) as resp:
+        assert resp.status == 400
+    async with session.post("/v1/completions", json={"model": "no-such-model", "prompt": "x"}) as resp:
+        assert resp.status == 404
+    async with session.get("/metrics") as resp:
+        text = await resp.text()
+    assert 'laps_requests_total{cls="unplaced",outcome="http_400"} 2.0' in text
+    assert 'laps_requests_total{cls="unplaced",outcome="model_not_found"} 1.0' in text
+    assert "/v1/chat/completions from 127.0.0.1 refused: class=unplaced outcome=http_400 param=temperature" in caplog.text
+    assert all(fake.bodies == [] for fake in fakes.values())
+
+
 async def test_an_answer_the_engine_ended_with_abort_is_relayed_but_not_counted_ok(stack, caplog):
     session, fakes, _ = stack
     fakes["sp0"].finish_reason = "abort"  # SGLang 0.5.23's end of a request aborted without an error status
@@ -305,6 +322,9 @@ async def test_a_prompt_past_the_context_length_is_refused_at_once_and_the_lengt
     assert fakes["sp0"].bodies == [] and fakes["lp0"].bodies == []
     async with session.post("/v1/completions", json={"model": MODEL, "prompt": list(range(990))}) as resp:
         assert "you requested 1006 tokens (990 in the prompt, 16 in the completion)" in (await resp.json())["error"]["message"]
+    async with session.post("/v1/chat/completions", json=chat("Hi", input_ids=list(range(1000)))) as resp:
+        error = (await resp.json())["error"]
+        assert error["param"] == "input_ids" and "you requested 1000 tokens (1000 in the input_ids, 0 in the completion)" in error["message"]
     async with session.post("/v1/completions", json={"model": MODEL, "prompt": list(range(990)), "max_tokens": 10}) as resp:
         assert resp.status == 200  # 1000 tokens: fits
 
@@ -563,6 +583,21 @@ async def test_tool_call_arguments_that_are_not_a_json_object_are_refused_naming
         error = (await resp.json())["error"]
     assert error["param"].startswith("messages.1.tool_calls.0.function.arguments") and fragment in error["message"]
     assert fakes["sp0"].bodies == []
+
+
+async def test_a_chats_input_ids_are_its_prompt_counted_and_checked_against_the_vocabulary(stack):
+    session, fakes, _ = stack
+    body = chat("Hi", input_ids=list(range(100, 600)))  # SGLang prefills these instead of the rendered messages
+    async with session.post("/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200
+        assert (resp.headers["x-laps-prompt-tokens"], resp.headers["x-laps-class"]) == ("500", "long")  # not "Hi"'s 30
+    assert [b["input_ids"] for fake in fakes.values() for b in fake.bodies] == [list(range(100, 600))]
+    for ids, fragment in (([151665], "input_ids: token id 151665 is outside the vocabulary (0 .. 151664)"),
+                          ([-1], "token id -1 is outside"), ([], "at least 1 item"), (["1"], "valid integer")):
+        async with session.post("/v1/chat/completions", json=chat("Hi", input_ids=ids)) as resp:
+            error = (await resp.json())["error"]  # an id past the vocabulary crashes a real SGLang engine
+            assert resp.status == 400 and error["param"].startswith("input_ids") and fragment in error["message"], error
+    assert sum(len(fake.bodies) for fake in fakes.values()) == 1
 
 
 @pytest.mark.parametrize("depth", [254, 255])

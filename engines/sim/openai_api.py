@@ -144,10 +144,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     tools = body.get("tools")
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) and isinstance(t.get("function"), dict) for t in tools)):
         raise ApiError("tools: a list of {\"type\": \"function\", \"function\": {...}}", "Bad Request")
-    try:
-        ids = engine.tokenizer.encode_chat(messages, template_tools(tools, body.get("tool_choice")))
-    except Exception as err:  # an HF chat template can raise anything on odd messages
-        raise ApiError(f"cannot apply the chat template: {err}") from err
+    ids = body.get("input_ids")  # SGLang's extension: the prompt's ids, prefilled instead of the rendered messages
+    if ids is not None and not (isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
+        raise ApiError("input_ids: Input should be a valid list of token ids", "Bad Request")
+    if ids is None:
+        try:
+            ids = engine.tokenizer.encode_chat(messages, template_tools(tools, body.get("tool_choice")))
+        except Exception as err:  # an HF chat template can raise anything on odd messages
+            raise ApiError(f"cannot apply the chat template: {err}") from err
     track = _submit(engine, body, rid, ids, max_new, ignore_eos, stop)
     created = int(time.time())
     cache_report = engine.sim.args.enable_cache_report
