@@ -198,18 +198,19 @@ def tool_call_arguments(arguments: object) -> object:
 
     Raises:
         ValueError: a string that is not JSON, or not a JSON object (SGLang's messages), or one nested deeper than
-            :data:`laps.json_depth.MAX_DEPTH` levels (SGLang's template fails on ~1,000; the gateway writes less).
+            :data:`laps.json_depth.MAX_DEPTH` levels (the gateway's one limit, what orjson writes; SGLang's template fails near 1,000).
     """
     if not isinstance(arguments, str):
         return arguments
+    deep = ValueError(f"Assistant tool call function.arguments nest deeper than {MAX_DEPTH} levels.")
     try:
         parsed = orjson.loads(arguments)  # as SGLang parses them: strict JSON, no NaN
-    except orjson.JSONDecodeError:
-        raise ValueError("Assistant tool call function.arguments must be valid JSON.") from None
+    except orjson.JSONDecodeError as err:
+        raise (deep if "depth limit" in str(err) else ValueError("Assistant tool call function.arguments must be valid JSON.")) from None
     if not isinstance(parsed, dict):
         raise ValueError("Assistant tool call function.arguments must be a JSON object.")
     if too_deep(parsed, arguments):
-        raise ValueError(f"Assistant tool call function.arguments nest deeper than {MAX_DEPTH} levels.")
+        raise deep
     return parsed
 
 

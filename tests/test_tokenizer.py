@@ -119,6 +119,8 @@ def test_tool_calls_render_as_qwen25_prints_them_with_either_template(hf_dir):
 
 @pytest.mark.parametrize("arguments, message", [
     ("{'a': 1}", "must be valid JSON"), ('{"a": NaN}', "must be valid JSON"), ("[1]", "must be a JSON object"), ('"x"', "must be a JSON object"),
+    ('{"a": ' * 255 + "1" + "}" * 255, "nest deeper than 254 levels"),  # orjson reads it but cannot write it again
+    ('{"a": ' * 2000 + "1" + "}" * 2000, "nest deeper than 254 levels"),  # past what orjson reads: valid JSON all the same
 ])
 def test_tool_call_arguments_must_hold_a_json_object_as_sglang_demands(arguments, message):
     with pytest.raises(ValueError, match=message):
