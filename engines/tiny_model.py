@@ -19,7 +19,7 @@ from laps.tokenizer import (QWEN25_DEFAULT_SYSTEM, QWEN25_TOOLS_HEAD, QWEN25_TOO
 # Rendered by transformers' Jinja environment with trim_blocks, which drops a newline written right after a {% tag %}:
 # there the template writes {{ '\n' }} instead. Qwen2.5-Instruct's rules: with tools, one system turn holds the system
 # message (or the default one) and the tools; a turn that called tools holds a <tool_call> block a call; tool answers
-# in a row share one user turn.
+# in a row share one user turn; other roles (developer ...) are not printed.
 CHATML_TEMPLATE = (
     "{% set rest = messages %}"
     "{% if tools %}"
@@ -41,7 +41,7 @@ CHATML_TEMPLATE = (
     "{% for call in m['tool_calls'] %}"
     "{{ '\\n' }}<tool_call>\n{\"name\": \"{{ call['function']['name'] }}\", \"arguments\": {{ call['function']['arguments'] | tojson }}}\n</tool_call>"
     "{% endfor %}<|im_end|>\n"
-    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}"
+    "{% elif m['role'] in ('system', 'user', 'assistant') %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )

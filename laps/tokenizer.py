@@ -140,7 +140,8 @@ def render_chatml(messages: Sequence[Message], default_system: str | None = QWEN
     Tool use as that template renders it: an assistant turn with ``tool_calls``
     holds its text (if any) and one ``<tool_call>`` block a call
     (:func:`render_tool_call`); ``tool`` messages in a row share one user turn,
-    each wrapped in ``<tool_response>`` tags.
+    each wrapped in ``<tool_response>`` tags; a message of any other role
+    (``developer``, ...) is not printed.
     """
     parts = []
     rest = messages
@@ -161,7 +162,7 @@ def render_chatml(messages: Sequence[Message], default_system: str | None = QWEN
         elif m["role"] == "assistant" and m.get("tool_calls"):
             calls = "".join(render_tool_call(call) for call in m["tool_calls"])
             parts.append("<|im_start|>assistant" + (f"\n{m['content']}" if m["content"] else "") + calls + "<|im_end|>\n")
-        else:
+        elif m["role"] in CHATML_ROLES:  # Qwen2.5-Instruct's template prints no other role (e.g. ``developer``)
             parts.append(render_chatml_turn(m["role"], m["content"]))
     parts.append(CHATML_GENERATION_PROMPT)
     return "".join(parts)

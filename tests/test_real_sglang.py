@@ -219,6 +219,10 @@ def test_logprobs_and_tools_pass_through_with_openai_shapes(deployment: Deployme
     for chat, tools_sent in ((called, tools), (called, None), (called[:-2], None)):
         raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=chat, max_tokens=1, tools=tools_sent)
         assert raw.parse().usage.prompt_tokens == int(raw.headers["x-laps-prompt-tokens"])
+    # a developer message, handed to the template as it is (Qwen2.5-Instruct's prints no such role)
+    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=[{"role": "developer", "content": "Be terse."}] + messages,
+                                                           max_tokens=1)
+    assert raw.parse().usage.prompt_tokens == int(raw.headers["x-laps-prompt-tokens"])
     # SGLang's input_ids: prefilled instead of the rendered messages, and counted so
     raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=1, extra_body={"input_ids": list(range(100, 140))})
     assert raw.parse().usage.prompt_tokens == int(raw.headers["x-laps-prompt-tokens"]) == 40

@@ -117,6 +117,15 @@ def test_tool_calls_render_as_qwen25_prints_them_with_either_template(hf_dir):
     assert render_chatml(quiet, None).startswith('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", ')
 
 
+def test_roles_qwen25s_template_does_not_know_are_not_printed(hf_dir):
+    chat = [{"role": "developer", "content": "Answer in French."}, {"role": "user", "content": "Hi"}]
+    # Qwen2.5-Instruct's template prints system, user, assistant and tool messages only (SGLang 0.5.23 hands a
+    # developer message on as it is): the default system turn, then the user's
+    assert render_chatml(chat) == render_chatml(chat[1:])
+    builtin, hf = load_tokenizer(), HFChatTokenizer(hf_dir)
+    assert hf.encode_chat(chat) == builtin.encode_chat(chat) == builtin.encode_chat(chat[1:])
+
+
 @pytest.mark.parametrize("arguments, message", [
     ("{'a': 1}", "must be valid JSON"), ('{"a": NaN}', "must be valid JSON"), ("[1]", "must be a JSON object"), ('"x"', "must be a JSON object"),
     ('{"a": ' * 255 + "1" + "}" * 255, "nest deeper than 254 levels"),  # orjson reads it but cannot write it again
