@@ -1,7 +1,8 @@
 """Client and admin authentication: ``Authorization: Bearer KEY`` (the scheme's case does not matter).
 
 Client keys (``gateway.api_keys``, see :mod:`laps.api_keys`) guard the ``/v1`` API when set; a refused request
-gets OpenAI's 401 body (``invalid_request_error``, code ``invalid_api_key``) and ``WWW-Authenticate: Bearer``.
+gets OpenAI's 401 body (``invalid_request_error``, code ``invalid_api_key``) and ``WWW-Authenticate: Bearer``, and is
+counted and logged as the gateway's other refusals (:func:`gateway.errors.note_refusal`).
 Each accepted request is counted under its key's label (``laps_api_key_requests_total``).
 """
 
@@ -12,7 +13,7 @@ import ipaddress
 
 from aiohttp import web
 
-from gateway.errors import APIError
+from gateway.errors import UNPLACED, APIError, note_refusal
 from gateway.state import GATEWAY, Gateway
 from laps.api_keys import key_digest
 
@@ -47,12 +48,13 @@ async def api_key_middleware(request: web.Request, handler):
     if gw is None or gw.api_keys is None or not request.path.startswith("/v1/"):
         return await handler(request)
     given = bearer_token(request)
-    if given is None:
-        raise _refused("You didn't provide an API key. Send it in an Authorization header using Bearer auth "
-                       "(Authorization: Bearer YOUR_KEY).", None)
-    label = gw.api_keys.get(key_digest(given))
+    label = None if given is None else gw.api_keys.get(key_digest(given))
     if label is None:
-        raise _refused(f"Incorrect API key provided: {_masked(given)}.", "invalid_api_key")
+        err = _refused("You didn't provide an API key. Send it in an Authorization header using Bearer auth "
+                       "(Authorization: Bearer YOUR_KEY).", None) if given is None else \
+            _refused(f"Incorrect API key provided: {_masked(given)}.", "invalid_api_key")
+        note_refusal(request, err, gw.metrics.of_class(UNPLACED).requests, 0.0)
+        raise err
     gw.metrics.api_key_requests.labels(label).inc()
     return await handler(request)
 

@@ -6,6 +6,7 @@ Body shape (OpenAI API): ``{"error": {"message", "type", "param", "code"}}``.
 from __future__ import annotations
 
 import logging
+from typing import Any, Callable
 
 import orjson
 from aiohttp import web
@@ -17,6 +18,8 @@ from gateway.registry import EngineState
 log = logging.getLogger("laps.gateway")
 
 MALFORMED_MESSAGE_CHARS = 200  # of aiohttp's reason in the log line of a malformed request
+REFUSAL_TEXT_CHARS = 200  # of a refused request's error message and param in its log line
+UNPLACED = "unplaced"  # the class label of a request that no engine took (laps_requests_total, the request log)
 
 
 class APIError(Exception):
@@ -42,6 +45,24 @@ class APIError(Exception):
         if self.close_connection:
             response.force_close()
         return response
+
+
+def outcome_of(api_error: APIError) -> str:
+    """The ``laps_requests_total`` outcome of a request that ended with ``api_error``: its code (``engine_timeout``,
+    ``shutting_down`` ...), else ``http_<status>``."""
+    return api_error.code if isinstance(api_error.code, str) else f"http_{api_error.status}"
+
+
+def note_refusal(request: web.Request, err: APIError, requests: Callable[[str], Any], took_s: float) -> None:
+    """Count and log a request the gateway refused itself with ``err`` (``requests``: the ``unplaced`` class's
+    ``laps_requests_total`` by outcome): one INFO line with the path, the client's address, the outcome and what was
+    wrong, the client's text in it quoted (``%r``: a newline in it cannot start a line of its own) and cut to
+    :data:`REFUSAL_TEXT_CHARS`."""
+    outcome = outcome_of(err)
+    requests(outcome).inc()
+    param = None if err.param is None else err.param[:REFUSAL_TEXT_CHARS]
+    log.info("%s %s from %s refused: class=%s outcome=%s param=%r (%r) %.1f ms", request.method, request.path, request.remote, UNPLACED,
+             outcome, param, err.message[:REFUSAL_TEXT_CHARS], 1e3 * took_s)
 
 
 class EngineUnavailable(APIError):

@@ -28,11 +28,11 @@ from engines.client import EngineHTTPError
 from gateway import pd_dispatch
 from gateway.auth import admin_key_given
 from gateway.dispatcher import Arrival
-from gateway.errors import APIError, BodyTimeout, BodyTooLarge, EngineTimeout, EngineUnavailable, ShuttingDown
+from gateway.errors import UNPLACED, APIError, BodyTimeout, BodyTooLarge, EngineTimeout, EngineUnavailable, ShuttingDown, note_refusal, outcome_of
 from gateway.guard import RequestGuard
 from gateway.health import engine_failed
 from gateway.priority import set_engine_priority, view_priority
-from gateway.relay import ClientGone, Reply, SSERelay, StreamTap, ask_engine_for_usage, dumps, in_background, outcome_of, unreachable, upstream_error
+from gateway.relay import ClientGone, Reply, SSERelay, StreamTap, ask_engine_for_usage, dumps, in_background, unreachable, upstream_error
 from gateway.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 from gateway.registry import EngineState
 from gateway.state import GATEWAY, Gateway
@@ -47,8 +47,6 @@ from policies.types import RequestView
 log = logging.getLogger("laps.gateway")
 
 SLO_HEADER = "x-laps-slo-ttft-s"
-UNPLACED = "unplaced"  # the class label of a request that no engine took (laps_requests_total, the request log)
-REFUSAL_MESSAGE_CHARS = 200  # of a refused request's error message in its log line
 # Request ids: this process's random prefix + a counter. The engines' abort_request matches ids of requests still
 # running, so ids must not repeat across gateway restarts: the 64 random bits keep them apart. (``uuid4().hex`` costs
 # ~2 µs a request, this ~0.2 µs.)
@@ -236,8 +234,9 @@ def _check_context(gw: Gateway, req: ChatCompletionRequest | CompletionRequest, 
     if limit is None or prompt_tokens + max(output_tokens, 1) <= limit:
         return
     param = _prompt_param(req)
-    raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested {prompt_tokens + output_tokens} tokens "
-                        f"({prompt_tokens} in the {param}, {output_tokens} in the completion). Please reduce the length of the {param} or completion.",
+    asked = f"{output_tokens}" if output_tokens else "at least 1"  # no cap given: the engine still generates one
+    raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested {prompt_tokens + max(output_tokens, 1)} "
+                        f"tokens ({prompt_tokens} in the {param}, {asked} in the completion). Please reduce the length of the {param} or completion.",
                    param=param, code="context_length_exceeded")
 
 
@@ -271,13 +270,11 @@ async def _serve(request: web.Request, schema: type[ChatCompletionRequest] | typ
             if span is not None:
                 span.set_attribute("laps.prompt_tokens", prompt.prompt.tokens)
         _check_context(gw, req, prompt.prompt.tokens)
+        deadline_s, priority = _deadline_s(request, arrival_s), view_priority(request, body, gw.config)
     except APIError as err:
-        outcome = outcome_of(err)
-        gw.metrics.of_class(UNPLACED).requests(outcome).inc()
-        log.info("%s from %s refused: class=%s outcome=%s param=%s (%s) %.1f ms", path, request.remote, UNPLACED, outcome, err.param,
-                 err.message[:REFUSAL_MESSAGE_CHARS], 1e3 * (time.monotonic() - arrival_s))
+        note_refusal(request, err, gw.metrics.of_class(UNPLACED).requests, time.monotonic() - arrival_s)
         raise
-    return await _dispatch(request, gw, body, path, prompt, req.stream, arrival_s)
+    return await _dispatch(request, gw, body, path, prompt, req.stream, arrival_s, deadline_s, priority)
 
 
 async def _prompt_chain(gw: Gateway, req: ChatCompletionRequest | CompletionRequest, body: dict) -> EncodedPrompt:
@@ -339,10 +336,10 @@ def _deadline_s(request: web.Request, arrival_s: float) -> float | None:
     return arrival_s + slo_s
 
 
-async def _dispatch(request: web.Request, gw: Gateway, body: dict, path: str, prompt: EncodedPrompt, stream: bool, arrival_s: float) -> web.StreamResponse:
+async def _dispatch(request: web.Request, gw: Gateway, body: dict, path: str, prompt: EncodedPrompt, stream: bool, arrival_s: float,
+                    deadline_s: float | None, priority: int | None) -> web.StreamResponse:
     rid = next_request_id()
-    arrival = Arrival(rid, prompt.prompt, arrival_s, _deadline_s(request, arrival_s), *_output_hints(gw, body), stream=stream,
-                      priority=view_priority(request, body, gw.config))
+    arrival = Arrival(rid, prompt.prompt, arrival_s, deadline_s, *_output_hints(gw, body), stream=stream, priority=priority)
     guard = RequestGuard(gw.config.gateway.first_byte_timeout_s, gw.config.gateway.stall_timeout_s)
     gw.guards.add(guard)
     try:

@@ -54,11 +54,11 @@ import orjson
 from aiohttp import web
 
 from engines.client import EngineHTTPError
-from gateway.errors import APIError, EngineUnavailable, ShuttingDown
+from gateway.errors import APIError, EngineUnavailable, ShuttingDown, outcome_of
 from gateway.guard import RequestGuard
 from gateway.health import engine_failed
 from gateway.pd_setup import DecodeSide, bootstrap_room, no_decode_engine
-from gateway.relay import ClientGone, Reply, SSERelay, StreamTap, ask_engine_for_usage, error_of_answer, in_background, outcome_of, send_now, unreachable, with_cached_tokens
+from gateway.relay import ClientGone, Reply, SSERelay, StreamTap, ask_engine_for_usage, error_of_answer, in_background, send_now, unreachable, with_cached_tokens
 from gateway.state import Gateway
 from policies.types import RequestView
 

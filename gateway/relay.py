@@ -334,9 +334,3 @@ class SSERelay:
         await write(self.response, error_event(api_error))
         await end_stream(self.response)
         return self.response
-
-
-def outcome_of(api_error: APIError) -> str:
-    """The ``laps_requests_total`` outcome of a request that ended with ``api_error``: its code (``engine_timeout``,
-    ``shutting_down`` ...), else ``http_<status>``."""
-    return api_error.code if isinstance(api_error.code, str) else f"http_{api_error.status}"

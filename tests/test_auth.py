@@ -53,6 +53,9 @@ async def test_the_v1_api_refuses_requests_without_a_client_key_with_openai_401(
             error = (await resp.json())["error"]
         assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", code, None)
         assert error["message"].startswith(message) and KEYS[0] not in error["message"]
+    async with keyed.get("/metrics") as resp:  # a refused client shows (its key does not)
+        text = await resp.text()
+    assert f'laps_requests_total{{cls="unplaced",outcome="{code or "http_401"}"}} 2.0' in text and KEYS[0] not in text
 
 
 async def test_client_keys_are_taken_in_any_case_of_bearer_and_counted_per_key(keyed):

@@ -263,13 +263,17 @@ async def test_requests_the_gateway_refuses_itself_are_counted_and_logged(stack,
         assert resp.status == 400
     async with session.post("/v1/chat/completions", json=chat("Hi", temperature=-1)) as resp:
         assert resp.status == 400
-    async with session.post("/v1/completions", json={"model": "no-such-model", "prompt": "x"}) as resp:
+    async with session.post("/v1/completions", json={"model": "no-such-model\nINFO forged", "prompt": "x"}) as resp:
         assert resp.status == 404
+    async with session.post("/v1/chat/completions", json=chat("Hi"), headers={"x-laps-slo-ttft-s": "soon"}) as resp:
+        assert resp.status == 400  # a header checked once the prompt is counted, still before any engine
     async with session.get("/metrics") as resp:
         text = await resp.text()
-    assert 'laps_requests_total{cls="unplaced",outcome="http_400"} 2.0' in text
+    assert 'laps_requests_total{cls="unplaced",outcome="http_400"} 3.0' in text
     assert 'laps_requests_total{cls="unplaced",outcome="model_not_found"} 1.0' in text
-    assert "/v1/chat/completions from 127.0.0.1 refused: class=unplaced outcome=http_400 param=temperature" in caplog.text
+    assert "POST /v1/chat/completions from 127.0.0.1 refused: class=unplaced outcome=http_400 param='temperature'" in caplog.text
+    assert "param='x-laps-slo-ttft-s'" in caplog.text
+    assert "\nINFO forged" not in caplog.text and "\\nINFO forged" in caplog.text  # the client's text quoted: no line of its own
     assert all(fake.bodies == [] for fake in fakes.values())
 
 
@@ -324,7 +328,7 @@ async def test_a_prompt_past_the_context_length_is_refused_at_once_and_the_lengt
         assert "you requested 1006 tokens (990 in the prompt, 16 in the completion)" in (await resp.json())["error"]["message"]
     async with session.post("/v1/chat/completions", json=chat("Hi", input_ids=list(range(1000)))) as resp:
         error = (await resp.json())["error"]
-        assert error["param"] == "input_ids" and "you requested 1000 tokens (1000 in the input_ids, 0 in the completion)" in error["message"]
+        assert error["param"] == "input_ids" and "you requested 1001 tokens (1000 in the input_ids, at least 1 in the completion)" in error["message"]
     async with session.post("/v1/completions", json={"model": MODEL, "prompt": list(range(990)), "max_tokens": 10}) as resp:
         assert resp.status == 200  # 1000 tokens: fits
 
