@@ -1,4 +1,5 @@
-"""OpenAI-style errors: one exception type and one middleware that renders every failure.
+"""OpenAI-style errors: one exception type and one middleware that renders every failure; an error's outcome label
+(:func:`outcome_of`) and the count and log line of a request the gateway refuses itself (:func:`note_refusal`).
 
 Body shape (OpenAI API): ``{"error": {"message", "type", "param", "code"}}``.
 """

@@ -227,7 +227,7 @@ def _check_context(gw: Gateway, req: ChatCompletionRequest | CompletionRequest, 
     one token to generate, as SGLang counts) past the model's context length (``gw.context_tokens``; unchecked when unknown).
 
     Raises:
-        APIError: 400 ``context_length_exceeded`` (OpenAI's code), param ``messages`` or ``prompt``.
+        APIError: 400 ``context_length_exceeded`` (OpenAI's code), param ``messages``, ``input_ids`` or ``prompt``.
     """
     limit = gw.context_tokens
     output_tokens = _output_tokens(req)
@@ -251,8 +251,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _serve(request: web.Request, schema: type[ChatCompletionRequest] | type[CompletionRequest], path: str) -> web.StreamResponse:
-    """Check, tokenize and dispatch one request. One the gateway refuses itself (a bad body, an unknown model, a prompt
-    past the context, shutting down) is counted in ``laps_requests_total`` with class ``unplaced`` and its error's
+    """Check, tokenize and dispatch one request. One the gateway refuses itself (a bad body or header value, an unknown
+    model, a prompt past the context, shutting down) is counted in ``laps_requests_total`` with class ``unplaced`` and its error's
     outcome, and logged (INFO) with what was wrong, so that a misbehaving client shows."""
     gw = request.app[GATEWAY]
     arrival_s = time.monotonic()
