@@ -274,7 +274,20 @@ async def _serve(request: web.Request, schema: type[ChatCompletionRequest] | typ
     except APIError as err:
         note_refusal(request, err, gw.metrics.of_class(UNPLACED).requests, time.monotonic() - arrival_s)
         raise
+    except asyncio.CancelledError:  # the client went away while its body came in or its prompt was counted
+        _count_unplaced(gw, "client_gone")
+        log.info("%s %s from %s: outcome=client_gone (left before its request was checked and counted) %.1f ms", request.method,
+                 path, request.remote, 1e3 * (time.monotonic() - arrival_s))
+        raise
     return await _dispatch(request, gw, body, path, prompt, req.stream, arrival_s, deadline_s, priority)
+
+
+def _count_unplaced(gw: Gateway, outcome: str) -> None:
+    """Count a request no engine took under class ``unplaced`` (``client_gone``: also a client disconnect)."""
+    unplaced = gw.metrics.of_class(UNPLACED)
+    unplaced.requests(outcome).inc()
+    if outcome == "client_gone":
+        unplaced.client_aborts.inc()
 
 
 async def _prompt_chain(gw: Gateway, req: ChatCompletionRequest | CompletionRequest, body: dict) -> EncodedPrompt:
@@ -381,18 +394,19 @@ async def _serve_once(request: web.Request, gw: Gateway, body: dict, path: str, 
 
     An :class:`EngineUnavailable` of a try that ``may_retry`` is logged as outcome ``retried`` and not counted in
     ``laps_requests_total`` (the retry is). A request that no engine took (none healthy, the scheduler process
-    unreachable, a policy failure, the gateway shutting down) is counted and logged with class ``unplaced``.
+    unreachable, a policy failure, the gateway shutting down, its client gone while it waited to be placed) is counted
+    and logged with class ``unplaced``.
     """
     with child_span(gw.tracer, "queueing") as span:
         if span is not None:
             span.set_attributes({"laps.prompt_tokens": arrival.chain.tokens, "laps.queued_ahead": gw.dispatcher.queued})
         try:
             view, engine_id = await gw.dispatcher.place(arrival)
-        except APIError as err:
-            outcome = outcome_of(err)
-            gw.metrics.of_class(UNPLACED).requests(outcome).inc()
+        except (APIError, asyncio.CancelledError) as err:  # cancelled: the client went away; the dispatcher withdrew it
+            outcome, why = (outcome_of(err), err.message) if isinstance(err, APIError) else ("client_gone", "left while waiting to be placed")
+            _count_unplaced(gw, outcome)
             log.info("%s %s class=%s prompt_tokens=%d outcome=%s (%s) %.1f ms", arrival.rid, path, UNPLACED, arrival.chain.tokens, outcome,
-                     err.message, 1e3 * (time.monotonic() - arrival.arrival_s))
+                     why, 1e3 * (time.monotonic() - arrival.arrival_s))
             raise
         if span is not None:
             span.set_attributes({"laps.class": view.request_class, "laps.new_tokens": view.new_tokens, "laps.engine": engine_id})

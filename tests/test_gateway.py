@@ -9,7 +9,9 @@ import pytest
 from aiohttp.test_utils import TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway import handlers
 from gateway.app import create_app
+from gateway.dispatcher import Dispatcher
 from gateway.relay import settle_background
 from gateway.state import GATEWAY
 from laps.config import Config, load_config, parse_config
@@ -187,6 +189,36 @@ async def test_client_disconnect_mid_stream_aborts_on_engine(stack):
     await asyncio.wait_for(fakes["sp0"].abort_seen.wait(), timeout=5)
     assert fakes["sp0"].aborted == [rid]
     fakes["sp0"].release.set()
+
+
+@pytest.mark.parametrize("stage", ["placement", "tokenizing"])
+async def test_a_client_that_leaves_before_its_request_is_placed_is_counted(stack, monkeypatch, caplog, stage):
+    session, fakes, _ = stack
+    caplog.set_level("INFO", logger="laps.gateway")
+    waiting = asyncio.Event()
+
+    async def held(*args):  # a request the scheduler holds (an AWD window, a queue of long prefills ...), a long prompt
+        waiting.set()
+        await asyncio.Event().wait()
+
+    if stage == "placement":
+        monkeypatch.setattr(Dispatcher, "place", held)
+    else:
+        monkeypatch.setattr(handlers, "_prompt_chain", held)
+    request = asyncio.ensure_future(session.post("/v1/chat/completions", json=chat("Hi")))
+    await asyncio.wait_for(waiting.wait(), timeout=5)
+    request.cancel()  # the client goes away before any byte of an answer
+    for _ in range(100):
+        async with session.get("/metrics") as resp:
+            text = await resp.text()
+        if 'laps_requests_total{cls="unplaced",outcome="client_gone"} 1.0' in text:
+            break
+        await asyncio.sleep(0.02)
+    assert 'laps_requests_total{cls="unplaced",outcome="client_gone"} 1.0' in text  # was neither counted nor logged
+    assert 'laps_client_disconnects_total{cls="unplaced"} 1.0' in text
+    assert ("outcome=client_gone (left while waiting to be placed)" if stage == "placement" else
+            "outcome=client_gone (left before its request was checked and counted)") in caplog.text
+    assert fakes["sp0"].bodies == fakes["lp0"].bodies == []
 
 
 async def test_request_on_a_dead_engine_is_retried_on_another_once(stack):
