@@ -295,7 +295,8 @@ async def _prompt_chain(gw: Gateway, req: ChatCompletionRequest | CompletionRequ
 
     A chat goes through ``gw.prompt_cache``: only the messages that no earlier request of its conversation had are
     tokenized. A chat with ``tools`` is tokenized whole, the tools rendered into the template as SGLang renders them
-    (:func:`laps.tokenizer.template_tools`); the engine gets them as sent. ``gw.encoder`` tokenizes by size: short
+    (:func:`laps.tokenizer.template_tools`); the engine gets them as sent. With ``continue_final_message`` the last
+    (assistant) message's text is tokenized alone and follows the generation prompt, as SGLang does. ``gw.encoder`` tokenizes by size: short
     texts on the event loop, longer ones off it (:class:`laps.chat_cache.EncodePool`). Token ids (a completion's
     ``prompt``, a chat's ``input_ids``, which SGLang prefills instead of the messages) are the prompt as they are.
 
@@ -306,7 +307,13 @@ async def _prompt_chain(gw: Gateway, req: ChatCompletionRequest | CompletionRequ
         lookup = gw.prompt_cache.lookup(req.chat(), template_tools(body.get("tools"), body.get("tool_choice")))
         encoded = await gw.encoder.run(lookup.new_chars, "encode", lookup)
         gw.prompt_cache.store(lookup, encoded)
-        return encoded
+        prefix = req.reply_prefix()
+        if prefix is None:
+            return encoded
+        # continue_final_message: the reply's given start follows the generation prompt; the engine caches the prompt
+        # and the reply as one sequence, so the chain is learnt as a plain prompt's (digest None)
+        prompt = encoded.prompt.extend(gw.tokenizer.encode(prefix))
+        return EncodedPrompt(prompt, prompt, None)
     if isinstance(req, ChatCompletionRequest):
         ids = req.input_ids
     else:

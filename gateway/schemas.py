@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
-from laps.tokenizer import Message, final_assistant_as_user, template_tool_calls, tool_call_arguments
+from laps.tokenizer import Message, final_assistant_message, template_tool_calls, tool_call_arguments
 
 
 class TextPart(BaseModel):
@@ -187,6 +187,7 @@ class ChatCompletionRequest(_SamplingFields):
     # SGLang's extension: the prompt's token ids, prefilled instead of the messages rendered (which still give the stop
     # tokens); counted, checked against the vocabulary and routed as these ids
     input_ids: list[int] | None = Field(None, min_length=1)
+    continue_final_message: bool | None = None  # SGLang's: the reply continues the last (assistant) message's text
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict | None = None
     logprobs: bool | None = None
@@ -213,21 +214,32 @@ class ChatCompletionRequest(_SamplingFields):
     def chat(self) -> list[Message]:
         """The messages as SGLang 0.5.23 hands them to the chat template: ``{"role", "content"}`` dicts of plain text,
         the ``tool_calls`` of an assistant turn that called tools (:func:`laps.tokenizer.template_tool_calls`), and a
-        last assistant message as a user one (:func:`laps.tokenizer.final_assistant_as_user`)."""
+        last assistant message as a user one, or left out with ``continue_final_message``
+        (:func:`laps.tokenizer.final_assistant_message`; then :meth:`reply_prefix` follows the template's text)."""
+        return self._template_chat()[0]
+
+    def reply_prefix(self) -> str | None:
+        """With ``continue_final_message`` and an assistant message last, its text: the prompt ends with it after the
+        generation prompt (SGLang encodes it alone and appends the ids); else None."""
+        return self._template_chat()[1]
+
+    def _template_chat(self) -> tuple[list[Message], str | None]:
         chat = []
         for m in self.messages:
             message = {"role": m.role, "content": m.text()}
             if m.tool_calls:
                 message["tool_calls"] = template_tool_calls([c.model_dump() for c in m.tool_calls])
             chat.append(message)
-        return final_assistant_as_user(chat)
+        return final_assistant_message(chat, bool(self.continue_final_message))
 
     def template_chars(self) -> int:
-        """At most the characters the chat template prints of :meth:`chat`: the messages' text, and the tool calls'
-        names and arguments (as the JSON the template prints, whatever the spacing they came with; not the markup
-        around them)."""
-        return sum(len(m["content"]) + sum(len(c["function"]["name"]) + len(json.dumps(c["function"]["arguments"], ensure_ascii=False))
-                                           for c in m.get("tool_calls") or ()) for m in self.chat())
+        """At most the characters the chat template prints of :meth:`chat`, and :meth:`reply_prefix`: the messages'
+        text, and the tool calls' names and arguments (as the JSON the template prints, whatever the spacing they came
+        with; not the markup around them)."""
+        chat, prefix = self._template_chat()
+        return len(prefix or "") + sum(
+            len(m["content"]) + sum(len(c["function"]["name"]) + len(json.dumps(c["function"]["arguments"], ensure_ascii=False))
+                                    for c in m.get("tool_calls") or ()) for m in chat)
 
 
 class CompletionRequest(_SamplingFields):

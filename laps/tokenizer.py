@@ -215,13 +215,18 @@ def tool_call_arguments(arguments: object) -> object:
     return parsed
 
 
-def final_assistant_as_user(messages: list[Message]) -> list[Message]:
-    """``messages`` as SGLang 0.5.23 renders a chat completion's: a last message from the assistant becomes a user
-    message of its text alone, its tool calls dropped (``serving_chat.py`` ``_handle_last_assistant_message``, without
-    ``continue_final_message``), so that the prompt still ends with the generation prompt. The list is not changed."""
+def final_assistant_message(messages: list[Message], continue_final_message: bool = False) -> tuple[list[Message], str | None]:
+    """``messages`` as SGLang 0.5.23 renders a chat completion's when the last one is the assistant's
+    (``serving_chat.py`` ``_handle_last_assistant_message``), and the text the prompt then ends with: with
+    ``continue_final_message`` that message is taken out and its text follows the generation prompt, as the start of
+    the reply (the second item; the caller appends its tokens); without, it becomes a user message of its text alone,
+    its tool calls dropped, so that the prompt still ends with the generation prompt (None). The list is not changed.
+    """
     if not messages or messages[-1]["role"] != "assistant":
-        return messages
-    return messages[:-1] + [{"role": "user", "content": messages[-1]["content"]}]
+        return messages, None
+    if continue_final_message:
+        return messages[:-1], messages[-1]["content"]
+    return messages[:-1] + [{"role": "user", "content": messages[-1]["content"]}], None
 
 
 _FUNCTION_FIELDS = ("description", "name", "parameters", "strict", "defer_loading")

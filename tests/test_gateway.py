@@ -621,6 +621,19 @@ async def test_tool_call_arguments_that_are_not_a_json_object_are_refused_naming
     assert fakes["sp0"].bodies == []
 
 
+async def test_continue_final_message_counts_the_assistants_text_after_the_generation_prompt(stack):
+    session, fakes, _ = stack
+    messages = [{"role": "user", "content": "Count to five."}, {"role": "assistant", "content": "One, two,"}]
+    async with session.post("/v1/chat/completions", json=chat("", messages=messages, continue_final_message=True)) as resp:
+        assert resp.status == 200
+        counted = int(resp.headers["x-laps-prompt-tokens"])
+    tok = load_tokenizer()  # SGLang 0.5.23: the chat without its last message, then that message's text encoded alone
+    assert counted == len(tok.encode_chat(messages[:1])) + len(tok.encode("One, two,")) == len(tok.encode_chat(messages[:1])) + 4
+    assert [b["continue_final_message"] for fake in fakes.values() for b in fake.bodies] == [True]
+    async with session.post("/v1/chat/completions", json=chat("", messages=messages, continue_final_message="yes")) as resp:
+        assert resp.status == 400 and (await resp.json())["error"]["param"] == "continue_final_message"
+
+
 async def test_a_chats_input_ids_are_its_prompt_counted_and_checked_against_the_vocabulary(stack):
     session, fakes, _ = stack
     body = chat("Hi", input_ids=list(range(100, 600)))  # SGLang prefills these instead of the rendered messages

@@ -223,6 +223,10 @@ def test_logprobs_and_tools_pass_through_with_openai_shapes(deployment: Deployme
     raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=[{"role": "developer", "content": "Be terse."}] + messages,
                                                            max_tokens=1)
     assert raw.parse().usage.prompt_tokens == int(raw.headers["x-laps-prompt-tokens"])
+    # continue_final_message: the last (assistant) message's text follows the generation prompt
+    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages + [{"role": "assistant", "content": "Navy or"}],
+                                                           max_tokens=1, extra_body={"continue_final_message": True})
+    assert raw.parse().usage.prompt_tokens == int(raw.headers["x-laps-prompt-tokens"])
     # SGLang's input_ids: prefilled instead of the rendered messages, and counted so
     raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=1, extra_body={"input_ids": list(range(100, 140))})
     assert raw.parse().usage.prompt_tokens == int(raw.headers["x-laps-prompt-tokens"]) == 40

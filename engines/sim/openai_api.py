@@ -32,7 +32,7 @@ from engines.sim.protocol import (
     usage,
 )
 from engines.sim.realtime import ENGINE, SimEngine, Track
-from laps.tokenizer import ChatTokenizer, final_assistant_as_user, template_tool_calls, template_tools
+from laps.tokenizer import ChatTokenizer, final_assistant_message, template_tool_calls, template_tools
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # SGLang CompletionRequest default
 
@@ -48,7 +48,9 @@ def _submit(engine: SimEngine, body: dict[str, Any], rid: str, ids: list[int], m
         raise ApiError(str(err)) from err
 
 
-def _chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+def _chat_messages(body: dict[str, Any]) -> tuple[list[dict[str, Any]], str | None]:
+    """The messages as SGLang 0.5.23 hands them to the chat template, and the text the prompt ends with after the
+    generation prompt (``continue_final_message``: :func:`laps.tokenizer.final_assistant_message`)."""
     if "messages" not in body:
         raise ApiError("messages: Field required", "Bad Request")
     raw = body["messages"]
@@ -80,7 +82,7 @@ def _chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             except ValueError as err:  # arguments that are not a JSON object
                 raise ApiError(str(err)) from err
         out.append(message)
-    return final_assistant_as_user(out)
+    return final_assistant_message(out, field(body, "continue_final_message", (bool,), False) is True)
 
 
 def _is_tool_call(call: object) -> bool:
@@ -135,7 +137,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     """``POST /v1/chat/completions``: OpenAI chat, streamed (SSE) or not."""
     engine = request.app[ENGINE]
     body = await read_body(request, openai=True)
-    messages = _chat_messages(body)
+    messages, reply_prefix = _chat_messages(body)
     # SGLang takes `max_completion_tokens or max_tokens`, so 0 means "no limit" here.
     max_new = _max_new_tokens(field(body, "max_completion_tokens", (int,)) or field(body, "max_tokens", (int,)),
                               engine)
@@ -152,6 +154,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             ids = engine.tokenizer.encode_chat(messages, template_tools(tools, body.get("tool_choice")))
         except Exception as err:  # an HF chat template can raise anything on odd messages
             raise ApiError(f"cannot apply the chat template: {err}") from err
+        if reply_prefix:
+            ids += engine.tokenizer.encode(reply_prefix)
     track = _submit(engine, body, rid, ids, max_new, ignore_eos, stop)
     created = int(time.time())
     cache_report = engine.sim.args.enable_cache_report
