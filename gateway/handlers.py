@@ -252,8 +252,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def _serve(request: web.Request, schema: type[ChatCompletionRequest] | type[CompletionRequest], path: str) -> web.StreamResponse:
     """Check, tokenize and dispatch one request. One the gateway refuses itself (a bad body or header value, an unknown
-    model, a prompt past the context, shutting down) is counted in ``laps_requests_total`` with class ``unplaced`` and its error's
-    outcome, and logged (INFO) with what was wrong, so that a misbehaving client shows."""
+    model, a prompt past the context, shutting down) is counted in ``laps_requests_total`` with class ``unplaced`` and
+    its error's outcome, and logged (INFO) with what was wrong, so that a misbehaving client shows; one whose client
+    leaves before it is placed, as ``client_gone``."""
     gw = request.app[GATEWAY]
     arrival_s = time.monotonic()
     try:
@@ -296,9 +297,10 @@ async def _prompt_chain(gw: Gateway, req: ChatCompletionRequest | CompletionRequ
     A chat goes through ``gw.prompt_cache``: only the messages that no earlier request of its conversation had are
     tokenized. A chat with ``tools`` is tokenized whole, the tools rendered into the template as SGLang renders them
     (:func:`laps.tokenizer.template_tools`); the engine gets them as sent. With ``continue_final_message`` the last
-    (assistant) message's text is tokenized alone and follows the generation prompt, as SGLang does. ``gw.encoder`` tokenizes by size: short
-    texts on the event loop, longer ones off it (:class:`laps.chat_cache.EncodePool`). Token ids (a completion's
-    ``prompt``, a chat's ``input_ids``, which SGLang prefills instead of the messages) are the prompt as they are.
+    (assistant) message's text is tokenized alone and follows the generation prompt, as SGLang does. ``gw.encoder``
+    tokenizes by size: short texts on the event loop, longer ones off it (:class:`laps.chat_cache.EncodePool`). Token
+    ids (a completion's ``prompt``, a chat's ``input_ids``, which SGLang prefills instead of the messages) are the
+    prompt as they are.
 
     Raises:
         APIError: 400 for a token id outside the vocabulary (param ``prompt`` or ``input_ids``).
