@@ -8,6 +8,7 @@ coerced here and refused by the engine.
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Annotated, Literal
 
@@ -216,14 +217,16 @@ class ChatCompletionRequest(_SamplingFields):
         the ``tool_calls`` of an assistant turn that called tools (:func:`laps.tokenizer.template_tool_calls`), and a
         last assistant message as a user one, or left out with ``continue_final_message``
         (:func:`laps.tokenizer.final_assistant_message`; then :meth:`reply_prefix` follows the template's text)."""
-        return self._template_chat()[0]
+        return self.template_chat[0]
 
     def reply_prefix(self) -> str | None:
         """With ``continue_final_message`` and an assistant message last, its text: the prompt ends with it after the
         generation prompt (SGLang encodes it alone and appends the ids); else None."""
-        return self._template_chat()[1]
+        return self.template_chat[1]
 
-    def _template_chat(self) -> tuple[list[Message], str | None]:
+    @functools.cached_property
+    def template_chat(self) -> tuple[list[Message], str | None]:
+        """(:meth:`chat`, :meth:`reply_prefix`), built once per request (the handler reads them three times)."""
         chat = []
         for m in self.messages:
             message = {"role": m.role, "content": m.text()}
@@ -236,7 +239,7 @@ class ChatCompletionRequest(_SamplingFields):
         """At most the characters the chat template prints of :meth:`chat`, and :meth:`reply_prefix`: the messages'
         text, and the tool calls' names and arguments (as the JSON the template prints, whatever the spacing they came
         with; not the markup around them)."""
-        chat, prefix = self._template_chat()
+        chat, prefix = self.template_chat
         return len(prefix or "") + sum(
             len(m["content"]) + sum(len(c["function"]["name"]) + len(json.dumps(c["function"]["arguments"], ensure_ascii=False))
                                     for c in m.get("tool_calls") or ()) for m in chat)
