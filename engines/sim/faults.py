@@ -11,11 +11,13 @@ Kinds (``N`` defaults to 2):
   the connection; a non-streamed answer drops it halfway through its body;
 * ``hang:N``: a stream sends ``N`` events, then nothing more (the HTTP server
   still answers ``/ready``: a stuck scheduler); a non-streamed answer never
-  comes;
+  comes, nor does the one-token generation of ``/health`` and
+  ``/health_generate`` (503 after SGLang's health-check timeout);
 * ``slow:N``: every forward pass takes ``N`` times as long (default 10).
 
-Only the OpenAI generation routes fail; ``/ready``, ``/health`` and the rest
-answer as usual, so only the gateway's reading of answers can notice.
+Only the generation routes fail (and, under ``hang``, the generation probes);
+``/ready`` and the rest answer as usual, so only the gateway's reading of
+answers and its probes can notice.
 """
 
 from __future__ import annotations
@@ -93,6 +95,12 @@ class FaultyStream(web.StreamResponse):
             self._req.transport.close()
         elif kind == "hang":
             await asyncio.Event().wait()  # until the client goes away (the handler is cancelled then)
+
+
+def hung(request: web.Request) -> bool:
+    """Whether ``request``'s engine runs with ``--sim-fault hang`` (its scheduler stuck)."""
+    fault = request.app.get(FAULT)
+    return fault is not None and fault.kind == "hang"
 
 
 def sse_response(request: web.Request, headers: dict[str, str]) -> web.StreamResponse:

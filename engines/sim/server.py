@@ -36,7 +36,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from engines.sim.args import SimServerArgs, resolve_args
 from engines.sim.core import EngineConfig, RequestEvent
-from engines.sim.faults import FAULT, parse_fault
+from engines.sim.faults import FAULT, hung, parse_fault
 from engines.sim.kv_publisher import KVEventPublisher
 from engines.sim.kv_transfer import kv_transfer_bytes
 from engines.sim.openai_api import chat_completions, completions
@@ -243,9 +243,15 @@ async def ready(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    """``GET /health``: run a 1-token generation through the core; 200 when it comes back, 503 otherwise."""
+    """``GET /health``: run a 1-token generation through the core; 200 when it comes back, 503 otherwise (after
+    ``HEALTH_CHECK_TIMEOUT_S``, as SGLang; at once while the engine is not ready). Under ``--sim-fault hang`` the token
+    never comes, as on a real engine whose scheduler is stuck."""
     engine = request.app[ENGINE]
     if not engine.ready:
+        return web.Response(status=503)
+    if hung(request):
+        await asyncio.sleep(HEALTH_CHECK_TIMEOUT_S)
+        log.error("health check failed: no token within %.0f s", HEALTH_CHECK_TIMEOUT_S)
         return web.Response(status=503)
     if engine.pd is not None and engine.pd.mode == "decode":  # takes requests only with KV from a prefill engine
         return web.Response(status=200)
