@@ -43,6 +43,7 @@ class RequestGuard:
         self.engine: EngineState | None = None  # the engine waited on, while watching
         self.also: EngineState | None = None  # a second engine waited on (see watching)
         self.sent = False  # the client has received part of its answer (a retry is no longer possible)
+        self.since_s = 0.0  # when the current wait on an engine began (the event loop's time)
         self.reason: APIError | None = None  # why the guard fired
         self._loop = asyncio.get_running_loop()
         self._task: asyncio.Task | None = None
@@ -65,6 +66,7 @@ class RequestGuard:
         if self._shut:
             raise ShuttingDown()
         self.engine, self.also, self.reason = engine, also, None
+        self.since_s = self._loop.time()
         self._task = asyncio.current_task()
         if stream:
             self._limit_s, self._last_s = self.first_byte_s, self._loop.time()

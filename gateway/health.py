@@ -13,6 +13,12 @@ An engine leaves service (no new work goes to it) in three ways:
   first-byte or stall timeout (:mod:`gateway.guard`) while none of its streams
   brought a byte for that long (a busy engine queueing requests is not stuck)
   -> ``stalled``;
+* it has requests waiting on it and has brought nothing for that long since the
+  oldest of them was sent (no stream to watch: non-streamed answers, or streams
+  before their first byte), and a one-token generation (``GET
+  /health_generate``) then fails or does not answer within the stall timeout
+  -> ``stalled`` (without the probe a stuck engine holding only non-streamed
+  requests would keep them until ``gateway.request_timeout_s``);
 * a request could not reach it (connection refused or dropped) -> ``healthy``
   false until the next poll says otherwise.
 
@@ -96,13 +102,18 @@ def check_silence(gw: Gateway, now: float) -> None:
 
 
 async def watch_silence(gw: Gateway) -> None:
-    """:func:`check_silence` every ``HEALTH_POLL_INTERVAL_S``, forever: a gateway worker's (``gateway.workers`` > 1),
-    whose streams only it sees; the scheduler process, told of an engine it takes out, polls and probes it as
-    :class:`HealthMonitor` does and brings it back."""
+    """:func:`check_silence` and :func:`check_quiet_waits` every ``HEALTH_POLL_INTERVAL_S``, forever: a gateway
+    worker's (``gateway.workers`` > 1), whose requests only it sees; the scheduler process, told of an engine it takes
+    out, polls and probes it as :class:`HealthMonitor` does and brings it back."""
     loop = asyncio.get_running_loop()
-    while True:
-        await asyncio.sleep(HEALTH_POLL_INTERVAL_S)
-        check_silence(gw, loop.time())
+    probes = GenerationProbes(gw)
+    try:
+        while True:
+            await asyncio.sleep(HEALTH_POLL_INTERVAL_S)
+            check_silence(gw, loop.time())
+            check_quiet_waits(gw, probes, loop.time())
+    finally:
+        await probes.close()
 
 
 def silence_s(gw: Gateway) -> float:
@@ -118,6 +129,61 @@ def back_in_service(gw: Gateway, engine: EngineState, why: str) -> None:
         gw.metrics.engine_healthy.labels(engine.id).set(int(engine.healthy))
 
 
+def check_quiet_waits(gw: Gateway, probes: "GenerationProbes", now: float) -> None:
+    """Probe every serving engine of ``gw`` that has requests of this process waiting on it (a guard watching it, the
+    client sent nothing yet) and has brought no byte for longer than :func:`silence_s` since the oldest of them was sent
+    (``now``: the event loop's time). Streams past their first byte are :func:`check_silence`'s."""
+    limit_s = silence_s(gw)
+    oldest: dict[str, float] = {}
+    waiting: dict[str, int] = {}
+    for guard in gw.guards:
+        for engine in (guard.engine, guard.also):
+            if engine is not None and not guard.sent:
+                oldest[engine.id] = min(oldest.get(engine.id, guard.since_s), guard.since_s)
+                waiting[engine.id] = waiting.get(engine.id, 0) + 1
+    for engine in gw.registry:
+        if engine.id in oldest and engine.serving and now - max(engine.last_byte_s, oldest[engine.id]) > limit_s:
+            quiet_s = now - max(engine.last_byte_s, oldest[engine.id])
+            probes.start(engine, f"its {waiting[engine.id]} waiting requests brought nothing for {quiet_s:.1f} s")
+
+
+class GenerationProbes:
+    """The one-token generations (``GET /health_generate``, SGLang's probe that runs the model) one gateway process
+    runs, at most one per engine at a time: on a stalled engine, to bring it back when it answers; on a serving one
+    whose waiting requests brought nothing (:func:`check_quiet_waits`), to take it out of service (stalled) when it does
+    not answer within ``gateway.stall_timeout_s``."""
+
+    def __init__(self, gw: Gateway) -> None:
+        self._gw = gw
+        self._tasks: dict[str, asyncio.Task] = {}
+
+    def start(self, engine: EngineState, why: str) -> None:
+        """Probe ``engine`` (``why``: what the log says if a serving engine fails it), unless a probe of it runs."""
+        if engine.id not in self._tasks:
+            self._tasks[engine.id] = asyncio.ensure_future(self._probe(engine, why))
+
+    async def _probe(self, engine: EngineState, why: str) -> None:
+        gw = self._gw
+        try:
+            await gw.client.get(engine.url, "/health_generate", timeout_s=gw.config.gateway.stall_timeout_s)
+        except EngineHTTPError as err:
+            if engine.stalled:
+                log.info("engine %s: generation probe failed (%r); still out of service", engine.id, err)
+            elif engine.serving:
+                take_out_of_service(gw, engine, f"{why}, and a one-token generation failed ({err!r})", stalled=True)
+        else:
+            engine.last_byte_s = asyncio.get_running_loop().time()  # it runs: quiet from now on only counts afresh
+            back_in_service(gw, engine, "a one-token generation answered")
+        finally:
+            del self._tasks[engine.id]
+
+    async def close(self) -> None:
+        """Cancel the probes in progress."""
+        for task in list(self._tasks.values()):
+            task.cancel()
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+
+
 class HealthMonitor:
     """The health poll and the stalled-engine checks of one gateway (see the module docstring); ``run`` is the loop.
 
@@ -126,7 +192,7 @@ class HealthMonitor:
 
     def __init__(self, gw: Gateway) -> None:
         self._gw = gw
-        self._probes: dict[str, asyncio.Task] = {}
+        self._probes = GenerationProbes(gw)
         self._ready_failures: dict[str, int] = {}
 
     async def run(self, each_round=None) -> None:
@@ -138,7 +204,7 @@ class HealthMonitor:
                 each_round()
 
     async def poll(self) -> None:
-        """One round: ``/ready`` of every engine, then the silence check and the probes of stalled engines."""
+        """One round: ``/ready`` of every engine, then the silence checks and the probes of stalled engines."""
         gw = self._gw
         engines = list(gw.registry)
         loop = asyncio.get_running_loop()
@@ -153,23 +219,11 @@ class HealthMonitor:
                 take_out_of_service(gw, engine, f"GET /ready: {state} ({failures} time(s) in a row)", stalled=False)
             gw.metrics.engine_healthy.labels(engine.id).set(int(engine.serving))
         check_silence(gw, loop.time())
+        check_quiet_waits(gw, self._probes, loop.time())
         for engine in engines:
-            if engine.stalled and engine.healthy and engine.id not in self._probes:
-                self._probes[engine.id] = asyncio.ensure_future(self._probe(engine))
-
-    async def _probe(self, engine: EngineState) -> None:
-        """A one-token generation on a stalled engine; back in service when it answers within the stall timeout."""
-        gw = self._gw
-        try:
-            await gw.client.get(engine.url, "/health_generate", timeout_s=gw.config.gateway.stall_timeout_s)
-            back_in_service(gw, engine, "a one-token generation answered")
-        except EngineHTTPError as err:
-            log.info("engine %s: generation probe failed (%r); still out of service", engine.id, err)
-        finally:
-            del self._probes[engine.id]
+            if engine.stalled and engine.healthy:
+                self._probes.start(engine, "it stalled")
 
     async def close(self) -> None:
         """Cancel the probes in progress."""
-        for task in list(self._probes.values()):
-            task.cancel()
-        await asyncio.gather(*self._probes.values(), return_exceptions=True)
+        await self._probes.close()

@@ -22,7 +22,8 @@ class FakeEngine:
     ``hold_first``: a stream waits for :attr:`release` before its first chunk.
     ``stream_end``: what a stream sends after its first chunk instead of the rest:
     ``"truncated"`` (it just ends, no ``[DONE]``) or ``"malformed"`` (an event that is not JSON).
-    ``GET /health_generate`` answers 200 (SGLang's generation probe).
+    ``GET /health_generate`` (SGLang's generation probe) answers :attr:`probe_status` (200 unless set); :attr:`probed`
+    is set at each.
     ``GET /v1/models`` lists the model with ``max_model_len`` when :attr:`max_model_len` is set (as SGLang lists it).
     """
 
@@ -46,9 +47,11 @@ class FakeEngine:
         self.received = asyncio.Event()
         self.max_model_len: int | None = None
         self.finish_reason = "stop"  # of every answer ("abort": SGLang's end of an aborted request without an error status)
+        self.probe_status = 200
+        self.probed = asyncio.Event()
         self.app = web.Application()
         self.app.router.add_get("/ready", self._ready)
-        self.app.router.add_get("/health_generate", self._ready)
+        self.app.router.add_get("/health_generate", self._probe)
         self.app.router.add_post("/v1/chat/completions", self._generate)
         self.app.router.add_post("/v1/completions", self._generate)
         self.app.router.add_post("/abort_request", self._abort)
@@ -56,6 +59,10 @@ class FakeEngine:
 
     async def _ready(self, request: web.Request) -> web.Response:
         return web.Response(text="ok")
+
+    async def _probe(self, request: web.Request) -> web.Response:
+        self.probed.set()
+        return web.Response(status=self.probe_status)
 
     async def _models(self, request: web.Request) -> web.Response:
         card = {"id": "fake", "object": "model"} if self.max_model_len is None else {"id": "fake", "object": "model", "max_model_len": self.max_model_len}

@@ -11,7 +11,8 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from gateway.app import create_app, end_requests
-from gateway.health import HealthMonitor, take_out_of_service
+from gateway.guard import RequestGuard
+from gateway.health import SILENCE_SHARE_OF_STALL, HealthMonitor, check_quiet_waits, take_out_of_service
 from gateway.state import GATEWAY
 from laps.config import load_config
 from tests.fake_engine import FakeEngine
@@ -177,6 +178,62 @@ async def test_requests_waiting_on_an_engine_taken_out_of_service_are_retried_at
     assert (await resp.json())["choices"][0]["message"]["content"] == "hi from lp0"
     await asyncio.wait_for(fakes["sp0"].abort_seen.wait(), timeout=5)  # the engine left behind drops its copy
     assert fakes["sp0"].aborted == [fakes["sp0"].bodies[0]["rid"]]
+
+
+async def test_a_stuck_engine_holding_only_a_non_streamed_request_is_probed_taken_out_and_the_request_retried(stack):
+    session, fakes, app = stack
+    fakes["sp0"].hold_answers = True  # no stream to watch: the answer never comes
+    fakes["sp0"].probe_status = 503  # and its scheduler cannot run a one-token generation either
+    resp = await asyncio.wait_for(session.post("/v1/chat/completions", json=chat("Hi")), timeout=10)
+    assert resp.status == 200 and resp.headers["x-laps-engine"] == "lp0"  # retried once sp0 failed its probe
+    assert (await resp.json())["choices"][0]["message"]["content"] == "hi from lp0"
+    assert fakes["sp0"].probed.is_set() and await engine_states(session) == {"sp0": (True, True), "lp0": (True, False)}
+    await asyncio.wait_for(fakes["sp0"].abort_seen.wait(), timeout=5)
+
+
+async def test_an_engine_that_answers_its_probe_keeps_its_slow_non_streamed_request(stack):
+    session, fakes, app = stack
+    fakes["sp0"].hold_answers = True  # a long generation, not streamed: quiet, but the engine runs
+    pending = asyncio.ensure_future(session.post("/v1/chat/completions", json=chat("Hi")))
+    await asyncio.wait_for(fakes["sp0"].probed.wait(), timeout=10)
+    await asyncio.sleep(STALL_S)  # longer than the probe may take
+    assert not pending.done() and await engine_states(session) == {"sp0": (True, False), "lp0": (True, False)}
+    fakes["sp0"].answer.set()
+    resp = await asyncio.wait_for(pending, timeout=5)
+    assert resp.status == 200 and resp.headers["x-laps-engine"] == "sp0" and fakes["lp0"].bodies == []
+
+
+async def test_quiet_waits_are_probed_once_the_engine_brought_nothing_past_the_silence_limit(stack):
+    _, _, app = stack
+    gw = app[GATEWAY]
+    sp0, lp0 = gw.registry["sp0"], gw.registry["lp0"]
+    limit_s = STALL_S * SILENCE_SHARE_OF_STALL
+    started: list[tuple[str, str]] = []
+
+    class Probes:
+        def start(self, engine, why):
+            started.append((engine.id, why))
+
+    # no await below: the gateway's own health monitor never sees these scripted waits
+    waits = [RequestGuard(FIRST_BYTE_S, STALL_S) for _ in range(3)]
+    for guard, engine, since_s, sent in zip(waits, (sp0, sp0, lp0), (100.0, 100.1, 50.0), (False, False, True)):
+        guard.engine, guard.since_s, guard.sent = engine, since_s, sent  # lp0's client has bytes: check_silence's case
+        gw.guards.add(guard)
+    try:
+        sp0.last_byte_s = lp0.last_byte_s = 99.0  # before the oldest wait began: quiet counts from 100.0
+        check_quiet_waits(gw, Probes(), 100.0 + limit_s - 0.01)
+        assert started == []
+        check_quiet_waits(gw, Probes(), 100.0 + limit_s + 0.01)
+        assert started == [("sp0", "its 2 waiting requests brought nothing for 0.2 s")]
+        sp0.last_byte_s = 100.1  # an answer came since: quiet counts from it
+        check_quiet_waits(gw, Probes(), 100.0 + limit_s + 0.05)
+        assert len(started) == 1
+        sp0.stalled = True  # out of service already: the stalled engines' probe is the health monitor's
+        check_quiet_waits(gw, Probes(), 1000.0)
+        assert len(started) == 1
+    finally:
+        sp0.stalled = False
+        gw.guards.difference_update(waits)
 
 
 async def test_a_busy_engine_whose_probe_times_out_stays_in_service_until_it_keeps_failing(stack, monkeypatch):
