@@ -10,6 +10,8 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from engines.sim.replies import ReplyPlanner
 from engines.sim.args import SimServerArgs
+from engines.sim import server
+from engines.sim.realtime import ENGINE
 from engines.sim.server import create_app
 from laps.tokenizer import load_tokenizer
 
@@ -266,6 +268,28 @@ async def test_generate_errors(client):
     resp = await client.post("/generate", json={"text": "hi", "sampling_params": {"top_k": -1, "sampling_seed": 7,
                                                                                    "max_new_tokens": 2}})
     assert resp.status == 200
+
+
+async def test_a_busy_engine_answers_its_generation_probe_before_the_probes_own_token(monkeypatch):
+    """SGLang's health_generate: any token put out since the probe began is a sign of life. With one request slot
+    taken by a long generation the probe's own request waits, yet the probe answers 200 within a poll."""
+    monkeypatch.setattr(server, "HEALTH_CHECK_POLL_S", 0.05)
+    args = SimServerArgs(max_running_requests=1, served_model_name="sim-7b")
+    async with TestClient(TestServer(create_app(args), handler_cancellation=True)) as c:
+        body = {"model": "sim-7b", "messages": MESSAGES, "max_tokens": 20_000, "ignore_eos": True, "stream": True}
+        async with c.post("/v1/chat/completions", json=body) as stream:
+            await stream.content.readline()  # decoding
+            engine = c.app[ENGINE]
+            resp = await asyncio.wait_for(c.get("/health_generate"), timeout=5)
+            assert resp.status == 200
+            assert engine.core.has_work() and len(engine._tracks) == 1  # the probe's request never ran: released
+
+
+async def test_a_hung_engine_fails_its_generation_probe_after_the_health_check_timeout(monkeypatch):
+    monkeypatch.setattr(server, "HEALTH_CHECK_TIMEOUT_S", 0.1)
+    async with TestClient(TestServer(create_app(SimServerArgs(sim_fault="hang")), handler_cancellation=True)) as c:
+        assert (await c.get("/ready")).status == 200
+        assert (await c.get("/health_generate")).status == 503 and (await c.get("/health")).status == 503
 
 
 async def test_info_endpoints(client):

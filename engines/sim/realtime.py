@@ -13,6 +13,7 @@ same core without this loop (:mod:`loadgen.virtual`).
 from __future__ import annotations
 
 import asyncio
+import math
 import contextlib
 import logging
 import time
@@ -100,6 +101,7 @@ class SimEngine:
         self.ready = False
         self.startup_time = time.time()
         self.clock = time.monotonic
+        self.last_output_s = -math.inf  # when the engine last put out a token (self.clock(); /health_generate's sign of life)
         self._tracks: dict[str, Track] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -241,6 +243,7 @@ class SimEngine:
             track = self._tracks.get(ev.rid)
             if track is None or track.done:
                 continue
+            self.last_output_s = now
             if ev.first_token:
                 track.first_token_at = now
                 if not track.internal:

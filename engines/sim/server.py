@@ -63,7 +63,8 @@ from laps.tokenizer import ChatTokenizer, load_tokenizer
 log = logging.getLogger("engines.sim")
 
 SGLANG_VERSION = "0.5.23"
-HEALTH_CHECK_TIMEOUT_S = 20.0
+HEALTH_CHECK_TIMEOUT_S = 20.0  # SGLang 0.5.23 HEALTH_CHECK_TIMEOUT
+HEALTH_CHECK_POLL_S = 1.0  # its health_generate looks for output once a second
 GENERATE_DEFAULT_MAX_NEW_TOKENS = 128  # SGLang SamplingParams default
 FLUSH_OK = ("Cache flushed.\nPlease check backend logs for more details. "
             "(When there are running or waiting requests, the operation will not be performed.)\n")
@@ -243,30 +244,34 @@ async def ready(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    """``GET /health``: run a 1-token generation through the core; 200 when it comes back, 503 otherwise (after
-    ``HEALTH_CHECK_TIMEOUT_S``, as SGLang; at once while the engine is not ready). Under ``--sim-fault hang`` the token
-    never comes, as on a real engine whose scheduler is stuck."""
+    """``GET /health``, ``/health_generate``: run a 1-token generation through the core, as SGLang 0.5.23
+    (``http_server.health_generate``): 200 once the engine has put out any token since the probe began (checked
+    every ``HEALTH_CHECK_POLL_S``: a busy engine answers without waiting for the probe's own turn) or the probe's
+    token came, 503 after ``HEALTH_CHECK_TIMEOUT_S`` without either (at once while the engine is not ready). Under
+    ``--sim-fault hang`` no token comes, as on a real engine whose scheduler is stuck."""
     engine = request.app[ENGINE]
     if not engine.ready:
         return web.Response(status=503)
+    if engine.pd is not None and engine.pd.mode == "decode":  # takes requests only with KV from a prefill engine
+        return web.Response(status=200)
     if hung(request):
         await asyncio.sleep(HEALTH_CHECK_TIMEOUT_S)
         log.error("health check failed: no token within %.0f s", HEALTH_CHECK_TIMEOUT_S)
         return web.Response(status=503)
-    if engine.pd is not None and engine.pd.mode == "decode":  # takes requests only with KV from a prefill engine
-        return web.Response(status=200)
     rid = f"{HEALTH_CHECK_RID_PREFIX}_{uuid.uuid4().hex}"
     track = engine.submit(rid, [0], 1, False, [])
+    tic = engine.clock()
+    token = asyncio.ensure_future(track.queue.get())
     try:
-        async with asyncio.timeout(HEALTH_CHECK_TIMEOUT_S):
-            async for _ in track.events():
-                pass
-    except TimeoutError:
+        while engine.clock() - tic < HEALTH_CHECK_TIMEOUT_S:
+            await asyncio.wait({token}, timeout=HEALTH_CHECK_POLL_S)
+            if token.done() or engine.last_output_s > tic:
+                return web.Response(status=200)
         log.error("health check failed: no token within %.0f s", HEALTH_CHECK_TIMEOUT_S)
         return web.Response(status=503)
     finally:
+        token.cancel()
         engine.release(rid)
-    return web.Response(status=200)
 
 
 async def abort_request(request: web.Request) -> web.Response:
