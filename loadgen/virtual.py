@@ -468,7 +468,6 @@ class VirtualRun:
 
     def _deliver(self, engine_id: str, events: tuple[RequestEvent, ...]) -> None:
         now = self.now
-        self.registry[engine_id].last_byte_s = now  # the gateway's relay sets it as the bytes come (gateway/guard.py)
         for ev in events:
             req = self._requests.get(ev.rid)
             if req is None or req.done:

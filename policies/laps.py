@@ -626,8 +626,6 @@ class LapsScheduler:
 
     def decide(self, engines: Sequence[EngineView], now: float) -> Decision:
         load = {e.id: e for e in engines}
-        for e in engines:
-            self.model.saw_bytes(e.id, e.last_bytes_s)
         if not any(e.healthy for e in engines):
             rejected = tuple(r.rid for q in (self._long, *self._queues.values()) for r in q)
             self._long.clear()

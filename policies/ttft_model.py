@@ -34,14 +34,9 @@ its first token after
   whole chunk of the longer prefill); without them the engine fills that
   pass to the chunk with the longer prefill's tokens, and the model is early
   by up to a chunk pass;
-* with no prefill backlog, ``A_e`` is the rest of a decode pass in progress
-  over e's decoding requests (those the scheduler sent there that have had
-  their first token). A decode pass ends with a token on each of its streams,
-  and the gateway sees them come (:attr:`~policies.types.EngineView.last_bytes_s`):
-  the pass in progress began about then, so ``A_e`` is a decode pass less the
-  time since, where that is less than a pass; otherwise (nothing came within a
-  pass: the engine's pass is longer than the model's, or the gateway has not
-  seen its streams) half a decode pass, the mean rest of a pass in progress;
+* with no prefill backlog, ``A_e`` is the rest of a decode pass in progress:
+  half a decode pass over e's decoding requests (those the scheduler sent there
+  that have had their first token);
 * admission: an engine runs at most ``max_running_requests`` requests (its
   request slots) and admits a waiting prefill only into a free one (SGLang's
   ``PrefillAdder``; ``engines/sim/core.py`` does the same). A request that finds
@@ -229,7 +224,6 @@ class EngineQueueModel:
         self._decoding: dict[str, int] = {}  # engine -> requests past their first token, still running
         self._decoding_rids: dict[str, str] = {}
         self._finishing: dict[str, DecayingRate] = {}  # engine -> requests finished per second there
-        self._bytes_s: dict[str, float] = {}  # engine -> when it last sent the gateway bytes (saw_bytes)
 
     # -- what the scheduler asks ----------------------------------------------------------------
 
@@ -244,19 +238,14 @@ class EngineQueueModel:
 
     def start_s(self, engine_id: str, now: float, decoding_context_tokens: int = 0, new_tokens: int | None = None) -> float:
         """When a prefill of ``new_tokens`` (None: the longest) sent to ``engine_id`` now would start: after the
-        prefill work ahead of it (:meth:`_ahead_s`), or, when the engine only decodes, after the rest of the decode
-        pass in progress (module doc: from when the engine last sent bytes, :meth:`saw_bytes`, else half a pass)."""
+        prefill work ahead of it (:meth:`_ahead_s`), or after half a decode pass when the engine only decodes."""
         entries = self._advance(engine_id, now)
         if entries:
             return now + self._ahead_s(entries, self._key(new_tokens))
         decoding = self._decoding.get(engine_id, 0)
         if decoding == 0:
             return now
-        pass_s = self.cost.decode_s(decoding, decoding_context_tokens)
-        since_s = now - self._bytes_s.get(engine_id, -math.inf)
-        if 0.0 <= since_s < pass_s:
-            return now + pass_s - since_s
-        return now + 0.5 * pass_s
+        return now + 0.5 * self.cost.decode_s(decoding, decoding_context_tokens)
 
     def slot_wait_s(self, engine_id: str, waiting_for_slot: int, now: float) -> float:
         """Seconds from ``now`` until ``waiting_for_slot`` requests have finished on ``engine_id``, so that the last of
@@ -328,13 +317,6 @@ class EngineQueueModel:
                    if p.remaining_s > 0 and p.key[0] > longest and p.deadline_s > now + p.remaining_s)
 
     # -- what the scheduler tells ---------------------------------------------------------------
-
-    def saw_bytes(self, engine_id: str, at_s: float | None) -> None:
-        """``engine_id`` last sent the gateway bytes at ``at_s`` (None: not known; :attr:`EngineView.last_bytes_s`)."""
-        if at_s is None:
-            self._bytes_s.pop(engine_id, None)
-        else:
-            self._bytes_s[engine_id] = at_s
 
     def dispatched(self, engine_id: str, rids: Iterable[str], batch: Sequence[SeqShape], now: float,
                    decoding_context_tokens: int = 0, stream: bool = True, deadlines_s: Sequence[float] = (),

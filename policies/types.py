@@ -73,10 +73,6 @@ class EngineView:
     ``/v1/loads``), ``None`` until the engine has said; ``max_running_requests``:
     its request slots (``/v1/loads`` too), ``None`` until it has said. A
     request beyond them waits in the engine until a running one finishes.
-    ``last_bytes_s``: when the engine last sent the gateway bytes (a stream's
-    tokens, an answer; the scheduler's clock, seconds), ``None`` when never or
-    not seen by this process: a decode pass ends with a token on each of its
-    streams, so on a decoding engine a forward pass ended about then.
     """
 
     id: str
@@ -86,12 +82,11 @@ class EngineView:
     in_flight_prompt_tokens: int = 0
     kv_capacity_tokens: int | None = None
     max_running_requests: int | None = None
-    last_bytes_s: float | None = None
 
     def with_dispatched(self, requests: int, prompt_tokens: int) -> "EngineView":
         """This view after ``requests`` more requests (``prompt_tokens`` in all) were sent to it."""
         return EngineView(self.id, self.pool, self.healthy, self.in_flight + requests, self.in_flight_prompt_tokens + prompt_tokens,
-                          self.kv_capacity_tokens, self.max_running_requests, self.last_bytes_s)
+                          self.kv_capacity_tokens, self.max_running_requests)
 
 
 @dataclass(frozen=True, slots=True)

@@ -200,22 +200,6 @@ def test_a_short_request_joins_a_waiting_pass_within_one_pass_of_the_cheapest_ra
     assert s.decide([EngineView("dec", "short"), EngineView("pre", "short")], 1.0) == Decision((Dispatch(chosen, ("r0",)),))
 
 
-@pytest.mark.parametrize("bytes_s, chosen", [((0.9995, 0.993), "b"), ((0.993, 0.9995), "a"), ((None, None), "a")])
-def test_a_short_request_goes_to_the_decoding_engine_whose_pass_in_progress_ends_first(bytes_s, chosen):
-    # "a" and "b" each decode 300 requests (8-ms decode passes). Bytes that came 0.5 ms ago mean a pass began then
-    # (7.5 ms left); 7 ms ago, 1 ms left: the request waits 1 ms there instead of 7.5. Unseen, both are half a pass
-    # (4 ms) and the first listed wins the tie.
-    s = LapsScheduler(config(awd_windows=False), TRAITS)
-    for engine_id in ("a", "b"):
-        rids = [f"{engine_id}{i}" for i in range(300)]
-        s.model.dispatched(engine_id, rids, [(1, 0)] * 300, 0.0)
-        for rid in rids:
-            s.model.first_token(rid, 0.01)
-    s.submit(short("r0", 100, 1.0), 1.0)
-    engines = [EngineView(e, "short", last_bytes_s=at_s) for e, at_s in zip("ab", bytes_s)]
-    assert s.decide(engines, 1.0) == Decision((Dispatch(chosen, ("r0",)),))
-
-
 def test_an_idle_engine_beats_joining_a_waiting_pass_when_it_is_sooner():
     # Neither holds anyone up: the idle engine's 6-ms pass is sooner than the 600-token pass waiting on "pre" (11 ms).
     s = LapsScheduler(config(awd_windows=False), TRAITS)

@@ -41,19 +41,6 @@ def test_an_idle_engine_that_decodes_adds_half_a_decode_pass():
     assert m.start_s("e", 1.0) == pytest.approx(1.0 + 0.5 * 0.00501)
 
 
-def test_a_decoding_engine_whose_bytes_came_within_a_pass_adds_the_rest_of_that_pass():
-    # 300 decoding requests: an 8 ms decode pass. Bytes 2 ms ago: the pass in progress began then, 6 ms are left;
-    # bytes a pass or more ago, or none seen (not known, or from a later clock): half a pass, 4 ms.
-    m = EngineQueueModel(TRAITS)
-    rids = [f"d{i}" for i in range(300)]
-    m.dispatched("e", rids, [(1, 0)] * 300, 0.0)
-    for rid in rids:
-        m.first_token(rid, 0.01)
-    for at_s, rest_s in ((0.998, 0.006), (1.0, 0.008), (0.9925, 0.0005), (0.992, 0.004), (None, 0.004), (1.001, 0.004)):
-        m.saw_bytes("e", at_s)
-        assert m.start_s("e", 1.0) == pytest.approx(1.0 + rest_s)
-
-
 SPF = EngineTraits(LinearCost(), chunk_tokens=4096, short_first=True)
 CHUNK_S = 0.005 + 0.04096  # one 4,096-token pass on nothing cached
 
