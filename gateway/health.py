@@ -132,7 +132,8 @@ def back_in_service(gw: Gateway, engine: EngineState, why: str) -> None:
 def check_quiet_waits(gw: Gateway, probes: "GenerationProbes", now: float) -> None:
     """Probe every serving engine of ``gw`` that has requests of this process waiting on it (a guard watching it, the
     client sent nothing yet) and has brought no byte for longer than :func:`silence_s` since the oldest of them was sent
-    (``now``: the event loop's time). Streams past their first byte are :func:`check_silence`'s."""
+    and since its last probe answered (``now``: the event loop's time). Streams past their first byte are
+    :func:`check_silence`'s."""
     limit_s = silence_s(gw)
     oldest: dict[str, float] = {}
     waiting: dict[str, int] = {}
@@ -142,8 +143,10 @@ def check_quiet_waits(gw: Gateway, probes: "GenerationProbes", now: float) -> No
                 oldest[engine.id] = min(oldest.get(engine.id, guard.since_s), guard.since_s)
                 waiting[engine.id] = waiting.get(engine.id, 0) + 1
     for engine in gw.registry:
-        if engine.id in oldest and engine.serving and now - max(engine.last_byte_s, oldest[engine.id]) > limit_s:
-            quiet_s = now - max(engine.last_byte_s, oldest[engine.id])
+        if engine.id not in oldest or not engine.serving:
+            continue
+        quiet_s = now - max(engine.last_byte_s, oldest[engine.id], probes.answered_s.get(engine.id, 0.0))
+        if quiet_s > limit_s:
             probes.start(engine, f"its {waiting[engine.id]} waiting requests brought nothing for {quiet_s:.1f} s")
 
 
@@ -156,6 +159,7 @@ class GenerationProbes:
     def __init__(self, gw: Gateway) -> None:
         self._gw = gw
         self._tasks: dict[str, asyncio.Task] = {}
+        self.answered_s: dict[str, float] = {}  # engine -> when its last probe answered (the event loop's time)
 
     def start(self, engine: EngineState, why: str) -> None:
         """Probe ``engine`` (``why``: what the log says if a serving engine fails it), unless a probe of it runs."""
@@ -172,7 +176,7 @@ class GenerationProbes:
             elif engine.serving:
                 take_out_of_service(gw, engine, f"{why}, and a one-token generation failed ({err!r})", stalled=True)
         else:
-            engine.last_byte_s = asyncio.get_running_loop().time()  # it runs: quiet from now on only counts afresh
+            self.answered_s[engine.id] = asyncio.get_running_loop().time()  # it runs: quiet counts afresh from now
             back_in_service(gw, engine, "a one-token generation answered")
         finally:
             del self._tasks[engine.id]

@@ -23,8 +23,8 @@ class EngineState:
     and ``max_running_requests`` its request slots, as it reported them at
     start-up or after its last restart or flip (``None``: not reported).
     ``open_streams``: streams relayed from it that have had their first byte
-    and not ended; ``last_byte_s``: when one of them last brought bytes (the
-    event loop's ``loop.time()``, seconds).
+    and not ended; ``last_byte_s``: when the engine last sent bytes, a stream's
+    chunk or a whole answer (the event loop's ``loop.time()``, seconds; 0: never).
     """
 
     id: str

@@ -211,6 +211,8 @@ async def test_quiet_waits_are_probed_once_the_engine_brought_nothing_past_the_s
     started: list[tuple[str, str]] = []
 
     class Probes:
+        answered_s: dict[str, float] = {}
+
         def start(self, engine, why):
             started.append((engine.id, why))
 
@@ -228,9 +230,14 @@ async def test_quiet_waits_are_probed_once_the_engine_brought_nothing_past_the_s
         sp0.last_byte_s = 100.1  # an answer came since: quiet counts from it
         check_quiet_waits(gw, Probes(), 100.0 + limit_s + 0.05)
         assert len(started) == 1
+        Probes.answered_s["sp0"] = 100.3  # and its probe answered later still: from that
+        check_quiet_waits(gw, Probes(), 100.3 + limit_s - 0.01)
+        assert len(started) == 1
+        check_quiet_waits(gw, Probes(), 100.3 + limit_s + 0.01)
+        assert started[1:] == [("sp0", "its 2 waiting requests brought nothing for 0.2 s")]
         sp0.stalled = True  # out of service already: the stalled engines' probe is the health monitor's
         check_quiet_waits(gw, Probes(), 1000.0)
-        assert len(started) == 1
+        assert len(started) == 2
     finally:
         sp0.stalled = False
         gw.guards.difference_update(waits)
