@@ -44,7 +44,7 @@ from gateway.dispatcher import Dispatcher, classify
 from gateway.engine_load import read_capacity
 from gateway.auth import api_key_middleware, is_loopback
 from gateway.errors import ServerLog, ShuttingDown, error_middleware, expect_continue
-from gateway.health import HealthMonitor, watch_silence
+from gateway.health import HealthMonitor, end_waits_on, watch_silence
 from gateway.kv_events import Following
 from gateway.metrics import GatewayMetrics
 from gateway.pd_setup import PDDispatch, bootstrap_addresses
@@ -222,7 +222,7 @@ def create_worker_app(config: Config, channel_path: str) -> web.Application:
                          admin=admin_caller(channel))
             if config.pd is not None:
                 gw.pd = RemoteDecodeSide(channel, dispatcher, bootstrap_addresses(config, {e.id: e.url for e in registry}))
-            poller = StatePoller(channel, registry, state)
+            poller = StatePoller(channel, registry, state, left_service=partial(end_waits_on, gw))
             gw.engine_roles = poller.roles
             gw.metrics.watch_scheduler(lambda: poller.stats)
             silence = asyncio.create_task(watch_silence(gw))  # this worker's streams: only it sees them

@@ -15,10 +15,13 @@ An engine leaves service (no new work goes to it) in three ways:
   -> ``stalled``;
 * it has requests waiting on it and has brought nothing for that long since the
   oldest of them was sent (no stream to watch: non-streamed answers, or streams
-  before their first byte), and a one-token generation (``GET
-  /health_generate``) then fails or does not answer within the stall timeout
-  -> ``stalled`` (without the probe a stuck engine holding only non-streamed
-  requests would keep them until ``gateway.request_timeout_s``);
+  before their first byte), or a request on it timed out while its other
+  streams still brought bytes (new streams' first events can keep an engine
+  that stalls every stream after them from ever looking silent), and a
+  one-token generation (``GET /health_generate``) then fails or does not answer
+  within the stall timeout -> ``stalled`` (without the probe a stuck engine
+  holding only non-streamed requests would keep them until
+  ``gateway.request_timeout_s``);
 * a request could not reach it (connection refused or dropped) -> ``healthy``
   false until the next poll says otherwise.
 
@@ -34,7 +37,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from engines.client import EngineHTTPError
+from engines.client import EngineHTTPError, EngineTimedOut
 from gateway.errors import EngineTimeout, EngineUnavailable
 from gateway.registry import EngineState
 from gateway.state import Gateway
@@ -75,6 +78,12 @@ def take_out_of_service(gw: Gateway, engine: EngineState, why: str, stalled: boo
         log.warning("engine %s is out of service: %s", engine.id, why)
         if gw.report_out_of_service is not None:  # a gateway worker: the scheduler process decides where work goes
             gw.report_out_of_service(engine, why, stalled)
+    end_waits_on(gw, engine)
+
+
+def end_waits_on(gw: Gateway, engine: EngineState) -> None:
+    """End the wait of every request of ``gw`` on ``engine`` that has sent its client nothing yet (it is retried
+    elsewhere): the engine left service, here or, for a gateway worker, in the scheduler process."""
     for guard in list(gw.guards):
         guard.engine_down(engine)
 
@@ -86,10 +95,13 @@ def engine_failed(gw: Gateway, err: EngineUnavailable) -> None:
     engine = err.engine  # the one the request ran on (take_out_of_service leaves it if it is no longer registered)
     if not engine.serving:  # out of service already (the error may be the one its leaving caused)
         return
+    now = asyncio.get_running_loop().time()
     if not isinstance(err, EngineTimeout):
         take_out_of_service(gw, engine, err.detail, stalled=False)
-    elif asyncio.get_running_loop().time() - engine.last_byte_s > silence_s(gw):
+    elif now - engine.last_byte_s > silence_s(gw):
         take_out_of_service(gw, engine, err.detail, stalled=True)
+    else:
+        engine.timed_out_s = now  # busy or partly stuck: its generation probe decides (check_waits)
 
 
 def check_silence(gw: Gateway, now: float) -> None:
@@ -102,7 +114,7 @@ def check_silence(gw: Gateway, now: float) -> None:
 
 
 async def watch_silence(gw: Gateway) -> None:
-    """:func:`check_silence` and :func:`check_quiet_waits` every ``HEALTH_POLL_INTERVAL_S``, forever: a gateway
+    """:func:`check_silence` and :func:`check_waits` every ``HEALTH_POLL_INTERVAL_S``, forever: a gateway
     worker's (``gateway.workers`` > 1), whose requests only it sees; the scheduler process, told of an engine it takes
     out, polls and probes it as :class:`HealthMonitor` does and brings it back."""
     loop = asyncio.get_running_loop()
@@ -111,7 +123,7 @@ async def watch_silence(gw: Gateway) -> None:
         while True:
             await asyncio.sleep(HEALTH_POLL_INTERVAL_S)
             check_silence(gw, loop.time())
-            check_quiet_waits(gw, probes, loop.time())
+            check_waits(gw, probes, loop.time())
     finally:
         await probes.close()
 
@@ -129,11 +141,12 @@ def back_in_service(gw: Gateway, engine: EngineState, why: str) -> None:
         gw.metrics.engine_healthy.labels(engine.id).set(int(engine.healthy))
 
 
-def check_quiet_waits(gw: Gateway, probes: "GenerationProbes", now: float) -> None:
+def check_waits(gw: Gateway, probes: "GenerationProbes", now: float) -> None:
     """Probe every serving engine of ``gw`` that has requests of this process waiting on it (a guard watching it, the
     client sent nothing yet) and has brought no byte for longer than :func:`silence_s` since the oldest of them was sent
-    and since its last probe answered (``now``: the event loop's time). Streams past their first byte are
-    :func:`check_silence`'s."""
+    and since its last probe answered (``now``: the event loop's time; streams past their first byte are
+    :func:`check_silence`'s), or on which a request timed out since its last probe answered while it was not silent
+    (:func:`engine_failed`)."""
     limit_s = silence_s(gw)
     oldest: dict[str, float] = {}
     waiting: dict[str, int] = {}
@@ -143,17 +156,21 @@ def check_quiet_waits(gw: Gateway, probes: "GenerationProbes", now: float) -> No
                 oldest[engine.id] = min(oldest.get(engine.id, guard.since_s), guard.since_s)
                 waiting[engine.id] = waiting.get(engine.id, 0) + 1
     for engine in gw.registry:
-        if engine.id not in oldest or not engine.serving:
+        if not engine.serving:
             continue
-        quiet_s = now - max(engine.last_byte_s, oldest[engine.id], probes.answered_s.get(engine.id, 0.0))
-        if quiet_s > limit_s:
-            probes.start(engine, f"its {waiting[engine.id]} waiting requests brought nothing for {quiet_s:.1f} s")
+        answered_s = probes.answered_s.get(engine.id, 0.0)
+        if engine.timed_out_s > answered_s:
+            probes.start(engine, "a request on it timed out while its other streams brought bytes")
+        elif engine.id in oldest:
+            quiet_s = now - max(engine.last_byte_s, oldest[engine.id], answered_s)
+            if quiet_s > limit_s:
+                probes.start(engine, f"its {waiting[engine.id]} waiting requests brought nothing for {quiet_s:.1f} s")
 
 
 class GenerationProbes:
     """The one-token generations (``GET /health_generate``, SGLang's probe that runs the model) one gateway process
     runs, at most one per engine at a time: on a stalled engine, to bring it back when it answers; on a serving one
-    whose waiting requests brought nothing (:func:`check_quiet_waits`), to take it out of service (stalled) when it does
+    whose waiting requests brought nothing (:func:`check_waits`), to take it out of service (stalled) when it does
     not answer within ``gateway.stall_timeout_s``."""
 
     def __init__(self, gw: Gateway) -> None:
@@ -168,13 +185,15 @@ class GenerationProbes:
 
     async def _probe(self, engine: EngineState, why: str) -> None:
         gw = self._gw
+        timeout_s = gw.config.gateway.stall_timeout_s
         try:
-            await gw.client.get(engine.url, "/health_generate", timeout_s=gw.config.gateway.stall_timeout_s)
+            await gw.client.get(engine.url, "/health_generate", timeout_s=timeout_s)
         except EngineHTTPError as err:
+            failure = f"no answer within {timeout_s:g} s" if isinstance(err, EngineTimedOut) else str(err)
             if engine.stalled:
-                log.info("engine %s: generation probe failed (%r); still out of service", engine.id, err)
+                log.info("engine %s: generation probe failed (%s); still out of service", engine.id, failure)
             elif engine.serving:
-                take_out_of_service(gw, engine, f"{why}, and a one-token generation failed ({err!r})", stalled=True)
+                take_out_of_service(gw, engine, f"{why}, and a one-token generation failed ({failure})", stalled=True)
         else:
             self.answered_s[engine.id] = asyncio.get_running_loop().time()  # it runs: quiet counts afresh from now
             back_in_service(gw, engine, "a one-token generation answered")
@@ -223,7 +242,7 @@ class HealthMonitor:
                 take_out_of_service(gw, engine, f"GET /ready: {state} ({failures} time(s) in a row)", stalled=False)
             gw.metrics.engine_healthy.labels(engine.id).set(int(engine.serving))
         check_silence(gw, loop.time())
-        check_quiet_waits(gw, self._probes, loop.time())
+        check_waits(gw, self._probes, loop.time())
         for engine in engines:
             if engine.stalled and engine.healthy:
                 self._probes.start(engine, "it stalled")

@@ -24,7 +24,9 @@ class EngineState:
     start-up or after its last restart or flip (``None``: not reported).
     ``open_streams``: streams relayed from it that have had their first byte
     and not ended; ``last_byte_s``: when the engine last sent bytes, a stream's
-    chunk or a whole answer (the event loop's ``loop.time()``, seconds; 0: never).
+    chunk or a whole answer (the event loop's ``loop.time()``, seconds; 0: never);
+    ``timed_out_s``: when a request on it last timed out while it was not
+    silent (:func:`gateway.health.engine_failed`; its generation probe decides).
     """
 
     id: str
@@ -39,6 +41,7 @@ class EngineState:
     stalled: bool = False
     open_streams: int = 0
     last_byte_s: float = 0.0
+    timed_out_s: float = 0.0
 
     @property
     def serving(self) -> bool:

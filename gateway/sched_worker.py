@@ -200,15 +200,21 @@ def registry_of(engines: list[list]) -> MirrorRegistry:
     return registry
 
 
-def apply_state(registry: EngineRegistry, engines: list[list]) -> None:
+def apply_state(registry: EngineRegistry, engines: list[list]) -> list[EngineState]:
     """Copy the scheduler's URLs (a scheduler started again starts its engines on new ports), pools, health and load
-    into ``registry`` (this worker's streams' own fields stay)."""
+    into ``registry`` (this worker's streams' own fields stay); the engines that were healthy and not stalled here and
+    no longer are (taken out of service by the scheduler or another worker: this worker's requests waiting on them
+    must end too)."""
+    left = []
     for (engine_id, url, pool, healthy, draining, stalled, in_flight, in_flight_prompt_tokens, kv_capacity_tokens,
          max_running_requests) in engines:
         e = registry[engine_id]
+        if e.healthy and not e.stalled and not (healthy and not stalled):
+            left.append(e)
         e.url, e.pool, e.healthy, e.draining, e.stalled = url, pool, healthy, draining, stalled
         e.in_flight, e.in_flight_prompt_tokens, e.kv_capacity_tokens = in_flight, in_flight_prompt_tokens, kv_capacity_tokens
         e.max_running_requests = max_running_requests
+    return left
 
 
 def admin_caller(channel: ChannelClient) -> Callable[[dict], Awaitable[dict]]:
@@ -232,14 +238,18 @@ class StatePoller:
     """Refreshes ``registry``, :attr:`roles` (each engine's role now: the worker's
     :attr:`gateway.state.Gateway.engine_roles`, updated in place) and :attr:`stats` (the scheduler's, for
     ``/metrics``) from the ``state`` call every :data:`STATE_POLL_S`; ``state`` is the first answer (already applied
-    to ``registry``). Once the channel is lost (the scheduler died, its engines with it), at once, every engine of
+    to ``registry``). ``left_service(engine)`` runs for each engine the scheduler reports out of service that was in
+    service here (:func:`apply_state`): the worker ends its requests' waits on it
+    (:func:`gateway.health.end_waits_on`). Once the channel is lost (the scheduler died, its engines with it), at once, every engine of
     ``registry`` is marked unhealthy: the worker's ``/health`` answers 503 ``unavailable``, as its requests get
     503 ``scheduler_unavailable``. When the channel is back (a scheduler started again), it polls at once, and the
     engines serve again as the new scheduler reports them, in new states (:meth:`MirrorRegistry.renew`)."""
 
-    def __init__(self, channel: ChannelClient, registry: MirrorRegistry, state: dict) -> None:
+    def __init__(self, channel: ChannelClient, registry: MirrorRegistry, state: dict,
+                 left_service: Callable[[EngineState], None] = lambda engine: None) -> None:
         self._channel = channel
         self._registry = registry
+        self._left_service = left_service
         self.roles: dict[str, str] = dict(state["roles"])
         self.stats: dict[str, float] = state["stats"]
         self._renew = False  # the next answer is a new scheduler's
@@ -273,7 +283,8 @@ class StatePoller:
                 log.info("worker: the new scheduler's engines are in this worker's registry (%d of %d healthy)",
                          sum(e.healthy for e in self._registry), len(state["engines"]))
             else:
-                apply_state(self._registry, state["engines"])
+                for engine in apply_state(self._registry, state["engines"]):
+                    self._left_service(engine)
             self.roles.update(state["roles"])
             self.stats = state["stats"]
 

@@ -19,6 +19,7 @@ from engines.sim.args import SimServerArgs, parse_server_args
 from engines.sim.faults import Fault, parse_fault
 from engines.sim.server import create_app as create_sim_app
 from gateway.app import create_app
+from gateway.state import GATEWAY
 from laps.config import load_config
 from tests.test_gateway import with_gateway
 
@@ -74,6 +75,37 @@ async def test_a_faulty_engine_never_leaves_a_request_hung_silent_or_answered_tw
     else:
         assert tally.errors > 0  # some requests were on sp0 mid-stream when it failed
     assert served[0] in ("ok", "errors")  # the gateway still answers
+
+
+async def test_an_engine_that_stalls_every_stream_after_its_first_events_leaves_service_under_steady_traffic():
+    # hang:2 under round_robin: each new stream on sp0 brings two events (so sp0 never looks silent) and then nothing.
+    # The streams' stall timeouts (1 s) have sp0 probed; the probe fails (its scheduler is stuck), so sp0 leaves
+    # service while requests keep coming, and later requests go to lp0 only.
+    sims = {"sp0": SimServerArgs(sim_fault="hang:2"), "lp0": SimServerArgs()}
+    servers = {name: TestServer(create_sim_app(args), handler_cancellation=True) for name, args in sims.items()}
+    for s in servers.values():
+        await s.start_server()
+    config = with_gateway(load_config(), stall_timeout_s=1.0, first_byte_timeout_s=5.0)
+    config = config.model_copy(update={"scheduling": config.scheduling.model_copy(update={"policy": "round_robin"})})
+    app = create_app(config, engine_urls={n: str(s.make_url("")).rstrip("/") for n, s in servers.items()})
+    gateway = TestServer(app, handler_cancellation=True)
+    await gateway.start_server()
+    url = str(gateway.make_url("")).rstrip("/")
+
+    async def later(i: int) -> tuple[str, str | None]:
+        await asyncio.sleep(0.1 * i)
+        return await faults.one_request(session, url, i, True, 64, timeout_s=30)
+
+    try:
+        async with aiohttp.ClientSession() as session:
+            outcomes = await asyncio.gather(*(later(i) for i in range(60)))  # one every 0.1 s for 6 s
+            assert all(outcome in ("ok", "errors") for outcome, _ in outcomes)  # none hung or silent
+            assert app[GATEWAY].registry["sp0"].stalled
+            assert outcomes[-10:] == [("ok", None)] * 10  # the last second's streams: all on lp0
+    finally:
+        await gateway.close()
+        for s in servers.values():
+            await s.close()
 
 
 @pytest.mark.parametrize("spec, expected", [

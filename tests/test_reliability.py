@@ -12,7 +12,8 @@ from aiohttp.test_utils import TestServer
 
 from gateway.app import create_app, end_requests
 from gateway.guard import RequestGuard
-from gateway.health import SILENCE_SHARE_OF_STALL, HealthMonitor, check_quiet_waits, take_out_of_service
+from gateway.errors import EngineTimeout
+from gateway.health import SILENCE_SHARE_OF_STALL, HealthMonitor, check_waits, engine_failed, take_out_of_service
 from gateway.state import GATEWAY
 from laps.config import load_config
 from tests.fake_engine import FakeEngine
@@ -223,24 +224,49 @@ async def test_quiet_waits_are_probed_once_the_engine_brought_nothing_past_the_s
         gw.guards.add(guard)
     try:
         sp0.last_byte_s = lp0.last_byte_s = 99.0  # before the oldest wait began: quiet counts from 100.0
-        check_quiet_waits(gw, Probes(), 100.0 + limit_s - 0.01)
+        check_waits(gw, Probes(), 100.0 + limit_s - 0.01)
         assert started == []
-        check_quiet_waits(gw, Probes(), 100.0 + limit_s + 0.01)
+        check_waits(gw, Probes(), 100.0 + limit_s + 0.01)
         assert started == [("sp0", "its 2 waiting requests brought nothing for 0.2 s")]
         sp0.last_byte_s = 100.1  # an answer came since: quiet counts from it
-        check_quiet_waits(gw, Probes(), 100.0 + limit_s + 0.05)
+        check_waits(gw, Probes(), 100.0 + limit_s + 0.05)
         assert len(started) == 1
         Probes.answered_s["sp0"] = 100.3  # and its probe answered later still: from that
-        check_quiet_waits(gw, Probes(), 100.3 + limit_s - 0.01)
+        check_waits(gw, Probes(), 100.3 + limit_s - 0.01)
         assert len(started) == 1
-        check_quiet_waits(gw, Probes(), 100.3 + limit_s + 0.01)
+        check_waits(gw, Probes(), 100.3 + limit_s + 0.01)
         assert started[1:] == [("sp0", "its 2 waiting requests brought nothing for 0.2 s")]
         sp0.stalled = True  # out of service already: the stalled engines' probe is the health monitor's
-        check_quiet_waits(gw, Probes(), 1000.0)
+        check_waits(gw, Probes(), 1000.0)
         assert len(started) == 2
     finally:
         sp0.stalled = False
         gw.guards.difference_update(waits)
+
+
+async def test_a_request_that_timed_out_on_an_engine_still_sending_bytes_has_the_engine_probed(stack):
+    # New streams' first events keep sp0 from looking silent, yet a request on it timed out: not taken out on that
+    # alone (a busy engine queues requests), but probed; once a probe has answered since, not again for it.
+    _, _, app = stack
+    gw = app[GATEWAY]
+    sp0 = gw.registry["sp0"]
+    now = asyncio.get_running_loop().time()
+    started: list[tuple[str, str]] = []
+
+    class Probes:
+        answered_s: dict[str, float] = {}
+
+        def start(self, engine, why):
+            started.append((engine.id, why))
+
+    sp0.last_byte_s = now  # bytes a moment ago
+    engine_failed(gw, EngineTimeout(sp0, "no next chunk within 0.6 s"))
+    assert sp0.serving and sp0.timed_out_s == pytest.approx(now, abs=0.5)
+    check_waits(gw, Probes(), now)
+    assert started == [("sp0", "a request on it timed out while its other streams brought bytes")]
+    Probes.answered_s["sp0"] = sp0.timed_out_s + 0.01
+    check_waits(gw, Probes(), now)
+    assert len(started) == 1
 
 
 async def test_a_busy_engine_whose_probe_times_out_stays_in_service_until_it_keeps_failing(stack, monkeypatch):

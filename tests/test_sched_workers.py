@@ -291,6 +291,36 @@ async def test_the_state_call_carries_each_engines_role_now_and_a_worker_mirrors
         await service.close()
 
 
+async def test_a_worker_hears_which_engines_the_scheduler_took_out_of_service_and_ends_its_waits_on_them(tmp_path):
+    # Another worker (or the scheduler's health poll) took sp1 out, stalled, and lp0 out, unhealthy; sp0 is draining
+    # (its requests finish there). This worker's requests waiting on sp1 and lp0 must end now (retried elsewhere),
+    # not when their own timeouts or request_timeout_s come.
+    config = _config()
+    side = _scheduler_side(config, Clock())
+    service = SchedulerService(side, {})
+    await service.start(str(tmp_path / "sched.sock"))
+    channel = await ChannelClient.connect(tmp_path / "sched.sock")
+    left: list[str] = []
+    try:
+        state = await channel.call({"op": "state"})
+        poller = StatePoller(channel, registry_of(state["engines"]), state, left_service=lambda engine: left.append(engine.id))
+        side.registry["sp1"].stalled = True
+        side.registry["lp0"].healthy = False
+        side.registry["sp0"].draining = True
+        await asyncio.sleep(STATE_POLL_S * 2.5)
+        assert left == ["sp1", "lp0"]  # once each, however many polls say so
+        side.registry["sp1"].stalled = False
+        await asyncio.sleep(STATE_POLL_S * 2.5)
+        side.registry["sp1"].stalled = True  # out again: heard again
+        await asyncio.sleep(STATE_POLL_S * 2.5)
+        assert left == ["sp1", "lp0", "sp1"]
+        await poller.close()
+    finally:
+        await channel.close()
+        await service.close()
+        side.dispatcher.close()
+
+
 async def test_a_workers_silent_streams_take_their_engine_out_and_tell_the_scheduler():
     config = _config()
     registry = EngineRegistry([EngineState(name, f"http://{name}", config.roles[role].pool) for name, role in ENGINES])
