@@ -247,9 +247,10 @@ def app_runner(config: Config, app: web.Application | None = None) -> web.AppRun
     """The runner of ``app`` (default: :func:`create_app` of ``config``): handlers are cancelled when their client
     goes away; a connection without a whole request head for ``gateway.keepalive_timeout_s`` (idle, or sending its
     headers slowly) is closed. (``gateway.body_timeout_s`` is the handlers': :func:`gateway.handlers.read_body`.)
-    A request aiohttp cannot parse gets its plain-text 400 and one INFO log line (:class:`gateway.errors.ServerLog`)."""
+    A request aiohttp cannot parse gets its plain-text 400 and one INFO log line (:class:`gateway.errors.ServerLog`).
+    Bodies come as sent: the handlers decode a ``Content-Encoding`` (:mod:`gateway.content_encoding`)."""
     return web.AppRunner(app if app is not None else create_app(config), handler_cancellation=True, access_log=None, shutdown_timeout=5.0,
-                         keepalive_timeout=config.gateway.keepalive_timeout_s, logger=ServerLog())
+                         keepalive_timeout=config.gateway.keepalive_timeout_s, logger=ServerLog(), auto_decompress=False)
 
 
 def listen_socket(host: str, port: int, reuse_port: bool = False, listen: bool = True,

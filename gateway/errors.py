@@ -66,6 +66,18 @@ def note_refusal(request: web.Request, err: APIError, requests: Callable[[str], 
              outcome, param, err.message[:REFUSAL_TEXT_CHARS], 1e3 * took_s)
 
 
+def single_header(request: web.Request, name: str) -> str | None:
+    """The value of the client's header ``name`` (None: not sent).
+
+    Raises:
+        APIError: 400, param ``name``: the header was sent more than once (which one should count is a guess).
+    """
+    values = request.headers.getall(name, [])
+    if len(values) > 1:
+        raise APIError(400, f"header {name} was sent {len(values)} times; send it once", param=name)
+    return values[0] if values else None
+
+
 class EngineUnavailable(APIError):
     """An engine could not be reached, dropped the connection or sent a broken answer (HTTP 502).
 

@@ -16,6 +16,7 @@ import itertools
 import logging
 import math
 import os
+import re
 import time
 from collections.abc import Sequence
 
@@ -25,10 +26,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
 from engines.client import EngineHTTPError
-from gateway import pd_dispatch
+from gateway import content_encoding, pd_dispatch
 from gateway.auth import admin_key_given
 from gateway.dispatcher import Arrival
-from gateway.errors import UNPLACED, APIError, BodyTimeout, BodyTooLarge, EngineTimeout, EngineUnavailable, ShuttingDown, note_refusal, outcome_of
+from gateway.errors import (UNPLACED, APIError, BodyTimeout, BodyTooLarge, EngineTimeout, EngineUnavailable, ShuttingDown, note_refusal,
+                            outcome_of, single_header)
 from gateway.guard import RequestGuard
 from gateway.health import engine_failed
 from gateway.priority import set_engine_priority, view_priority
@@ -47,6 +49,7 @@ from policies.types import RequestView
 log = logging.getLogger("laps.gateway")
 
 SLO_HEADER = "x-laps-slo-ttft-s"
+_SECONDS = re.compile(r"[0-9]+(\.[0-9]*)?([eE][+-]?[0-9]+)?|\.[0-9]+([eE][+-]?[0-9]+)?")  # not float()'s "1_0", "inf", other digits
 # Request ids: this process's random prefix + a counter. The engines' abort_request matches ids of requests still
 # running, so ids must not repeat across gateway restarts: the 64 random bits keep them apart. (``uuid4().hex`` costs
 # ~2 µs a request, this ~0.2 µs.)
@@ -62,23 +65,29 @@ def next_request_id() -> str:
 
 
 async def read_body(request: web.Request, timeout_s: float) -> bytes:
-    """The request's body, read within ``timeout_s`` seconds (``gateway.body_timeout_s``).
+    """The request's body, read within ``timeout_s`` seconds (``gateway.body_timeout_s``), decoded from its
+    ``Content-Encoding`` (:mod:`gateway.content_encoding`).
 
     Raises:
         BodyTooLarge: the body is over ``request.client_max_size`` (``MAX_BODY_BYTES``); by its Content-Length
-            before any of it is read, else once the bytes read pass it.
+            before any of it is read, else once the bytes read, or decoded, pass it.
         BodyTimeout: the body did not arrive in time.
+        APIError: 415 for a ``Content-Encoding`` the gateway does not decode, 400 for a body that is not what its
+            ``Content-Encoding`` says.
     """
+    codings = content_encoding.encodings_of(request.headers.getall("Content-Encoding", []))
+    content_encoding.check_encodings(codings)
     limit = request.client_max_size
     if request.content_length is not None and request.content_length > limit:
         raise BodyTooLarge(limit, request.content_length)
     try:
         async with asyncio.timeout(timeout_s):
-            return await request.read()
+            raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise BodyTooLarge(limit, None) from None
     except TimeoutError:
         raise BodyTimeout(timeout_s) from None
+    return content_encoding.decode(codings[0], raw, limit) if codings else raw
 
 
 _JSON_TYPE_NAMES = {type(None): "null", bool: "a boolean", int: "a number", float: "a number", str: "a string",
@@ -209,8 +218,9 @@ def _check_text_size(gw: Gateway, req: ChatCompletionRequest | CompletionRequest
         return  # token ids: counted as they are
     at_least, output_tokens = min_tokens(chars, gw.tokenizer), _output_tokens(req)
     if at_least + max(output_tokens, 1) > limit:
+        asked = f"{output_tokens} are" if output_tokens else "at least 1 is"  # no cap given: the engine still generates one
         raise APIError(400, f"This model's maximum context length is {limit} tokens. However, the text of the {param} alone ({chars} "
-                            f"characters) is at least {at_least} tokens, and {output_tokens} are asked for the completion. Please "
+                            f"characters) is at least {at_least} tokens, and {asked} asked for the completion. Please "
                             f"reduce the length of the {param} or completion.", param=param, code="context_length_exceeded")
 
 
@@ -343,16 +353,18 @@ def _output_hints(gw: Gateway, body: dict) -> tuple[int | None, tuple[int, ...]]
 
 def _deadline_s(request: web.Request, arrival_s: float) -> float | None:
     """Arrival + the ``x-laps-slo-ttft-s`` header's SLO (``none``: no deadline); ``None`` without the header (the
-    configured SLO applies: :func:`gateway.dispatcher.classify`)."""
-    value = request.headers.get(SLO_HEADER)
+    configured SLO applies: :func:`gateway.dispatcher.classify`).
+
+    Raises:
+        APIError: 400 when the header is not a decimal number of seconds > 0 (ASCII, as JSON writes numbers) or
+            ``none``, or is sent twice.
+    """
+    value = single_header(request, SLO_HEADER)
     if value is None:
         return None
     if value.strip().lower() == "none":
         return math.inf
-    try:
-        slo_s = float(value)
-    except ValueError:
-        slo_s = -1.0
+    slo_s = float(value) if _SECONDS.fullmatch(value) else -1.0
     if not slo_s > 0 or math.isinf(slo_s):
         raise APIError(400, f"header {SLO_HEADER}: expected seconds > 0 or 'none', got {value!r}", param=SLO_HEADER)
     return arrival_s + slo_s

@@ -18,9 +18,11 @@ its flags; the others get the body without it.
 
 from __future__ import annotations
 
+import re
+
 from aiohttp import web
 
-from gateway.errors import APIError
+from gateway.errors import APIError, single_header
 from gateway.state import Gateway
 from laps.config import Config
 
@@ -28,21 +30,19 @@ PRIORITY_HEADER = "x-laps-priority"
 ENABLE_FLAG = "enable-priority-scheduling"
 LOW_FIRST_FLAG = "schedule-low-priority-values-first"
 _INT64 = (-(1 << 63), 1 << 63)
+_INTEGER = re.compile(r"-?[0-9]+")  # not int()'s wider reading: "+5", "1_000", other scripts' digits
 
 
 def request_priority(request: web.Request, body: dict) -> int | None:
     """The request's SGLang priority: the ``x-laps-priority`` header, else the body's ``priority`` (None: neither).
 
     Raises:
-        APIError: 400 when the header is not a signed 64-bit integer.
+        APIError: 400 when the header is not a signed 64-bit integer in ASCII decimal digits, or is sent twice.
     """
-    value = request.headers.get(PRIORITY_HEADER)
+    value = single_header(request, PRIORITY_HEADER)
     if value is None:
         return body.get("priority")
-    try:
-        priority = int(value.strip())
-    except ValueError:
-        priority = None
+    priority = int(value) if _INTEGER.fullmatch(value) else None
     if priority is None or not _INT64[0] <= priority < _INT64[1]:
         raise APIError(400, f"header {PRIORITY_HEADER}: expected a signed 64-bit integer, got {value!r}", param=PRIORITY_HEADER)
     return priority

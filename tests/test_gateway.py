@@ -345,6 +345,8 @@ async def test_a_prompt_past_the_context_length_is_refused_at_once_and_the_lengt
             error = (await resp.json())["error"]
             assert (resp.status, error["param"], error["code"]) == (400, param, "context_length_exceeded")
             assert f"However, the text of the {param} alone (512000 characters) is at least 1000 tokens, and " in error["message"]
+            # a chat without max_tokens: the engine still generates one token
+            assert param == "prompt" or "1000 tokens, and at least 1 is asked for the completion" in error["message"]
     calls = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a": "' + "a" * 511_988 + '"}'}}]
     messages = [{"role": "assistant", "tool_calls": calls}, {"role": "user", "content": "go"}]
     async with session.post("/v1/chat/completions", json={"model": MODEL, "messages": messages}) as resp:
@@ -441,7 +443,8 @@ async def test_follow_up_estimate_covers_the_previous_reply(stack):
     assert f'laps_prefix_cached_tokens_estimated_total{{cls="short"}} {float(estimate)}' in text
 
 
-@pytest.mark.parametrize("value, status", [("0.05", 200), ("none", 200), ("-1", 400), ("soon", 400), ("inf", 400)])
+@pytest.mark.parametrize("value, status", [("0.05", 200), ("none", 200), ("2", 200), (".5", 200), ("5e-2", 200), ("-1", 400),
+                                           ("soon", 400), ("inf", 400), ("1_0", 400), ("\u0663", 400), ("+1", 400), ("nan", 400)])
 async def test_slo_header_sets_or_removes_the_deadline(stack, value, status):
     session, _, _ = stack
     async with session.post("/v1/chat/completions", json=chat("Hi"), headers={"x-laps-slo-ttft-s": value}) as resp:

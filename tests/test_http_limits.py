@@ -9,9 +9,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import gzip
 import logging
 import shutil
 import subprocess
+import zlib
 
 import aiohttp
 import orjson
@@ -182,6 +184,40 @@ async def test_a_chunked_body_over_the_limit_gets_an_openai_413(gateway):
     assert (status, headers["connection"]) == (413, "close")
     assert orjson.loads(body)["error"] == {"message": f"request body is over the gateway's limit of {MAX_BODY_BYTES} bytes (64 MiB)",
                                            "type": "invalid_request_error", "param": None, "code": "request_too_large"}
+
+
+CHAT = orjson.dumps(chat("Hi"))
+DEFLATE = zlib.compressobj(wbits=-zlib.MAX_WBITS)  # raw deflate, as some clients send it
+RAW_DEFLATE = DEFLATE.compress(CHAT) + DEFLATE.flush()
+BOMB = gzip.compress(b" " * (MAX_BODY_BYTES + 1))  # ~65 KB that decode to one byte over the limit
+
+
+@pytest.mark.parametrize("encoding, body, status, error", [
+    ("gzip", gzip.compress(CHAT), 200, None),
+    ("Deflate", zlib.compress(CHAT), 200, None),
+    ("deflate", RAW_DEFLATE, 200, None),
+    ("identity", CHAT, 200, None),
+    ("gzip", CHAT, 400, "request body is not valid gzip data (Content-Encoding: gzip): Error -3 while decompressing data: incorrect header check"),
+    ("gzip", gzip.compress(CHAT)[:-12], 400, "request body is not valid gzip data (Content-Encoding: gzip): the compressed data ends early"),
+    ("br", CHAT, 415, "Content-Encoding 'br' is not supported: send the body as it is, or as one of gzip, deflate"),
+    ("gzip, gzip", gzip.compress(gzip.compress(CHAT)), 415, "Content-Encoding 'gzip, gzip' is not supported: send the body as it is, or as one of gzip, deflate"),
+    ("gzip", BOMB, 413, f"request body is over the gateway's limit of {MAX_BODY_BYTES} bytes (64 MiB)"),
+], ids=["gzip", "deflate", "raw-deflate", "identity", "not-gzip", "cut-gzip", "br", "two-codings", "gzip-bomb"])
+async def test_an_encoded_body_is_decoded_or_refused_with_an_openai_error_never_a_500(gateway, caplog, encoding, body, status, error):
+    port, fakes = gateway
+    caplog.set_level(logging.INFO)
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
+                                headers={"Content-Type": "application/json", "Content-Encoding": encoding}) as resp:
+            answer = await resp.json()
+    assert resp.status == status
+    if error is None:
+        assert answer["choices"][0]["message"]["content"].startswith("hi from")
+    else:
+        assert answer["error"]["message"] == error and answer["error"]["type"] == "invalid_request_error"
+        assert answer["error"]["param"] == (None if status == 413 else "Content-Encoding")
+        assert fakes["sp0"].bodies == fakes["lp0"].bodies == []
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]  # no traceback, no "Unhandled exception"
 
 
 MANY_HEADERS = b"".join(b"X-H%d: 1\r\n" % i for i in range(129))

@@ -6,6 +6,7 @@ import asyncio
 
 import aiohttp
 import pytest
+from multidict import CIMultiDict
 from aiohttp.test_utils import TestServer
 
 from gateway.app import create_app
@@ -115,10 +116,14 @@ async def test_the_priority_goes_to_engines_that_schedule_by_it_and_not_to_other
     ({"priority": 1 << 63}, {}, "priority", "less than 9223372036854775808"),
     ({}, {PRIORITY_HEADER: "urgent"}, PRIORITY_HEADER, "expected a signed 64-bit integer, got 'urgent'"),
     ({}, {PRIORITY_HEADER: str(1 << 63)}, PRIORITY_HEADER, "expected a signed 64-bit integer"),
+    ({}, {PRIORITY_HEADER: "1_000"}, PRIORITY_HEADER, "expected a signed 64-bit integer, got '1_000'"),
+    ({}, {PRIORITY_HEADER: "+5"}, PRIORITY_HEADER, "expected a signed 64-bit integer, got '+5'"),
+    ({}, {PRIORITY_HEADER: "\u0663"}, PRIORITY_HEADER, "expected a signed 64-bit integer, got '\u0663'"),
+    ({}, [(PRIORITY_HEADER, "5"), (PRIORITY_HEADER, "x")], PRIORITY_HEADER, "header x-laps-priority was sent 2 times; send it once"),
 ])
 async def test_a_bad_priority_is_a_400_naming_it(gateway_with, body, headers, param, fragment):
     session, fakes, _ = gateway_with
-    async with session.post("/v1/chat/completions", json=chat("hi", **body), headers=headers) as resp:
+    async with session.post("/v1/chat/completions", json=chat("hi", **body), headers=CIMultiDict(headers)) as resp:
         assert resp.status == 400
         error = (await resp.json())["error"]
     assert error["param"] == param and fragment in error["message"] and fakes["sp0"].bodies == []

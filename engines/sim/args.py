@@ -394,8 +394,9 @@ def build_parser(exit_on_error: bool = True) -> argparse.ArgumentParser:
                         "for gateway overhead benchmarks (bench/router_overhead.py)")
     p.add_argument("--sim-fault", metavar="KIND[:N]",
                    help="inject a fault for tests of the gateway: error-mid-stream, malformed, truncated or hang after N "
-                        "stream events (default 2; non-streamed answers fail at once), or slow:N (every pass N times as "
-                        "long, default 10); see engines.sim.faults")
+                        "stream events (default 2; non-streamed answers fail at once, or under hang never come, nor does "
+                        "/health_generate's token: a stuck scheduler), or slow:N (every pass N times as long, default 10); "
+                        "see engines.sim.faults")
     p.add_argument("--sim-late-last-ttft-s", type=float, metavar="SECONDS",
                    help="model laps' SGLang plugin (engines/sglang_plugin): under shortest-prefill-first, requests "
                         "waiting longer than this TTFT objective sort behind the others (default: off)")
