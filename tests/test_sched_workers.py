@@ -4,7 +4,9 @@ the scheduler releases a dead worker's requests; in PD it picks the decode engin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
+from collections.abc import AsyncIterator
 from functools import partial
 from types import SimpleNamespace
 
@@ -270,13 +272,24 @@ async def test_an_admin_call_to_a_lost_scheduler_answers_503_scheduler_unavailab
                                 "type": "service_unavailable", "param": None, "code": "scheduler_unavailable"}}
 
 
-async def test_the_state_call_carries_each_engines_role_now_and_a_worker_mirrors_it(tmp_path):
-    config = _config()
-    side = _scheduler_side(config, Clock())
+@contextlib.asynccontextmanager
+async def served(side, tmp_path) -> AsyncIterator[ChannelClient]:
+    """``side`` served by a :class:`SchedulerService` on a socket under ``tmp_path``, and a channel to it; both closed
+    after."""
     service = SchedulerService(side, {})
     await service.start(str(tmp_path / "sched.sock"))
     channel = await ChannelClient.connect(tmp_path / "sched.sock")
     try:
+        yield channel
+    finally:
+        await channel.close()
+        await service.close()
+
+
+async def test_the_state_call_carries_each_engines_role_now_and_a_worker_mirrors_it(tmp_path):
+    config = _config()
+    side = _scheduler_side(config, Clock())
+    async with served(side, tmp_path) as channel:
         state = await channel.call({"op": "state"})
         assert state["roles"] == {"sp0": "short-prefill", "sp1": "short-prefill", "lp0": "long-prefill"}
         poller = StatePoller(channel, registry_of(state["engines"]), state)
@@ -286,22 +299,15 @@ async def test_the_state_call_carries_each_engines_role_now_and_a_worker_mirrors
         worker = SimpleNamespace(config=config, manager=None, engine_roles=poller.roles)
         assert engine_role(worker, "sp1") == "mixed" and engine_role(worker, "sp0") == "short-prefill"
         await poller.close()
-    finally:
-        await channel.close()
-        await service.close()
 
 
 async def test_a_worker_hears_which_engines_the_scheduler_took_out_of_service_and_ends_its_waits_on_them(tmp_path):
     # Another worker (or the scheduler's health poll) took sp1 out, stalled, and lp0 out, unhealthy; sp0 is draining
     # (its requests finish there). This worker's requests waiting on sp1 and lp0 must end now (retried elsewhere),
     # not when their own timeouts or request_timeout_s come.
-    config = _config()
-    side = _scheduler_side(config, Clock())
-    service = SchedulerService(side, {})
-    await service.start(str(tmp_path / "sched.sock"))
-    channel = await ChannelClient.connect(tmp_path / "sched.sock")
+    side = _scheduler_side(_config(), Clock())
     left: list[str] = []
-    try:
+    async with served(side, tmp_path) as channel:
         state = await channel.call({"op": "state"})
         poller = StatePoller(channel, registry_of(state["engines"]), state, left_service=lambda engine: left.append(engine.id))
         side.registry["sp1"].stalled = True
@@ -315,10 +321,7 @@ async def test_a_worker_hears_which_engines_the_scheduler_took_out_of_service_an
         await asyncio.sleep(STATE_POLL_S * 2.5)
         assert left == ["sp1", "lp0", "sp1"]
         await poller.close()
-    finally:
-        await channel.close()
-        await service.close()
-        side.dispatcher.close()
+    side.dispatcher.close()
 
 
 async def test_a_workers_silent_streams_take_their_engine_out_and_tell_the_scheduler():
