@@ -13,15 +13,16 @@ import zlib
 
 from gateway.errors import APIError, BodyTooLarge
 
-SUPPORTED = ("gzip", "deflate", "identity")
-_CHUNK_BYTES = 1 << 20  # input fed to the decoder at a time: its output is checked against the limit as it grows
+SUPPORTED = ("gzip", "deflate")
+_ALIASES = {"x-gzip": "gzip"}  # RFC 9110 8.4.1.3: a recipient should take x-gzip as gzip
+_GZIP_WBITS = zlib.MAX_WBITS | 16
 
 
 def encodings_of(header_values: list[str]) -> list[str]:
-    """The codings a request's ``Content-Encoding`` header(s) name, in the order applied, lower-cased, without
-    ``identity`` (``[]``: none)."""
+    """The codings a request's ``Content-Encoding`` header(s) name, in the order applied, lower-cased, aliases
+    resolved, without ``identity`` (``[]``: none)."""
     codings = [c.strip().lower() for value in header_values for c in value.split(",")]
-    return [c for c in codings if c and c != "identity"]
+    return [_ALIASES.get(c, c) for c in codings if c and c != "identity"]
 
 
 def check_encodings(codings: list[str]) -> None:
@@ -37,37 +38,47 @@ def check_encodings(codings: list[str]) -> None:
 
 
 def decode(coding: str, raw: bytes, limit_bytes: int) -> bytes:
-    """``raw`` decoded from ``coding`` (``gzip``, or ``deflate``: zlib-wrapped, or raw as some clients send it).
+    """``raw`` decoded from ``coding``: ``gzip`` (one member or several, RFC 1952), or ``deflate`` (zlib-wrapped, or
+    raw as some clients send it). CPU-bound: the caller runs it off the event loop.
 
     Raises:
-        BodyTooLarge: the decoded body passes ``limit_bytes``.
+        BodyTooLarge: the decoded body passes ``limit_bytes`` (found after at most ``limit_bytes`` + 1 decoded bytes).
         APIError: 400, param ``Content-Encoding``: ``raw`` is not whole data of ``coding``.
     """
-    if coding == "gzip":
-        attempts = (zlib.MAX_WBITS | 16,)
-    else:
-        attempts = (zlib.MAX_WBITS, -zlib.MAX_WBITS)
+    attempts = (_GZIP_WBITS,) if coding == "gzip" else (zlib.MAX_WBITS, -zlib.MAX_WBITS)
+    errors = []
     for wbits in attempts:
         try:
             return _inflate(raw, wbits, limit_bytes)
         except zlib.error as err:
-            error = err
-    raise APIError(400, f"request body is not valid {coding} data (Content-Encoding: {coding}): {error}", param="Content-Encoding")
+            errors.append(err)
+    # the first format's error: deflate as most clients send it, zlib-wrapped
+    raise APIError(400, f"request body is not valid {coding} data (Content-Encoding: {coding}): {errors[0]}", param="Content-Encoding")
 
 
 def _inflate(raw: bytes, wbits: int, limit_bytes: int) -> bytes:
-    decoder = zlib.decompressobj(wbits)
+    """``raw`` inflated with ``wbits`` (zlib's), a gzip member after another while data follows one.
+
+    Raises:
+        BodyTooLarge: as :func:`decode`.
+        zlib.error: ``raw`` is not whole data of that format.
+    """
     out = bytearray()
-    for start in range(0, len(raw), _CHUNK_BYTES):
-        chunk = raw[start:start + _CHUNK_BYTES]
-        while chunk:
-            out += decoder.decompress(chunk, limit_bytes + 1 - len(out))
+    data = raw
+    while True:
+        decoder = zlib.decompressobj(wbits)
+        while data and not decoder.eof:
+            out += decoder.decompress(data, limit_bytes + 1 - len(out))  # never 0 (unlimited): len(out) <= limit_bytes
             if len(out) > limit_bytes:
                 raise BodyTooLarge(limit_bytes, None)
-            chunk = decoder.unconsumed_tail
-    out += decoder.flush()
-    if not decoder.eof:
-        raise zlib.error("the compressed data ends early")
-    if len(out) > limit_bytes:
-        raise BodyTooLarge(limit_bytes, None)
-    return bytes(out)
+            data = decoder.unconsumed_tail
+        out += decoder.flush()
+        if len(out) > limit_bytes:
+            raise BodyTooLarge(limit_bytes, None)
+        if not decoder.eof:
+            raise zlib.error("the compressed data ends early")
+        data = decoder.unused_data
+        if not data:
+            return bytes(out)
+        if wbits != _GZIP_WBITS:
+            raise zlib.error(f"{len(data)} bytes follow the end of the compressed data")

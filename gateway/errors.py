@@ -102,6 +102,15 @@ class EngineTimeout(EngineUnavailable):
         super().__init__(engine, detail, status=504, code="engine_timeout", message=f"engine {engine.id} stopped answering; retry later")
 
 
+class AnswerTooLong(EngineTimeout):
+    """An answer did not end within ``gateway.request_timeout_s``: a limit on the request, which says nothing of its
+    engine's health (a long generation on a busy engine takes long); :func:`gateway.health.engine_failed` leaves the
+    engine to its generation probe."""
+
+    def __init__(self, engine: EngineState) -> None:
+        super().__init__(engine, "the answer did not end within gateway.request_timeout_s")
+
+
 class BodyTooLarge(APIError):
     """A request body over the gateway's limit of ``limit_bytes`` (HTTP 413); ``received_bytes``: its size when the
     client declared it (``Content-Length``), ``None`` when it was found over the limit while being read (chunked, or

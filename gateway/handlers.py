@@ -29,7 +29,7 @@ from engines.client import EngineHTTPError
 from gateway import content_encoding, pd_dispatch
 from gateway.auth import admin_key_given
 from gateway.dispatcher import Arrival
-from gateway.errors import (UNPLACED, APIError, BodyTimeout, BodyTooLarge, EngineTimeout, EngineUnavailable, ShuttingDown, note_refusal,
+from gateway.errors import (UNPLACED, AnswerTooLong, APIError, BodyTimeout, BodyTooLarge, EngineTimeout, EngineUnavailable, ShuttingDown, note_refusal,
                             outcome_of, single_header)
 from gateway.guard import RequestGuard
 from gateway.health import engine_failed
@@ -87,7 +87,9 @@ async def read_body(request: web.Request, timeout_s: float) -> bytes:
         raise BodyTooLarge(limit, None) from None
     except TimeoutError:
         raise BodyTimeout(timeout_s) from None
-    return content_encoding.decode(codings[0], raw, limit) if codings else raw
+    if not codings:
+        return raw
+    return await asyncio.get_running_loop().run_in_executor(None, content_encoding.decode, codings[0], raw, limit)
 
 
 _JSON_TYPE_NAMES = {type(None): "null", bool: "a boolean", int: "a number", float: "a number", str: "a string",
@@ -382,8 +384,10 @@ async def _dispatch(request: web.Request, gw: Gateway, body: dict, path: str, pr
         except EngineUnavailable as err:
             # Nothing reached the client: take the engine out of service (the health poll brings it back) and try
             # another once, under a fresh engine rid: the abort of the first try may still be on its way to an engine
-            # of the retry.
+            # of the retry. Not an answer past gateway.request_timeout_s: that limit is the request's, spent already.
             engine_failed(gw, err)
+            if isinstance(err, AnswerTooLong):
+                raise
             retry = dataclasses.replace(arrival, rid=f"{rid}{RETRY_RID_SUFFIX}")
             log.warning("%s: engine %s failed before the first byte (%s); retrying on another engine as %s", rid, err.engine_id, err.detail, retry.rid)
             return await _attempt(request, gw, body, path, prompt, stream, retry, guard, may_retry=False)
@@ -536,7 +540,10 @@ async def _relay_json(gw: Gateway, engine: EngineState, path: str, body: dict, h
                 payload = await upstream.read()
                 status = upstream.status
     except EngineHTTPError as err:
-        raise unreachable(engine, err) from None
+        failure = unreachable(engine, err)
+        if isinstance(failure, AnswerTooLong):  # still running there
+            in_background(gw.client.abort(engine.url, view.rid))
+        raise failure from None
     except (EngineTimeout, ShuttingDown):
         # The guard cut the wait off; a request cancelled before its answer keeps its connection to the engine
         # (engines/client.py), so the engine is told to drop it.

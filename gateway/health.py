@@ -38,7 +38,7 @@ import asyncio
 import logging
 
 from engines.client import EngineHTTPError, EngineTimedOut
-from gateway.errors import EngineTimeout, EngineUnavailable
+from gateway.errors import AnswerTooLong, EngineTimeout, EngineUnavailable
 from gateway.registry import EngineState
 from gateway.state import Gateway
 
@@ -89,15 +89,19 @@ def end_waits_on(gw: Gateway, engine: EngineState) -> None:
 
 
 def engine_failed(gw: Gateway, err: EngineUnavailable) -> None:
-    """A request saw ``err`` from its engine: take the engine out of service (unhealthy), or after a timeout (stalled)
-    unless the engine's streams brought bytes within the silence limit: a busy engine that queues a request is no
-    stuck engine (taking it out would send all its queue elsewhere)."""
+    """A request saw ``err`` from its engine: take the engine out of service (unhealthy), or after a first-byte or
+    stall timeout (stalled) unless the engine's streams brought bytes within the silence limit: a busy engine that
+    queues a request is no stuck engine (taking it out would send all its queue elsewhere). A timeout that does not
+    take it out, and an answer past ``gateway.request_timeout_s`` (:class:`~gateway.errors.AnswerTooLong`), have it
+    probed (:func:`check_waits`)."""
     engine = err.engine  # the one the request ran on (take_out_of_service leaves it if it is no longer registered)
     if not engine.serving:  # out of service already (the error may be the one its leaving caused)
         return
     now = asyncio.get_running_loop().time()
     if not isinstance(err, EngineTimeout):
         take_out_of_service(gw, engine, err.detail, stalled=False)
+    elif isinstance(err, AnswerTooLong):  # the request's own limit: the engine may only be slow
+        engine.timed_out_s = now
     elif now - engine.last_byte_s > silence_s(gw):
         take_out_of_service(gw, engine, err.detail, stalled=True)
     else:

@@ -30,7 +30,8 @@ from typing import Any, AsyncIterator, Callable, Coroutine
 import orjson
 from aiohttp import web
 
-from gateway.errors import APIError, EngineUnavailable
+from engines.client import EngineTimedOut
+from gateway.errors import AnswerTooLong, APIError, EngineUnavailable
 from gateway.guard import RequestGuard
 from gateway.health import back_in_service
 from gateway.registry import EngineState
@@ -71,7 +72,11 @@ class ClientGone(Exception):
 
 
 def unreachable(engine: EngineState, err: BaseException) -> EngineUnavailable:
-    """The client's error for ``engine`` failing with the connection error ``err`` (which, and where, goes to the log)."""
+    """The client's error for ``engine`` failing with the connection error ``err`` (which, and where, goes to the log).
+    A request whose whole time at the engine passed ``gateway.request_timeout_s`` (:class:`EngineTimedOut`) gets an
+    :class:`AnswerTooLong`: a long generation on a busy engine is no dead engine."""
+    if isinstance(err, EngineTimedOut):
+        return AnswerTooLong(engine)
     return EngineUnavailable(engine, f"{engine.url}: {type(err).__name__}: {str(err) or type(err).__name__}")
 
 

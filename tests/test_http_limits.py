@@ -202,7 +202,12 @@ BOMB = gzip.compress(b" " * (MAX_BODY_BYTES + 1))  # ~65 KB that decode to one b
     ("br", CHAT, 415, "Content-Encoding 'br' is not supported: send the body as it is, or as one of gzip, deflate"),
     ("gzip, gzip", gzip.compress(gzip.compress(CHAT)), 415, "Content-Encoding 'gzip, gzip' is not supported: send the body as it is, or as one of gzip, deflate"),
     ("gzip", BOMB, 413, f"request body is over the gateway's limit of {MAX_BODY_BYTES} bytes (64 MiB)"),
-], ids=["gzip", "deflate", "raw-deflate", "identity", "not-gzip", "cut-gzip", "br", "two-codings", "gzip-bomb"])
+    ("x-gzip", gzip.compress(CHAT[:10]) + gzip.compress(CHAT[10:]), 200, None),  # two members, the x- alias
+    ("gzip", gzip.compress(CHAT) + b"junk", 400, "request body is not valid gzip data (Content-Encoding: gzip): Error -3 while decompressing data: incorrect header check"),
+    ("deflate", zlib.compress(CHAT) + b"junk", 400, "request body is not valid deflate data (Content-Encoding: deflate): 4 bytes follow the end of the compressed data"),
+    ("gzip", b"", 400, "request body is not valid gzip data (Content-Encoding: gzip): the compressed data ends early"),
+], ids=["gzip", "deflate", "raw-deflate", "identity", "not-gzip", "cut-gzip", "br", "two-codings", "gzip-bomb", "two-members",
+        "gzip-then-junk", "deflate-then-junk", "empty"])
 async def test_an_encoded_body_is_decoded_or_refused_with_an_openai_error_never_a_500(gateway, caplog, encoding, body, status, error):
     port, fakes = gateway
     caplog.set_level(logging.INFO)

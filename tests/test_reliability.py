@@ -269,6 +269,25 @@ async def test_a_request_that_timed_out_on_an_engine_still_sending_bytes_has_the
     assert len(started) == 1
 
 
+@pytest.mark.parametrize("stack", [{"request_timeout_s": 0.5}], indirect=True)
+async def test_an_answer_past_the_request_timeout_is_a_504_and_its_engine_is_left_to_its_probe(stack):
+    # A slow non-streamed answer on sp0 passes gateway.request_timeout_s: the request ends with a 504 (its limit is
+    # spent: no retry), and sp0, which answers its probe, stays in service (it was taken out as unreachable before,
+    # and the request retried on lp0 for as long again).
+    session, fakes, app = stack
+    fakes["sp0"].hold_answers = True
+    resp = await asyncio.wait_for(session.post("/v1/chat/completions", json=chat("Hi")), timeout=10)
+    assert resp.status == 504 and (await resp.json())["error"] == {
+        "message": "engine sp0 stopped answering; retry later", "type": "engine_error", "param": None, "code": "engine_timeout"}
+    assert fakes["lp0"].bodies == []
+    await asyncio.wait_for(fakes["sp0"].abort_seen.wait(), timeout=5)  # the engine is told to drop it
+    sp0 = app[GATEWAY].registry["sp0"]
+    assert sp0.serving and sp0.timed_out_s > 0
+    await asyncio.wait_for(fakes["sp0"].probed.wait(), timeout=5)  # the next health round probes it
+    await asyncio.sleep(0.2)
+    assert await engine_states(session) == {"sp0": (True, False), "lp0": (True, False)}
+
+
 async def test_a_busy_engine_whose_probe_times_out_stays_in_service_until_it_keeps_failing(stack, monkeypatch):
     _, _, app = stack
     gw = app[GATEWAY]
