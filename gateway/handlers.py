@@ -382,9 +382,10 @@ async def _dispatch(request: web.Request, gw: Gateway, body: dict, path: str, pr
         try:
             return await _attempt(request, gw, body, path, prompt, stream, arrival, guard, may_retry=True)
         except EngineUnavailable as err:
-            # Nothing reached the client: take the engine out of service (the health poll brings it back) and try
-            # another once, under a fresh engine rid: the abort of the first try may still be on its way to an engine
-            # of the retry. Not an answer past gateway.request_timeout_s: that limit is the request's, spent already.
+            # Nothing reached the client: the engine is taken out of service or probed (engine_failed; the health poll
+            # brings it back) and another tried once, under a fresh engine rid: the abort of the first try may still be
+            # on its way to an engine of the retry. Not an answer past gateway.request_timeout_s: that limit is the
+            # request's, spent already.
             engine_failed(gw, err)
             if isinstance(err, AnswerTooLong):
                 raise

@@ -1,6 +1,6 @@
 """Engine health: the ``/ready`` poll, stalled-stream detection, and taking an engine out of service.
 
-An engine leaves service (no new work goes to it) in three ways:
+An engine leaves service (no new work goes to it) in four ways:
 
 * the health poll (every ``HEALTH_POLL_INTERVAL_S``): ``GET /ready`` fails or
   times out (a dead or frozen process) -> ``healthy`` false until it answers;
@@ -164,7 +164,7 @@ def check_waits(gw: Gateway, probes: "GenerationProbes", now: float) -> None:
             continue
         answered_s = probes.answered_s.get(engine.id, 0.0)
         if engine.timed_out_s > answered_s:
-            probes.start(engine, "a request on it timed out while its other streams brought bytes")
+            probes.start(engine, "a request on it timed out while it still sent bytes")
         elif engine.id in oldest:
             quiet_s = now - max(engine.last_byte_s, oldest[engine.id], answered_s)
             if quiet_s > limit_s:
@@ -174,8 +174,8 @@ def check_waits(gw: Gateway, probes: "GenerationProbes", now: float) -> None:
 class GenerationProbes:
     """The one-token generations (``GET /health_generate``, SGLang's probe that runs the model) one gateway process
     runs, at most one per engine at a time: on a stalled engine, to bring it back when it answers; on a serving one
-    whose waiting requests brought nothing (:func:`check_waits`), to take it out of service (stalled) when it does
-    not answer within ``gateway.stall_timeout_s``."""
+    whose waiting requests brought nothing, or on which a request timed out (:func:`check_waits`), to take it out of
+    service (stalled) when it fails it or does not answer within ``gateway.stall_timeout_s``."""
 
     def __init__(self, gw: Gateway) -> None:
         self._gw = gw

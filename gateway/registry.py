@@ -25,8 +25,10 @@ class EngineState:
     ``open_streams``: streams relayed from it that have had their first byte
     and not ended; ``last_byte_s``: when the engine last sent bytes, a stream's
     chunk or a whole answer (the event loop's ``loop.time()``, seconds; 0: never);
-    ``timed_out_s``: when a request on it last timed out while it was not
-    silent (:func:`gateway.health.engine_failed`; its generation probe decides).
+    ``timed_out_s``: when a request on it last timed out without that taking
+    it out of service (a first-byte or stall timeout while it still sent
+    bytes, or an answer past ``gateway.request_timeout_s``: its generation
+    probe decides, :func:`gateway.health.engine_failed`).
     """
 
     id: str

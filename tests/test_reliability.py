@@ -263,7 +263,7 @@ async def test_a_request_that_timed_out_on_an_engine_still_sending_bytes_has_the
     engine_failed(gw, EngineTimeout(sp0, "no next chunk within 0.6 s"))
     assert sp0.serving and sp0.timed_out_s == pytest.approx(now, abs=0.5)
     check_waits(gw, Probes(), now)
-    assert started == [("sp0", "a request on it timed out while its other streams brought bytes")]
+    assert started == [("sp0", "a request on it timed out while it still sent bytes")]
     Probes.answered_s["sp0"] = sp0.timed_out_s + 0.01
     check_waits(gw, Probes(), now)
     assert len(started) == 1
