@@ -13,7 +13,7 @@ import zlib
 
 from gateway.errors import APIError, BodyTooLarge
 
-SUPPORTED = ("gzip", "deflate")
+_SUPPORTED = ("gzip", "deflate")
 _ALIASES = {"x-gzip": "gzip"}  # RFC 9110 8.4.1.3: a recipient should take x-gzip as gzip
 _GZIP_WBITS = zlib.MAX_WBITS | 16
 
@@ -32,7 +32,7 @@ def check_encodings(codings: list[str]) -> None:
         APIError: 415 ``unsupported_media_type`` (as for a Content-Type), param ``Content-Encoding``: a coding other
             than ``gzip`` or ``deflate``, or more than one.
     """
-    if len(codings) > 1 or any(c not in SUPPORTED for c in codings):
+    if len(codings) > 1 or any(c not in _SUPPORTED for c in codings):
         raise APIError(415, f"Content-Encoding {', '.join(codings)!r} is not supported: send the body as it is, or as one of "
                             f"gzip, deflate", param="Content-Encoding", code="unsupported_media_type")
 

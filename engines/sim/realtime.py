@@ -13,8 +13,8 @@ same core without this loop (:mod:`loadgen.virtual`).
 from __future__ import annotations
 
 import asyncio
-import math
 import contextlib
+import math
 import logging
 import time
 from dataclasses import dataclass
