@@ -16,6 +16,9 @@ from gateway.errors import APIError, BodyTooLarge
 _SUPPORTED = ("gzip", "deflate")
 _ALIASES = {"x-gzip": "gzip"}  # RFC 9110 8.4.1.3: a recipient should take x-gzip as gzip
 _GZIP_WBITS = zlib.MAX_WBITS | 16
+MAX_GZIP_MEMBERS = 1000  # gzip bodies of several members are valid (RFC 1952); many tiny ones only cost CPU
+_IN_BYTES = 1 << 16
+_OUT_BYTES = 1 << 18
 
 
 def encodings_of(header_values: list[str]) -> list[str]:
@@ -57,28 +60,34 @@ def decode(coding: str, raw: bytes, limit_bytes: int) -> bytes:
 
 
 def _inflate(raw: bytes, wbits: int, limit_bytes: int) -> bytes:
-    """``raw`` inflated with ``wbits`` (zlib's), a gzip member after another while data follows one.
+    """``raw`` inflated with ``wbits`` (zlib's), a gzip member after another while data follows one (at most
+    ``MAX_GZIP_MEMBERS``). Input goes in ``_IN_BYTES`` at a time and output comes ``_OUT_BYTES`` at most a call, so
+    no step copies much or holds the interpreter long (the event loop runs beside it).
 
     Raises:
         BodyTooLarge: as :func:`decode`.
-        zlib.error: ``raw`` is not whole data of that format.
+        zlib.error: ``raw`` is not whole data of that format, or has too many gzip members.
     """
+    view = memoryview(raw)
+    pos = 0  # raw before this was taken as input
+    pending: bytes | memoryview = b""  # input taken and not yet consumed
     out = bytearray()
-    data = raw
-    while True:
+    for _ in range(MAX_GZIP_MEMBERS):
         decoder = zlib.decompressobj(wbits)
-        while data and not decoder.eof:
-            out += decoder.decompress(data, limit_bytes + 1 - len(out))  # never 0 (unlimited): len(out) <= limit_bytes
+        while not decoder.eof:
+            if not pending:
+                if pos == len(view):
+                    break
+                pending, pos = view[pos:pos + _IN_BYTES], min(len(view), pos + _IN_BYTES)
+            out += decoder.decompress(pending, min(_OUT_BYTES, limit_bytes + 1 - len(out)))  # never 0 (unlimited)
             if len(out) > limit_bytes:
                 raise BodyTooLarge(limit_bytes, None)
-            data = decoder.unconsumed_tail
-        out += decoder.flush()
-        if len(out) > limit_bytes:
-            raise BodyTooLarge(limit_bytes, None)
+            pending = decoder.unconsumed_tail
         if not decoder.eof:
             raise zlib.error("the compressed data ends early")
-        data = decoder.unused_data
-        if not data:
+        pending = decoder.unused_data
+        if not pending and pos == len(view):
             return bytes(out)
         if wbits != _GZIP_WBITS:
-            raise zlib.error(f"{len(data)} bytes follow the end of the compressed data")
+            raise zlib.error(f"{len(pending) + len(view) - pos} bytes follow the end of the compressed data")
+    raise zlib.error(f"more than {MAX_GZIP_MEMBERS} gzip members")

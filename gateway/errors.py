@@ -98,8 +98,8 @@ class EngineTimeout(EngineUnavailable):
     """An engine sent nothing for longer than the request's first-byte or stall timeout, or was taken out of
     service before its first byte (HTTP 504); ``detail`` says which limit."""
 
-    def __init__(self, engine: EngineState, detail: str) -> None:
-        super().__init__(engine, detail, status=504, code="engine_timeout", message=f"engine {engine.id} stopped answering; retry later")
+    def __init__(self, engine: EngineState, detail: str, message: str | None = None) -> None:
+        super().__init__(engine, detail, status=504, code="engine_timeout", message=message or f"engine {engine.id} stopped answering; retry later")
 
 
 class AnswerTooLong(EngineTimeout):
@@ -108,7 +108,8 @@ class AnswerTooLong(EngineTimeout):
     engine to its generation probe."""
 
     def __init__(self, engine: EngineState) -> None:
-        super().__init__(engine, "the answer did not end within gateway.request_timeout_s")
+        super().__init__(engine, "the answer did not end within gateway.request_timeout_s",
+                         f"the answer of engine {engine.id} did not end within the gateway's request timeout; ask for fewer tokens or retry later")
 
 
 class BodyTooLarge(APIError):

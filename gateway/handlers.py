@@ -476,7 +476,8 @@ async def _serve_once(request: web.Request, gw: Gateway, body: dict, path: str, 
         return response
     except APIError as err:
         err.headers.update(headers)  # which class and engine failed, as on every answer
-        outcome = "retried" if may_retry and isinstance(err, EngineUnavailable) else outcome_of(err)
+        retried = may_retry and isinstance(err, EngineUnavailable) and not isinstance(err, AnswerTooLong)  # as _dispatch does
+        outcome = "retried" if retried else outcome_of(err)
         detail = f" ({err.detail})" if isinstance(err, EngineUnavailable) else ""
         raise
     except (ClientGone, asyncio.CancelledError):

@@ -22,6 +22,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from gateway.app import MAX_BODY_BYTES, app_runner, create_app, listen_socket, serve_until
+from gateway.content_encoding import MAX_GZIP_MEMBERS
 from gateway.state import GATEWAY
 from laps.config import load_config
 from tests.fake_engine import FakeEngine
@@ -206,8 +207,10 @@ BOMB = gzip.compress(b" " * (MAX_BODY_BYTES + 1))  # ~65 KB that decode to one b
     ("gzip", gzip.compress(CHAT) + b"junk", 400, "request body is not valid gzip data (Content-Encoding: gzip): Error -3 while decompressing data: incorrect header check"),
     ("deflate", zlib.compress(CHAT) + b"junk", 400, "request body is not valid deflate data (Content-Encoding: deflate): 4 bytes follow the end of the compressed data"),
     ("gzip", b"", 400, "request body is not valid gzip data (Content-Encoding: gzip): the compressed data ends early"),
+    ("gzip", gzip.compress(b"") * MAX_GZIP_MEMBERS + gzip.compress(CHAT), 400,  # each member costs CPU, however small
+     f"request body is not valid gzip data (Content-Encoding: gzip): more than {MAX_GZIP_MEMBERS} gzip members"),
 ], ids=["gzip", "deflate", "raw-deflate", "identity", "not-gzip", "cut-gzip", "br", "two-codings", "gzip-bomb", "two-members",
-        "gzip-then-junk", "deflate-then-junk", "empty"])
+        "gzip-then-junk", "deflate-then-junk", "empty", "too-many-members"])
 async def test_an_encoded_body_is_decoded_or_refused_with_an_openai_error_never_a_500(gateway, caplog, encoding, body, status, error):
     port, fakes = gateway
     caplog.set_level(logging.INFO)

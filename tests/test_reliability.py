@@ -278,8 +278,11 @@ async def test_an_answer_past_the_request_timeout_is_a_504_and_its_engine_is_lef
     fakes["sp0"].hold_answers = True
     resp = await asyncio.wait_for(session.post("/v1/chat/completions", json=chat("Hi")), timeout=10)
     assert resp.status == 504 and (await resp.json())["error"] == {
-        "message": "engine sp0 stopped answering; retry later", "type": "engine_error", "param": None, "code": "engine_timeout"}
+        "message": "the answer of engine sp0 did not end within the gateway's request timeout; ask for fewer tokens or retry later",
+        "type": "engine_error", "param": None, "code": "engine_timeout"}
     assert fakes["lp0"].bodies == []
+    async with session.get("/metrics") as metrics:  # counted once, as what it was (not as a retry that never ran)
+        assert 'laps_requests_total{cls="short",outcome="engine_timeout"} 1.0' in await metrics.text()
     await asyncio.wait_for(fakes["sp0"].abort_seen.wait(), timeout=5)  # the engine is told to drop it
     sp0 = app[GATEWAY].registry["sp0"]
     assert sp0.serving and sp0.timed_out_s > 0
