@@ -21,23 +21,20 @@ _IN_BYTES = 1 << 16
 _OUT_BYTES = 1 << 18
 
 
-def encodings_of(header_values: list[str]) -> list[str]:
-    """The codings a request's ``Content-Encoding`` header(s) name, in the order applied, lower-cased, aliases
-    resolved, without ``identity`` (``[]``: none)."""
-    codings = [c.strip().lower() for value in header_values for c in value.split(",")]
-    return [_ALIASES.get(c, c) for c in codings if c and c != "identity"]
-
-
-def check_encodings(codings: list[str]) -> None:
-    """Refuse codings the gateway does not decode, before the body is read.
+def coding_of(header_values: list[str]) -> str | None:
+    """The coding a request's ``Content-Encoding`` header(s) name (lower-cased, aliases resolved; ``identity``
+    dropped); None: none. Checked before the body is read.
 
     Raises:
         APIError: 415 ``unsupported_media_type`` (as for a Content-Type), param ``Content-Encoding``: a coding other
             than ``gzip`` or ``deflate``, or more than one.
     """
+    named = (c.strip().lower() for value in header_values for c in value.split(","))
+    codings = [_ALIASES.get(c, c) for c in named if c and c != "identity"]
     if len(codings) > 1 or any(c not in _SUPPORTED for c in codings):
         raise APIError(415, f"Content-Encoding {', '.join(codings)!r} is not supported: send the body as it is, or as one of "
                             f"gzip, deflate", param="Content-Encoding", code="unsupported_media_type")
+    return codings[0] if codings else None
 
 
 def decode(coding: str, raw: bytes, limit_bytes: int) -> bytes:

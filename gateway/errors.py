@@ -83,8 +83,11 @@ class EngineUnavailable(APIError):
 
     ``engine``: the state of the engine the request ran on (a gateway worker's registry may hold another under its id
     since: :meth:`gateway.sched_worker.MirrorRegistry.renew`). The client's message names the engine only
-    (``engine_id``); ``detail`` says what happened, for the gateway log.
+    (``engine_id``); ``detail`` says what happened, for the gateway log. ``retryable``: a request that got it before
+    its client got anything is tried once more on another engine (:func:`gateway.handlers._dispatch`).
     """
+
+    retryable = True
 
     def __init__(self, engine: EngineState, detail: str, *, status: int = 502, code: str = "engine_unavailable",
                  message: str | None = None) -> None:
@@ -105,7 +108,9 @@ class EngineTimeout(EngineUnavailable):
 class AnswerTooLong(EngineTimeout):
     """An answer did not end within ``gateway.request_timeout_s``: a limit on the request, which says nothing of its
     engine's health (a long generation on a busy engine takes long); :func:`gateway.health.engine_failed` leaves the
-    engine to its generation probe."""
+    engine to its generation probe. Not retried: the limit is the request's, spent already."""
+
+    retryable = False
 
     def __init__(self, engine: EngineState) -> None:
         super().__init__(engine, "the answer did not end within gateway.request_timeout_s",

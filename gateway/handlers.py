@@ -75,8 +75,7 @@ async def read_body(request: web.Request, timeout_s: float) -> bytes:
         APIError: 415 for a ``Content-Encoding`` the gateway does not decode, 400 for a body that is not what its
             ``Content-Encoding`` says.
     """
-    codings = content_encoding.encodings_of(request.headers.getall("Content-Encoding", []))
-    content_encoding.check_encodings(codings)
+    coding = content_encoding.coding_of(request.headers.getall("Content-Encoding", []))
     limit = request.client_max_size
     if request.content_length is not None and request.content_length > limit:
         raise BodyTooLarge(limit, request.content_length)
@@ -87,9 +86,9 @@ async def read_body(request: web.Request, timeout_s: float) -> bytes:
         raise BodyTooLarge(limit, None) from None
     except TimeoutError:
         raise BodyTimeout(timeout_s) from None
-    if not codings:
+    if coding is None:
         return raw
-    return await asyncio.get_running_loop().run_in_executor(None, content_encoding.decode, codings[0], raw, limit)
+    return await asyncio.get_running_loop().run_in_executor(None, content_encoding.decode, coding, raw, limit)
 
 
 _JSON_TYPE_NAMES = {type(None): "null", bool: "a boolean", int: "a number", float: "a number", str: "a string",
@@ -383,11 +382,10 @@ async def _dispatch(request: web.Request, gw: Gateway, body: dict, path: str, pr
             return await _attempt(request, gw, body, path, prompt, stream, arrival, guard, may_retry=True)
         except EngineUnavailable as err:
             # Nothing reached the client: the engine is taken out of service or probed (engine_failed; the health poll
-            # brings it back) and another tried once, under a fresh engine rid: the abort of the first try may still be
-            # on its way to an engine of the retry. Not an answer past gateway.request_timeout_s: that limit is the
-            # request's, spent already.
+            # brings it back) and, where the error is retryable, another tried once, under a fresh engine rid: the
+            # abort of the first try may still be on its way to an engine of the retry.
             engine_failed(gw, err)
-            if isinstance(err, AnswerTooLong):
+            if not err.retryable:
                 raise
             retry = dataclasses.replace(arrival, rid=f"{rid}{RETRY_RID_SUFFIX}")
             log.warning("%s: engine %s failed before the first byte (%s); retrying on another engine as %s", rid, err.engine_id, err.detail, retry.rid)
@@ -476,8 +474,7 @@ async def _serve_once(request: web.Request, gw: Gateway, body: dict, path: str, 
         return response
     except APIError as err:
         err.headers.update(headers)  # which class and engine failed, as on every answer
-        retried = may_retry and isinstance(err, EngineUnavailable) and not isinstance(err, AnswerTooLong)  # as _dispatch does
-        outcome = "retried" if retried else outcome_of(err)
+        outcome = "retried" if may_retry and isinstance(err, EngineUnavailable) and err.retryable else outcome_of(err)
         detail = f" ({err.detail})" if isinstance(err, EngineUnavailable) else ""
         raise
     except (ClientGone, asyncio.CancelledError):

@@ -100,12 +100,10 @@ def engine_failed(gw: Gateway, err: EngineUnavailable) -> None:
     now = asyncio.get_running_loop().time()
     if not isinstance(err, EngineTimeout):
         take_out_of_service(gw, engine, err.detail, stalled=False)
-    elif isinstance(err, AnswerTooLong):  # the request's own limit: the engine may only be slow
-        engine.timed_out_s = now
-    elif now - engine.last_byte_s > silence_s(gw):
+    elif not isinstance(err, AnswerTooLong) and now - engine.last_byte_s > silence_s(gw):  # AnswerTooLong: may only be slow
         take_out_of_service(gw, engine, err.detail, stalled=True)
     else:
-        engine.timed_out_s = now  # busy or partly stuck: its generation probe decides (check_waits)
+        engine.timed_out_s = now  # slow, busy or partly stuck: its generation probe decides (check_waits)
 
 
 def check_silence(gw: Gateway, now: float) -> None:

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
+from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from bench import faults
@@ -26,32 +29,38 @@ from tests.test_gateway import with_gateway
 REQUESTS = 16
 
 
-async def run_load(fault: str | None, requests: int = REQUESTS, max_tokens: int = 24, settle_s: float = 0.0) -> tuple[faults.Tally, list[str]]:
-    """``requests`` chats (every fourth not streamed) through a gateway whose sp0 runs with ``--sim-fault fault``, then,
-    ``settle_s`` seconds later, one more not streamed; the tally of the first and the outcome of the last."""
+@contextlib.asynccontextmanager
+async def faulty_gateway(fault: str | None, policy: str = "least_load") -> AsyncIterator[tuple[str, web.Application]]:
+    """A gateway (``policy``; stall timeout 1 s, first-byte timeout 5 s) over simulated engines sp0, which runs with
+    ``--sim-fault fault``, and lp0; its URL and app. Everything is closed after."""
     sims = {"sp0": SimServerArgs(sim_fault=fault, enable_cache_report=True), "lp0": SimServerArgs(enable_cache_report=True)}
     servers = {name: TestServer(create_sim_app(args), handler_cancellation=True) for name, args in sims.items()}
     for s in servers.values():
         await s.start_server()
     config = with_gateway(load_config(), stall_timeout_s=1.0, first_byte_timeout_s=5.0)
-    config = config.model_copy(update={"scheduling": config.scheduling.model_copy(update={"policy": "least_load"})})
-    gateway = TestServer(create_app(config, engine_urls={n: str(s.make_url("")).rstrip("/") for n, s in servers.items()}),
-                         handler_cancellation=True)
+    config = config.model_copy(update={"scheduling": config.scheduling.model_copy(update={"policy": policy})})
+    app = create_app(config, engine_urls={n: str(s.make_url("")).rstrip("/") for n, s in servers.items()})
+    gateway = TestServer(app, handler_cancellation=True)
     await gateway.start_server()
-    tally = faults.Tally()
-    url = str(gateway.make_url("")).rstrip("/")
     try:
-        async with aiohttp.ClientSession() as session:
-            outcomes = await asyncio.gather(*(faults.one_request(session, url, i, i % 4 != 3, max_tokens, timeout_s=30) for i in range(requests)))
-            for outcome, code in outcomes:
-                tally.sent += 1
-                tally.add(outcome, code)
-            await asyncio.sleep(settle_s)
-            served = await faults.one_request(session, url, -1, False, 4, timeout_s=30)
+        yield str(gateway.make_url("")).rstrip("/"), app
     finally:
         await gateway.close()
         for s in servers.values():
             await s.close()
+
+
+async def run_load(fault: str | None, requests: int = REQUESTS, max_tokens: int = 24, settle_s: float = 0.0) -> tuple[faults.Tally, list[str]]:
+    """``requests`` chats (every fourth not streamed) through a :func:`faulty_gateway`, then, ``settle_s`` seconds
+    later, one more not streamed; the tally of the first and the outcome of the last."""
+    tally = faults.Tally()
+    async with faulty_gateway(fault) as (url, _), aiohttp.ClientSession() as session:
+        outcomes = await asyncio.gather(*(faults.one_request(session, url, i, i % 4 != 3, max_tokens, timeout_s=30) for i in range(requests)))
+        for outcome, code in outcomes:
+            tally.sent += 1
+            tally.add(outcome, code)
+        await asyncio.sleep(settle_s)
+        served = await faults.one_request(session, url, -1, False, 4, timeout_s=30)
     return tally, served
 
 
@@ -81,31 +90,15 @@ async def test_an_engine_that_stalls_every_stream_after_its_first_events_leaves_
     # hang:2 under round_robin: each new stream on sp0 brings two events (so sp0 never looks silent) and then nothing.
     # The streams' stall timeouts (1 s) have sp0 probed; the probe fails (its scheduler is stuck), so sp0 leaves
     # service while requests keep coming, and later requests go to lp0 only.
-    sims = {"sp0": SimServerArgs(sim_fault="hang:2"), "lp0": SimServerArgs()}
-    servers = {name: TestServer(create_sim_app(args), handler_cancellation=True) for name, args in sims.items()}
-    for s in servers.values():
-        await s.start_server()
-    config = with_gateway(load_config(), stall_timeout_s=1.0, first_byte_timeout_s=5.0)
-    config = config.model_copy(update={"scheduling": config.scheduling.model_copy(update={"policy": "round_robin"})})
-    app = create_app(config, engine_urls={n: str(s.make_url("")).rstrip("/") for n, s in servers.items()})
-    gateway = TestServer(app, handler_cancellation=True)
-    await gateway.start_server()
-    url = str(gateway.make_url("")).rstrip("/")
-
     async def later(i: int) -> tuple[str, str | None]:
         await asyncio.sleep(0.1 * i)
         return await faults.one_request(session, url, i, True, 64, timeout_s=30)
 
-    try:
-        async with aiohttp.ClientSession() as session:
-            outcomes = await asyncio.gather(*(later(i) for i in range(60)))  # one every 0.1 s for 6 s
-            assert all(outcome in ("ok", "errors") for outcome, _ in outcomes)  # none hung or silent
-            assert app[GATEWAY].registry["sp0"].stalled
-            assert outcomes[-10:] == [("ok", None)] * 10  # the last second's streams: all on lp0
-    finally:
-        await gateway.close()
-        for s in servers.values():
-            await s.close()
+    async with faulty_gateway("hang:2", policy="round_robin") as (url, app), aiohttp.ClientSession() as session:
+        outcomes = await asyncio.gather(*(later(i) for i in range(60)))  # one every 0.1 s for 6 s
+        assert all(outcome in ("ok", "errors") for outcome, _ in outcomes)  # none hung or silent
+        assert app[GATEWAY].registry["sp0"].stalled
+        assert outcomes[-10:] == [("ok", None)] * 10  # the last second's streams: all on lp0
 
 
 @pytest.mark.parametrize("spec, expected", [

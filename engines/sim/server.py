@@ -248,24 +248,21 @@ async def health(request: web.Request) -> web.Response:
     (``http_server.health_generate``): 200 once the engine has put out any token since the probe began (checked
     every ``HEALTH_CHECK_POLL_S``: a busy engine answers without waiting for the probe's own turn) or the probe's
     token came, 503 after ``HEALTH_CHECK_TIMEOUT_S`` without either (at once while the engine is not ready). Under
-    ``--sim-fault hang`` no token comes, as on a real engine whose scheduler is stuck."""
+    ``--sim-fault hang`` no token counts: always 503, as on a real engine whose scheduler is stuck."""
     engine = request.app[ENGINE]
     if not engine.ready:
         return web.Response(status=503)
     if engine.pd is not None and engine.pd.mode == "decode":  # takes requests only with KV from a prefill engine
         return web.Response(status=200)
-    if hung(request):
-        await asyncio.sleep(HEALTH_CHECK_TIMEOUT_S)
-        log.error("health check failed: no token within %.0f s", HEALTH_CHECK_TIMEOUT_S)
-        return web.Response(status=503)
+    stuck = hung(request)
     rid = f"{HEALTH_CHECK_RID_PREFIX}_{uuid.uuid4().hex}"
     track = engine.submit(rid, [0], 1, False, [])
     tic = engine.clock()
     token = asyncio.ensure_future(track.queue.get())
     try:
-        while engine.clock() - tic < HEALTH_CHECK_TIMEOUT_S:
-            await asyncio.wait({token}, timeout=HEALTH_CHECK_POLL_S)
-            if token.done() or engine.last_output_s > tic:
+        while (left_s := HEALTH_CHECK_TIMEOUT_S - (engine.clock() - tic)) > 0:
+            await asyncio.wait({token}, timeout=min(HEALTH_CHECK_POLL_S, left_s))
+            if not stuck and (token.done() or engine.last_output_s > tic):
                 return web.Response(status=200)
         log.error("health check failed: no token within %.0f s", HEALTH_CHECK_TIMEOUT_S)
         return web.Response(status=503)
