@@ -23,6 +23,9 @@ from policies.laps import LapsConfig
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parent.parent / "config.yaml"
 # Client API keys (``gateway.api_keys``) shorter than this are refused: a short key is a guessable key.
 MIN_API_KEY_CHARS = 8
+# The longest any of the gateway's timeouts may be (seconds): a week, far past any generation; the HTTP client takes
+# its timeouts as a ``datetime.timedelta``, which overflows past ~8.6e13 s.
+MAX_TIMEOUT_S = 7 * 86_400.0
 
 FlagValue = bool | int | float | str | list[int]
 
@@ -43,7 +46,7 @@ class ModelConfig(_Strict):
     with the ChatML template.
     """
 
-    name: str = "Qwen2.5-7B-Instruct"
+    name: str = Field("Qwen2.5-7B-Instruct", min_length=1)
     path: Path | None = None
 
 
@@ -87,12 +90,12 @@ class GatewayConfig(_Strict):
 
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
-    request_timeout_s: float = Field(600.0, gt=0)
-    first_byte_timeout_s: float = Field(60.0, gt=0)
-    stall_timeout_s: float = Field(30.0, gt=0)
-    shutdown_grace_s: float = Field(30.0, ge=0)
-    keepalive_timeout_s: float = Field(75.0, gt=0)
-    body_timeout_s: float = Field(60.0, gt=0)
+    request_timeout_s: float = Field(600.0, gt=0, le=MAX_TIMEOUT_S)
+    first_byte_timeout_s: float = Field(60.0, gt=0, le=MAX_TIMEOUT_S)
+    stall_timeout_s: float = Field(30.0, gt=0, le=MAX_TIMEOUT_S)
+    shutdown_grace_s: float = Field(30.0, ge=0, le=MAX_TIMEOUT_S)
+    keepalive_timeout_s: float = Field(75.0, gt=0, le=MAX_TIMEOUT_S)
+    body_timeout_s: float = Field(60.0, gt=0, le=MAX_TIMEOUT_S)
     admin_key: str | None = Field(None, min_length=8)
     api_keys: list[str] | Path | None = Field(None, union_mode="left_to_right")
     tokenizer_processes: int = Field(2, ge=0, le=256)
@@ -511,8 +514,8 @@ class Config(_Strict):
         gpu_owner: dict[int, str] = {}
         for i, engine in enumerate(self.engines):
             if engine.role not in self.roles:
-                allowed = ", ".join(sorted(self.roles))
-                raise ValueError(f"engines.{i}.role: {engine.role!r} is not a role defined under roles; allowed: {allowed}")
+                allowed = f"allowed: {', '.join(sorted(self.roles))}" if self.roles else "roles defines none"
+                raise ValueError(f"engines.{i}.role: {engine.role!r} is not a role defined under roles; {allowed}")
             if engine.name in seen:
                 raise ValueError(f"engines.{i}.name: {engine.name!r} is used by more than one engine")
             seen.add(engine.name)
@@ -524,7 +527,7 @@ class Config(_Strict):
                     raise ValueError(f"engines.{i}.gpus: GPU {gpu} is already given to engine {gpu_owner[gpu]!r}; a GPU serves one engine")
                 gpu_owner[gpu] = engine.name
         _check_controller_roles(self)
-        _check_pd(self)
+        _check_pd(self, _http_ports(self))
         _check_scheduling(self)
         _check_kv_events(self)
         return self
@@ -615,8 +618,29 @@ def _check_controller_roles(config: Config) -> None:
                              f"set it below {movable} or disable the controller")
 
 
-def _check_pd(config: Config) -> None:
-    """PD roles and ports: a decode pool only with ``pd:``, both sides present, no hand-set PD flags, no port clashes."""
+def _http_ports(config: Config) -> dict[int, str]:
+    """The HTTP ports set in ``config`` on this machine, each with whose it is: the gateway's (unless 0, any free
+    one) and those of the engines laps runs.
+
+    Raises:
+        ValueError: two of them are the same port (the second engine would not start, or would find the first
+            answering in its place).
+    """
+    taken = {config.gateway.port: "the gateway (gateway.port)"} if config.gateway.port else {}
+    for i, engine in enumerate(config.engines):
+        if engine.kind == "external" or engine.port is None:
+            continue
+        clash = taken.get(engine.port)
+        if clash is not None:
+            raise ValueError(f"engines.{i}.port: port {engine.port} of {engine.name!r} is already used by {clash}; "
+                             "give each engine a port of its own, or leave it out (null: a free port is picked)")
+        taken[engine.port] = f"engine {engine.name!r}"
+    return taken
+
+
+def _check_pd(config: Config, taken: dict[int, str]) -> None:
+    """PD roles and ports: a decode pool only with ``pd:``, both sides present, no hand-set PD flags, no KV bootstrap
+    port on one of ``taken`` (:func:`_http_ports`) or on another engine's."""
     for name, role in config.roles.items():
         if config.pd is None and role.pool == "decode":
             raise ValueError(f"roles.{name}.pool: decode engines exist only with prefill-decode disaggregation; add the pd: section")
@@ -632,8 +656,7 @@ def _check_pd(config: Config) -> None:
     prefill = [e.name for e in config.engines if config.pool(e) != "decode"]
     if not decode or not prefill:
         raise ValueError(f"pd: a prefill-decode deployment needs at least one prefill engine (pool short or long) and one decode engine (pool decode); engines has {len(prefill)} prefill and {len(decode)} decode")
-    taken = {e.port: f"engine {e.name!r}" for e in config.engines if e.kind != "external" and e.port is not None}
-    taken.setdefault(config.gateway.port, "the gateway (gateway.port)")
+    taken = dict(taken)
     for i, engine in enumerate(config.engines):
         if not config.serves_bootstrap(engine):
             if engine.bootstrap_port is not None:
@@ -762,6 +785,25 @@ def parse_config(data: Any, source: str = "<config>") -> Config:
         raise ConfigError(_format_error(source, err)) from None
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last, silently: a second
+    ``gateway:`` block would drop the first whole)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: set = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # ``<<``: merged keys may be overridden, as YAML allows
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, (list, dict)):
+                continue  # unhashable: SafeLoader's own construct_mapping says so
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} is given twice in one mapping",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_config(path: str | Path | None = None) -> Config:
     """Read and validate a YAML deployment file (default: the repository's ``config.yaml``).
 
@@ -770,13 +812,20 @@ def load_config(path: str | Path | None = None) -> Config:
     """
     path = Path(path) if path is not None else DEFAULT_CONFIG_PATH
     try:
-        text = path.read_text()
+        raw = path.read_bytes()
     except OSError as err:
         raise ConfigError(f"{path}: cannot read configuration: {err.strerror}") from None
     try:
-        data = yaml.safe_load(text)
+        text = raw.decode()
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text (byte 0x{raw[err.start]:02x} at offset {err.start}); YAML files are UTF-8") from None
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
         raise ConfigError(f"{path}: not valid YAML{where}: {getattr(err, 'problem', None) or err}") from None
+    if data is None:
+        raise ConfigError(f"{path}: the file holds no configuration (it is empty or only comments)")
     return parse_config(data, str(path))
+

@@ -71,6 +71,12 @@ def test_default_config_is_the_documented_deployment():
          ["engines.0.kv_events_endpoint: scheduling.kv_events is false, so nothing follows it"]),
         (lambda d: d["engines"][0].update(kind="external", gpus=[], url="http://h:1", kv_events_endpoint="h:2"),
          ["engines.0.kv_events_endpoint", "should match pattern"]),
+        (lambda d: (d["engines"][0].update(port=28555), d["engines"][1].update(port=28555)),
+         ["engines.1.port: port 28555 of 'lp0' is already used by engine 'sp0'; give each engine a port of its own"]),
+        (lambda d: d["engines"][1].update(port=8000), ["engines.1.port: port 8000 of 'lp0' is already used by the gateway (gateway.port)"]),
+        (lambda d: d.update(roles={}), ["engines.0.role: 'short-prefill' is not a role defined under roles; roles defines none"]),
+        (lambda d: d["gateway"].update(request_timeout_s=1e300), ["gateway.request_timeout_s", "less than or equal to 604800", "1e+300"]),
+        (lambda d: d["model"].update(name=""), ["model.name", "at least 1 character"]),
     ],
 )
 def test_bad_config_names_key_value_and_allowed(edit, expected):
@@ -141,3 +147,23 @@ def test_unreadable_and_non_yaml_files(tmp_path: Path):
     bad.write_text("- just\n- a list\n")
     with pytest.raises(ConfigError, match="top level must be a mapping"):
         load_config(bad)
+    bad.write_bytes(b"model:\n  name: caf\xe9\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: not UTF-8 text \(byte 0xe9 at offset 18\)"):
+        load_config(bad)
+    for empty in ("", "# nothing but a comment\n"):
+        bad.write_text(empty)
+        with pytest.raises(ConfigError, match="bad.yaml: the file holds no configuration"):
+            load_config(bad)
+
+
+def test_a_key_given_twice_is_refused_with_its_line(tmp_path: Path):
+    """PyYAML keeps the last of two equal keys: a second ``gateway:`` block would silently replace the first."""
+    path = tmp_path / "twice.yaml"
+    text = DEFAULT_CONFIG_PATH.read_text()
+    path.write_text(text + "gateway:\n  port: 8001\n")
+    with pytest.raises(ConfigError, match=rf"twice.yaml: not valid YAML \(line {text.count(chr(10)) + 1}, column 1\): key 'gateway' is given twice"):
+        load_config(path)
+    engines = text.index("engines:\n")  # YAML's merge key: the second engine takes the first's keys and overrides some
+    path.write_text(text[:engines] + "engines:\n  - &sp0 {name: sp0, kind: sim, role: short-prefill, gpus: [0]}\n"
+                    "  - <<: *sp0\n    name: lp0\n    role: long-prefill\n    gpus: [1]\n" + text[text.index("\nlog_dir:"):])
+    assert [(e.name, e.role, e.gpus) for e in load_config(path).engines] == [("sp0", "short-prefill", [0]), ("lp0", "long-prefill", [1])]
