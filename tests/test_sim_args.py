@@ -36,6 +36,8 @@ def test_role_flags_change_the_derived_defaults():
     assert sim.mem_fraction_static == 0.929
     no_chunk = resolve_args(SimServerArgs(model_path="Qwen/Qwen2.5-32B-Instruct", chunked_prefill_size=-1))
     assert no_chunk.sim_model == "qwen2.5-32b" and no_chunk.config.chunked_prefill_size is None
+    for off in (0, -5):  # SGLang 0.5.23's scheduler turns chunking off at 0 or less, not only at -1
+        assert resolve_args(SimServerArgs(chunked_prefill_size=off)).config.chunked_prefill_size is None
     assert no_chunk.prefill_graph.sizes == ()
     # reserve = 512 + 1.5·16384 (max_prefill_tokens) + 128 + 512 = 25,728 MiB: 0.82105 -> 0.821
     assert no_chunk.mem_fraction_static == 0.821

@@ -283,7 +283,7 @@ def resolve_args(args: SimServerArgs) -> ResolvedSim:
     config = EngineConfig(
         max_total_tokens=max_total,
         max_running_requests=max_running,
-        chunked_prefill_size=None if chunk < 0 else chunk,
+        chunked_prefill_size=None if chunk <= 0 else chunk,  # SGLang 0.5.23: 0 or less turns chunking off
         max_prefill_tokens=args.max_prefill_tokens,
         context_length=context,
         enable_mixed_chunk=args.enable_mixed_chunk,
