@@ -94,9 +94,13 @@ def free_port(host: str = "127.0.0.1") -> int:
     raise OSError(f"no free TCP port on {host} in {FREE_PORT_RANGE[0]}-{FREE_PORT_RANGE[1]} outside the ephemeral range")
 
 
-def port_free(port: int, host: str = "127.0.0.1") -> bool:
-    """Whether a TCP socket could bind ``host``:``port`` just now."""
+def port_free(port: int, host: str = "127.0.0.1", as_server: bool = False) -> bool:
+    """Whether a TCP socket could bind ``host``:``port`` just now; ``as_server``: bound as a server binds, with
+    ``SO_REUSEADDR`` (the connections in TIME_WAIT of a server stopped there, which bound so too, do not count; a
+    listening socket does)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        if as_server:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:
@@ -426,11 +430,18 @@ class EngineProcess:
         ``=== <date> <time> starting as <role>: <command>`` line (where :attr:`log_offset` points), in a session of
         its own (:func:`engine_preexec`: a Ctrl-C at the gateway's terminal does not reach it). A real SGLang engine
         first waits for a previous run's process on its GPUs (:func:`await_predecessor`) and leaves a pid file while
-        it runs."""
+        it runs.
+
+        Raises:
+            RuntimeError: another process holds the engine's port (what answers there would pass for this engine).
+        """
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         real = self.config.kind == "sglang"
         if real:
             await await_predecessor(self.config.name, self.log_path)
+        if not port_free(self.port, as_server=True):  # else whatever answers there would pass for this engine (wait_ready)
+            raise RuntimeError(f"engine {self.config.name}: port {self.port} is already in use by another process "
+                               "(an engine left from an earlier run?); stop it or give this engine another port")
         with open(self.log_path, "ab") as logf:
             self.log_offset = logf.tell()
             logf.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} starting as {self.role}: {' '.join(self.command)}\n".encode())

@@ -50,6 +50,8 @@ HEALTH_POLL_INTERVAL_S = 1.0
 # failed polls in a row (taking it out at once would send its whole queue elsewhere).
 BUSY_WITHIN_S = 3.0
 READY_FAILURES_WHEN_BUSY = 3
+# The readiness of an engine this gateway runs whose process is not running (HealthMonitor._ready).
+NOT_RUNNING = "process not running"
 # An engine is stalled when its open streams have been silent for this share of the stall timeout: a frozen engine is
 # noticed before its requests time out one by one.
 SILENCE_SHARE_OF_STALL = 1 / 3
@@ -233,7 +235,7 @@ class HealthMonitor:
         gw = self._gw
         engines = list(gw.registry)
         loop = asyncio.get_running_loop()
-        for engine, state in zip(engines, await asyncio.gather(*(gw.client.ready(e.url) for e in engines))):
+        for engine, state in zip(engines, await asyncio.gather(*(self._ready(e) for e in engines))):
             ok = state == "ready"
             failures = self._ready_failures[engine.id] = 0 if ok else self._ready_failures.get(engine.id, 0) + 1
             busy = state == "timeout" and loop.time() - engine.last_byte_s < BUSY_WITHIN_S
@@ -241,13 +243,24 @@ class HealthMonitor:
                 log.info("engine %s is now healthy", engine.id)
                 engine.healthy = True
             elif not ok and engine.healthy and (not busy or failures >= READY_FAILURES_WHEN_BUSY):
-                take_out_of_service(gw, engine, f"GET /ready: {state} ({failures} time(s) in a row)", stalled=False)
+                why = "its process is not running" if state == NOT_RUNNING else f"GET /ready: {state} ({failures} time(s) in a row)"
+                take_out_of_service(gw, engine, why, stalled=False)
             gw.metrics.engine_healthy.labels(engine.id).set(int(engine.serving))
         check_silence(gw, loop.time())
         check_waits(gw, self._probes, loop.time())
         for engine in engines:
             if engine.stalled and engine.healthy:
                 self._probes.start(engine, "it stalled")
+
+    async def _ready(self, engine: EngineState) -> str:
+        """:meth:`~engines.client.EngineClient.ready` of ``engine``, or :data:`NOT_RUNNING` where it is an engine this
+        gateway runs whose process is not running (crashed, a restart pending or under way): whatever answers on its
+        port then is not it (another process that took the port)."""
+        manager = self._gw.manager
+        process = manager.engines.get(engine.id) if manager is not None else None
+        if process is not None and not process.alive():
+            return NOT_RUNNING
+        return await self._gw.client.ready(engine.url)
 
     async def close(self) -> None:
         """Cancel the probes in progress."""

@@ -22,7 +22,8 @@ from aiohttp.test_utils import TestServer
 from engines.client import EngineClient
 from engines.kv_events import KVEventSource
 from engines.manager import (FREE_PORT_RANGE, SGLANG_PLUGIN_DIR, EngineManager, EngineProcess, _ephemeral_ports, engine_command,
-                             engine_env, flag_args, free_port, kv_event_sources, server_args, sim_model)
+                             engine_env, flag_args, free_port, kv_event_sources, port_free, server_args,
+                             sim_model)
 from gateway.app import create_app
 from gateway.state import GATEWAY
 from laps.config import DEFAULT_CONFIG_PATH, Config, EngineConfig, load_config, parse_config
@@ -486,6 +487,33 @@ async def test_an_engine_that_exits_before_it_is_ready_shows_its_own_start_s_log
     assert len(lines) == 2 and lines[0].startswith("=== ") and lines[0].endswith(f"starting as mixed: {sys.executable} -c print('this run'); raise SystemExit(3)")
     assert lines[1] == "this run"
     assert log.read_text().count("earlier run") == 5  # still in the file
+
+
+async def test_an_engine_whose_port_another_process_listens_on_is_not_started(tmp_path: Path):
+    """Whatever answers ``GET /ready`` on the port would pass for the engine: a stale engine of an earlier run took over
+    its traffic while the engine itself crash-looped on "address already in use"."""
+    port = free_port()
+    engine = EngineProcess(EngineConfig(name="x", role="mixed"), "mixed", [sys.executable, "-c", "import time; time.sleep(30)"], {},
+                           port, tmp_path / "engine-x.log")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as other:
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind (its connections inherit it)
+        other.bind(("127.0.0.1", port))
+        other.listen()
+        with pytest.raises(RuntimeError) as info:
+            await engine.start()
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            served, _ = other.accept()
+            served.close()  # the server's side closes first: its end stays in TIME_WAIT on the port
+            client.recv(1)
+    assert str(info.value) == (f"engine x: port {port} is already in use by another process (an engine left from an earlier run?); "
+                               "stop it or give this engine another port")
+    assert engine.process is None
+    assert not port_free(port)  # a plain bind still fails on the connection in TIME_WAIT; a server's bind does not
+    await engine.start()
+    try:
+        assert engine.alive()
+    finally:
+        await engine.stop()
 
 
 def test_an_engine_process_leaves_the_terminal_and_outlives_a_ctrl_c_caught_before_it_did():

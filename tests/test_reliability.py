@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from types import SimpleNamespace
 
 import aiohttp
 import orjson
@@ -309,6 +310,24 @@ async def test_a_busy_engine_whose_probe_times_out_stays_in_service_until_it_kee
     assert sp0.healthy
     await monitor.poll()  # the third timeout in a row
     assert not sp0.healthy
+
+
+async def test_an_engine_whose_process_is_not_running_leaves_service_whatever_answers_on_its_port(stack, monkeypatch, caplog):
+    """A crashed engine's port taken by another process (a stale engine of an earlier run) answers ``GET /ready``: the
+    gateway would route to that process; an engine it runs counts as ready only while its process runs."""
+    _, _, app = stack
+    gw = app[GATEWAY]
+    running = {"sp0": False, "lp0": True}  # as EngineProcess.alive() says: sp0 crashed, its restart pending
+    monkeypatch.setattr(gw, "manager", SimpleNamespace(engines={
+        name: SimpleNamespace(alive=lambda name=name: running[name]) for name in running}))
+    caplog.set_level(logging.WARNING, logger="laps.gateway")
+    monitor = HealthMonitor(gw)
+    await monitor.poll()  # both fake engines answer /ready
+    assert (gw.registry["sp0"].healthy, gw.registry["lp0"].healthy) == (False, True)
+    assert "engine sp0 is out of service: its process is not running" in caplog.text
+    running["sp0"] = True  # restarted
+    await monitor.poll()
+    assert gw.registry["sp0"].healthy
 
 
 async def test_an_engine_back_in_service_is_logged_at_info(stack, monkeypatch, caplog):
