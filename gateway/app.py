@@ -189,6 +189,7 @@ def _application(config: Config, span_exporter: SpanExporter | None) -> tuple[we
     app.router.add_post("/v1/chat/completions", handlers.chat_completions, expect_handler=expect_continue)
     app.router.add_post("/v1/completions", handlers.completions, expect_handler=expect_continue)
     app.router.add_get("/v1/models", handlers.list_models)
+    app.router.add_get("/v1/models/{model:.+}", handlers.retrieve_model)  # a model id may hold '/' (org/name)
     app.router.add_get("/health", handlers.health)
     app.router.add_get("/metrics", handlers.metrics)
     add_admin_routes(app)

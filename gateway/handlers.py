@@ -605,14 +605,29 @@ async def _relay_stream(request: web.Request, gw: Gateway, engine: EngineState, 
     return await sse.fail(api_error), outcome_of(api_error)
 
 
-async def list_models(request: web.Request) -> web.Response:
-    """``GET /v1/models``: the one served model, with its context length as ``max_model_len`` (as SGLang lists it) when known."""
-    gw = request.app[GATEWAY]
+def _model_card(gw: Gateway) -> dict:
+    """The served model as ``/v1/models`` lists it, with its context length as ``max_model_len`` (as SGLang lists
+    it) when known."""
     card = {"id": gw.config.model.name, "object": "model", "created": 0, "owned_by": "laps"}
     if gw.context_tokens is not None:
         card["max_model_len"] = gw.context_tokens
-    data = [card]
-    return web.json_response({"object": "list", "data": data}, dumps=dumps)
+    return card
+
+
+async def list_models(request: web.Request) -> web.Response:
+    """``GET /v1/models``: the one served model."""
+    return web.json_response({"object": "list", "data": [_model_card(request.app[GATEWAY])]}, dumps=dumps)
+
+
+async def retrieve_model(request: web.Request) -> web.Response:
+    """``GET /v1/models/{model}``: the served model's card (OpenAI's "retrieve model", which SGLang 0.5.23 serves too).
+
+    Raises:
+        APIError: 404 ``model_not_found`` for any other name.
+    """
+    gw = request.app[GATEWAY]
+    _check_model(gw, request.match_info["model"])
+    return web.json_response(_model_card(gw), dumps=dumps)
 
 
 async def health(request: web.Request) -> web.Response:

@@ -271,6 +271,12 @@ async def test_models_health_and_metrics(stack):
         fakes[name].url = str(server.make_url("")).rstrip("/")
     async with session.get("/v1/models") as resp:
         assert (await resp.json())["data"] == [{"id": MODEL, "object": "model", "created": 0, "owned_by": "laps"}]  # no max_model_len known
+    async with session.get(f"/v1/models/{MODEL}") as resp:  # OpenAI's "retrieve model"
+        assert resp.status == 200 and await resp.json() == {"id": MODEL, "object": "model", "created": 0, "owned_by": "laps"}
+    async with session.get("/v1/models/org/other-model") as resp:
+        error = (await resp.json())["error"]
+        assert resp.status == 404 and (error["code"], error["param"]) == ("model_not_found", "model")
+        assert error["message"] == f"The model `org/other-model` does not exist; this gateway serves `{MODEL}`."
     async with session.get("/health") as resp:
         assert resp.status == 200 and await resp.json() == {"status": "ok", "engines_serving": 2, "engines_total": 2}  # no URLs
     async with session.get("/health", headers={"Authorization": f"bearer {ADMIN_KEY}"}) as resp:

@@ -297,6 +297,9 @@ async def test_info_endpoints(client):
     assert (await client.get("/health")).status == 200
     models = await (await client.get("/v1/models")).json()
     assert models["data"][0]["id"] == "sim-7b" and models["data"][0]["max_model_len"] == 32768
+    assert await (await client.get("/v1/models/sim-7b")).json() == models["data"][0]
+    missing = await client.get("/v1/models/org/other")
+    assert missing.status == 404 and (await missing.json())["error"]["message"] == "The model 'org/other' does not exist"
     info = await (await client.get("/model_info")).json()
     assert (info["served_model_name"], info["is_generation"]) == ("sim-7b", True)
     server = await (await client.get("/server_info")).json()

@@ -7,7 +7,7 @@ The engine loop lives in :mod:`engines.sim.realtime`, the OpenAI endpoints in
 
 * ``POST /v1/chat/completions``, ``POST /v1/completions`` (OpenAI, SSE or JSON);
 * ``POST /generate`` (cumulative ``text`` and ``output_ids`` per SSE chunk);
-* ``GET /v1/models``, ``/model_info``, ``/server_info``, ``/v1/loads``, ``/ready``,
+* ``GET /v1/models`` (and ``/v1/models/{model}``), ``/model_info``, ``/server_info``, ``/v1/loads``, ``/ready``,
   ``/health`` (a 1-token generation), ``/metrics`` (with ``--enable-metrics``);
   ``POST /abort_request``, ``/flush_cache``;
 * with ``--kv-events-config``, the prefix cache's KV cache events over ZMQ, as SGLang
@@ -128,13 +128,25 @@ async def generate(request: web.Request) -> web.StreamResponse:
         engine.release(rid)
 
 
+def _model_card(engine: SimEngine) -> dict:
+    """The served model as SGLang 0.5.23's ``/v1/models`` lists it."""
+    name = engine.sim.served_model_name
+    return {"id": name, "object": "model", "created": int(engine.startup_time), "owned_by": "sglang", "root": name,
+            "parent": None, "max_model_len": engine.sim.config.context_length}
+
+
 async def models(request: web.Request) -> web.Response:
     """``GET /v1/models``: the one served model."""
-    engine = request.app[ENGINE]
-    name = engine.sim.served_model_name
-    return json_response({"object": "list", "data": [{
-        "id": name, "object": "model", "created": int(engine.startup_time), "owned_by": "sglang", "root": name,
-        "parent": None, "max_model_len": engine.sim.config.context_length}]})
+    return json_response({"object": "list", "data": [_model_card(request.app[ENGINE])]})
+
+
+async def retrieve_model(request: web.Request) -> web.Response:
+    """``GET /v1/models/{model}``: the served model's card, or SGLang 0.5.23's 404 for another name."""
+    engine, model = request.app[ENGINE], request.match_info["model"]
+    if model != engine.sim.served_model_name:
+        return json_response({"error": {"message": f"The model '{model}' does not exist", "type": "invalid_request_error",
+                                        "param": "model", "code": "model_not_found"}}, status=404)
+    return json_response(_model_card(engine))
 
 
 async def model_info(request: web.Request) -> web.Response:
@@ -345,6 +357,7 @@ def create_app(args: SimServerArgs, tokenizer: ChatTokenizer | None = None) -> w
     app.router.add_route("POST", "/generate", generate)
     app.router.add_route("PUT", "/generate", generate)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model:.+}", retrieve_model)
     for path, handler in (("/model_info", model_info), ("/get_model_info", model_info),
                           ("/server_info", server_info), ("/get_server_info", server_info),
                           ("/v1/loads", loads), ("/ready", ready), ("/health", health),
