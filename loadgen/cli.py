@@ -63,7 +63,7 @@ def _number(text: str, kind: type) -> float:
         value = kind(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not {'an integer' if kind is int else 'a number'}: {text!r}") from None
-    if not math.isfinite(value):
+    if kind is float and not math.isfinite(value):  # an integer is finite (and may pass a float's range)
         raise argparse.ArgumentTypeError(f"not a finite number: {text!r}")
     return value
 

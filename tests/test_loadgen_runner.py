@@ -354,6 +354,10 @@ def test_cli_refuses_bad_durations_think_times_max_tokens_and_long_shares(flag, 
     assert info.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_an_integer_past_a_floats_range_is_taken_as_an_integer():
+    assert parse("--url", "http://127.0.0.1:9", "--max-requests", "1" + "0" * 400).max_requests == 10**400  # no OverflowError
+
+
 def test_cli_reports_a_bad_replay_file_and_exits_2(tmp_path, capsys):
     missing = tmp_path / "nope.jsonl"
     args = parse("--url", "http://127.0.0.1:9", "--dataset", f"replay:{missing}", "--out", str(tmp_path / "r.json"), "--quiet")
