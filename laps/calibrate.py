@@ -26,6 +26,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from engines.client import EngineClient, EngineHTTPError
+from loadgen.cli import seed_value
 from policies.cost_fit import CostFit, fit_cost_model
 
 DEFAULT_NEW_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -106,7 +107,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--new-tokens", type=int, nargs="+", default=list(DEFAULT_NEW_TOKENS), help="grid of L (default: %(default)s)")
     parser.add_argument("--cached-tokens", type=int, nargs="+", default=list(DEFAULT_CACHED_TOKENS), help="grid of H (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=3, help="timings per grid point; the median counts (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default: %(default)s)")
+    parser.add_argument("--seed", type=seed_value, default=0, help="seed of the random prompts (default: %(default)s)")
 
 
 async def run(args: argparse.Namespace) -> CostFit:

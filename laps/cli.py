@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     from laps.calibrate import configure_parser as configure_calibrate
     from laps.config import DEFAULT_CONFIG_PATH
     from loadgen.cli import configure_parser as configure_loadgen
-    from loadgen.cli import configure_simulate_parser, positive_float
+    from loadgen.cli import configure_simulate_parser, positive_float, seed_value
 
     parser = argparse.ArgumentParser(
         prog="laps",
@@ -149,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--config", type=Path, default=DEFAULT_CONFIG_PATH, help="deployment YAML (default: %(default)s)")
     demo.add_argument("--duration", type=positive_float, default=60.0, help="seconds of load (default: %(default)s)")
     demo.add_argument("--rate", type=positive_float, default=3.0, help="conversation arrivals per second (default: %(default)s)")
-    demo.add_argument("--seed", type=int, default=0, help="workload seed (default: %(default)s)")
+    demo.add_argument("--seed", type=seed_value, default=0, help="workload seed (default: %(default)s)")
     demo.add_argument("--out", type=Path, default=Path("runs/demo/report.json"), help="report JSON; the PNG goes next to it (default: %(default)s)")
     demo.set_defaults(func=_delegate("laps.demo", "run_demo"))
     return parser

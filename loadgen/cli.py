@@ -102,12 +102,23 @@ def non_negative_float(text: str) -> float:
     return value
 
 
-def positive_int(text: str) -> int:
-    """argparse ``type``: an integer >= 1 (else :class:`argparse.ArgumentTypeError`, so exit status 2)."""
-    value = int(_number(text, int))
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
-    return value
+def int_range(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse ``type``: an integer >= ``low`` and, unless ``high`` is None, <= ``high`` (else
+    :class:`argparse.ArgumentTypeError`, so exit status 2)."""
+
+    def integer(text: str) -> int:
+        value = int(_number(text, int))
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {text}" if high is None else f"must be in [{low}, {high}], got {text}")
+        return value
+
+    return integer
+
+
+positive_int = int_range(1)
+# Every laps command's --seed: an unsigned 64-bit integer, the widest the report's JSON writer (orjson) takes; none
+# negative, as random.Random(-n) (calibrate's) draws what random.Random(n) does.
+seed_value = int_range(0, 2**64 - 1)
 
 
 def share(text: str) -> float:
@@ -134,7 +145,7 @@ def add_workload_arguments(parser: argparse.ArgumentParser, default_out: Path, c
                              "below 1 bursts (0.25: coefficient of variation 2), above 1 more even; as vllm bench serve's "
                              "--burstiness; trace replay keeps its own times (default: %(default)s)")
     parser.add_argument("--duration", type=positive_float, default=60.0, help="seconds during which conversations and turns may start (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the workload and of the arrival process (default: %(default)s)")
+    parser.add_argument("--seed", type=seed_value, default=0, help="seed of the workload and of the arrival process (default: %(default)s)")
     parser.add_argument("--out", type=output_file, default=default_out, help="report JSON; the TTFT plot goes next to it, the same name with .png (none beside a device or a FIFO, e.g. /dev/stdout) (default: %(default)s)")
     parser.add_argument("--trace-out", type=output_file, help="also write every request record as JSONL (replay with --dataset replay:PATH)")
     parser.add_argument("--think-time-s", type=non_negative_float, default=1.0, help="mean pause between an answer and the next turn (default: %(default)s)")
