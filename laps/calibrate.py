@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import random
 import statistics
+import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -26,8 +27,9 @@ from rich.progress import Progress
 from rich.table import Table
 
 from engines.client import EngineClient, EngineHTTPError
-from loadgen.cli import seed_value
-from policies.cost_fit import CostFit, fit_cost_model
+from loadgen.cli import http_url, int_range, output_file, positive_int, seed_value
+from loadgen.outputs import check_output_path, open_output
+from policies.cost_fit import MIN_SAMPLES, CostFit, fit_cost_model
 
 DEFAULT_NEW_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 DEFAULT_CACHED_TOKENS = (0, 2048, 8192)
@@ -85,7 +87,12 @@ def config_block(fit: CostFit) -> dict:
 
 
 def write_fit(fit: CostFit, samples: Sequence[tuple[int, int, float]], url: str, out: Path) -> None:
-    """Write the config block, with the samples and boundary as comments, to ``out``."""
+    """Write the config block, with the samples and boundary as comments, to ``out`` (through
+    :func:`~loadgen.outputs.open_output`: a failed write leaves an earlier file whole).
+
+    Raises:
+        OSError: the file or a folder cannot be written.
+    """
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
         f"# laps calibrate --url {url}   ({when})",
@@ -93,8 +100,8 @@ def write_fit(fit: CostFit, samples: Sequence[tuple[int, int, float]], url: str,
         "# short/long boundary L_m(H): " + ", ".join(f"H={h}: {fit.model.boundary_tokens(h):.0f}" for h in sorted({s[1] for s in samples})),
         "# samples (L, H, ms): " + "; ".join(f"{n},{h},{1e3 * t:.2f}" for n, h, t in samples),
     ]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(lines) + "\n" + yaml.safe_dump(config_block(fit), sort_keys=False))
+    with open_output(out) as f:
+        f.write(("\n".join(lines) + "\n" + yaml.safe_dump(config_block(fit), sort_keys=False)).encode())
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -102,11 +109,12 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.description = "Measure an engine's prefill time over a grid of new (L) and cached (H) tokens, fit the LAPS cost model, and write it as the scheduling.cost_model block of a laps config."
     parser.epilog = "example:\n  laps calibrate --url http://127.0.0.1:30000 --out runs/cost_model.yaml\n  # then paste the block into config.yaml (or merge it) to classify by L_m(H)"
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("--url", required=True, help="engine base URL (SGLang or the simulated engine), e.g. http://127.0.0.1:30000")
-    parser.add_argument("--out", type=Path, required=True, help="YAML file to write the fitted cost_model block to")
-    parser.add_argument("--new-tokens", type=int, nargs="+", default=list(DEFAULT_NEW_TOKENS), help="grid of L (default: %(default)s)")
-    parser.add_argument("--cached-tokens", type=int, nargs="+", default=list(DEFAULT_CACHED_TOKENS), help="grid of H (default: %(default)s)")
-    parser.add_argument("--repeats", type=int, default=3, help="timings per grid point; the median counts (default: %(default)s)")
+    parser.add_argument("--url", type=http_url, required=True, help="engine base URL (SGLang or the simulated engine), e.g. http://127.0.0.1:30000")
+    parser.add_argument("--out", type=output_file, required=True, help="YAML file to write the fitted cost_model block to (checked before measuring)")
+    parser.add_argument("--new-tokens", type=positive_int, nargs="+", default=list(DEFAULT_NEW_TOKENS),
+                        help=f"grid of L, each >= 1; with --cached-tokens at least {MIN_SAMPLES} distinct (L, H) points (default: %(default)s)")
+    parser.add_argument("--cached-tokens", type=int_range(0), nargs="+", default=list(DEFAULT_CACHED_TOKENS), help="grid of H, each >= 0 (default: %(default)s)")
+    parser.add_argument("--repeats", type=positive_int, default=3, help="timings per grid point; the median counts (default: %(default)s)")
     parser.add_argument("--seed", type=seed_value, default=0, help="seed of the random prompts (default: %(default)s)")
 
 
@@ -115,7 +123,9 @@ async def run(args: argparse.Namespace) -> CostFit:
 
     Raises:
         CalibrationError: the engine failed a request.
-        ValueError: the grid gives too few samples to fit.
+        ValueError: the grid gives fewer than :data:`~policies.cost_fit.MIN_SAMPLES` samples (:func:`main` refuses
+            that before measuring: :func:`check_arguments`).
+        OSError: ``--out`` cannot be written.
     """
     client = EngineClient(request_timeout_s=120.0)
     await client.start()
@@ -144,8 +154,28 @@ async def run(args: argparse.Namespace) -> CostFit:
     return fit
 
 
+def check_arguments(args: argparse.Namespace) -> None:
+    """Refuse, before measuring, a grid of fewer than :data:`~policies.cost_fit.MIN_SAMPLES` distinct (L, H) points
+    and an ``--out`` that cannot be written (:func:`~loadgen.outputs.check_output_path`).
+
+    Raises:
+        ValueError: why, in one line naming the flags.
+    """
+    new, cached = len(set(args.new_tokens)), len(set(args.cached_tokens))
+    if new * cached < MIN_SAMPLES:
+        raise ValueError(f"--new-tokens × --cached-tokens: {new} × {cached} = {new * cached} distinct (L, H) points; "
+                         f"fitting the cost model needs at least {MIN_SAMPLES}")
+    check_output_path("--out", args.out)
+
+
 def main(args: argparse.Namespace) -> int:
-    """``laps calibrate`` entry point; 0 on success, 1 when the engine failed."""
+    """``laps calibrate`` entry point; 0 on success, 1 when the engine failed or the fit could not be written, 2 for
+    arguments refused before measuring (:func:`check_arguments`)."""
+    try:
+        check_arguments(args)
+    except ValueError as err:
+        print(f"laps calibrate: {err}", file=sys.stderr)
+        return 2
     try:
         asyncio.run(run(args))
     except (CalibrationError, EngineHTTPError, OSError) as err:

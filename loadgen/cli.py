@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Callable
+from urllib.parse import urlsplit
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
@@ -82,6 +83,19 @@ def output_file(text: str) -> Path:
     if os.path.basename(text) in ("", ".", ".."):  # as given: Path("x/.") would read "x"
         raise argparse.ArgumentTypeError(f"{text!r} names a folder, not a file")
     return Path(text)
+
+
+def http_url(text: str) -> str:
+    """argparse ``type``: a server's base URL, ``http://`` or ``https://`` with a host (and a port from 1 to 65535 if
+    any); else :class:`argparse.ArgumentTypeError`, so exit status 2."""
+    try:
+        parts = urlsplit(text)
+        valid = parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != 0
+    except ValueError:  # a port that is no number or past 65535
+        valid = False
+    if not valid:
+        raise argparse.ArgumentTypeError(f"not an http:// or https:// URL with a host: {text!r}")
+    return text
 
 
 def gamma_shape(text: str) -> float:
@@ -169,7 +183,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.description = DESCRIPTION
     parser.epilog = EPILOG
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--url", type=http_url, required=True, help="server base URL, e.g. http://127.0.0.1:8000")
     parser.add_argument("--model", help="model name to request (default: the first id from GET URL/v1/models)")
     parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
                         help="client key sent as Authorization: Bearer, for a gateway with gateway.api_keys "

@@ -25,6 +25,8 @@ from scipy.optimize import least_squares
 
 from policies.classifier import PrefillCostModel
 
+MIN_SAMPLES = 6  # one per parameter: alpha, beta, gamma_w, gamma_r, m0, c
+
 
 @dataclass(frozen=True)
 class CostFit:
@@ -43,11 +45,11 @@ def fit_cost_model(samples: Sequence[tuple[int, int, float]]) -> CostFit:
     """Least-squares fit of ``c + max(compute, memory)`` to ``(L, H, seconds)`` samples.
 
     Raises:
-        ValueError: fewer than 6 samples, or a sample with L < 1, H < 0 or time <= 0.
+        ValueError: fewer than :data:`MIN_SAMPLES` samples, or a sample with L < 1, H < 0 or time <= 0.
     """
     data = np.asarray(samples, dtype=float)
-    if data.ndim != 2 or data.shape[0] < 6 or data.shape[1] != 3:
-        raise ValueError("need at least 6 samples of (new_tokens, cached_tokens, seconds)")
+    if data.ndim != 2 or data.shape[0] < MIN_SAMPLES or data.shape[1] != 3:
+        raise ValueError(f"need at least {MIN_SAMPLES} samples of (new_tokens, cached_tokens, seconds)")
     L, H, t = data.T
     if (L < 1).any() or (H < 0).any() or (t <= 0).any():
         raise ValueError("samples need L >= 1, H >= 0 and a positive time")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from laps.cli import main as laps_main
+from loadgen.cli import http_url
 
 # Each subcommand with a --seed, with the flags it requires.
 SEEDED = {
@@ -23,3 +24,58 @@ def test_a_seed_outside_64_unsigned_bits_is_refused_before_the_run(command, seed
         laps_main([*SEEDED[command], "--seed", seed])
     said = "not an integer: '1e3'" if seed == "1e3" else f"must be in [0, {2**64 - 1}], got {seed}"
     assert (info.value.code, capsys.readouterr().err.splitlines()[-1]) == (2, f"laps {command}: error: argument --seed: {said}")
+
+
+CALIBRATE = ["calibrate", "--url", "http://127.0.0.1:9"]  # nothing listens there: a run that measures fails (exit 1)
+
+
+@pytest.mark.parametrize(("flags", "said"), [
+    (["--repeats", "0"], "argument --repeats: must be >= 1, got 0"),
+    (["--repeats", "-1"], "argument --repeats: must be >= 1, got -1"),
+    (["--new-tokens", "16", "-5"], "argument --new-tokens: must be >= 1, got -5"),
+    (["--new-tokens", "0"], "argument --new-tokens: must be >= 1, got 0"),
+    (["--cached-tokens", "-100"], "argument --cached-tokens: must be >= 0, got -100"),
+    (["--url", "notaurl"], "argument --url: not an http:// or https:// URL with a host: 'notaurl'"),
+    (["--out", "runs/"], "argument --out: 'runs/' names a folder, not a file"),
+])
+def test_calibrate_refuses_bad_flags(flags, said, capsys):
+    """Were a StatisticsError (no repeats), a negative count measured, or a ValueError traceback (the URL)."""
+    with pytest.raises(SystemExit) as info:
+        laps_main([*CALIBRATE, "--out", "cost.yaml", *flags])
+    assert (info.value.code, capsys.readouterr().err.splitlines()[-1]) == (2, f"laps calibrate: error: {said}")
+
+
+@pytest.mark.parametrize(("grid", "points"), [
+    (["--new-tokens", "16", "--cached-tokens", "0"], "1 × 1 = 1"),
+    (["--new-tokens", "16", "32", "64", "--cached-tokens", "0", "0"], "3 × 1 = 3"),  # the same point twice is one
+    (["--new-tokens", "16", "32", "64", "128", "256", "--cached-tokens", "0"], "5 × 1 = 5"),
+])
+def test_calibrate_refuses_a_grid_too_small_to_fit_before_measuring(grid, points, tmp_path, capsys):
+    """policies.cost_fit's fit has 6 parameters; a smaller grid was measured, then failed the fit with a traceback."""
+    assert laps_main([*CALIBRATE, "--out", str(tmp_path / "cost.yaml"), *grid]) == 2
+    assert capsys.readouterr().err == (f"laps calibrate: --new-tokens × --cached-tokens: {points} distinct (L, H) points; "
+                                       "fitting the cost model needs at least 6\n")
+
+
+def test_calibrate_refuses_an_out_it_cannot_write_before_measuring(tmp_path, capsys):
+    """As laps loadgen's --out (loadgen.outputs.check_output_path); a folder was found only after measuring."""
+    (tmp_path / "a-file").write_text("")
+    for out, says in ((tmp_path, "a directory, not a file name"),
+                      (tmp_path / "a-file" / "cost.yaml", f"cannot make its folder ({tmp_path / 'a-file'} is not a folder)")):
+        assert laps_main([*CALIBRATE, "--out", str(out)]) == 2
+        assert capsys.readouterr().err == f"laps calibrate: --out {out}: {says}\n"
+
+
+@pytest.mark.parametrize("url", ["notaurl", "127.0.0.1:8000", "ftp://127.0.0.1", "http://", "http://127.0.0.1:0",
+                                 "http://127.0.0.1:65536", "http://127.0.0.1:port"])
+def test_loadgen_refuses_a_url_that_is_not_http_at_once(url, capsys):
+    """Was found after the workload was loaded, as a failed GET of its /v1/models (exit status 1)."""
+    with pytest.raises(SystemExit) as info:
+        laps_main(["loadgen", "--url", url])
+    assert (info.value.code, capsys.readouterr().err.splitlines()[-1]) == (
+        2, f"laps loadgen: error: argument --url: not an http:// or https:// URL with a host: {url!r}")
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:8000", "https://gateway.example/prefix", "http://[::1]:30000/"])
+def test_http_urls_are_taken_as_given(url):
+    assert http_url(url) == url
