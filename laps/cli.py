@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
+import importlib.metadata
 import logging
 import signal
 import sys
@@ -18,6 +19,8 @@ EPILOG = """examples:
   laps simulate --dataset mixed --rate 2 --duration 600 --policy laps --out runs/sim.json   # virtual time
   laps demo --duration 60                      # start, load, report, stop
 """
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def _setup_logging(level: str, log_file: Path | None = None, label: str | None = None) -> None:
@@ -86,6 +89,20 @@ def _delegate(module: str, function: str = "main"):
     return command
 
 
+def _version() -> str:
+    """The installed laps distribution's version (``pip install -e .``); a checkout run without it has none."""
+    try:
+        return importlib.metadata.version("laps")
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed)"
+
+
+def _add_log_level(parser: argparse.ArgumentParser, default: str) -> None:
+    """``--log-level`` on ``parser``, ``default`` when not given (:data:`argparse.SUPPRESS`: no attribute set)."""
+    parser.add_argument("--log-level", default=default, choices=LOG_LEVELS,
+                        help="log verbosity, before or after the subcommand (default: info)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``laps`` argument parser with its subcommands."""
     from laps.calibrate import configure_parser as configure_calibrate
@@ -99,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity (default: info)")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    _add_log_level(parser, "info")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,loadgen,simulate,calibrate,demo}")
 
     serve = sub.add_parser(
@@ -152,6 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=seed_value, default=0, help="workload seed (default: %(default)s)")
     demo.add_argument("--out", type=Path, default=Path("runs/demo/report.json"), help="report JSON; the PNG goes next to it (default: %(default)s)")
     demo.set_defaults(func=_delegate("laps.demo", "run_demo"))
+    for subcommand in sub.choices.values():  # after the subcommand too; not given there, the one before it stands
+        _add_log_level(subcommand, argparse.SUPPRESS)
     return parser
 
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+
 import pytest
 
+from laps.cli import build_parser
 from laps.cli import main as laps_main
 from loadgen.cli import http_url
 
@@ -79,3 +82,37 @@ def test_loadgen_refuses_a_url_that_is_not_http_at_once(url, capsys):
 @pytest.mark.parametrize("url", ["http://127.0.0.1:8000", "https://gateway.example/prefix", "http://[::1]:30000/"])
 def test_http_urls_are_taken_as_given(url):
     assert http_url(url) == url
+
+
+def test_log_level_is_taken_before_and_after_the_subcommand():
+    """After it was "unrecognized arguments"; given on both sides, the later one counts."""
+    for argv, level in ((["serve"], "info"),
+                        (["serve", "--log-level", "debug"], "debug"),
+                        (["--log-level", "warning", "serve"], "warning"),
+                        (["--log-level", "warning", "serve", "--log-level", "error"], "error"),
+                        (["simulate", "--log-level", "debug", "--rate", "1"], "debug"),
+                        (["calibrate", "--url", "http://127.0.0.1:9", "--out", "c.yaml", "--log-level", "error"], "error"),
+                        (["demo", "--log-level", "warning"], "warning"),
+                        (["loadgen", "--url", "http://127.0.0.1:9", "--log-level", "debug"], "debug")):
+        assert build_parser().parse_args(argv).log_level == level, argv
+
+
+@pytest.mark.parametrize("command", ["serve", "loadgen", "simulate", "calibrate", "demo"])
+def test_every_subcommands_help_lists_log_level(command, capsys):
+    with pytest.raises(SystemExit) as info:
+        laps_main([command, "--help"])
+    assert info.value.code == 0 and "--log-level {debug,info,warning,error}" in capsys.readouterr().out
+
+
+def test_version_is_the_installed_distributions(monkeypatch, capsys):
+    with pytest.raises(SystemExit) as info:
+        laps_main(["--version"])
+    assert (info.value.code, capsys.readouterr().out) == (0, f"laps {importlib.metadata.version('laps')}\n")
+
+    def not_installed(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)  # a checkout run without pip install -e
+    with pytest.raises(SystemExit) as info:
+        laps_main(["--version"])
+    assert (info.value.code, capsys.readouterr().out) == (0, "laps (not installed)\n")
