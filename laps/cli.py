@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     from laps.calibrate import configure_parser as configure_calibrate
     from laps.config import DEFAULT_CONFIG_PATH
     from loadgen.cli import configure_parser as configure_loadgen
-    from loadgen.cli import configure_simulate_parser, positive_float, seed_value
+    from loadgen.cli import configure_simulate_parser, output_file, positive_float, seed_value
 
     parser = argparse.ArgumentParser(
         prog="laps",
@@ -168,7 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--duration", type=positive_float, default=60.0, help="seconds of load (default: %(default)s)")
     demo.add_argument("--rate", type=positive_float, default=3.0, help="conversation arrivals per second (default: %(default)s)")
     demo.add_argument("--seed", type=seed_value, default=0, help="workload seed (default: %(default)s)")
-    demo.add_argument("--out", type=Path, default=Path("runs/demo/report.json"), help="report JSON; the PNG goes next to it (default: %(default)s)")
+    demo.add_argument("--out", type=output_file, default=Path("runs/demo/report.json"),
+                      help="report JSON; the PNG goes next to it; checked before anything starts (default: %(default)s)")
     demo.set_defaults(func=_delegate("laps.demo", "run_demo"))
     for subcommand in sub.choices.values():  # after the subcommand too; not given there, the one before it stands
         _add_log_level(subcommand, argparse.SUPPRESS)

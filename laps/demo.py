@@ -22,6 +22,7 @@ import httpx
 
 from engines.manager import die_with_parent, free_port
 from laps.config import load_config
+from loadgen.cli import check_output_paths
 
 log = logging.getLogger("laps.demo")
 
@@ -90,9 +91,15 @@ def serving(config_path: Path) -> Iterator[str]:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    """Run the demo described in the module docstring; returns the load generator's exit code."""
+    """Run the demo described in the module docstring; returns the load generator's exit code, 1 when the gateway did
+    not start, 2 for an ``--out`` that cannot be written (refused as laps loadgen refuses it, before anything starts)."""
     from laps.cli import build_parser
 
+    try:
+        check_output_paths(args.out)
+    except ValueError as err:
+        print(f"laps demo: {err}", file=sys.stderr)
+        return 2
     config = load_config(args.config)
     try:
         with serving(args.config) as url:

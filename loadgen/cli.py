@@ -256,25 +256,25 @@ def _progress_bar(args: argparse.Namespace, console: Console, unit: str) -> tupl
     return progress, task, on_record
 
 
-def check_output_paths(args: argparse.Namespace) -> None:
-    """Refuse ``--out`` (and the PNG beside it, :func:`~loadgen.report.plot_path`) and ``--trace-out`` before the run,
-    not after it: each as :func:`check_output_path`, and no two outputs one file (one name, a link, a hard link, one
-    pipe) nor one where another needs a folder. A device (/dev/null, a terminal) may take more than one output. A
-    refused run leaves no file or folder behind.
+def check_output_paths(out: Path | None, trace_out: Path | None = None) -> None:
+    """Refuse ``--out`` (``out``, and the PNG beside it, :func:`~loadgen.report.plot_path`) and ``--trace-out``
+    (``trace_out``) before the run, not after it: each as :func:`check_output_path`, and no two outputs one file (one
+    name, a link, a hard link, one pipe) nor one where another needs a folder. A device (/dev/null, a terminal) may take
+    more than one output. A refused run leaves no file or folder behind.
 
     Raises:
         ValueError: as :func:`check_output_path`; two outputs are one file, or one needs the other's path as its
             folder; the message names the flag and the path.
     """
-    outputs = [("--out", lambda: args.out)] if args.out is not None else []
-    outputs += [("--out's plot", lambda: plot_path(args.out))] if args.out is not None else []
-    outputs += [("--trace-out", lambda: args.trace_out)] if args.trace_out is not None else []
+    outputs = [("--out", lambda: out)] if out is not None else []
+    outputs += [("--out's plot", lambda: plot_path(out))] if out is not None else []
+    outputs += [("--trace-out", lambda: trace_out)] if trace_out is not None else []
     seen: dict[object, tuple[str, Path]] = {}
     for flag, path_of in outputs:
         try:
             path = path_of()
         except OSError as err:  # the plot's name, beside an --out that cannot be looked up
-            raise ValueError(f"{flag} {args.out}: cannot be written ({err.strerror or err})") from None
+            raise ValueError(f"{flag} {out}: cannot be written ({err.strerror or err})") from None
         if path is None:  # no plot beside a stream
             continue
         identity = check_output_path(flag, path)
@@ -327,7 +327,7 @@ async def run(args: argparse.Namespace) -> dict:
         ValueError: inconsistent arguments (e.g. no ``--rate`` for a Poisson dataset), or an output path that cannot
             be written (:func:`check_output_paths`).
     """
-    check_output_paths(args)
+    check_output_paths(args.out, args.trace_out)
     context = args.max_context_tokens
     if context is None and args.dataset.partition(":")[0] in (*TRACE_FORMATS, *TIMED_DATASETS):
         context = await discover_context_tokens(args.url, args.api_key)
@@ -430,7 +430,7 @@ def run_simulation(args: argparse.Namespace) -> dict:
         ValueError: inconsistent arguments, an output path that cannot be written (:func:`check_output_paths`), or a
             role the engine model cannot run.
     """
-    check_output_paths(args)
+    check_output_paths(args.out, args.trace_out)
     config = load_config(args.config)
     if args.policy is not None:
         data = config.model_dump(exclude_unset=True)  # validated again: a policy may not fit the deployment

@@ -6,6 +6,7 @@ import importlib.metadata
 
 import pytest
 
+import laps.demo
 from laps.cli import build_parser
 from laps.cli import main as laps_main
 from loadgen.cli import http_url
@@ -116,3 +117,20 @@ def test_version_is_the_installed_distributions(monkeypatch, capsys):
     with pytest.raises(SystemExit) as info:
         laps_main(["--version"])
     assert (info.value.code, capsys.readouterr().out) == (0, "laps (not installed)\n")
+
+
+def test_demo_refuses_an_out_it_cannot_write_before_starting_anything(tmp_path, monkeypatch, capsys):
+    """As laps loadgen's --out; the gateway and both engines were started first, then the load generator refused it."""
+
+    def serving(config_path):
+        raise AssertionError(f"the gateway was started with {config_path}")
+
+    monkeypatch.setattr(laps.demo, "serving", serving)
+    assert laps_main(["demo", "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f"laps demo: --out {tmp_path}: a directory, not a file name\n"
+    (tmp_path / "r.png").mkdir()  # where the plot of r.json goes
+    assert laps_main(["demo", "--out", str(tmp_path / "r.json")]) == 2
+    assert capsys.readouterr().err == f"laps demo: --out's plot {tmp_path / 'r.png'}: a directory, not a file name\n"
+    with pytest.raises(SystemExit) as info:
+        laps_main(["demo", "--out", "runs/"])
+    assert (info.value.code, capsys.readouterr().err.splitlines()[-1]) == (2, "laps demo: error: argument --out: 'runs/' names a folder, not a file")
