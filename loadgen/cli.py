@@ -7,6 +7,7 @@ import asyncio
 import math
 import os
 import random
+import signal
 import sys
 import time
 from pathlib import Path
@@ -56,7 +57,7 @@ lengths:PATH (a CSV of prompt and output token counts, num_prefill_tokens,num_de
 input_tokens,output_tokens: single-turn requests of real text cut to those lengths; arriving at --rate).
 
 exit status: 0 when every request succeeded, 1 when any failed, the run could not start or an output could not be written
-after it, 2 for bad arguments (an output path refused before the run too)."""
+after it, 2 for bad arguments (an output path refused before the run too), 130 after a Ctrl-C (no report written)."""
 
 
 def _number(text: str, kind: type) -> float:
@@ -233,8 +234,18 @@ def workload_meta(args: argparse.Namespace, workload: Workload) -> dict:
     }
 
 
-def _progress_bar(args: argparse.Namespace, console: Console, unit: str) -> tuple[Progress, TaskID, Callable[[RequestRecord], None]]:
-    """A progress bar over ``args.duration`` (in ``unit``) and the record callback that counts ok/errors on it.
+class Interrupted(KeyboardInterrupt):
+    """A Ctrl-C during a run, before its report was written (none is); the message says how many requests had
+    finished (``done``: :func:`_progress_bar`'s counts)."""
+
+    def __init__(self, done: dict[str, int]) -> None:
+        super().__init__(f"interrupted after {done['ok'] + done['errors']} requests had finished ({done['errors']} failed); "
+                         "no report written")
+
+
+def _progress_bar(args: argparse.Namespace, console: Console, unit: str) -> tuple[Progress, TaskID, Callable[[RequestRecord], None], dict[str, int]]:
+    """A progress bar over ``args.duration`` (in ``unit``), the record callback that counts ok/errors on it, and those
+    counts (``{"ok": N, "errors": N}``).
 
     Disabled with ``--quiet`` or when ``console`` is not a terminal.
     """
@@ -253,7 +264,7 @@ def _progress_bar(args: argparse.Namespace, console: Console, unit: str) -> tupl
         done["ok" if rec.ok else "errors"] += 1
         progress.update(task, description=f"{done['ok']} ok, {done['errors']} errors")
 
-    return progress, task, on_record
+    return progress, task, on_record, done
 
 
 def check_output_paths(out: Path | None, trace_out: Path | None = None) -> None:
@@ -326,44 +337,48 @@ async def run(args: argparse.Namespace) -> dict:
         LoadgenError: the server could not be reached or lists no model.
         ValueError: inconsistent arguments (e.g. no ``--rate`` for a Poisson dataset), or an output path that cannot
             be written (:func:`check_output_paths`).
+        Interrupted: a Ctrl-C (under :func:`asyncio.run`) before the report was written.
     """
     check_output_paths(args.out, args.trace_out)
-    context = args.max_context_tokens
-    if context is None and args.dataset.partition(":")[0] in (*TRACE_FORMATS, *TIMED_DATASETS):
-        context = await discover_context_tokens(args.url, args.api_key)
-    workload = await asyncio.to_thread(load_workload, args, load_tokenizer(args.tokenizer), context)
     console = Console(stderr=True)
-    progress, task, on_record = _progress_bar(args, console, "elapsed s")
+    progress, task, on_record, done = _progress_bar(args, console, "elapsed s")
+    try:
+        context = args.max_context_tokens
+        if context is None and args.dataset.partition(":")[0] in (*TRACE_FORMATS, *TIMED_DATASETS):
+            context = await discover_context_tokens(args.url, args.api_key)
+        workload = await asyncio.to_thread(load_workload, args, load_tokenizer(args.tokenizer), context)
 
-    async def tick() -> None:
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        while True:
-            progress.update(task, completed=min(args.duration, loop.time() - t0))
-            await asyncio.sleep(0.25)
+        async def tick() -> None:
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            while True:
+                progress.update(task, completed=min(args.duration, loop.time() - t0))
+                await asyncio.sleep(0.25)
 
-    with progress:
-        ticker = asyncio.create_task(tick())
-        try:
-            records = await run_loadgen(
-                args.url,
-                workload,
-                duration_s=args.duration,
-                seed=args.seed,
-                rate=None if workload.timed else args.rate,
-                burstiness=args.burstiness,
-                model=args.model,
-                time_scale=args.time_scale,
-                think_time_s=args.think_time_s,
-                think_dist=args.think_dist,
-                request_timeout_s=args.request_timeout_s,
-                extra_body={"ignore_eos": True} if args.ignore_eos else None,
-                on_record=on_record,
-                max_requests=args.max_requests,
-                api_key=args.api_key,
-            )
-        finally:
-            ticker.cancel()
+        with progress:
+            ticker = asyncio.create_task(tick())
+            try:
+                records = await run_loadgen(
+                    args.url,
+                    workload,
+                    duration_s=args.duration,
+                    seed=args.seed,
+                    rate=None if workload.timed else args.rate,
+                    burstiness=args.burstiness,
+                    model=args.model,
+                    time_scale=args.time_scale,
+                    think_time_s=args.think_time_s,
+                    think_dist=args.think_dist,
+                    request_timeout_s=args.request_timeout_s,
+                    extra_body={"ignore_eos": True} if args.ignore_eos else None,
+                    on_record=on_record,
+                    max_requests=args.max_requests,
+                    api_key=args.api_key,
+                )
+            finally:
+                ticker.cancel()
+    except asyncio.CancelledError:  # a Ctrl-C: asyncio.run cancels this task (and then raises KeyboardInterrupt)
+        raise Interrupted(done) from None
     meta = {"mode": "live", "url": args.url, **workload_meta(args, workload)}
     report = build_report(records, slo_ttft_s=args.slo_ttft_s, slo_ttft_per_1k_s=args.slo_per_1k_new_tokens_s, meta=meta)
     write_outputs(args, report, records, console)
@@ -372,9 +387,13 @@ async def run(args: argparse.Namespace) -> dict:
 
 def main(args: argparse.Namespace) -> int:
     """Run ``laps loadgen``; exit status 0 if every request succeeded, 1 if any failed, the run could not start or an
-    output could not be written after it, 2 for bad arguments."""
+    output could not be written after it, 2 for bad arguments, 130 for a Ctrl-C before the report was written (one line
+    says how many requests had finished; none is written)."""
     try:
         report = asyncio.run(run(args))
+    except Interrupted as err:
+        print(f"laps loadgen: {err}", file=sys.stderr)
+        return 128 + signal.SIGINT
     except LoadgenError as err:
         print(f"laps loadgen: {err}", file=sys.stderr)
         return 1
@@ -402,7 +421,7 @@ examples:
   laps simulate --dataset mooncake:conversation_trace.jsonl --duration 120 --max-requests 500 --out runs/sim/mooncake.json
 
 exit status: 0 when every request succeeded, 1 when any failed or an output could not be written after the run, 2 for
-bad arguments or configuration (an output path refused before the run too)."""
+bad arguments or configuration (an output path refused before the run too), 130 after a Ctrl-C (no report written)."""
 
 
 def configure_simulate_parser(parser: argparse.ArgumentParser) -> None:
@@ -429,46 +448,50 @@ def run_simulation(args: argparse.Namespace) -> dict:
         ConfigError: the configuration cannot be used.
         ValueError: inconsistent arguments, an output path that cannot be written (:func:`check_output_paths`), or a
             role the engine model cannot run.
+        Interrupted: a Ctrl-C before the report was written.
     """
     check_output_paths(args.out, args.trace_out)
-    config = load_config(args.config)
-    if args.policy is not None:
-        data = config.model_dump(exclude_unset=True)  # validated again: a policy may not fit the deployment
-        data.setdefault("scheduling", {})["policy"] = args.policy
-        config = parse_config(data, f"{args.config} with --policy {args.policy}")
-    tokenizer = load_tokenizer(config.model.path)
-    context = args.max_context_tokens
-    if context is None:
-        context = min(sim_model(config, engine).config.context_length for engine in config.engines)
-    workload = load_workload(args, tokenizer, context)
     console = Console(stderr=True)
-    progress, task, on_record = _progress_bar(args, console, "simulated s")
+    progress, task, on_record, done = _progress_bar(args, console, "simulated s")
+    try:
+        config = load_config(args.config)
+        if args.policy is not None:
+            data = config.model_dump(exclude_unset=True)  # validated again: a policy may not fit the deployment
+            data.setdefault("scheduling", {})["policy"] = args.policy
+            config = parse_config(data, f"{args.config} with --policy {args.policy}")
+        tokenizer = load_tokenizer(config.model.path)
+        context = args.max_context_tokens
+        if context is None:
+            context = min(sim_model(config, engine).config.context_length for engine in config.engines)
+        workload = load_workload(args, tokenizer, context)
 
-    def on_progress(sim_time: float) -> None:
-        progress.update(task, completed=min(args.duration, sim_time))
+        def on_progress(sim_time: float) -> None:
+            progress.update(task, completed=min(args.duration, sim_time))
 
-    wall = time.perf_counter()
-    with progress:
-        virtual = simulate_run(
-            config,
-            workload,
-            duration_s=args.duration,
-            seed=args.seed,
-            rate=None if workload.timed else args.rate,
-            burstiness=args.burstiness,
-            time_scale=args.time_scale,
-            think_time_s=args.think_time_s,
-            think_dist=args.think_dist,
-            request_timeout_s=args.request_timeout_s,
-            ignore_eos=args.ignore_eos,
-            serving_latency_s=args.serving_latency_ms / 1e3,
-            serving_latency_per_1k_s=args.serving_latency_per_1k_ms / 1e3,
-            tokenizer=tokenizer,
-            on_record=on_record,
-            on_progress=on_progress,
-            max_requests=args.max_requests,
-        )
-    wall = time.perf_counter() - wall
+        wall = time.perf_counter()
+        with progress:
+            virtual = simulate_run(
+                config,
+                workload,
+                duration_s=args.duration,
+                seed=args.seed,
+                rate=None if workload.timed else args.rate,
+                burstiness=args.burstiness,
+                time_scale=args.time_scale,
+                think_time_s=args.think_time_s,
+                think_dist=args.think_dist,
+                request_timeout_s=args.request_timeout_s,
+                ignore_eos=args.ignore_eos,
+                serving_latency_s=args.serving_latency_ms / 1e3,
+                serving_latency_per_1k_s=args.serving_latency_per_1k_ms / 1e3,
+                tokenizer=tokenizer,
+                on_record=on_record,
+                on_progress=on_progress,
+                max_requests=args.max_requests,
+            )
+        wall = time.perf_counter() - wall
+    except KeyboardInterrupt:
+        raise Interrupted(done) from None
     records = virtual.records
     meta = {
         "mode": "virtual",
@@ -491,9 +514,13 @@ def run_simulation(args: argparse.Namespace) -> dict:
 
 def simulate_main(args: argparse.Namespace) -> int:
     """Run ``laps simulate``; exit status 0 if every request succeeded, 1 if any failed or an output could not be
-    written after the run, 2 for bad arguments."""
+    written after the run, 2 for bad arguments, 130 for a Ctrl-C before the report was written (one line says how many
+    requests had finished; none is written)."""
     try:
         report = run_simulation(args)
+    except Interrupted as err:
+        print(f"laps simulate: {err}", file=sys.stderr)
+        return 128 + signal.SIGINT
     except LoadgenError as err:  # the outputs could not be written after the run
         print(f"laps simulate: {err}", file=sys.stderr)
         return 1

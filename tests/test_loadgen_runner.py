@@ -4,9 +4,15 @@ import argparse
 import asyncio
 import itertools
 import math
+import os
 import random
+import re
+import signal
 import statistics
+import subprocess
+import sys
 import threading
+import time
 from contextlib import contextmanager
 
 import orjson
@@ -356,6 +362,31 @@ def test_cli_refuses_bad_durations_think_times_max_tokens_and_long_shares(flag, 
 
 def test_an_integer_past_a_floats_range_is_taken_as_an_integer():
     assert parse("--url", "http://127.0.0.1:9", "--max-requests", "1" + "0" * 400).max_requests == 10**400  # no OverflowError
+
+
+def test_a_ctrl_c_during_the_run_says_how_many_requests_had_finished_and_writes_no_report(tmp_path):
+    """A Ctrl-C at the terminal (SIGINT to the process group) once a first turn's answer is in: exit status 130 and one
+    line, as before no report (it was 130 and nothing at all)."""
+    out = tmp_path / "r.json"
+    with fake_in_thread() as (server, url):
+        argv = ["loadgen", "--url", url, "--dataset", "mtbench", "--rate", "5", "--duration", "60", "--think-time-s", "0",
+                "--out", str(out), "--quiet"]
+        proc = subprocess.Popen([sys.executable, "-m", "laps.cli", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)  # its own process group, as a shell gives a command
+        try:
+            deadline = time.monotonic() + 60
+            while not any(len(body["messages"]) > 1 for body in server.bodies):  # a second turn: the first one finished
+                assert proc.poll() is None and time.monotonic() < deadline
+                time.sleep(0.05)
+            os.killpg(proc.pid, signal.SIGINT)
+            stdout, stderr = proc.communicate(timeout=30)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    assert (proc.returncode, stdout) == (130, "")
+    assert re.fullmatch(r"laps loadgen: interrupted after [1-9]\d* requests had finished \(0 failed\); no report written\n", stderr), stderr
+    assert not out.exists() and not out.with_suffix(".png").exists()
 
 
 def test_cli_reports_a_bad_replay_file_and_exits_2(tmp_path, capsys):

@@ -11,6 +11,7 @@ import pytest
 import yaml
 from rich.console import Console
 
+import loadgen.cli
 from engines.manager import server_args
 from engines.sim.args import parse_server_args, resolve_args
 from engines.sim.replies import ReplyPlanner
@@ -119,6 +120,29 @@ def test_laps_simulate_sends_bursty_arrivals_with_burstiness(tmp_path, capsys, m
         starts[burstiness] = sorted(orjson.loads(line)["start_s"] for line in trace.read_bytes().splitlines())
     assert starts["1"][0] == pytest.approx(random.Random("arrivals/0").expovariate(20.0))
     assert starts["0.25"][0] == pytest.approx(random.Random("arrivals/0").gammavariate(0.25, 1 / (20 * 0.25)))
+
+
+def test_a_ctrl_c_during_a_simulation_says_how_many_requests_had_finished_and_writes_no_report(tmp_path, monkeypatch, capsys):
+    """A Ctrl-C (a KeyboardInterrupt wherever the run is) once the third request has finished: exit status 130 and one
+    line, as before no report (it was 130 and nothing at all)."""
+    run = loadgen.cli.simulate_run
+
+    def interrupted_after_3(*args, on_record, **kwargs):
+        finished = []
+
+        def record(rec):
+            on_record(rec)
+            finished.append(rec)
+            if len(finished) == 3:
+                raise KeyboardInterrupt
+
+        return run(*args, on_record=record, **kwargs)
+
+    monkeypatch.setattr(loadgen.cli, "simulate_run", interrupted_after_3)
+    out = tmp_path / "sim.json"
+    assert laps_main(["simulate", "--dataset", "mtbench", "--rate", "20", "--duration", "60", "--quiet", "--out", str(out)]) == 130
+    assert capsys.readouterr().err == "laps simulate: interrupted after 3 requests had finished (0 failed); no report written\n"
+    assert not out.exists() and not out.with_suffix(".png").exists()
 
 
 def test_laps_simulate_prints_the_arguments_its_dataset_ignores(tmp_path, capsys):
