@@ -59,7 +59,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         data["gateway"] = {**data.get("gateway", {}), **overrides}
         given = "/".join(f"--{k}" for k in overrides)
         config = parse_config(data, f"{args.config or DEFAULT_CONFIG_PATH} with {given}")
-    _setup_logging(args.log_level, config.log_dir / "gateway.log")
+    try:
+        _setup_logging(args.log_level, config.log_dir / "gateway.log")
+    except OSError as err:
+        print(f"laps: log_dir {config.log_dir}: cannot write the gateway's log there ({err.strerror or err})", file=sys.stderr)
+        return 2
     try:  # before any engine starts; cached, so the gateway's start-up reuses it
         load_tokenizer(config.model.path)
     except ValueError as err:

@@ -64,6 +64,17 @@ def test_a_taken_port_fails_before_any_engine_starts(tmp_path):
     assert sorted(p.name for p in log_dir.iterdir()) == ["gateway.log"]
 
 
+def test_a_log_dir_that_cannot_be_made_is_one_line_and_exit_2(tmp_path):
+    config_path, _ = write_config(tmp_path)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    data = yaml.safe_load(config_path.read_text())
+    data["log_dir"] = str(blocker / "logs")  # under a file: no folder can be made there
+    config_path.write_text(yaml.safe_dump(data))
+    result = laps_serve(config_path)
+    assert (result.returncode, result.stderr) == (2, f"laps: log_dir {blocker / 'logs'}: cannot write the gateway's log there (Not a directory)\n")
+
+
 def test_a_bad_override_names_only_the_flag_given(tmp_path):
     config_path, _ = write_config(tmp_path)
     result = laps_serve(config_path, "--workers", "0")
