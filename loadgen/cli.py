@@ -234,6 +234,23 @@ def workload_meta(args: argparse.Namespace, workload: Workload) -> dict:
     }
 
 
+def _run_arguments(args: argparse.Namespace, workload: Workload, on_record: Callable[[RequestRecord], None]) -> dict:
+    """The keyword arguments that a live run (:func:`~loadgen.runner.run_loadgen`) and a virtual one
+    (:func:`~loadgen.simulate.simulate_run`) take alike from the workload flags (:func:`add_workload_arguments`)."""
+    return {
+        "duration_s": args.duration,
+        "seed": args.seed,
+        "rate": None if workload.timed else args.rate,
+        "burstiness": args.burstiness,
+        "time_scale": args.time_scale,
+        "think_time_s": args.think_time_s,
+        "think_dist": args.think_dist,
+        "request_timeout_s": args.request_timeout_s,
+        "on_record": on_record,
+        "max_requests": args.max_requests,
+    }
+
+
 class Interrupted(KeyboardInterrupt):
     """A Ctrl-C during a run, before its report was written (none is); the message says how many requests had
     finished (``done``: :func:`_progress_bar`'s counts)."""
@@ -361,19 +378,10 @@ async def run(args: argparse.Namespace) -> dict:
                 records = await run_loadgen(
                     args.url,
                     workload,
-                    duration_s=args.duration,
-                    seed=args.seed,
-                    rate=None if workload.timed else args.rate,
-                    burstiness=args.burstiness,
                     model=args.model,
-                    time_scale=args.time_scale,
-                    think_time_s=args.think_time_s,
-                    think_dist=args.think_dist,
-                    request_timeout_s=args.request_timeout_s,
                     extra_body={"ignore_eos": True} if args.ignore_eos else None,
-                    on_record=on_record,
-                    max_requests=args.max_requests,
                     api_key=args.api_key,
+                    **_run_arguments(args, workload, on_record),
                 )
             finally:
                 ticker.cancel()
@@ -473,21 +481,12 @@ def run_simulation(args: argparse.Namespace) -> dict:
             virtual = simulate_run(
                 config,
                 workload,
-                duration_s=args.duration,
-                seed=args.seed,
-                rate=None if workload.timed else args.rate,
-                burstiness=args.burstiness,
-                time_scale=args.time_scale,
-                think_time_s=args.think_time_s,
-                think_dist=args.think_dist,
-                request_timeout_s=args.request_timeout_s,
                 ignore_eos=args.ignore_eos,
                 serving_latency_s=args.serving_latency_ms / 1e3,
                 serving_latency_per_1k_s=args.serving_latency_per_1k_ms / 1e3,
                 tokenizer=tokenizer,
-                on_record=on_record,
                 on_progress=on_progress,
-                max_requests=args.max_requests,
+                **_run_arguments(args, workload, on_record),
             )
         wall = time.perf_counter() - wall
     except KeyboardInterrupt:
