@@ -7,6 +7,7 @@ failure raises :class:`ConfigError` whose message names the file, the key path
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
@@ -756,33 +757,64 @@ def _allowed_keys(loc: tuple) -> list[str]:
     return sorted(model.model_fields)
 
 
-def _format_error(source: str, err: ValidationError) -> str:
+def _format_error(source: str, err: ValidationError, document: yaml.Node | None = None) -> str:
+    """One line per error of ``err``, each naming its key path and, where ``document`` (the file's YAML node tree) has
+    that key, its line."""
     lines = [f"{source}: invalid configuration"]
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "(root)"
+        loc = e["loc"]
         msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] == "value_error":  # a root validator's messages name their keys; a nested model's get its path
-            lines.append(f"  {loc}: {msg}" if e["loc"] else f"  {msg}")
+        if e["type"] == "value_error" and not loc:  # a root validator's message names its key path first
+            named = _NAMED_KEY.match(msg)
+            if named is None:
+                lines.append(f"  {msg}")
+                continue
+            loc = tuple(int(p) if p.isdigit() else p for p in named.group(1).split("."))
+            msg = msg[named.end():]
         elif e["type"] == "extra_forbidden":
-            allowed = _allowed_keys(e["loc"][:-1])
-            lines.append(f"  {loc}: unknown key" + (f"; allowed: {', '.join(allowed)}" if allowed else ""))
-        else:
-            lines.append(f"  {loc}: {msg} (got {e['input']!r})")
+            allowed = _allowed_keys(loc[:-1])
+            msg = "unknown key" + (f"; allowed: {', '.join(allowed)}" if allowed else "")
+        elif e["type"] != "value_error":
+            msg = f"{msg} (got {e['input']!r})"
+        line = _line_of(document, loc)
+        lines.append(f"  {'.'.join(map(str, loc))}{'' if line is None else f' (line {line})'}: {msg}")
     return "\n".join(lines)
 
 
-def parse_config(data: Any, source: str = "<config>") -> Config:
-    """Validate already-parsed YAML data into a :class:`Config`.
+# The key path a root validator's message starts with (``engines.1.port: ...``).
+_NAMED_KEY = re.compile(r"([A-Za-z_][\w.-]*): ")
+
+
+def _line_of(document: yaml.Node | None, loc: tuple) -> int | None:
+    """The line (1-based) of the deepest key (or list item) of ``loc`` that ``document`` holds; ``None`` for none."""
+    line, node = None, document
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            item = next(((k, v) for k, v in node.value if isinstance(k, yaml.ScalarNode) and k.value == str(part)), None)
+            if item is None:
+                break
+            line, node = item[0].start_mark.line + 1, item[1]
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and 0 <= part < len(node.value):
+            node = node.value[part]
+            line = node.start_mark.line + 1
+        else:
+            break
+    return line
+
+
+def parse_config(data: Any, source: str = "<config>", document: yaml.Node | None = None) -> Config:
+    """Validate already-parsed YAML data into a :class:`Config`; ``document``: the YAML node tree ``data`` was built
+    from, whose lines the errors give.
 
     Raises:
-        ConfigError: with one line per problem, each naming the key path.
+        ConfigError: with one line per problem, each naming the key path (and its line, with ``document``).
     """
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the top level must be a mapping of keys, got {type(data).__name__}")
     try:
         return Config.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(_format_error(source, err)) from None
+        raise ConfigError(_format_error(source, err, document)) from None
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -819,13 +851,17 @@ def load_config(path: str | Path | None = None) -> Config:
         text = raw.decode()
     except UnicodeDecodeError as err:
         raise ConfigError(f"{path}: not UTF-8 text (byte 0x{raw[err.start]:02x} at offset {err.start}); YAML files are UTF-8") from None
+    loader = _UniqueKeyLoader(text)
     try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)
+        document = loader.get_single_node()
+        data = loader.construct_document(document) if document is not None else None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
         raise ConfigError(f"{path}: not valid YAML{where}: {getattr(err, 'problem', None) or err}") from None
+    finally:
+        loader.dispose()
     if data is None:
         raise ConfigError(f"{path}: the file holds no configuration (it is empty or only comments)")
-    return parse_config(data, str(path))
+    return parse_config(data, str(path), document)
 

@@ -167,3 +167,23 @@ def test_a_key_given_twice_is_refused_with_its_line(tmp_path: Path):
     path.write_text(text[:engines] + "engines:\n  - &sp0 {name: sp0, kind: sim, role: short-prefill, gpus: [0]}\n"
                     "  - <<: *sp0\n    name: lp0\n    role: long-prefill\n    gpus: [1]\n" + text[text.index("\nlog_dir:"):])
     assert [(e.name, e.role, e.gpus) for e in load_config(path).engines] == [("sp0", "short-prefill", [0]), ("lp0", "long-prefill", [1])]
+
+
+def test_errors_of_a_file_give_the_line_of_the_key_at_fault(tmp_path: Path):
+    text = DEFAULT_CONFIG_PATH.read_text()
+    lines = text.splitlines()
+    lp0_port = next(i for i, line in enumerate(lines) if line.strip().startswith("port:") and "lp0" in "".join(lines[i - 4:i])) + 1
+    path = tmp_path / "c.yaml"
+    path.write_text(text.replace("  port: 8000", "  prot: 8000", 1))  # a field's error
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    gateway_port = lines.index("  port: 8000") + 1
+    assert str(info.value).splitlines()[1].startswith(f"  gateway.prot (line {gateway_port}): unknown key; allowed: ")
+    edited = lines.copy()  # a root validator's error, which names its key path first
+    edited[lp0_port - 1] = "    port: 8000"
+    path.write_text("\n".join(edited) + "\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value).splitlines()[1] == (f"  engines.1.port (line {lp0_port}): port 8000 of 'lp0' is already used by the "
+                                               "gateway (gateway.port); give each engine a port of its own, or leave it out "
+                                               "(null: a free port is picked)")
