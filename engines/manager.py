@@ -108,6 +108,35 @@ def port_free(port: int, host: str = "127.0.0.1", as_server: bool = False) -> bo
         return True
 
 
+def port_listeners(port: int) -> set[int] | None:
+    """The process groups with a socket listening on TCP ``port`` (IPv4 or IPv6, any address), from ``/proc``;
+    ``None`` where ``/proc`` does not tell (not Linux). Sockets of processes this user may not read are not seen.
+
+    An engine runs in a session of its own (:meth:`EngineProcess.start`), so its process group id is its pid, that of
+    every process it forks (SGLang's HTTP server is the engine's main process) included.
+    """
+    if not Path("/proc/net/tcp").exists():
+        return None
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()  # sl local_address rem_address st ... inode: local "ADDR:PORT" in hex, st 0A = LISTEN
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(f"socket:[{fields[9]}]")
+    groups: set[int] = set()
+    if not inodes:
+        return groups
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if any(os.readlink(fd) in inodes for fd in fd_dir.iterdir()):
+                groups.add(int((fd_dir.parent / "stat").read_text().rsplit(")", 1)[1].split()[2]))  # field 5: pgrp
+    return groups
+
+
 def configured_ports(config: Config) -> set[int]:
     """The TCP ports the configuration itself gives out on this machine: the gateway's, the engines' own, their KV bootstrap ports."""
     ports = {config.gateway.port}
@@ -430,18 +459,11 @@ class EngineProcess:
         ``=== <date> <time> starting as <role>: <command>`` line (where :attr:`log_offset` points), in a session of
         its own (:func:`engine_preexec`: a Ctrl-C at the gateway's terminal does not reach it). A real SGLang engine
         first waits for a previous run's process on its GPUs (:func:`await_predecessor`) and leaves a pid file while
-        it runs.
-
-        Raises:
-            RuntimeError: another process holds the engine's port (what answers there would pass for this engine).
-        """
+        it runs."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         real = self.config.kind == "sglang"
         if real:
             await await_predecessor(self.config.name, self.log_path)
-        if not port_free(self.port, as_server=True):  # else whatever answers there would pass for this engine (wait_ready)
-            raise RuntimeError(f"engine {self.config.name}: port {self.port} is already in use by another process "
-                               "(an engine left from an earlier run?); stop it or give this engine another port")
         with open(self.log_path, "ab") as logf:
             self.log_offset = logf.tell()
             logf.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} starting as {self.role}: {' '.join(self.command)}\n".encode())
@@ -458,21 +480,28 @@ class EngineProcess:
         return self.process is not None and self.process.returncode is None
 
     async def wait_ready(self, client: EngineClient, timeout_s: float) -> None:
-        """Poll ``GET /ready`` until it answers 200.
+        """Poll ``GET /ready`` until it answers 200 from the engine's own process: a process of its process group
+        listens on its port (:func:`port_listeners`; a stale engine of an earlier run that took the port would
+        answer too).
 
         Raises:
             RuntimeError: the process exited first, or ``timeout_s`` passed;
                 the message carries the tail of the engine's log.
         """
         deadline = time.monotonic() + timeout_s
+        stranger = False
         while time.monotonic() < deadline:
             if not self.alive():
                 code = self.process.returncode if self.process is not None else "(stopped)"
                 raise RuntimeError(f"engine {self.config.name} exited with code {code} before it was ready:\n{self.log_tail()}")
             if await client.ready(self.url) == "ready":
-                return
+                owners = port_listeners(self.port)
+                if owners is None or self.process.pid in owners:
+                    return
+                stranger = True
             await asyncio.sleep(0.1)
-        raise RuntimeError(f"engine {self.config.name} not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
+        another = f" (another process answers on port {self.port})" if stranger else ""
+        raise RuntimeError(f"engine {self.config.name} not ready after {timeout_s:.0f} s{another}:\n{self.log_tail()}")
 
     def log_tail(self, lines: int = 20) -> str:
         """The last ``lines`` lines of the log of the process's latest start (from its ``=== ... starting`` line; the
@@ -582,6 +611,9 @@ class EngineManager:
         for engine in self.config.engines:
             if engine.kind == "external":
                 continue
+            if engine.port is not None and not port_free(engine.port, as_server=True):
+                raise RuntimeError(f"engine {engine.name}: port {engine.port} is already in use by another process (an "
+                                   "engine left from an earlier run?); stop it or give this engine another port")
             if engine.kind == "sim":
                 check_sim_flags(self.config, engine)
             port = engine.port or free_ports(1, taken)[0]

@@ -32,6 +32,7 @@ class EngineSupervisor:
         self._backoff_s: dict[str, float] = {}
         self._not_before_s: dict[str, float] = {}
         self._restarts: dict[str, asyncio.Task] = {}
+        self._failed: set[str] = set()  # engines whose last restart failed, perhaps before a process started
 
     def check(self) -> None:
         """Start a restart for every dead engine whose backoff has passed."""
@@ -40,12 +41,16 @@ class EngineSupervisor:
             return
         now = self._clock()
         for name, engine in manager.engines.items():
-            if engine.process is None or engine.alive() or engine.restarting or name in self._restarts or now < self._not_before_s.get(name, 0.0):
+            if ((engine.process is None and name not in self._failed) or engine.alive() or engine.restarting or name in self._restarts
+                    or now < self._not_before_s.get(name, 0.0)):
                 continue
             delay = self._backoff_s.get(name, FIRST_BACKOFF_S)
             self._backoff_s[name] = min(2 * delay, MAX_BACKOFF_S)
             self._not_before_s[name] = now + delay
-            log.error("engine %s: process exited with code %s (log: %s); restarting", name, engine.process.returncode, engine.log_path)
+            if engine.process is None:
+                log.error("engine %s: its last restart started no process; restarting again", name)
+            else:
+                log.error("engine %s: process exited with code %s (log: %s); restarting", name, engine.process.returncode, engine.log_path)
             task = asyncio.get_running_loop().create_task(self._restart(name, engine.role))
             self._restarts[name] = task
 
@@ -55,7 +60,9 @@ class EngineSupervisor:
             await gw.manager.restart(name, role, gw.client)
         except Exception as err:  # a failed restart is retried after the backoff, never fatal
             log.error("engine %s: restart failed: %s", name, err)
+            self._failed.add(name)
         else:
+            self._failed.discard(name)
             gw.prefix_index.forget_engine(name)
             log.info("engine %s: restarted and ready", name)
         finally:

@@ -22,8 +22,8 @@ from aiohttp.test_utils import TestServer
 from engines.client import EngineClient
 from engines.kv_events import KVEventSource
 from engines.manager import (FREE_PORT_RANGE, SGLANG_PLUGIN_DIR, EngineManager, EngineProcess, _ephemeral_ports, engine_command,
-                             engine_env, flag_args, free_port, kv_event_sources, port_free, server_args,
-                             sim_model)
+                             engine_env, flag_args, free_port, kv_event_sources, port_free, port_listeners,
+                             server_args, sim_model)
 from gateway.app import create_app
 from gateway.state import GATEWAY
 from laps.config import DEFAULT_CONFIG_PATH, Config, EngineConfig, load_config, parse_config
@@ -489,31 +489,64 @@ async def test_an_engine_that_exits_before_it_is_ready_shows_its_own_start_s_log
     assert log.read_text().count("earlier run") == 5  # still in the file
 
 
-async def test_an_engine_whose_port_another_process_listens_on_is_not_started(tmp_path: Path):
+def test_an_engine_whose_port_another_process_listens_on_is_not_started(monkeypatch, tmp_path: Path):
     """Whatever answers ``GET /ready`` on the port would pass for the engine: a stale engine of an earlier run took over
     its traffic while the engine itself crash-looped on "address already in use"."""
     port = free_port()
-    engine = EngineProcess(EngineConfig(name="x", role="mixed"), "mixed", [sys.executable, "-c", "import time; time.sleep(30)"], {},
-                           port, tmp_path / "engine-x.log")
+    config = config_with([{"name": "sp0", "kind": "sim", "role": "short-prefill"},
+                          {"name": "lp0", "kind": "sim", "role": "long-prefill", "port": port}], log_dir=str(tmp_path))
+    started = []
+
+    async def start(self):
+        started.append(self.config.name)
+
+    monkeypatch.setattr(EngineProcess, "start", start)
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as other:
         other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind (its connections inherit it)
         other.bind(("127.0.0.1", port))
         other.listen()
         with pytest.raises(RuntimeError) as info:
-            await engine.start()
+            asyncio.run(EngineManager(config).start(client=None))
         with socket.create_connection(("127.0.0.1", port)) as client:
             served, _ = other.accept()
             served.close()  # the server's side closes first: its end stays in TIME_WAIT on the port
             client.recv(1)
-    assert str(info.value) == (f"engine x: port {port} is already in use by another process (an engine left from an earlier run?); "
+    assert str(info.value) == (f"engine lp0: port {port} is already in use by another process (an engine left from an earlier run?); "
                                "stop it or give this engine another port")
-    assert engine.process is None
-    assert not port_free(port)  # a plain bind still fails on the connection in TIME_WAIT; a server's bind does not
-    await engine.start()
+    assert started == []  # checked before any engine starts
+    assert not port_free(port) and port_free(port, as_server=True)  # a server's bind takes a port with only TIME_WAIT left
+
+
+class _AlwaysReady:
+    """An engine client whose ``GET /ready`` always answers ready, whoever listens."""
+
+    async def ready(self, url: str) -> str:
+        return "ready"
+
+
+async def test_an_engine_is_ready_only_when_its_own_process_listens_on_its_port(tmp_path: Path):
+    """A restarted engine's port taken meanwhile by another process: its ``/ready`` must not pass for the engine's."""
+    port = free_port()
+    listen = (f"import socket, time; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
+              f"s.bind(('127.0.0.1', {port})); s.listen(); time.sleep(30)")
+    loading = EngineProcess(EngineConfig(name="x", role="mixed"), "mixed", [sys.executable, "-c", "import time; time.sleep(30)"], {},
+                            port, tmp_path / "engine-x.log")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as stranger:
+        stranger.bind(("127.0.0.1", port))
+        stranger.listen()
+        await loading.start()
+        try:
+            with pytest.raises(RuntimeError, match=rf"^engine x not ready after 1 s \(another process answers on port {port}\):"):
+                await loading.wait_ready(_AlwaysReady(), timeout_s=1)
+        finally:
+            await loading.stop()
+    own = EngineProcess(EngineConfig(name="x", role="mixed"), "mixed", [sys.executable, "-c", listen], {}, port, tmp_path / "engine-x.log")
+    await own.start()
     try:
-        assert engine.alive()
+        await own.wait_ready(_AlwaysReady(), timeout_s=20)
+        assert port_listeners(port) == {own.process.pid}
     finally:
-        await engine.stop()
+        await own.stop()
 
 
 def test_an_engine_process_leaves_the_terminal_and_outlives_a_ctrl_c_caught_before_it_did():

@@ -16,6 +16,7 @@ from gateway.guard import RequestGuard
 from gateway.errors import EngineTimeout
 from gateway.health import SILENCE_SHARE_OF_STALL, HealthMonitor, check_waits, engine_failed, take_out_of_service
 from gateway.state import GATEWAY
+from gateway.supervisor import EngineSupervisor
 from laps.config import load_config
 from tests.fake_engine import FakeEngine
 from tests.test_gateway import ADMIN, ADMIN_KEY, chat, with_gateway
@@ -343,3 +344,27 @@ async def test_an_engine_back_in_service_is_logged_at_info(stack, monkeypatch, c
     await HealthMonitor(gw).poll()
     assert gw.registry["lp0"].healthy
     assert [(r.levelno, r.getMessage()) for r in caplog.records if "now healthy" in r.getMessage()] == [(logging.INFO, "engine lp0 is now healthy")]
+
+
+async def test_an_engine_whose_restart_started_no_process_is_restarted_again_after_the_backoff():
+    """A restart that failed before its process started (the engine stopped, then its start raised) left the engine with
+    no process, which the supervisor took for an engine nobody runs: never restarted again."""
+    now = [0.0]
+    engine = SimpleNamespace(process=SimpleNamespace(returncode=-9), alive=lambda: False, restarting=False, role="long-prefill",
+                             log_path="engine-lp0.log")
+    tries = []
+
+    async def restart(name, role, client):
+        tries.append((now[0], name, role))
+        engine.process = None  # stopped, and the start raised before a process ran
+        raise OSError("no such file: python")
+
+    gw = SimpleNamespace(manager=SimpleNamespace(engines={"lp0": engine}, restart=restart), client=None,
+                         prefix_index=SimpleNamespace(forget_engine=lambda name: None))
+    supervisor = EngineSupervisor(gw, clock=lambda: now[0])
+    for t in (0.0, 0.5, 1.5, 2.5, 3.5):
+        now[0] = t
+        supervisor.check()
+        await asyncio.sleep(0)  # the restart task runs (and fails)
+    assert tries == [(0.0, "lp0", "long-prefill"), (1.5, "lp0", "long-prefill"), (3.5, "lp0", "long-prefill")]  # after 1 s, then 2 s
+    await supervisor.close()
