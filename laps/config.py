@@ -8,6 +8,7 @@ failure raises :class:`ConfigError` whose message names the file, the key path
 from __future__ import annotations
 
 import re
+import reprlib
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
@@ -761,7 +762,8 @@ def _format_error(source: str, err: ValidationError, document: yaml.Node | None 
     """One line per error of ``err``, each naming its key path and, where ``document`` (the file's YAML node tree) has
     that key, its line."""
     lines = [f"{source}: invalid configuration"]
-    for e in err.errors():
+    errors = err.errors()
+    for e in errors[:MAX_ERRORS_SHOWN]:
         loc = e["loc"]
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "value_error" and not loc:  # a root validator's message names its key path first
@@ -774,11 +776,24 @@ def _format_error(source: str, err: ValidationError, document: yaml.Node | None 
         elif e["type"] == "extra_forbidden":
             allowed = _allowed_keys(loc[:-1])
             msg = "unknown key" + (f"; allowed: {', '.join(allowed)}" if allowed else "")
-        elif e["type"] != "value_error":
-            msg = f"{msg} (got {e['input']!r})"
+        elif e["type"] not in ("value_error", "missing"):  # a missing key's input is its parent, the whole file at the top
+            msg += _got(loc, e["input"])
         line = _line_of(document, loc)
         lines.append(f"  {'.'.join(map(str, loc))}{'' if line is None else f' (line {line})'}: {msg}")
+    if len(errors) > MAX_ERRORS_SHOWN:
+        lines.append(f"  ... and {len(errors) - MAX_ERRORS_SHOWN} more")
     return "\n".join(lines)
+
+
+MAX_ERRORS_SHOWN = 20
+_SECRETS = ("admin_key", "api_keys")
+_REPR = reprlib.Repr()  # bounded (depth 2, strings of 60 characters): an aliased YAML structure may be vast
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 2, 60, 60
+
+
+def _got(loc: tuple, value: Any) -> str:
+    """`` (got VALUE)`` for an error at ``loc``: ``value`` cut short, and nothing of a client or admin key."""
+    return "" if any(part in _SECRETS for part in loc) else f" (got {_REPR.repr(value)})"
 
 
 # The key path a root validator's message starts with (``engines.1.port: ...``).
@@ -789,8 +804,8 @@ def _line_of(document: yaml.Node | None, loc: tuple) -> int | None:
     """The line (1-based) of the deepest key (or list item) of ``loc`` that ``document`` holds; ``None`` for none."""
     line, node = None, document
     for part in loc:
-        if isinstance(node, yaml.MappingNode):
-            item = next(((k, v) for k, v in node.value if isinstance(k, yaml.ScalarNode) and k.value == str(part)), None)
+        if isinstance(node, yaml.MappingNode):  # the last of equal keys: a merge (``<<``) puts the merged ones first
+            item = next(((k, v) for k, v in reversed(node.value) if isinstance(k, yaml.ScalarNode) and k.value == str(part)), None)
             if item is None:
                 break
             line, node = item[0].start_mark.line + 1, item[1]
@@ -855,6 +870,8 @@ def load_config(path: str | Path | None = None) -> Config:
     try:
         document = loader.get_single_node()
         data = loader.construct_document(document) if document is not None else None
+    except RecursionError:
+        raise ConfigError(f"{path}: not valid YAML here: nested too deep") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""

@@ -187,3 +187,40 @@ def test_errors_of_a_file_give_the_line_of_the_key_at_fault(tmp_path: Path):
     assert str(info.value).splitlines()[1] == (f"  engines.1.port (line {lp0_port}): port 8000 of 'lp0' is already used by the "
                                                "gateway (gateway.port); give each engine a port of its own, or leave it out "
                                                "(null: a free port is picked)")
+
+
+def test_errors_show_no_key_no_whole_file_and_stop_at_a_file_nested_too_deep(tmp_path: Path):
+    data = default_data()
+    data["gateway"]["admin_key"] = "short"
+    data["gateway"]["api_keys"] = ["sk-client-secret-123456"]
+    del data["engines"]
+    with pytest.raises(ConfigError) as info:
+        parse_config(data, "bad.yaml")
+    assert str(info.value).splitlines()[1:] == ["  gateway.admin_key: String should have at least 8 characters", "  engines: Field required"]
+    assert "sk-client" not in str(info.value)  # a missing key's input, the whole file, is not shown
+    data = default_data()
+    data["slo"]["ttft_s"] = {"a": [[i] for i in range(1000)]}
+    with pytest.raises(ConfigError) as info:
+        parse_config(data, "bad.yaml")
+    assert str(info.value).endswith("(got {'a': [[...], [...], [...], [...], [...], [...], ...]})")  # a value cut short
+    data = default_data()
+    data["engines"][0]["gpus"] = ["x"] * 1000
+    with pytest.raises(ConfigError) as info:
+        parse_config(data, "bad.yaml")
+    assert str(info.value).splitlines()[-2:] == [
+        "  engines.0.gpus.19: Input should be a valid integer, unable to parse string as an integer (got 'x')", "  ... and 980 more"]
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("model:\n  path: " + "[" * 2000 + "]" * 2000 + "\n")
+    with pytest.raises(ConfigError, match="deep.yaml: not valid YAML here: nested too deep"):
+        load_config(deep)
+
+
+def test_a_key_that_overrides_a_merged_one_is_found_on_its_own_line(tmp_path: Path):
+    text = DEFAULT_CONFIG_PATH.read_text()
+    engines = text.index("engines:\n")
+    path = tmp_path / "merged.yaml"
+    path.write_text(text[:engines] + "engines:\n  - &sp0 {name: sp0, kind: sim, role: short-prefill, gpus: [0], port: 9001}\n"
+                    "  - <<: *sp0\n    name: lp0\n    role: long-prefill\n    gpus: [1]\n    port: 70000\n" + text[text.index("\nlog_dir:"):])
+    own_line = path.read_text().splitlines().index("    port: 70000") + 1
+    with pytest.raises(ConfigError, match=rf"engines\.1\.port \(line {own_line}\): Input should be less than or equal to 65535"):
+        load_config(path)
