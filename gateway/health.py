@@ -38,6 +38,7 @@ import asyncio
 import logging
 
 from engines.client import EngineHTTPError, EngineTimedOut
+from engines.manager import port_listeners
 from gateway.errors import AnswerTooLong, EngineTimeout, EngineUnavailable
 from gateway.registry import EngineState
 from gateway.state import Gateway
@@ -52,6 +53,8 @@ BUSY_WITHIN_S = 3.0
 READY_FAILURES_WHEN_BUSY = 3
 # The readiness of an engine this gateway runs whose process is not running (HealthMonitor._ready).
 NOT_RUNNING = "process not running"
+# The readiness of an engine this gateway runs whose port another process answers on (HealthMonitor._ready).
+NOT_ITS_OWN = "answered by another process"
 # An engine is stalled when its open streams have been silent for this share of the stall timeout: a frozen engine is
 # noticed before its requests time out one by one.
 SILENCE_SHARE_OF_STALL = 1 / 3
@@ -253,14 +256,20 @@ class HealthMonitor:
                 self._probes.start(engine, "it stalled")
 
     async def _ready(self, engine: EngineState) -> str:
-        """:meth:`~engines.client.EngineClient.ready` of ``engine``, or :data:`NOT_RUNNING` where it is an engine this
-        gateway runs whose process is not running (crashed, a restart pending or under way): whatever answers on its
-        port then is not it (another process that took the port)."""
+        """:meth:`~engines.client.EngineClient.ready` of ``engine``; for an engine this gateway runs, :data:`NOT_RUNNING`
+        while its process is not running (crashed, a restart pending or under way) and :data:`NOT_ITS_OWN` for a ready
+        answer, to an engine out of service, that no process of its own gave (:func:`~engines.manager.port_listeners`):
+        another process that took its port."""
         manager = self._gw.manager
         process = manager.engines.get(engine.id) if manager is not None else None
         if process is not None and not process.alive():
             return NOT_RUNNING
-        return await self._gw.client.ready(engine.url)
+        state = await self._gw.client.ready(engine.url)
+        if state == "ready" and process is not None and not engine.healthy:
+            owners = port_listeners(process.port)
+            if owners is not None and process.process.pid not in owners:
+                return NOT_ITS_OWN
+        return state
 
     async def close(self) -> None:
         """Cancel the probes in progress."""

@@ -11,6 +11,7 @@ import orjson
 import pytest
 from aiohttp.test_utils import TestServer
 
+from gateway import health
 from gateway.app import create_app, end_requests
 from gateway.guard import RequestGuard
 from gateway.errors import EngineTimeout
@@ -313,20 +314,26 @@ async def test_a_busy_engine_whose_probe_times_out_stays_in_service_until_it_kee
     assert not sp0.healthy
 
 
-async def test_an_engine_whose_process_is_not_running_leaves_service_whatever_answers_on_its_port(stack, monkeypatch, caplog):
+async def test_an_engine_laps_runs_serves_only_while_its_own_process_runs_and_answers_on_its_port(stack, monkeypatch, caplog):
     """A crashed engine's port taken by another process (a stale engine of an earlier run) answers ``GET /ready``: the
     gateway would route to that process; an engine it runs counts as ready only while its process runs."""
     _, _, app = stack
     gw = app[GATEWAY]
     running = {"sp0": False, "lp0": True}  # as EngineProcess.alive() says: sp0 crashed, its restart pending
     monkeypatch.setattr(gw, "manager", SimpleNamespace(engines={
-        name: SimpleNamespace(alive=lambda name=name: running[name]) for name in running}))
+        name: SimpleNamespace(alive=lambda name=name: running[name], port=i, process=SimpleNamespace(pid=100 + i))
+        for i, name in enumerate(running)}))
+    listeners = {0: {999}, 1: {101}}  # port -> process groups listening: sp0's port (0) held by a stranger
+    monkeypatch.setattr(health, "port_listeners", listeners.get)
     caplog.set_level(logging.WARNING, logger="laps.gateway")
     monitor = HealthMonitor(gw)
     await monitor.poll()  # both fake engines answer /ready
     assert (gw.registry["sp0"].healthy, gw.registry["lp0"].healthy) == (False, True)
     assert "engine sp0 is out of service: its process is not running" in caplog.text
-    running["sp0"] = True  # restarted
+    running["sp0"] = True  # restarted, still loading: the stranger answers /ready
+    await monitor.poll()
+    assert not gw.registry["sp0"].healthy
+    listeners[0] = {100}  # its own process listens now
     await monitor.poll()
     assert gw.registry["sp0"].healthy
 
