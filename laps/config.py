@@ -758,6 +758,21 @@ def _allowed_keys(loc: tuple) -> list[str]:
     return sorted(model.model_fields)
 
 
+MAX_ERRORS_SHOWN = 20
+_SECRETS = ("admin_key", "api_keys")
+_REPR = reprlib.Repr()  # bounded (depth 2, strings of 60 characters): an aliased YAML structure may be vast
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 2, 60, 60
+
+
+def _got(loc: tuple, value: Any) -> str:
+    """`` (got VALUE)`` for an error at ``loc``: ``value`` cut short, and nothing of a client or admin key."""
+    return "" if any(part in _SECRETS for part in loc) else f" (got {_REPR.repr(value)})"
+
+
+# The key path a root validator's message starts with (``engines.1.port: ...``).
+_NAMED_KEY = re.compile(r"([A-Za-z_][\w.-]*): ")
+
+
 def _format_error(source: str, err: ValidationError, document: yaml.Node | None = None) -> str:
     """One line per error of ``err``, each naming its key path and, where ``document`` (the file's YAML node tree) has
     that key, its line."""
@@ -783,21 +798,6 @@ def _format_error(source: str, err: ValidationError, document: yaml.Node | None 
     if len(errors) > MAX_ERRORS_SHOWN:
         lines.append(f"  ... and {len(errors) - MAX_ERRORS_SHOWN} more")
     return "\n".join(lines)
-
-
-MAX_ERRORS_SHOWN = 20
-_SECRETS = ("admin_key", "api_keys")
-_REPR = reprlib.Repr()  # bounded (depth 2, strings of 60 characters): an aliased YAML structure may be vast
-_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 2, 60, 60
-
-
-def _got(loc: tuple, value: Any) -> str:
-    """`` (got VALUE)`` for an error at ``loc``: ``value`` cut short, and nothing of a client or admin key."""
-    return "" if any(part in _SECRETS for part in loc) else f" (got {_REPR.repr(value)})"
-
-
-# The key path a root validator's message starts with (``engines.1.port: ...``).
-_NAMED_KEY = re.compile(r"([A-Za-z_][\w.-]*): ")
 
 
 def _line_of(document: yaml.Node | None, loc: tuple) -> int | None:
@@ -871,7 +871,7 @@ def load_config(path: str | Path | None = None) -> Config:
         document = loader.get_single_node()
         data = loader.construct_document(document) if document is not None else None
     except RecursionError:
-        raise ConfigError(f"{path}: not valid YAML here: nested too deep") from None
+        raise ConfigError(f"{path}: not valid YAML: nested deeper than the parser goes") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""

@@ -211,7 +211,7 @@ def test_errors_show_no_key_no_whole_file_and_stop_at_a_file_nested_too_deep(tmp
         "  engines.0.gpus.19: Input should be a valid integer, unable to parse string as an integer (got 'x')", "  ... and 980 more"]
     deep = tmp_path / "deep.yaml"
     deep.write_text("model:\n  path: " + "[" * 2000 + "]" * 2000 + "\n")
-    with pytest.raises(ConfigError, match="deep.yaml: not valid YAML here: nested too deep"):
+    with pytest.raises(ConfigError, match="deep.yaml: not valid YAML: nested deeper than the parser goes"):
         load_config(deep)
 
 
