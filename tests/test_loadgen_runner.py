@@ -371,15 +371,19 @@ def test_a_ctrl_c_during_the_run_says_how_many_requests_had_finished_and_writes_
     with fake_in_thread() as (server, url):
         argv = ["loadgen", "--url", url, "--dataset", "mtbench", "--rate", "5", "--duration", "60", "--think-time-s", "0",
                 "--out", str(out), "--quiet"]
-        proc = subprocess.Popen([sys.executable, "-m", "laps.cli", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True)  # its own process group, as a shell gives a command
+        proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "laps.cli", *argv], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)  # its own group, as a shell gives
         try:
             deadline = time.monotonic() + 60
             while not any(len(body["messages"]) > 1 for body in server.bodies):  # a second turn: the first one finished
                 assert proc.poll() is None and time.monotonic() < deadline
                 time.sleep(0.05)
             os.killpg(proc.pid, signal.SIGINT)
-            stdout, stderr = proc.communicate(timeout=30)
+            try:
+                stdout, stderr = proc.communicate(timeout=45)
+            except subprocess.TimeoutExpired:  # seen once on a loaded machine: say where it was (faulthandler's dump)
+                proc.send_signal(signal.SIGABRT)
+                pytest.fail(f"laps loadgen did not end 45 s after a SIGINT; its threads then:\n{proc.communicate(timeout=30)[1]}")
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
