@@ -495,7 +495,7 @@ class EngineProcess:
                 code = self.process.returncode if self.process is not None else "(stopped)"
                 raise RuntimeError(f"engine {self.config.name} exited with code {code} before it was ready:\n{self.log_tail()}")
             if await client.ready(self.url) == "ready":
-                owners = port_listeners(self.port)
+                owners = await asyncio.to_thread(port_listeners, self.port)  # reads /proc: off the event loop
                 if owners is None or self.process.pid in owners:
                     return
                 stranger = True

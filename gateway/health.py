@@ -266,7 +266,7 @@ class HealthMonitor:
             return NOT_RUNNING
         state = await self._gw.client.ready(engine.url)
         if state == "ready" and process is not None and not engine.healthy:
-            owners = port_listeners(process.port)
+            owners = await asyncio.to_thread(port_listeners, process.port)  # reads /proc: off the event loop
             if owners is not None and process.process.pid not in owners:
                 return NOT_ITS_OWN
         return state
